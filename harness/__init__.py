@@ -1,0 +1,1 @@
+"""Cases, tolerance, timing, the runner, results store, reports and the CLI."""

@@ -1,0 +1,117 @@
+"""The tolerance policy: when is an implementation's output correct? (The one place.)
+
+Policy (FlashAttention's test policy, ``tests/test_flash_attn.py``: "the error of our
+output is at most twice the error of a same-precision PyTorch implementation"; FA3's
+``hopper/test_flash_attn.py`` adds the absolute floor; see
+shared/research/anchors.md s. 4.2 and b.2):
+
+- ground truth is float64 dense attention on the same (already rounded) inputs
+  (:func:`pagedbench.reference.reference_attention`);
+- the yardstick is naive attention computed in the case dtype on the same inputs
+  (:func:`pagedbench.reference.naive_attention`);
+- an output passes when ``max|out - truth| <= ERROR_RATIO * max|naive - truth| + ATOL_FLOOR``;
+- any NaN or Inf in the output fails (outputs are poisoned with NaN before the run and
+  unused KV slots hold NaN, so a missed write or an out-of-bounds read fails here);
+- wrong shape or dtype fails before any value is compared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: k in ``max_err <= k * naive_err + floor``: FlashAttention uses 2 for plain attention.
+ERROR_RATIO = 2.0
+#: Absolute floor added to the allowance (FlashAttention's ``+ 1e-5``); it matters when the
+#: naive error is ~0, e.g. float32, or kv_len 1 where the output is V itself.
+ATOL_FLOOR = 1e-5
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The outcome of comparing one output with the truth.
+
+    Attributes
+    ----------
+    passed : bool
+    reason : str
+        Empty when passed; otherwise what failed, with the figures.
+    max_abs_err, max_rel_err : float
+        Against the float64 truth; ``nan`` when the output is not finite or misshaped.
+        Relative error is ``|out - truth| / (|truth| + 1e-6)``.
+    naive_abs_err : float
+        ``max|naive - truth|``, the yardstick.
+    err_ratio_vs_naive : float
+        ``max_abs_err / naive_abs_err`` (``inf`` when the yardstick is 0 and error isn't).
+    allowed_abs_err : float
+        ``ERROR_RATIO * naive_abs_err + ATOL_FLOOR``.
+    worst_index : tuple[int, int, int] or None
+        ``(token, head, channel)`` of the largest error, or of the first non-finite value.
+    """
+
+    passed: bool
+    reason: str
+    max_abs_err: float
+    max_rel_err: float
+    naive_abs_err: float
+    err_ratio_vs_naive: float
+    allowed_abs_err: float
+    worst_index: tuple[int, ...] | None
+
+
+def compare(
+    out: torch.Tensor, truth: torch.Tensor, naive: torch.Tensor, dtype: str
+) -> Comparison:
+    """Judge ``out`` against ``truth`` under the policy above.
+
+    Parameters
+    ----------
+    out : Tensor[total_q, num_q_heads, head_dim], case dtype
+    truth : Tensor[total_q, num_q_heads, head_dim], float64
+    naive : Tensor[total_q, num_q_heads, head_dim], case dtype
+    dtype : str
+        The case dtype name; the output must have it.
+    """
+    truth = truth.double().cpu()
+    naive_err = float((naive.double().cpu() - truth).abs().max())
+    allowed = ERROR_RATIO * naive_err + ATOL_FLOOR
+    nan = float("nan")
+
+    def fail(reason: str, index: tuple[int, ...] | None = None) -> Comparison:
+        return Comparison(False, reason, nan, nan, naive_err, nan, allowed, index)
+
+    if tuple(out.shape) != tuple(truth.shape):
+        return fail(f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
+    if str(out.dtype).removeprefix("torch.") != dtype:
+        return fail(f"output dtype {out.dtype} != case dtype {dtype}")
+    out64 = out.detach().double().cpu()
+    finite = torch.isfinite(out64)
+    if not bool(finite.all()):
+        index = tuple(int(i) for i in (~finite).nonzero()[0])
+        count = int((~finite).sum())
+        return fail(f"{count} non-finite output elements (first at {index})", index)
+    diff = (out64 - truth).abs()
+    max_err = float(diff.max())
+    index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    rel = float((diff / (truth.abs() + 1e-6)).max())
+    ratio = max_err / naive_err if naive_err > 0 else (0.0 if max_err == 0 else float("inf"))
+    passed = max_err <= allowed
+    reason = "" if passed else (
+        f"max abs error {max_err:.3g} at {index} exceeds {allowed:.3g} "
+        f"({ERROR_RATIO:g} x naive {dtype} error {naive_err:.3g} + {ATOL_FLOOR:g})"
+    )
+    return Comparison(passed, reason, max_err, rel, naive_err, ratio, allowed, index)
+
+
+def assert_close_report(
+    out: torch.Tensor, truth: torch.Tensor, naive: torch.Tensor, dtype: str, case_id: str
+) -> Comparison:
+    """:func:`compare`, raising ``AssertionError`` with the case id and figures on failure."""
+    result = compare(out, truth, naive, dtype)
+    if not result.passed:
+        raise AssertionError(
+            f"{case_id}: {result.reason} (max rel error {result.max_rel_err:.3g}, "
+            f"ratio vs naive {result.err_ratio_vs_naive:.3g})"
+        )
+    return result

@@ -1,0 +1,1 @@
+"""This project's own paged-attention kernels (Triton)."""

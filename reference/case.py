@@ -1,0 +1,232 @@
+"""What a paged-attention problem is: :class:`PagedCase`.
+
+A case fixes every axis that changes the math or the memory layout (lengths, heads,
+head_dim, block_size, dtype, masking options) plus the seed that fixes the values.
+It is frozen, hashable and JSON-serialisable (:meth:`PagedCase.to_dict`), so a case
+can travel to a worker process, into a result record, and back into a replay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+#: Data types a case may use, by the names results and case ids carry.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_DTYPE_TAGS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def _range_tag(values: tuple[int, ...]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo}" if lo == hi else f"{lo}..{hi}"
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    """One batch of sequences attending to a paged KV cache.
+
+    Parameters
+    ----------
+    kv_lens : tuple[int, ...]
+        Tokens in each sequence's KV cache, ``[batch]``, each >= 1. The query tokens of
+        a sequence are its last ``q_lens[i]`` tokens, so ``q_lens[i] <= kv_lens[i]``.
+    q_lens : tuple[int, ...] or None
+        Query tokens per sequence, ``[batch]``; ``None`` means decode (1 each).
+    num_q_heads, num_kv_heads : int
+        Query and KV heads; ``num_q_heads % num_kv_heads == 0``. Query head ``h`` reads
+        KV head ``h // (num_q_heads // num_kv_heads)`` (GQA; MQA when num_kv_heads is 1).
+    head_dim : int
+        Channels per head, for Q, K and V alike.
+    block_size : int
+        Tokens per KV block (page).
+    dtype : str
+        One of :data:`DTYPES` (``"float32"``, ``"float16"``, ``"bfloat16"``): Q, K, V, O.
+    sm_scale : float or None
+        Softmax scale applied to ``q @ k``; ``None`` means ``1 / sqrt(head_dim)``.
+    sliding_window : int or None
+        If set, a query at absolute position ``p`` sees keys ``p - W + 1 .. p`` (vLLM's
+        and FlashAttention's convention: ``window_size = (W - 1, 0)``).
+    logits_soft_cap : float or None
+        If set, scaled logits ``s`` become ``c * tanh(s / c)`` (Gemma-2; FlashInfer and
+        vLLM apply the cap after scaling).
+    num_blocks : int or None
+        Blocks in the pool; ``None`` means what the lengths need plus 25% spare (at least
+        4 spare blocks), so that tables can be scattered over a larger pool.
+    seed : int
+        Seeds the values of Q, K, V and the block placement.
+    name : str
+        Model or workload label that leads the case id, e.g. ``"llama3.1-8b"``.
+    tag : str
+        Suffix for the case id, e.g. ``"reduced"`` for a cut-down form of a preset.
+
+    Raises
+    ------
+    ValueError
+        On any inconsistent or out-of-range field, naming it and the allowed values.
+    """
+
+    kv_lens: tuple[int, ...]
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str = "bfloat16"
+    q_lens: tuple[int, ...] | None = None
+    sm_scale: float | None = None
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    num_blocks: int | None = None
+    seed: int = 0
+    name: str = "case"
+    tag: str = field(default="", compare=True)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_lens", tuple(int(n) for n in self.kv_lens))
+        if self.q_lens is not None:
+            object.__setattr__(self, "q_lens", tuple(int(n) for n in self.q_lens))
+        if not self.kv_lens:
+            raise ValueError("kv_lens must name at least one sequence")
+        if min(self.kv_lens) < 1:
+            raise ValueError(f"kv_lens must all be >= 1, got {self.kv_lens}")
+        if self.q_lens is not None:
+            if len(self.q_lens) != len(self.kv_lens):
+                raise ValueError(
+                    f"q_lens has {len(self.q_lens)} entries but kv_lens has {len(self.kv_lens)}"
+                )
+            bad = [i for i, (q, k) in enumerate(zip(self.q_lens, self.kv_lens)) if not 1 <= q <= k]
+            if bad:
+                raise ValueError(f"q_lens[i] must be in [1, kv_lens[i]]; violated at {bad}")
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({self.num_q_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
+        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be None or > 0, got {self.logits_soft_cap}")
+        if self.num_blocks is not None and self.num_blocks < self.min_num_blocks:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} is below the {self.min_num_blocks} blocks "
+                "the kv_lens need (plus one padding block)"
+            )
+
+    # Derived axes ---------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def q_lens_or_decode(self) -> tuple[int, ...]:
+        """Query tokens per sequence, ``[batch]`` (1 each for decode)."""
+        return self.q_lens if self.q_lens is not None else (1,) * self.batch_size
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_lens_or_decode)
+
+    @property
+    def mode(self) -> str:
+        """``"decode"`` when every sequence has one query token, else ``"prefill"``."""
+        return "decode" if max(self.q_lens_or_decode) == 1 else "prefill"
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale actually used: ``sm_scale`` or ``1 / sqrt(head_dim)``."""
+        return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def blocks_per_seq(self) -> tuple[int, ...]:
+        return tuple(-(-n // self.block_size) for n in self.kv_lens)
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return max(self.blocks_per_seq)
+
+    @property
+    def min_num_blocks(self) -> int:
+        """Blocks the sequences need, plus the one that table padding points to."""
+        return sum(self.blocks_per_seq) + 1
+
+    @property
+    def pool_blocks(self) -> int:
+        """``num_blocks`` or its default: the need plus 25% spare, at least 4."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        need = self.min_num_blocks
+        return need + max(4, need // 4)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """Optional attention features the case uses (names as in ``Capabilities``)."""
+        found = set()
+        if self.sliding_window is not None:
+            found.add("sliding_window")
+        if self.logits_soft_cap is not None:
+            found.add("logits_soft_cap")
+        return frozenset(found)
+
+    @property
+    def case_id(self) -> str:
+        """A stable, readable id, e.g. ``llama3.1-8b-bf16-d128-bs16-gqa4-b8-kv1..2048``."""
+        parts = [
+            self.name,
+            _DTYPE_TAGS[self.dtype],
+            f"d{self.head_dim}",
+            f"bs{self.block_size}",
+            f"h{self.num_q_heads}/{self.num_kv_heads}".replace("/", "x"),
+            f"b{self.batch_size}",
+            f"kv{_range_tag(self.kv_lens)}",
+        ]
+        if self.mode == "prefill":
+            parts.append(f"q{_range_tag(self.q_lens_or_decode)}")
+        if self.sliding_window is not None:
+            parts.append(f"sw{self.sliding_window}")
+        if self.logits_soft_cap is not None:
+            parts.append(f"cap{self.logits_soft_cap:g}")
+        if self.sm_scale is not None:
+            parts.append(f"scale{self.sm_scale:g}")
+        if self.tag:
+            parts.append(self.tag)
+        return "-".join(parts)
+
+    # Serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, JSON-ready (tuples become lists)."""
+        out = asdict(self)
+        out["kv_lens"] = list(self.kv_lens)
+        out["q_lens"] = None if self.q_lens is None else list(self.q_lens)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PagedCase:
+        """Inverse of :meth:`to_dict`."""
+        data = dict(data)
+        data["kv_lens"] = tuple(data["kv_lens"])
+        if data.get("q_lens") is not None:
+            data["q_lens"] = tuple(data["q_lens"])
+        return cls(**data)
+
+    def with_(self, **changes: Any) -> PagedCase:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)

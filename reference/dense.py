@@ -1,0 +1,107 @@
+"""Ground truth: dense attention over the logical K/V, gathered through the block table.
+
+Paging changes where K and V live, never the math. The truth for a case is ordinary
+attention, per sequence, over the K/V that the block table addresses, computed in
+float64 from the very values (already rounded to the case dtype) that kernels read.
+
+The gather walks the block table in plain Python, one token at a time
+(``block_tables[i][t // block_size]``, offset ``t % block_size``): no kernel and no
+vectorised index arithmetic that could share a bug with the kernels under test.
+
+Semantics pinned here (the anchors agree on each; see shared/research/anchors.md, s. 9):
+
+- GQA: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+- Causal, aligned bottom-right: query ``i`` of a sequence with ``q_len`` queries and
+  ``kv_len`` keys sits at position ``kv_len - q_len + i`` and sees keys ``<=`` it.
+- Sliding window ``W``: additionally keys ``> position - W``.
+- Soft cap ``c``: scaled logits ``s`` become ``c * tanh(s / c)`` before masking.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .case import PagedCase
+from .inputs import PagedInputs
+
+
+def gather_kv(inputs: PagedInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The logical K and V of each sequence, read token by token through its block table.
+
+    Returns
+    -------
+    list of (k, v)
+        One pair per sequence, each ``Tensor[kv_len, num_kv_heads, head_dim]`` in the case
+        dtype, on the inputs' device.
+    """
+    bs = inputs.case.block_size
+    tables = inputs.block_tables.tolist()
+    cache = inputs.kv_cache  # [num_blocks, 2, bs, hkv, d]
+    out = []
+    for table, kv_len in zip(tables, inputs.kv_lens.tolist()):
+        blocks = [table[t // bs] for t in range(kv_len)]
+        offsets = [t % bs for t in range(kv_len)]
+        b = torch.tensor(blocks, dtype=torch.int64, device=cache.device)
+        o = torch.tensor(offsets, dtype=torch.int64, device=cache.device)
+        out.append((cache[b, 0, o], cache[b, 1, o]))  # [kv_len, hkv, d] each
+    return out
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: PagedCase
+) -> torch.Tensor:
+    """Dense attention of one sequence, computed in the dtype of its arguments.
+
+    Parameters
+    ----------
+    q : Tensor[q_len, num_q_heads, head_dim]
+        The sequence's last ``q_len`` tokens' queries.
+    k, v : Tensor[kv_len, num_kv_heads, head_dim]
+    case : PagedCase
+        Supplies the scale, soft cap and sliding window.
+
+    Returns
+    -------
+    Tensor[q_len, num_q_heads, head_dim], dtype of ``q``
+        A query row that sees no key would be all zeros (FlashAttention's convention);
+        with bottom-right causal masking every row sees at least itself.
+    """
+    q_len, kv_len = q.shape[0], k.shape[0]
+    ratio = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(ratio, dim=1)  # [kv_len, hq, d]
+    v = v.repeat_interleave(ratio, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q * case.scale, k)  # [hq, q_len, kv_len]
+    if case.logits_soft_cap is not None:
+        cap = case.logits_soft_cap
+        scores = cap * torch.tanh(scores / cap)
+    pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]  # [q_len, 1]
+    pos_k = torch.arange(kv_len, device=q.device)[None, :]  # [1, kv_len]
+    visible = pos_k <= pos_q
+    if case.sliding_window is not None:
+        visible &= pos_k > pos_q - case.sliding_window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [hq, q_len, kv_len]
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _per_sequence(inputs: PagedInputs, dtype: torch.dtype) -> torch.Tensor:
+    case = inputs.case
+    cu = inputs.cu_seqlens_q.tolist()
+    out = torch.empty(case.total_q, case.num_q_heads, case.head_dim, dtype=dtype,
+                      device=inputs.device)
+    for i, (k, v) in enumerate(gather_kv(inputs)):
+        q = inputs.q[cu[i] : cu[i + 1]]
+        out[cu[i] : cu[i + 1]] = attention(q.to(dtype), k.to(dtype), v.to(dtype), case)
+    return out
+
+
+def reference_attention(inputs: PagedInputs) -> torch.Tensor:
+    """The float64 ground truth, ``Tensor[total_q, num_q_heads, head_dim]``, float64."""
+    return _per_sequence(inputs, torch.float64)
+
+
+def naive_attention(inputs: PagedInputs) -> torch.Tensor:
+    """The same math done naively in the case dtype (scores, softmax and products all
+    rounded to it): the yardstick of the tolerance policy, after FlashAttention's tests
+    (``attention_ref(upcast=False)``). ``Tensor[total_q, num_q_heads, head_dim]``."""
+    return _per_sequence(inputs, inputs.case.torch_dtype)

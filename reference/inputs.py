@@ -1,0 +1,180 @@
+"""Canonical tensors of a case: :class:`PagedInputs` and :func:`materialize`.
+
+The canonical layout is vLLM's and FlashInfer's "NHD" 5-D cache,
+``kv_cache[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (index 0 of dim 1 is K,
+1 is V), addressed through ``block_tables[batch, max_blocks_per_seq]`` (int32). Adapters
+convert from here in their untimed ``prepare()``.
+
+Every slot that holds no live token is NaN: the tail of each sequence's last block, every
+unused block, and the block that table padding points to. Values are finite elsewhere, so
+any read past ``kv_lens`` (or through a padded table entry) turns the output NaN.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from .allocator import BlockAllocator
+from .case import PagedCase
+
+#: Fraction of K channels scaled up, and by how much: real models' keys have a few
+#: high-magnitude channels, which stress the low-precision dot products.
+OUTLIER_CHANNEL_FRACTION = 1 / 16
+OUTLIER_CHANNEL_GAIN = 4.0
+_PADDING_SEQ = "__table_padding__"
+
+
+@dataclass(frozen=True)
+class PagedInputs:
+    """The tensors of one :class:`PagedCase`, in the canonical layout.
+
+    Attributes
+    ----------
+    case : PagedCase
+    q : Tensor[total_q, num_q_heads, head_dim], case dtype
+        Queries of all sequences packed in order; sequence ``i`` owns rows
+        ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]``.
+    kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], case dtype
+        K (``[:, 0]``) and V (``[:, 1]``); NaN wherever no live token is stored.
+    block_tables : Tensor[batch, max_blocks_per_seq], int32
+        Physical block of each logical block; padding entries point to ``padding_block``.
+    kv_lens : Tensor[batch], int32
+    cu_seqlens_q : Tensor[batch + 1], int32
+        Prefix sums of ``q_lens``, starting at 0.
+    slot_mapping : Tensor[sum(kv_lens)], int64
+        Physical slot (``block * block_size + offset``) of every token, sequences in order.
+    padding_block : int
+        The NaN block that table padding points to.
+    """
+
+    case: PagedCase
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    slot_mapping: torch.Tensor
+    padding_block: int
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        """``[num_blocks, block_size, num_kv_heads, head_dim]`` view of K."""
+        return self.kv_cache[:, 0]
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        """``[num_blocks, block_size, num_kv_heads, head_dim]`` view of V."""
+        return self.kv_cache[:, 1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def sm_scale(self) -> float:
+        return self.case.scale
+
+    def to(self, device: str | torch.device) -> PagedInputs:
+        """The same inputs on another device."""
+        move = lambda t: t.to(device)  # noqa: E731
+        return PagedInputs(
+            self.case,
+            move(self.q),
+            move(self.kv_cache),
+            move(self.block_tables),
+            move(self.kv_lens),
+            move(self.cu_seqlens_q),
+            move(self.slot_mapping),
+            self.padding_block,
+        )
+
+
+def new_output(inputs: PagedInputs) -> torch.Tensor:
+    """An output buffer ``[total_q, num_q_heads, head_dim]`` in the case dtype, all NaN.
+
+    Adapters whose library writes into a caller's buffer must pass this one, so that an
+    element the kernel never writes shows as NaN and fails the comparison.
+    """
+    return torch.full_like(inputs.q, float("nan"))
+
+
+def _allocate(case: PagedCase) -> tuple[list[list[int]], list[list[int]], int]:
+    """Grow all sequences block by block, interleaved, from a shuffled pool.
+
+    Returns per-sequence block tables, per-sequence slot mappings, and the padding block.
+    """
+    allocator = BlockAllocator(case.pool_blocks, case.block_size, seed=case.seed)
+    allocator.add_sequence(_PADDING_SEQ)
+    allocator.append_tokens(_PADDING_SEQ, 1)
+    padding_block = allocator.block_table(_PADDING_SEQ)[0]
+
+    slots: list[list[int]] = [[] for _ in case.kv_lens]
+    for i in range(case.batch_size):
+        allocator.add_sequence(i)
+    # Append in rounds of one block per sequence, in a seeded random order each round,
+    # as a serving engine interleaves requests.
+    rng = random.Random(case.seed + 1)
+    pending = list(range(case.batch_size))
+    while pending:
+        rng.shuffle(pending)
+        for i in pending:
+            take = min(case.block_size, case.kv_lens[i] - len(slots[i]))
+            slots[i].extend(allocator.append_tokens(i, take))
+        pending = [i for i in pending if len(slots[i]) < case.kv_lens[i]]
+    tables = [allocator.block_table(i) for i in range(case.batch_size)]
+    return tables, slots, padding_block
+
+
+def materialize(case: PagedCase, device: str | torch.device = "cpu") -> PagedInputs:
+    """Build the canonical tensors of ``case`` on ``device``, deterministically from its seed.
+
+    Q, K and V are standard normal (K with a few outlier channels, see
+    :data:`OUTLIER_CHANNEL_GAIN`), drawn in float32 and rounded to the case dtype. Block
+    tables come from :class:`~pagedbench.reference.allocator.BlockAllocator` with a
+    shuffled free list.
+
+    Raises
+    ------
+    ValueError
+        If the case is invalid (see :class:`PagedCase`).
+    """
+    gen = torch.Generator().manual_seed(case.seed)
+    dtype = case.torch_dtype
+    hkv, d, bs = case.num_kv_heads, case.head_dim, case.block_size
+    tables, slots, padding_block = _allocate(case)
+
+    outliers = torch.rand(hkv, d, generator=gen) < OUTLIER_CHANNEL_FRACTION
+    channel_gain = torch.where(outliers, OUTLIER_CHANNEL_GAIN, 1.0)  # [hkv, d]
+
+    kv_cache = torch.full((case.pool_blocks, 2, bs, hkv, d), float("nan"), dtype=dtype)
+    for n, seq_slots in zip(case.kv_lens, slots):
+        slot = torch.tensor(seq_slots, dtype=torch.int64)
+        block, offset = slot // bs, slot % bs  # [n] each
+        k = torch.randn(n, hkv, d, generator=gen) * channel_gain  # [n, hkv, d]
+        v = torch.randn(n, hkv, d, generator=gen)
+        kv_cache[block, 0, offset] = k.to(dtype)
+        kv_cache[block, 1, offset] = v.to(dtype)
+
+    q = torch.randn(case.total_q, case.num_q_heads, d, generator=gen).to(dtype)
+    block_tables = torch.full(
+        (case.batch_size, case.max_blocks_per_seq), padding_block, dtype=torch.int32
+    )
+    for i, table in enumerate(tables):
+        block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    q_lens = torch.tensor(case.q_lens_or_decode, dtype=torch.int32)
+    cu_seqlens_q = torch.zeros(case.batch_size + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = torch.cumsum(q_lens, 0)
+    inputs = PagedInputs(
+        case=case,
+        q=q,
+        kv_cache=kv_cache,
+        block_tables=block_tables,
+        kv_lens=torch.tensor(case.kv_lens, dtype=torch.int32),
+        cu_seqlens_q=cu_seqlens_q,
+        slot_mapping=torch.tensor([s for seq in slots for s in seq], dtype=torch.int64),
+        padding_block=padding_block,
+    )
+    return inputs if torch.device(device).type == "cpu" else inputs.to(device)

@@ -1,0 +1,1 @@
+"""Pytest suites: conformance, allocator, benchmarks, regressions."""
