@@ -1,0 +1,61 @@
+"""Shared pytest configuration: hypothesis profiles, markers, environment.
+
+Hypothesis profiles (select with ``HYPOTHESIS_PROFILE=dev`` or ``--hypothesis-profile``):
+
+- ``ci`` (default): bounded example counts, no deadline (the Triton interpreter and the
+  first ``torch.compile`` of a shape are slow), derandomized so CI is reproducible;
+- ``dev``: many more examples, random seeds, for a developer hunting bugs.
+
+On a machine without CUDA, Triton kernels run under the Triton interpreter: this file
+sets ``TRITON_INTERPRET=1`` before any kernel module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from hypothesis import HealthCheck, settings
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+_BUILD = Path(__file__).resolve().parent.parent / "build"
+os.environ.setdefault("TRITON_CACHE_DIR", str(_BUILD / "triton-cache"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_BUILD / "inductor-cache"))
+
+settings.register_profile(
+    "ci",
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.register_profile(
+    "dev",
+    max_examples=300,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--impl",
+        action="append",
+        default=[],
+        help="run conformance tests only for these implementations (repeatable)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device; none is visible to torch")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
