@@ -1,0 +1,172 @@
+"""The ``pagedbench`` command line.
+
+``pagedbench run``   check and time implementations on cases; exit 1 on any conformance
+                     failure (``fail``, ``error``, ``crash`` or ``timeout``), 0 otherwise.
+``pagedbench list``  implementations, their availability (with reasons) and capabilities.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from pagedbench.adapters import registry
+from pagedbench.reference import DTYPES
+
+from . import report
+from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
+from .runner import RunConfig, run
+from .store import DEFAULT_RESULTS_DIR, ResultsFile, Status, new_run_id
+
+#: Statuses that mean an implementation got a case it claims to support wrong.
+FAILING = {str(Status.FAIL), str(Status.ERROR), str(Status.CRASH), str(Status.TIMEOUT)}
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedbench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run_p = sub.add_parser("run", help="check and time implementations on model-preset cases")
+    run_p.add_argument("--impl", action="append", default=[], metavar="NAME",
+                       help="implementation to run (repeatable; default: all)")
+    run_p.add_argument("--preset", action="append", default=[], choices=list(MODEL_PRESETS),
+                       metavar="NAME", help=f"model preset (repeatable; default: all of {', '.join(MODEL_PRESETS)})")
+    run_p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    run_p.add_argument("--block-size", action="append", type=_positive_int, default=[],
+                       help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))})")
+    run_p.add_argument("--dtype", action="append", default=[], choices=list(DTYPES),
+                       help=f"dtype (repeatable; default: {' '.join(DEFAULT_DTYPES)})")
+    run_p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
+                       help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
+    run_p.add_argument("--no-timing", action="store_true", help="check correctness only")
+    run_p.add_argument("--threads", type=_positive_int, default=os.cpu_count() or 1,
+                       help="torch threads per worker (default: all cores)")
+    run_p.add_argument("--repetitions", type=_positive_int, default=10,
+                       help="timed calls per case on the CPU (default: 10)")
+    run_p.add_argument("--case-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="a case taking longer is 'timeout' (default: 300)")
+    run_p.add_argument("--cache-dir", type=Path, default=Path("build"),
+                       help="truth and compiler caches (default: build)")
+
+    list_p = sub.add_parser("list", help="implementations, availability and capabilities")
+    list_p.add_argument("--device", default="cpu", help="device to check availability on")
+    list_p.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _select(names: list[str]) -> dict[str, str]:
+    adapters = {name: target for name, (target, _) in registry().items()}
+    unknown = [n for n in names if n not in adapters]
+    if unknown:
+        raise SystemExit(f"pagedbench: unknown --impl {unknown}; choose from {list(adapters)}")
+    return {n: adapters[n] for n in names} if names else adapters
+
+
+def _progress_line(record: dict[str, Any]) -> str:
+    status = record["status"]
+    colour = {"pass": "green", "fail": "red", "error": "red", "crash": "red",
+              "timeout": "red"}.get(status, "dim")
+    detail = report.cell_text(record)
+    if status in FAILING:
+        detail += f": {record['reason']}"
+    return f"[{colour}]{record['impl']:<22}[/] {record['case_id']:<58} {detail}"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    adapters = _select(args.impl)
+    cases = default_cases(
+        args.preset or None,
+        tuple(args.block_size) or DEFAULT_BLOCK_SIZES,
+        tuple(args.dtype) or DEFAULT_DTYPES,
+    )
+    config = RunConfig(device=args.device, timing=not args.no_timing, threads=args.threads,
+                       repetitions=args.repetitions, case_timeout_s=args.case_timeout,
+                       cache_dir=args.cache_dir)
+    run_id = new_run_id()
+    results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(f"pagedbench run {run_id}: {len(adapters)} implementations x {len(cases)} "
+                  f"cases on {args.device} -> {results.path}")
+    records = run(adapters, cases, config, results, run_id,
+                  on_record=lambda r: console.print(_progress_line(r)))
+    text = report.markdown(records, title=f"pagedbench leaderboard ({args.device})")
+    md_path = results.path.with_suffix(".md")
+    md_path.write_text(text)
+    print(f"\n{text}")
+    failing = sorted({r["impl"] for r in records if r["status"] in FAILING})
+    console.print(f"results: {results.path}  report: {md_path}")
+    if failing:
+        console.print(f"[red]conformance failures in: {', '.join(failing)}[/]")
+        return 1
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows = []
+    for name, (target, adapter) in registry().items():
+        availability = adapter.available(args.device)
+        rows.append({
+            "name": name,
+            "target": target,
+            "description": adapter.description,
+            "available": availability.ok,
+            "reason": availability.reason,
+            "version": availability.version,
+            "details": availability.details,
+            "interpreted": adapter.is_interpreted(args.device),
+            "capabilities": adapter.capabilities().to_dict(),
+        })
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(capability_matrix(rows))
+    return 0
+
+
+def capability_matrix(rows: list[dict[str, Any]]) -> str:
+    """Markdown table: implementations x (availability, devices, dtypes, block sizes,
+    head dims, modes, features), from ``pagedbench list --json`` rows."""
+    import pandas as pd
+
+    def join(values: list[Any] | None) -> str:
+        return "any" if values is None else ", ".join(map(str, values)) or "-"
+
+    table = pd.DataFrame([
+        {
+            "implementation": r["name"],
+            "available": "yes" + (" (interp.)" if r["interpreted"] else "") if r["available"]
+            else f"no: {r['reason']}",
+            "version": r["version"],
+            "devices": join(r["capabilities"]["devices"]),
+            "dtypes": join(r["capabilities"]["dtypes"]),
+            "block sizes": join(r["capabilities"]["block_sizes"]),
+            "head dims": join(r["capabilities"]["head_dims"]),
+            "modes": join(r["capabilities"]["modes"]),
+            "features": join(r["capabilities"]["features"]),
+        }
+        for r in rows
+    ])
+    return table.to_markdown(index=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pagedbench`` console script; returns the exit code."""
+    args = _parser().parse_args(argv)
+    return {"run": cmd_run, "list": cmd_list}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Reports: the leaderboard table and per-implementation summary, from result records.
+
+Rows are cases, columns are implementations (in registry order), each cell the verdict
+and, for a pass, the median time. The fastest ranked pass in a row is bold. Interpreted
+timings (Triton's interpreter on the CPU) are shown as ``(interp.)`` and never ranked;
+speed is shown only for ``pass`` (STYLE.md, "Results"). The device and conditions are
+stated above the table; failure and unsupported reasons are listed under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pandas as pd
+
+from .store import Status
+
+STATUS_ORDER = [str(s) for s in Status]
+
+
+def cell_text(record: dict[str, Any]) -> str:
+    status = record["status"]
+    if status != str(Status.PASS) or record.get("time_ms_median") is None:
+        return status
+    if record.get("timing_method") == "interpreted":
+        return "pass (interp.)"
+    return f"pass {record['time_ms_median']:.3g} ms"
+
+
+def frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
+    """One row per record with the columns reports need (the last record of each
+    (impl, case_id) pair wins, so re-runs appended to a file replace earlier lines)."""
+    rows = [
+        {
+            "case_id": r["case_id"],
+            "impl": r["impl"],
+            "status": r["status"],
+            "reason": r.get("reason", ""),
+            "time_ms_median": r.get("time_ms_median"),
+            "timing_method": r.get("timing_method"),
+            "max_abs_err": r.get("max_abs_err"),
+            "err_ratio_vs_naive": r.get("err_ratio_vs_naive"),
+            "bandwidth_gbps": r.get("bandwidth_gbps"),
+            "cell": cell_text(r),
+        }
+        for r in records
+    ]
+    columns = ["case_id", "impl", "status", "reason", "time_ms_median", "timing_method",
+               "max_abs_err", "err_ratio_vs_naive", "bandwidth_gbps", "cell"]
+    df = pd.DataFrame(rows, columns=columns)
+    return df.drop_duplicates(["case_id", "impl"], keep="last").reset_index(drop=True)
+
+
+def leaderboard(df: pd.DataFrame) -> pd.DataFrame:
+    """Cases x implementations table of cells; the fastest ranked pass per row in bold."""
+    impls = list(dict.fromkeys(df["impl"]))
+    cases = list(dict.fromkeys(df["case_id"]))
+    table = df.pivot(index="case_id", columns="impl", values="cell").reindex(index=cases, columns=impls)
+    ranked = df[(df["status"] == str(Status.PASS)) & df["time_ms_median"].notna()
+                & (df["timing_method"] != "interpreted")]
+    if not ranked.empty:
+        fastest = ranked.loc[ranked.groupby("case_id")["time_ms_median"].idxmin()]
+        for _, row in fastest.iterrows():
+            if (ranked["case_id"] == row["case_id"]).sum() > 1:
+                table.loc[row["case_id"], row["impl"]] = f"**{row['cell']}**"
+    table.index.name = "case"
+    return table.fillna("")
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    """Implementations x statuses: how many cases ended in each status."""
+    impls = list(dict.fromkeys(df["impl"]))
+    counts = df.groupby(["impl", "status"]).size().unstack(fill_value=0)
+    counts = counts.reindex(index=impls, columns=[s for s in STATUS_ORDER if s in counts.columns],
+                            fill_value=0)
+    counts.index.name = "implementation"
+    return counts
+
+
+def reasons(df: pd.DataFrame) -> list[str]:
+    """Distinct ``impl: status: reason`` lines for every non-pass outcome."""
+    notes = df[df["status"] != str(Status.PASS)][["impl", "status", "reason"]]
+    return [f"{impl}: {status}: {reason}" for impl, status, reason in notes.drop_duplicates().itertuples(index=False)]
+
+
+def markdown(records: list[dict[str, Any]], title: str = "pagedbench leaderboard") -> str:
+    """The full Markdown report: conditions, leaderboard, summary, reasons."""
+    df = frame(records)
+    if df.empty:
+        return f"# {title}\n\nNo results.\n"
+    env = records[-1].get("env", {})
+    conditions = (
+        f"Device: {env.get('device', '?')} ({env.get('device_type', '?')}), "
+        f"threads {env.get('threads', '?')}; torch {env.get('torch', '?')}, "
+        f"triton {env.get('triton') or 'absent'}, vllm {env.get('vllm') or 'absent'}; "
+        f"commit {str(env.get('git_sha') or '?')[:12]}{' (dirty)' if env.get('dirty') else ''}; "
+        f"run {records[-1].get('run_id', '?')}."
+    )
+    lines = [
+        f"# {title}", "", conditions, "",
+        "Cells: verdict against the float64 truth, then the median time per call. "
+        "Bold: fastest passing implementation of the row. `(interp.)`: ran under an "
+        "interpreter, checked for correctness, never ranked.", "",
+        leaderboard(df).to_markdown(), "", "## Summary", "", summary(df).to_markdown(), "",
+    ]
+    notes = reasons(df)
+    if notes:
+        lines += ["## Reasons", "", *[f"- {n}" for n in notes], ""]
+    return "\n".join(lines)

@@ -1,0 +1,320 @@
+"""The runner: every implementation on every case, each implementation in its own process.
+
+For each adapter the runner starts a worker process (``spawn``) that loads the adapter by
+its ``"module:Class"`` target and walks the cases: ``available`` -> ``why_unsupported`` ->
+``materialize`` -> ``prepare`` (untimed) -> ``run`` -> compare with the float64 truth ->
+time (only when the output passed). Each result comes back to the parent as a JSON-ready
+record and is appended to the results file at once. If the worker dies (segfault, abort,
+CUDA illegal address) the case it was on is recorded as ``crash``; if a case outlives
+``case_timeout_s`` the worker is killed and the case is ``timeout``; in both cases a fresh
+worker continues with the remaining cases. One implementation's failure never loses
+another's results (DESIGN.md, "Statuses").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import queue as queue_module
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedbench.adapters import Adapter, Availability, load
+from pagedbench.reference import PagedCase, materialize, naive_attention, reference_attention
+
+from . import tolerance
+from .store import SCHEMA_VERSION, ResultsFile, Status, environment
+from .timing import Timing, bytes_moved, flops, time_cpu, time_cuda
+
+_REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How to run and time.
+
+    Attributes
+    ----------
+    device : str
+        ``"cpu"`` or ``"cuda"`` (``"cuda:N"`` allowed).
+    timing : bool
+        Time implementations whose output passed.
+    warmup, repetitions : int
+        CPU timing: untimed calls, then at most this many timed calls.
+    time_budget_s : float
+        CPU timing: stop repeating after this many seconds of timed calls (s).
+    threads : int
+        ``torch.set_num_threads`` in every worker (fixed, recorded in ``env.threads``).
+    case_timeout_s : float
+        A case (prepare + run + compare + timing) taking longer is ``timeout`` (s).
+    cache_dir : Path
+        Where float64 truths are cached between workers, and compiler caches live.
+    suite : str
+        Recorded in each result (``"default"``, ``"gpu-lane"``, ...).
+    """
+
+    device: str = "cpu"
+    timing: bool = True
+    warmup: int = 1
+    repetitions: int = 10
+    time_budget_s: float = 1.5
+    threads: int = os.cpu_count() or 1
+    case_timeout_s: float = 300.0
+    cache_dir: Path = Path("build")
+    suite: str = "default"
+
+    def __post_init__(self) -> None:
+        device_type = torch.device(self.device).type
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+def truth_for(case: PagedCase, cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 truth and the naive same-dtype yardstick of ``case``, on the CPU.
+
+    Computed once per case and kept in ``cache_dir/truth`` under a key that covers the
+    case and the source of ``reference/`` (a change to the reference invalidates it).
+    Returns ``(truth, naive)``, each ``Tensor[total_q, num_q_heads, head_dim]``.
+    """
+    digest = hashlib.sha256(repr(sorted(case.to_dict().items())).encode())
+    for source in sorted(_REFERENCE_DIR.glob("*.py")):
+        digest.update(source.read_bytes())
+    path = Path(cache_dir) / "truth" / f"{digest.hexdigest()[:24]}.pt"
+    if path.exists():
+        saved = torch.load(path)
+        return saved["truth"], saved["naive"]
+    inputs = materialize(case, "cpu")
+    truth, naive = reference_attention(inputs), naive_attention(inputs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save({"truth": truth, "naive": naive}, tmp)
+    os.replace(tmp, path)
+    return truth, naive
+
+
+def _synchronize(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(adapter: Adapter, prepared: Any, config: RunConfig) -> Timing:
+    call = lambda: adapter.run(prepared)  # noqa: E731
+    if adapter.is_interpreted(config.device):
+        return time_cpu(call, warmup=0, repetitions=1, method="interpreted")
+    if torch.device(config.device).type == "cuda":
+        return time_cuda(call)
+    return time_cpu(call, warmup=config.warmup, repetitions=config.repetitions,
+                    budget_s=config.time_budget_s)
+
+
+def base_record(target: str, name: str, case: PagedCase, config: RunConfig,
+                availability: Availability | None) -> dict[str, Any]:
+    """The fields every result line has, before the outcome is known."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "suite": config.suite,
+        "impl": name,
+        "impl_target": target,
+        "impl_version": availability.version if availability else "",
+        "impl_details": dict(availability.details) if availability else {},
+        "case_id": case.case_id,
+        "case": case.to_dict(),
+        "device": config.device,
+        "status": None,
+        "reason": "",
+        "max_abs_err": None,
+        "max_rel_err": None,
+        "naive_abs_err": None,
+        "allowed_abs_err": None,
+        "err_ratio_vs_naive": None,
+        "time_ms": None,
+        "time_ms_median": None,
+        "timing_method": None,
+        "bytes_moved": bytes_moved(case),
+        "flops": flops(case),
+        "bandwidth_gbps": None,
+        "tflops": None,
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def evaluate(adapter: Adapter, target: str, availability: Availability, case: PagedCase,
+             config: RunConfig) -> dict[str, Any]:
+    """Run one case through one adapter and return its result record (never raises
+    for the implementation's faults: they become ``error``/``fail`` records)."""
+    record = base_record(target, adapter.name, case, config, availability)
+    if not availability.ok:
+        return record | {"status": str(Status.UNAVAILABLE), "reason": availability.reason}
+    reasons = adapter.why_unsupported(case, config.device)
+    if reasons:
+        return record | {"status": str(Status.UNSUPPORTED), "reason": "; ".join(reasons)}
+    truth, naive = truth_for(case, config.cache_dir)
+    inputs = materialize(case, config.device)
+    try:
+        prepared = adapter.prepare(inputs)
+        out = adapter.run(prepared)
+        _synchronize(config.device)
+    except Exception as exc:  # the implementation's fault, recorded, never fatal
+        last = traceback.extract_tb(exc.__traceback__)[-1]
+        where = f"{Path(last.filename).name}:{last.lineno}"
+        return record | {"status": str(Status.ERROR), "reason": f"{type(exc).__name__}: {exc} ({where})"}
+    result = tolerance.compare(out, truth, naive, case.dtype)
+    record |= {
+        "status": str(Status.PASS if result.passed else Status.FAIL),
+        "reason": result.reason,
+        "max_abs_err": result.max_abs_err,
+        "max_rel_err": result.max_rel_err,
+        "naive_abs_err": result.naive_abs_err,
+        "allowed_abs_err": result.allowed_abs_err,
+        "err_ratio_vs_naive": result.err_ratio_vs_naive,
+    }
+    if result.passed and config.timing:
+        try:
+            timing = _time(adapter, prepared, config)
+        except Exception as exc:
+            return record | {"status": str(Status.ERROR), "reason": f"while timing: {type(exc).__name__}: {exc}"}
+        seconds = timing.median_ms / 1e3
+        record |= {
+            "time_ms": timing.to_dict(),
+            "time_ms_median": timing.median_ms,
+            "timing_method": timing.method,
+            "bandwidth_gbps": record["bytes_moved"] / seconds / 1e9 if seconds > 0 else None,
+            "tflops": record["flops"] / seconds / 1e12 if seconds > 0 else None,
+        }
+    return record
+
+
+def _worker(target: str, cases: list[dict[str, Any]], config: RunConfig, channel: Any) -> None:
+    """Worker process body: load the adapter, evaluate each case, report over ``channel``.
+
+    The environment is set before the adapter's module is imported, since Triton reads
+    ``TRITON_INTERPRET`` when a kernel is decorated."""
+    os.environ.update(worker_environment(config.device, config.cache_dir))
+    torch.set_num_threads(config.threads)
+    try:
+        adapter = load(target)
+        availability = adapter.available(config.device)
+    except Exception as exc:
+        channel.put(("load_error", f"{type(exc).__name__}: {exc}"))
+        return
+    for index, case_dict in enumerate(cases):
+        channel.put(("start", index))
+        case = PagedCase.from_dict(case_dict)
+        channel.put(("result", index, evaluate(adapter, target, availability, case, config)))
+    channel.put(("done",))
+
+
+def worker_environment(device: str, cache_dir: Path) -> dict[str, str]:
+    """Environment variables every worker needs: the Triton interpreter on the CPU, and
+    compiler caches inside ``cache_dir`` (never the home folder)."""
+    cache_dir = Path(cache_dir).resolve()
+    env = {
+        "TRITON_CACHE_DIR": str(cache_dir / "triton-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor-cache"),
+    }
+    if torch.device(device).type == "cpu":
+        env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+def run_target(
+    target: str,
+    name: str,
+    cases: list[PagedCase],
+    config: RunConfig,
+    emit: Callable[[dict[str, Any]], None],
+) -> None:
+    """Evaluate ``cases`` with the adapter ``target`` in worker processes, calling ``emit``
+    with each record as it arrives; crashes and timeouts become records too."""
+    context = mp.get_context("spawn")
+    pending = list(range(len(cases)))
+    while pending:
+        channel = context.Queue()
+        batch = [cases[i] for i in pending]
+        process = context.Process(
+            target=_worker, args=(target, [c.to_dict() for c in batch], config, channel),
+            daemon=True,
+        )
+        process.start()
+        current: int | None = None
+        deadline = time.monotonic() + config.case_timeout_s + 120  # + process start-up
+        finished = False
+        while not finished:
+            try:
+                message = channel.get(timeout=1.0)
+            except queue_module.Empty:
+                if not process.is_alive():
+                    finished = True
+                    index = current if current is not None else 0
+                    status, reason = Status.CRASH, f"worker died (exit code {process.exitcode})"
+                elif time.monotonic() > deadline:
+                    process.kill()
+                    finished = True
+                    index = current if current is not None else 0
+                    status, reason = Status.TIMEOUT, f"no result within {config.case_timeout_s:g} s"
+                else:
+                    continue
+                record = base_record(target, name, batch[index], config, None)
+                emit(record | {"status": str(status), "reason": reason})
+                pending = [pending[i] for i in range(index + 1, len(batch))]
+                break
+            kind = message[0]
+            if kind == "start":
+                current = message[1]
+                deadline = time.monotonic() + config.case_timeout_s
+            elif kind == "result":
+                emit(message[2])
+            elif kind == "load_error":
+                for case in batch:
+                    record = base_record(target, name, case, config, None)
+                    emit(record | {"status": str(Status.ERROR),
+                                   "reason": f"adapter failed to load: {message[1]}"})
+                pending = []
+                finished = True
+            else:  # done
+                pending = []
+                finished = True
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+
+
+def run(
+    adapters: dict[str, str],
+    cases: list[PagedCase],
+    config: RunConfig,
+    results: ResultsFile,
+    run_id: str,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Evaluate every adapter (``{name: target}``, in order) on every case.
+
+    Each record gets ``run_id`` and the environment, is appended to ``results`` as it
+    arrives, and is passed to ``on_record`` (for progress display). Returns all records.
+    """
+    env = environment(config.device) | {"threads": config.threads}
+    records: list[dict[str, Any]] = []
+
+    def emit(record: dict[str, Any]) -> None:
+        record = {"run_id": run_id, **record, "env": env}
+        results.append(record)
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+
+    for name, target in adapters.items():
+        run_target(target, name, cases, config, emit)
+    return records
+
+
+__all__ = ["RunConfig", "evaluate", "run", "run_target", "truth_for"]
