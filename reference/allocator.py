@@ -19,7 +19,9 @@ cached block that a new request hits are all O(1).
 Prefix caching (opt-in) follows vLLM's automatic prefix caching
 (``docs/design/prefix_caching.md``): a full block is named by a hash chained over
 (parent block's hash, the block's token ids), here SHA-256; a request whose prompt starts
-with the same full blocks shares their physical blocks. The allocator treats a slot as
+with the same full blocks shares their physical blocks. Equal blocks filled independently
+are all cached under one key (no deduplication, so block tables stay append-only, as in
+vLLM's ``BlockHashToBlockMap``); a lookup takes the one cached first. The allocator treats a slot as
 written when the call that returned it returns (the caller writes K/V there before its
 next call), so a block becomes matchable when the append that fills it completes, never
 earlier; tokens appended without ids never become matchable.
@@ -114,7 +116,8 @@ class _Sequence:
 
     blocks: list[int] = field(default_factory=list)  # device block table; empty if swapped
     num_tokens: int = 0
-    # Chained hashes of the leading full blocks whose token ids are all known.
+    # Chained hashes of the leading full blocks whose token ids are all known (kept only
+    # with prefix caching).
     hashes: list[bytes] = field(default_factory=list)
     host_blocks: list[int] | None = None  # host block table while swapped out
 
@@ -205,8 +208,9 @@ class BlockAllocator:
         # Token id written in each slot of each block (None: appended without an id);
         # the length is the block's fill.
         self._content: list[list[int | None]] = [[] for _ in range(num_blocks)]
-        # Prefix cache: key -> block, and per block its key and its parent's key.
-        self._cached: dict[bytes, int] = {}
+        # Prefix cache: key -> its blocks (an ordered set), and per block its key and its
+        # parent's key.
+        self._cached: dict[bytes, dict[int, None]] = {}
         self._block_hash: list[bytes | None] = [None] * num_blocks
         self._parent_hash: list[bytes | None] = [None] * num_blocks
 
@@ -549,9 +553,8 @@ class BlockAllocator:
     def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
         """Bring a swapped-out ``seq_id`` back into new device blocks, all or nothing.
 
-        With prefix caching, its full blocks become matchable again (unless an equal block
-        is already cached); sharing the sequence had with others before the swap is not
-        restored.
+        With prefix caching, its full blocks become matchable again; sharing the sequence
+        had with others before the swap is not restored.
 
         Returns
         -------
@@ -661,7 +664,8 @@ class BlockAllocator:
             all(isinstance(b, int) and 0 <= b < self.num_blocks for b in self._free),
             "free queue: holds an invalid block id",
         )
-        for key, block in self._cached.items():
+        entries = [(key, block) for key, blocks in self._cached.items() for block in blocks]
+        for key, block in entries:
             _require(
                 self._block_hash[block] == key,
                 f"cache entry: key {key.hex()[:12]} points to block {block} whose key differs",
@@ -676,9 +680,9 @@ class BlockAllocator:
             )
         keyed = [b for b in range(self.num_blocks) if self._block_hash[b] is not None]
         _require(
-            len(keyed) == len(self._cached),
+            len(keyed) == len(entries) and all(self._cached.values()),
             f"cache entry: {len(keyed)} blocks carry a key but the cache has "
-            f"{len(self._cached)} entries",
+            f"{len(entries)} entries (or an empty key)",
         )
         used = [b for b in range(self.num_blocks) if self._ref[b] > 0]
         cached_free = sum(1 for b in self._free if self._block_hash[b] is not None)
@@ -719,7 +723,9 @@ class BlockAllocator:
         block, _ = self._free.popitem(last=False)
         key = self._block_hash[block]
         if key is not None:
-            del self._cached[key]
+            del self._cached[key][block]
+            if not self._cached[key]:
+                del self._cached[key]
             self._block_hash[block] = self._parent_hash[block] = None
             self._blocks_cached -= 1
         self._content[block] = []
@@ -771,7 +777,7 @@ class BlockAllocator:
         """Extend the sequence's hash chain over a block just filled, and cache it."""
         ids = self._content[block]
         index = seq.num_tokens // self.block_size - 1
-        if len(seq.hashes) != index or None in ids:
+        if not self.enable_prefix_caching or len(seq.hashes) != index or None in ids:
             return
         parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
         key = chain_hash(parent, ids)
@@ -779,9 +785,9 @@ class BlockAllocator:
         self._register(block, parent, key)
 
     def _register(self, block: int, parent: bytes, key: bytes) -> None:
-        """Make a full, written, referenced block matchable, unless its key is taken."""
-        if self.enable_prefix_caching and key not in self._cached:
-            self._cached[key] = block
+        """Make a full, written, referenced block matchable under ``key``."""
+        if self.enable_prefix_caching:
+            self._cached.setdefault(key, {})[block] = None
             self._block_hash[block] = key
             self._parent_hash[block] = parent
 
@@ -804,10 +810,10 @@ class BlockAllocator:
         parent = _ROOT_HASH
         for start in range(0, (len(ids) - 1) // bs * bs, bs):
             key = chain_hash(parent, ids[start : start + bs])
-            block = self._cached.get(key)
-            if block is None:
+            blocks = self._cached.get(key)
+            if not blocks:
                 break
-            hits.append(block)
+            hits.append(next(iter(blocks)))
             parent = key
         return hits
 
