@@ -1,0 +1,90 @@
+"""Deliberately broken implementations: proof that the suite can fail.
+
+Each reproduces a fault class from public paged-attention bug reports. They are not in
+the built-in registry; tests register them through the ``pagedbench.adapters`` entry-point
+group, exactly as an out-of-tree kernel would be.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedbench.adapters.base import Adapter, Availability, Capabilities
+from pagedbench.reference import PagedInputs
+
+_CAPS = Capabilities(devices=frozenset({"cpu", "cuda"}),
+                     dtypes=frozenset({"float32", "float16", "bfloat16"}))
+
+
+def _decode_through(inputs: PagedInputs, tables: torch.Tensor, extra_tokens: int) -> torch.Tensor:
+    """Decode attention per sequence over ``kv_len + extra_tokens`` keys read through
+    ``tables`` (``[batch, max_blocks]``)."""
+    case = inputs.case
+    bs = case.block_size
+    out = torch.empty_like(inputs.q)
+    for i, kv_len in enumerate(inputs.kv_lens.tolist()):
+        n = kv_len + extra_tokens
+        pos = torch.arange(n)
+        blocks = tables[i, (pos // bs).clamp(max=tables.shape[1] - 1)].long()  # [n]
+        k = inputs.kv_cache[blocks, 0, pos % bs]  # [n, hkv, d]
+        v = inputs.kv_cache[blocks, 1, pos % bs]
+        q = inputs.q[i : i + 1].transpose(0, 1)  # [hq, 1, d]
+        o = F.scaled_dot_product_attention(q, k.transpose(0, 1), v.transpose(0, 1),
+                                           scale=case.scale, enable_gqa=True)
+        out[i] = o.transpose(0, 1)[0]
+    return out
+
+
+class _Broken(Adapter):
+    def capabilities(self) -> Capabilities:
+        return _CAPS
+
+    def available(self, device: str = "cpu") -> Availability:
+        return Availability(True, version="broken")
+
+    def prepare(self, inputs: PagedInputs) -> PagedInputs:
+        return inputs
+
+
+class ReadsPastKvLen(_Broken):
+    """Off by one: attends to one slot past ``kv_len`` (a classic bounds bug)."""
+
+    name = "broken-reads-past-kv-len"
+
+    def run(self, inputs: PagedInputs) -> torch.Tensor:
+        return _decode_through(inputs, inputs.block_tables, extra_tokens=1)
+
+
+class IgnoresBlockTable(_Broken):
+    """Assumes sequence ``i``'s blocks are ``i * max_blocks + j`` (contiguous allocation)."""
+
+    name = "broken-ignores-block-table"
+
+    def run(self, inputs: PagedInputs) -> torch.Tensor:
+        batch, max_blocks = inputs.block_tables.shape
+        contiguous = torch.arange(batch * max_blocks).view(batch, max_blocks)  # [batch, max_blocks]
+        tables = contiguous.clamp(max=inputs.kv_cache.shape[0] - 1)
+        return _decode_through(inputs, tables, extra_tokens=0)
+
+
+class Aborts(_Broken):
+    """Kills its process, as a kernel hitting an illegal address or an ISA abort does."""
+
+    name = "broken-aborts"
+
+    def run(self, inputs: PagedInputs) -> torch.Tensor:
+        os.abort()
+
+
+class Hangs(_Broken):
+    """Never returns (a deadlock)."""
+
+    name = "broken-hangs"
+
+    def run(self, inputs: PagedInputs) -> torch.Tensor:
+        while True:
+            time.sleep(1)

@@ -1,0 +1,1 @@
+"""Tests of the harness: runner isolation, negative tests, store, report, CLI."""
