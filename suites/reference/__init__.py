@@ -1,0 +1,1 @@
+"""Tests of the reference: inputs, ground truth, features."""
