@@ -1,0 +1,94 @@
+"""Timing statistics, derived bytes/FLOPs, the JSONL store and the report."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from pagedbench.harness import report
+from pagedbench.harness.store import ResultsFile, read_records
+from pagedbench.harness.timing import bytes_moved, flops, time_cpu
+from pagedbench.reference import PagedCase
+
+
+def test_time_cpu_measures_a_known_sleep() -> None:
+    import time
+
+    timing = time_cpu(lambda: time.sleep(0.01), warmup=1, repetitions=5)
+    assert timing.n == 5
+    assert 10.0 <= timing.median_ms < 30.0
+    assert timing.p10_ms <= timing.median_ms <= timing.p90_ms
+
+
+def test_time_cpu_stops_at_its_budget() -> None:
+    import time
+
+    timing = time_cpu(lambda: time.sleep(0.02), warmup=0, repetitions=1000, budget_s=0.1)
+    assert 1 <= timing.n <= 8
+
+
+def test_bytes_and_flops_from_actual_lengths() -> None:
+    # bf16 (2 bytes): Q and O 2 tokens x 8 heads x 64; K and V (3 + 17) tokens x 2 heads x 64;
+    # tables: 1 + 2 blocks of int32.
+    case = PagedCase(kv_lens=(3, 17), num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     block_size=16, dtype="bfloat16")
+    assert bytes_moved(case) == 2 * 2 * 8 * 64 * 2 + 2 * 20 * 2 * 64 * 2 + 3 * 4
+    assert flops(case) == 4 * 64 * 8 * (3 + 17)
+    # Prefill: query j of a 4-query sequence over 6 keys sees 3, 4, 5, 6 keys; window 2
+    # cuts that to 2, 2, 2, 2.
+    prefill = PagedCase(kv_lens=(6,), q_lens=(4,), num_q_heads=1, num_kv_heads=1,
+                        head_dim=64, block_size=4, dtype="float32")
+    assert flops(prefill) == 4 * 64 * (3 + 4 + 5 + 6)
+    assert flops(prefill.with_(sliding_window=2)) == 4 * 64 * 8
+
+
+def test_results_file_appends_whole_lines_from_many_threads(tmp_path) -> None:
+    store = ResultsFile(tmp_path / "sub" / "r.jsonl")
+    payload = "x" * 5000
+
+    def write(worker: int) -> None:
+        for i in range(50):
+            store.append({"worker": worker, "i": i, "payload": payload})
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = list(read_records([tmp_path / "sub"]))
+    assert len(records) == 200
+    assert sorted((r["worker"], r["i"]) for r in records) == [(w, i) for w in range(4) for i in range(50)]
+
+
+def test_read_records_names_a_corrupt_line(tmp_path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"a": 1}) + "\n{not json\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        list(read_records([path]))
+
+
+def _record(impl, case_id, status, ms=None, method="perf_counter"):
+    return {"impl": impl, "case_id": case_id, "status": status, "reason": "" if status == "pass" else "why",
+            "time_ms_median": ms, "timing_method": method if ms else None, "run_id": "r",
+            "env": {"device": "cpu0", "device_type": "cpu", "threads": 2}}
+
+
+def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted() -> None:
+    records = [
+        _record("a", "c1", "pass", 2.0), _record("b", "c1", "pass", 1.0),
+        _record("interp", "c1", "pass", 0.5, method="interpreted"),
+        _record("a", "c2", "fail"), _record("b", "c2", "unsupported"),
+        _record("interp", "c2", "pass", 0.1, method="interpreted"),
+    ]
+    df = report.frame(records)
+    table = report.leaderboard(df)
+    assert table.loc["c1", "b"] == "**pass 1 ms**"
+    assert table.loc["c1", "a"] == "pass 2 ms"
+    assert table.loc["c1", "interp"] == "pass (interp.)"
+    assert table.loc["c2", "a"] == "fail" and table.loc["c2", "interp"] == "pass (interp.)"
+    counts = report.summary(df)
+    assert counts.loc["a"].to_dict() == {"pass": 1, "fail": 1, "unsupported": 0}
+    text = report.markdown(records)
+    assert "Device: cpu0" in text and "a: fail: why" in text
