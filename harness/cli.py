@@ -3,6 +3,7 @@
 ``pagedbench run``   check and time implementations on cases; exit 1 on any conformance
                      failure (``fail``, ``error``, ``crash`` or ``timeout``), 0 otherwise.
 ``pagedbench list``  implementations, their availability (with reasons) and capabilities.
+``pagedbench report`` the leaderboard of stored result files (Markdown or CSV).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pagedbench.reference import DTYPES
 from . import report
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
 from .runner import RunConfig, run
-from .store import DEFAULT_RESULTS_DIR, ResultsFile, Status, new_run_id
+from .store import DEFAULT_RESULTS_DIR, ResultsFile, Status, new_run_id, read_records
 
 #: Statuses that mean an implementation got a case it claims to support wrong.
 FAILING = {str(Status.FAIL), str(Status.ERROR), str(Status.CRASH), str(Status.TIMEOUT)}
@@ -64,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     list_p = sub.add_parser("list", help="implementations, availability and capabilities")
     list_p.add_argument("--device", default="cpu", help="device to check availability on")
     list_p.add_argument("--json", action="store_true", help="machine-readable output")
+    report_p = sub.add_parser("report", help="leaderboard from stored result files")
+    report_p.add_argument("paths", nargs="+", type=Path,
+                          help=".jsonl result files or folders of them (merged in order)")
+    report_p.add_argument("--format", choices=["md", "csv"], default="md",
+                          help="md: leaderboard + summary; csv: one row per result")
+    report_p.add_argument("--output", type=Path, help="write here instead of stdout")
     return parser
 
 
@@ -136,6 +143,22 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    missing = [str(p) for p in args.paths if not p.exists()]
+    if missing:
+        raise SystemExit(f"pagedbench report: no such file or folder: {', '.join(missing)}")
+    records = list(read_records(args.paths))
+    if args.format == "csv":
+        text = report.frame(records).drop(columns=["cell"]).to_csv(index=False)
+    else:
+        text = report.markdown(records)
+    if args.output:
+        args.output.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
 def capability_matrix(rows: list[dict[str, Any]]) -> str:
     """Markdown table: implementations x (availability, devices, dtypes, block sizes,
     head dims, modes, features), from ``pagedbench list --json`` rows."""
@@ -165,7 +188,7 @@ def capability_matrix(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedbench`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
-    return {"run": cmd_run, "list": cmd_list}[args.command](args)
+    return {"run": cmd_run, "list": cmd_list, "report": cmd_report}[args.command](args)
 
 
 if __name__ == "__main__":
