@@ -18,9 +18,10 @@ from typing import Any, ClassVar
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
+from pagedbench.reference.case import KV_CACHE_DTYPES
 
 #: Optional features a case may use, as :attr:`PagedCase.features` names them.
-FEATURES = frozenset({"sliding_window", "logits_soft_cap"})
+FEATURES = frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks"})
 MODES = frozenset({"decode", "prefill"})
 
 
@@ -67,9 +68,16 @@ class Capabilities:
     features : frozenset[str]
         Optional features from :data:`FEATURES` the implementation handles.
     kv_cache_dtypes : frozenset[str]
+        KV-cache storage types from :data:`~pagedbench.reference.case.KV_CACHE_DTYPES`;
         ``"auto"`` means the KV cache has the case dtype.
     min_compute_capability : tuple[int, int] or None
         Lowest CUDA compute capability, for ``cuda`` runs.
+
+    Raises
+    ------
+    ValueError
+        If ``features`` names something outside :data:`FEATURES`, or
+        ``kv_cache_dtypes`` something outside ``KV_CACHE_DTYPES``.
     """
 
     devices: frozenset[str]
@@ -81,6 +89,16 @@ class Capabilities:
     features: frozenset[str] = frozenset()
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     min_compute_capability: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = sorted(self.features - FEATURES)
+        if unknown:
+            raise ValueError(f"features {unknown} unknown; choose from {sorted(FEATURES)}")
+        unknown = sorted(self.kv_cache_dtypes - KV_CACHE_DTYPES.keys())
+        if unknown:
+            raise ValueError(
+                f"kv_cache_dtypes {unknown} unknown; choose from {sorted(KV_CACHE_DTYPES)}"
+            )
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         """Reasons this implementation cannot run ``case`` on ``device``; empty if it can.
@@ -106,6 +124,10 @@ class Capabilities:
             reasons.append(f"mode {case.mode!r} not in {sorted(self.modes)}")
         for feature in sorted(case.features - self.features):
             reasons.append(f"feature {feature!r} not supported")
+        if case.kv_cache_dtype not in self.kv_cache_dtypes:
+            reasons.append(
+                f"kv_cache_dtype {case.kv_cache_dtype!r} not in {sorted(self.kv_cache_dtypes)}"
+            )
         return reasons
 
     def to_dict(self) -> dict[str, Any]:

@@ -22,6 +22,17 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_TAGS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 
+#: KV-cache storage types, by vLLM's ``kv_cache_dtype`` names: ``"auto"`` stores K and V in
+#: the case dtype; the fp8 types store ``x / k_scale`` (``x / v_scale``) rounded to OCP FP8
+#: (E4M3 "fn": no infinities, max 448; E5M2: max 57344), as vLLM's and FlashInfer's fp8 KV
+#: caches do. ``None`` means "the case dtype".
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+_KV_CACHE_DTYPE_TAGS = {"fp8_e4m3": "fp8e4m3", "fp8_e5m2": "fp8e5m2"}
+
 
 def _range_tag(values: tuple[int, ...]) -> str:
     lo, hi = min(values), max(values)
@@ -65,6 +76,25 @@ class PagedCase:
         Model or workload label that leads the case id, e.g. ``"llama3.1-8b"``.
     tag : str
         Suffix for the case id, e.g. ``"reduced"`` for a cut-down form of a preset.
+    alibi : bool
+        Add ALiBi biases (Press et al., "Train Short, Test Long", ICLR 2022): to the
+        (scaled, soft-capped) logit of query position ``i`` and key position ``j <= i``
+        add ``-slope[h] * (i - j)``, with the standard geometric slopes of
+        :func:`~pagedbench.reference.inputs.alibi_slopes` per query head. This is vLLM's
+        convention (``tests/kernels/attention/test_cpu_attn.py``) and FlashAttention's
+        (``flash_attn_func``: "-alibi_slope * |i + seqlen_k - seqlen_q - j|").
+    sinks : bool
+        Give each query head one learned "sink" logit that joins the softmax denominator
+        and contributes no value (gpt-oss; vLLM's ``s_aux``, FlashInfer's ``sinks``).
+        The values are drawn from the seed (see
+        :func:`~pagedbench.reference.inputs.materialize`).
+    kv_cache_dtype : str
+        One of :data:`KV_CACHE_DTYPES`: ``"auto"`` (K and V in ``dtype``),
+        ``"fp8_e4m3"`` or ``"fp8_e5m2"`` (quantized with ``k_scale`` and ``v_scale``).
+    k_scale, v_scale : float
+        Per-tensor dequantization scales of an fp8 cache: the stored value ``s`` means
+        ``s * k_scale`` (vLLM's ``k_scale``/``v_scale``). Must be 1.0 when
+        ``kv_cache_dtype`` is ``"auto"``.
 
     Raises
     ------
@@ -86,6 +116,11 @@ class PagedCase:
     seed: int = 0
     name: str = "case"
     tag: str = field(default="", compare=True)
+    alibi: bool = False
+    sinks: bool = False
+    kv_cache_dtype: str = "auto"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_lens", tuple(int(n) for n in self.kv_lens))
@@ -117,6 +152,23 @@ class PagedCase:
             raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
         if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap must be None or > 0, got {self.logits_soft_cap}")
+        for name in ("alibi", "sinks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+            if self.kv_cache_dtype == "auto" and value != 1.0:
+                raise ValueError(
+                    f"{name}={value} needs an fp8 kv_cache_dtype ('fp8_e4m3' or 'fp8_e5m2'); "
+                    "with kv_cache_dtype 'auto' it must be 1.0"
+                )
         if self.num_blocks is not None and self.num_blocks < self.min_num_blocks:
             raise ValueError(
                 f"num_blocks={self.num_blocks} is below the {self.min_num_blocks} blocks "
@@ -156,6 +208,11 @@ class PagedCase:
         return DTYPES[self.dtype]
 
     @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """Element type of the KV cache: the case dtype, or the fp8 type."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+
+    @property
     def blocks_per_seq(self) -> tuple[int, ...]:
         return tuple(-(-n // self.block_size) for n in self.kv_lens)
 
@@ -184,6 +241,10 @@ class PagedCase:
             found.add("sliding_window")
         if self.logits_soft_cap is not None:
             found.add("logits_soft_cap")
+        if self.alibi:
+            found.add("alibi")
+        if self.sinks:
+            found.add("sinks")
         return frozenset(found)
 
     @property
@@ -204,6 +265,14 @@ class PagedCase:
             parts.append(f"sw{self.sliding_window}")
         if self.logits_soft_cap is not None:
             parts.append(f"cap{self.logits_soft_cap:g}")
+        if self.alibi:
+            parts.append("alibi")
+        if self.sinks:
+            parts.append("sinks")
+        if self.kv_cache_dtype != "auto":
+            parts.append(_KV_CACHE_DTYPE_TAGS[self.kv_cache_dtype])
+            parts.append(f"ks{self.k_scale:g}")
+            parts.append(f"vs{self.v_scale:g}")
         if self.sm_scale is not None:
             parts.append(f"scale{self.sm_scale:g}")
         if self.tag:

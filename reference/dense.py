@@ -15,6 +15,14 @@ Semantics pinned here (the anchors agree on each; see shared/research/anchors.md
   ``kv_len`` keys sits at position ``kv_len - q_len + i`` and sees keys ``<=`` it.
 - Sliding window ``W``: additionally keys ``> position - W``.
 - Soft cap ``c``: scaled logits ``s`` become ``c * tanh(s / c)`` before masking.
+- ALiBi: after the soft cap, ``-slope[h] * (query position - key position)`` is added
+  (vLLM's CPU test reference applies the cap first and the bias after; FlashAttention
+  adds the bias to the scaled scores).
+- Sinks: one extra logit per query head in the softmax denominator, with no value
+  (vLLM's ``s_aux``: ``softmax([sink, logits])[1:]``; gpt-oss).
+- fp8 KV cache: the math runs on the dequantized values ``stored * k_scale`` and
+  ``stored * v_scale``, so the tolerance measures the kernel and not the quantization
+  (FlashInfer's fp8 tests compare against the same dequantized cache).
 """
 
 from __future__ import annotations
@@ -31,8 +39,9 @@ def gather_kv(inputs: PagedInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
     Returns
     -------
     list of (k, v)
-        One pair per sequence, each ``Tensor[kv_len, num_kv_heads, head_dim]`` in the case
-        dtype, on the inputs' device.
+        One pair per sequence, each ``Tensor[kv_len, num_kv_heads, head_dim]`` in the
+        cache's element type (the case dtype, or fp8 holding the quantized values; see
+        :func:`dequantize`), on the inputs' device.
     """
     bs = inputs.case.block_size
     tables = inputs.block_tables.tolist()
@@ -47,8 +56,29 @@ def gather_kv(inputs: PagedInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values as the math sees them: ``x`` in ``dtype``, times ``scale`` when ``x``
+    is fp8 (``stored * k_scale``, vLLM's convention); other types are only converted."""
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.to(dtype) * scale
+    return x.to(dtype)
+
+
+def _require(name: str, value: torch.Tensor | None, wanted: bool, flag: str) -> None:
+    if wanted and value is None:
+        raise ValueError(f"{flag} is set, so {name} must be given (PagedInputs.{name})")
+    if not wanted and value is not None:
+        raise ValueError(f"{name} was given but {flag} is False; pass {name}=None")
+
+
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, case: PagedCase
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    case: PagedCase,
+    *,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dense attention of one sequence, computed in the dtype of its arguments.
 
@@ -57,15 +87,28 @@ def attention(
     q : Tensor[q_len, num_q_heads, head_dim]
         The sequence's last ``q_len`` tokens' queries.
     k, v : Tensor[kv_len, num_kv_heads, head_dim]
+        Dequantized already (:func:`dequantize`) for an fp8 case.
     case : PagedCase
-        Supplies the scale, soft cap and sliding window.
+        Supplies the scale, soft cap, sliding window and the alibi/sinks flags.
+    alibi_slopes : Tensor[num_q_heads] or None
+        Required exactly when ``case.alibi``; used in the dtype of ``q``.
+    sinks : Tensor[num_q_heads] or None
+        Sink logits, required exactly when ``case.sinks``; used in the dtype of ``q``.
 
     Returns
     -------
     Tensor[q_len, num_q_heads, head_dim], dtype of ``q``
         A query row that sees no key would be all zeros (FlashAttention's convention);
         with bottom-right causal masking every row sees at least itself.
+
+    Raises
+    ------
+    ValueError
+        If ``alibi_slopes`` or ``sinks`` is missing although the case asks for it, or
+        given although it does not.
     """
+    _require("alibi_slopes", alibi_slopes, case.alibi, "case.alibi")
+    _require("sinks", sinks, case.sinks, "case.sinks")
     q_len, kv_len = q.shape[0], k.shape[0]
     ratio = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(ratio, dim=1)  # [kv_len, hq, d]
@@ -76,11 +119,19 @@ def attention(
         scores = cap * torch.tanh(scores / cap)
     pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]  # [q_len, 1]
     pos_k = torch.arange(kv_len, device=q.device)[None, :]  # [1, kv_len]
+    if alibi_slopes is not None:
+        distance = (pos_q - pos_k).to(q.dtype)  # [q_len, kv_len]
+        scores = scores - alibi_slopes.to(q.dtype)[:, None, None] * distance
     visible = pos_k <= pos_q
     if case.sliding_window is not None:
         visible &= pos_k > pos_q - case.sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [hq, q_len, kv_len]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [hq, q_len, kv_len]
+    else:
+        sink = sinks.to(q.dtype)[:, None, None].expand(-1, q_len, 1)  # [hq, q_len, 1]
+        logits = torch.cat([sink, scores], dim=-1)  # [hq, q_len, 1 + kv_len]
+        probs = torch.softmax(logits, dim=-1)[..., 1:]  # [hq, q_len, kv_len]
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
@@ -91,7 +142,14 @@ def _per_sequence(inputs: PagedInputs, dtype: torch.dtype) -> torch.Tensor:
                       device=inputs.device)
     for i, (k, v) in enumerate(gather_kv(inputs)):
         q = inputs.q[cu[i] : cu[i + 1]]
-        out[cu[i] : cu[i + 1]] = attention(q.to(dtype), k.to(dtype), v.to(dtype), case)
+        out[cu[i] : cu[i + 1]] = attention(
+            q.to(dtype),
+            dequantize(k, case.k_scale, dtype),
+            dequantize(v, case.v_scale, dtype),
+            case,
+            alibi_slopes=inputs.alibi_slopes,
+            sinks=inputs.sinks,
+        )
     return out
 
 
@@ -103,5 +161,8 @@ def reference_attention(inputs: PagedInputs) -> torch.Tensor:
 def naive_attention(inputs: PagedInputs) -> torch.Tensor:
     """The same math done naively in the case dtype (scores, softmax and products all
     rounded to it): the yardstick of the tolerance policy, after FlashAttention's tests
-    (``attention_ref(upcast=False)``). ``Tensor[total_q, num_q_heads, head_dim]``."""
+    (``attention_ref(upcast=False)``). ``Tensor[total_q, num_q_heads, head_dim]``.
+
+    An fp8 cache is dequantized into the case dtype first, so that the yardstick, like the
+    truth, measures attention on the values the cache stands for."""
     return _per_sequence(inputs, inputs.case.torch_dtype)

@@ -7,11 +7,13 @@ convert from here in their untimed ``prepare()``.
 
 Every slot that holds no live token is NaN: the tail of each sequence's last block, every
 unused block, and the block that table padding points to. Values are finite elsewhere, so
-any read past ``kv_lens`` (or through a padded table entry) turns the output NaN.
+any read past ``kv_lens`` (or through a padded table entry) turns the output NaN. An fp8
+cache holds the fp8 NaN (byte ``0x7F`` in both E4M3 "fn" and E5M2) in those slots.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -24,7 +26,36 @@ from .case import PagedCase
 #: high-magnitude channels, which stress the low-precision dot products.
 OUTLIER_CHANNEL_FRACTION = 1 / 16
 OUTLIER_CHANNEL_GAIN = 4.0
+#: Attention-sink logits are drawn uniformly from ``[SINK_LOW, SINK_HIGH)``: the range of
+#: the scaled logits of unit-normal Q and K, so that a sink takes a visible share of the
+#: softmax of short and long sequences alike without swamping it.
+SINK_LOW, SINK_HIGH = -1.0, 4.0
 _PADDING_SEQ = "__table_padding__"
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi slopes, one per head, ``Tensor[num_heads]``, float32.
+
+    Press, Smith and Lewis, "Train Short, Test Long: Attention with Linear Biases Enables
+    Input Length Extrapolation" (ICLR 2022), s. 3: for ``n`` heads, a power of two, the
+    slopes are the geometric sequence ``2**(-8 * i / n)`` for ``i = 1 .. n``. For other
+    ``n`` the authors' code (``get_slopes`` in ofirpress/attention_with_linear_biases)
+    takes the ``m = 2**floor(log2 n)`` slopes of ``m`` heads, then the first ``n - m`` of
+    every other slope of ``2 m`` heads (``i = 1, 3, 5, ...``); vLLM (``_get_alibi_slopes``)
+    and FlashAttention's tests use the same rule. Computed in float64, rounded to float32,
+    the type kernels take them in.
+
+    Raises
+    ------
+    ValueError
+        If ``num_heads`` < 1.
+    """
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    m = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * i / m) for i in range(1, m + 1)]
+    slopes += [2.0 ** (-8.0 * i / (2 * m)) for i in range(1, 2 * (num_heads - m), 2)]
+    return torch.tensor(slopes, dtype=torch.float64).to(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -37,8 +68,11 @@ class PagedInputs:
     q : Tensor[total_q, num_q_heads, head_dim], case dtype
         Queries of all sequences packed in order; sequence ``i`` owns rows
         ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]``.
-    kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], case dtype
-        K (``[:, 0]``) and V (``[:, 1]``); NaN wherever no live token is stored.
+    kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], kv_cache_dtype
+        K (``[:, 0]``) and V (``[:, 1]``); NaN wherever no live token is stored. The
+        element type is ``case.kv_torch_dtype``: the case dtype, or for an fp8 case the
+        quantized values (K means ``kv_cache[:, 0] * k_scale``, V ``kv_cache[:, 1] *
+        v_scale``).
     block_tables : Tensor[batch, max_blocks_per_seq], int32
         Physical block of each logical block; padding entries point to ``padding_block``.
     kv_lens : Tensor[batch], int32
@@ -48,6 +82,10 @@ class PagedInputs:
         Physical slot (``block * block_size + offset``) of every token, sequences in order.
     padding_block : int
         The NaN block that table padding points to.
+    alibi_slopes : Tensor[num_q_heads], float32, or None
+        ALiBi slope of each query head (:func:`alibi_slopes`) when ``case.alibi``.
+    sinks : Tensor[num_q_heads], float32, or None
+        Attention-sink logit of each query head when ``case.sinks``.
     """
 
     case: PagedCase
@@ -58,6 +96,8 @@ class PagedInputs:
     cu_seqlens_q: torch.Tensor
     slot_mapping: torch.Tensor
     padding_block: int
+    alibi_slopes: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -79,7 +119,7 @@ class PagedInputs:
 
     def to(self, device: str | torch.device) -> PagedInputs:
         """The same inputs on another device."""
-        move = lambda t: t.to(device)  # noqa: E731
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return PagedInputs(
             self.case,
             move(self.q),
@@ -89,6 +129,8 @@ class PagedInputs:
             move(self.cu_seqlens_q),
             move(self.slot_mapping),
             self.padding_block,
+            move(self.alibi_slopes),
+            move(self.sinks),
         )
 
 
@@ -128,13 +170,27 @@ def _allocate(case: PagedCase) -> tuple[list[list[int]], list[list[int]], int]:
     return tables, slots, padding_block
 
 
+def _store(x: torch.Tensor, scale: float, kv_dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) as the cache stores it: rounded to ``kv_dtype``, or for fp8 divided
+    by ``scale`` and clamped to the finite range first (E5M2 would overflow to inf)."""
+    if kv_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.to(kv_dtype)
+    limit = torch.finfo(kv_dtype).max
+    return (x / scale).clamp(-limit, limit).to(kv_dtype)
+
+
 def materialize(case: PagedCase, device: str | torch.device = "cpu") -> PagedInputs:
     """Build the canonical tensors of ``case`` on ``device``, deterministically from its seed.
 
     Q, K and V are standard normal (K with a few outlier channels, see
-    :data:`OUTLIER_CHANNEL_GAIN`), drawn in float32 and rounded to the case dtype. Block
-    tables come from :class:`~pagedbench.reference.allocator.BlockAllocator` with a
-    shuffled free list.
+    :data:`OUTLIER_CHANNEL_GAIN`), drawn in float32 and rounded to the case dtype; for an
+    fp8 ``kv_cache_dtype``, K and V are instead divided by ``k_scale``/``v_scale``,
+    clamped to the fp8 type's finite range (saturating, as vLLM's fp8 cache writers do)
+    and rounded to it. Block tables come from
+    :class:`~pagedbench.reference.allocator.BlockAllocator` with a shuffled free list.
+    With ``case.alibi``, ``alibi_slopes`` holds :func:`alibi_slopes`; with
+    ``case.sinks``, ``sinks`` holds logits uniform in ``[SINK_LOW, SINK_HIGH)``, drawn
+    after Q from the same generator (so cases without sinks keep their values).
 
     Raises
     ------
@@ -149,16 +205,22 @@ def materialize(case: PagedCase, device: str | torch.device = "cpu") -> PagedInp
     outliers = torch.rand(hkv, d, generator=gen) < OUTLIER_CHANNEL_FRACTION
     channel_gain = torch.where(outliers, OUTLIER_CHANNEL_GAIN, 1.0)  # [hkv, d]
 
-    kv_cache = torch.full((case.pool_blocks, 2, bs, hkv, d), float("nan"), dtype=dtype)
+    kv_dtype = case.kv_torch_dtype
+    kv_cache = torch.full((case.pool_blocks, 2, bs, hkv, d), float("nan"), dtype=kv_dtype)
     for n, seq_slots in zip(case.kv_lens, slots):
         slot = torch.tensor(seq_slots, dtype=torch.int64)
         block, offset = slot // bs, slot % bs  # [n] each
         k = torch.randn(n, hkv, d, generator=gen) * channel_gain  # [n, hkv, d]
         v = torch.randn(n, hkv, d, generator=gen)
-        kv_cache[block, 0, offset] = k.to(dtype)
-        kv_cache[block, 1, offset] = v.to(dtype)
+        kv_cache[block, 0, offset] = _store(k, case.k_scale, kv_dtype)
+        kv_cache[block, 1, offset] = _store(v, case.v_scale, kv_dtype)
 
     q = torch.randn(case.total_q, case.num_q_heads, d, generator=gen).to(dtype)
+    sinks = None
+    if case.sinks:
+        sinks = SINK_LOW + (SINK_HIGH - SINK_LOW) * torch.rand(
+            case.num_q_heads, generator=gen
+        )  # [num_q_heads] float32
     block_tables = torch.full(
         (case.batch_size, case.max_blocks_per_seq), padding_block, dtype=torch.int32
     )
@@ -176,5 +238,7 @@ def materialize(case: PagedCase, device: str | torch.device = "cpu") -> PagedInp
         cu_seqlens_q=cu_seqlens_q,
         slot_mapping=torch.tensor([s for seq in slots for s in seq], dtype=torch.int64),
         padding_block=padding_block,
+        alibi_slopes=alibi_slopes(case.num_q_heads) if case.alibi else None,
+        sinks=sinks,
     )
     return inputs if torch.device(device).type == "cpu" else inputs.to(device)
