@@ -20,6 +20,9 @@ ENTRY_POINT_GROUP = "pagedbench.adapters"
 BUILTIN: tuple[str, ...] = (
     "pagedbench.adapters.torch_sdpa:SdpaContiguous",
     "pagedbench.adapters.torch_sdpa:TorchGather",
+    "pagedbench.adapters.vllm_triton:VllmUnified",
+    "pagedbench.adapters.vllm_triton:VllmDecode",
+    "pagedbench.adapters.vllm_triton:VllmChunkedPrefill",
 )
 
 
