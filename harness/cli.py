@@ -4,6 +4,7 @@
                      failure (``fail``, ``error``, ``crash`` or ``timeout``), 0 otherwise.
 ``pagedbench list``  implementations, their availability (with reasons) and capabilities.
 ``pagedbench report`` the leaderboard of stored result files (Markdown or CSV).
+``pagedbench simulate`` KV capacity: contiguous reservation vs paged allocation on a trace.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rich.console import Console
 from pagedbench.adapters import registry
 from pagedbench.reference import DTYPES
 
-from . import report
+from . import report, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
 from .runner import RunConfig, run
 from .store import DEFAULT_RESULTS_DIR, ResultsFile, Status, new_run_id, read_records
@@ -71,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     report_p.add_argument("--format", choices=["md", "csv"], default="md",
                           help="md: leaderboard + summary; csv: one row per result")
     report_p.add_argument("--output", type=Path, help="write here instead of stdout")
+    simulate.add_arguments(sub.add_parser(
+        "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
     return parser
 
 
@@ -188,7 +191,8 @@ def capability_matrix(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedbench`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
-    return {"run": cmd_run, "list": cmd_list, "report": cmd_report}[args.command](args)
+    commands = {"run": cmd_run, "list": cmd_list, "report": cmd_report, "simulate": simulate.run}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":
