@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 
 from pagedbench.harness import simulate as cli
+from pagedbench.harness.cli import main
 
 REQUIRED_FIELDS = {
     "policy": str,
@@ -162,3 +163,17 @@ def test_simulate_block_sizes_must_be_positive_integers(
         with pytest.raises(SystemExit):
             parser.parse_args(["--block-sizes", text])
         assert "--block-sizes must" in capsys.readouterr().err
+
+
+def test_pagedbench_main_routes_simulate(
+    two_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["simulate", "--trace", str(two_trace), "--max-context", "32",
+                 "--kv-budget-blocks", "2", "--block-sizes", "4", "--output-dir", str(tmp_path),
+                 "--json"])
+    assert code == 0
+    records = json.loads(capsys.readouterr().out)
+    # 32 slots: Max serialises the two requests (12 steps), paged bs4 runs both (7 steps).
+    assert [(r["policy"], r["steps"]) for r in records] == [
+        ("Max", 12), ("Pow2", 7), ("Oracle", 7), ("Paged", 7),
+    ]
