@@ -1,0 +1,197 @@
+"""xformers' paged attention: ``memory_efficient_attention_forward`` with a paged bias (CUDA).
+
+``xformers`` calls ``xformers.ops.fmha.memory_efficient_attention_forward(q, k, v,
+attn_bias=PagedBlockDiagonalCausalWithOffsetPaddedKeysMask, scale=, op=)`` with the op
+pinned to xformers' own paged kernel, ``triton_splitk.FwOp`` ("triton_splitKF"). The
+other ops that accept paged biases are FlashAttention's kernels, which have their own
+adapters; leaving the choice to xformers' dispatcher would make the kernel (and its
+limits) depend on batch size and head counts (``fmha/dispatch.py``), so one case could
+pass and its neighbour raise.
+
+Layout (sources: ``xformers/ops/fmha/attn_bias.py``, ``triton_splitk.py`` of xformers
+0.0.35, and ``tests/test_mem_eff_attention.py::paged_attention_run_inner`` at commit
+ca6d2aa; anchors s. 8, 9):
+
+- Paged K/V are the pool flattened to ``[1, num_blocks * block_size, G, H, D]`` (BMGHK:
+  ``G = num_kv_heads`` groups, ``H = num_q_heads / num_kv_heads`` query heads per group,
+  the KV head expanded with stride 0 over ``H``); token ``t`` of sequence ``b`` is row
+  ``block_tables[b, t // block_size] * block_size + t % block_size``
+  (``PagedBlockDiagonalPaddedKeysMask.materialize``). See :func:`xformers_paged`.
+- Queries are packed ``[1, total_q, G, H, D]``; query head ``g * H + h`` reads KV head
+  ``g``, the reference's ``h // (num_q_heads / num_kv_heads)``.
+- The bias is built by ``PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+  q_seqlen, kv_seqlen, block_tables, page_size)``: each sequence's queries see only its
+  own first ``kv_seqlen`` keys, causally aligned bottom-right ("nor one which is nearer to
+  the final key in block i than Q is to the final query in block i").
+
+Limits declared, from ``triton_splitk.FwOp``: CUDA with compute capability 8.0,
+fp16/bf16 (``SUPPORTED_DTYPES``), head_dim in {16, 32, 64, 128, 256, 512}
+(``shape_not_supported_reasons``), block size a multiple of 64 ("page size should be
+divisible by the block size", ``BLOCK_N = 64``), and with a causal bias all sequences must
+have the same number of queries, at most 16 (:meth:`XformersSplitK.why_unsupported`). No
+sliding window (0.0.35 has no paged local-attention bias) and no soft cap.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from pagedbench.reference import PagedCase, PagedInputs
+
+from .base import Adapter, Availability, Capabilities, MultipleOf
+from .cuda_probe import installed_distribution, probe_cuda_peer
+
+INSTALL = "pip install 'pagedbench[xformers]'"
+#: triton_splitk's ``BLOCK_N``: paged block sizes must be multiples of it.
+SPLITK_BLOCK_N = 64
+#: triton_splitk: "Query length should not be larger than 16 for causal ... biases".
+SPLITK_MAX_CAUSAL_Q_LEN = 16
+
+CAPABILITIES = Capabilities(
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({"float16", "bfloat16"}),
+    head_dims=frozenset({16, 32, 64, 128, 256, 512}),
+    block_sizes=frozenset({MultipleOf(SPLITK_BLOCK_N)}),
+    modes=frozenset({"decode", "prefill"}),
+    min_compute_capability=(8, 0),
+)
+
+
+@dataclass(frozen=True)
+class XformersPagedInputs:
+    """A case in xformers' paged layout, before the bias object is built.
+
+    Attributes
+    ----------
+    q : Tensor[1, total_q, num_kv_heads, num_q_heads // num_kv_heads, head_dim]
+        A view of the canonical ``q`` (BMGHK).
+    k, v : Tensor[1, num_blocks * block_size, num_kv_heads, num_q_heads // num_kv_heads, head_dim]
+        The canonical K and V made contiguous, flattened over blocks, the KV head
+        expanded (stride 0) over its query heads.
+    q_seqlen : list[int]
+        Queries per sequence (``[batch]``).
+    kv_seqlen : list[int]
+        Keys per sequence (``[batch]``), the canonical ``kv_lens``.
+    block_tables : Tensor[batch, max_blocks_per_seq], int32
+    page_size : int
+        The case's ``block_size``.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_seqlen: list[int]
+    kv_seqlen: list[int]
+    block_tables: torch.Tensor
+    page_size: int
+
+
+def xformers_paged(inputs: PagedInputs) -> XformersPagedInputs:
+    """Convert canonical inputs to xformers' paged BMGHK layout (plain torch, no copies of Q)."""
+    case = inputs.case
+    groups, per_group, d = case.num_kv_heads, case.gqa_ratio, case.head_dim
+    rows = case.pool_blocks * case.block_size
+
+    def flat(cache: torch.Tensor) -> torch.Tensor:
+        # [num_blocks, block_size, hkv, d] -> [1, num_blocks * block_size, hkv, ratio, d]
+        return cache.contiguous().view(1, rows, groups, 1, d).expand(1, rows, groups,
+                                                                     per_group, d)
+
+    cu = inputs.cu_seqlens_q.tolist()
+    return XformersPagedInputs(
+        q=inputs.q.view(1, case.total_q, groups, per_group, d),  # [1, total_q, G, H, D]
+        k=flat(inputs.k_cache),
+        v=flat(inputs.v_cache),
+        q_seqlen=[end - start for start, end in zip(cu, cu[1:])],
+        kv_seqlen=inputs.kv_lens.tolist(),
+        block_tables=inputs.block_tables.to(torch.int32).contiguous(),
+        page_size=case.block_size,
+    )
+
+
+def paged_bias(paged: XformersPagedInputs):
+    """xformers' causal paged bias for ``paged``, on the device of its block tables.
+
+    Returns
+    -------
+    xformers.ops.fmha.attn_bias.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask
+        Built with ``from_seqlens(q_seqlen, kv_seqlen, block_tables, page_size)``.
+
+    Raises
+    ------
+    ImportError
+        If xformers is not installed.
+    """
+    from xformers.ops.fmha.attn_bias import PagedBlockDiagonalCausalWithOffsetPaddedKeysMask
+
+    return PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
+        q_seqlen=paged.q_seqlen,
+        kv_seqlen=paged.kv_seqlen,
+        block_tables=paged.block_tables,
+        page_size=paged.page_size,
+        device=paged.block_tables.device,
+    )
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    call: functools.partial  # memory_efficient_attention_forward, all arguments bound
+    out_shape: tuple[int, int, int]  # (total_q, num_q_heads, head_dim)
+
+
+class XformersSplitK(Adapter):
+    """xformers' paged attention through its Triton split-K kernel."""
+
+    name = "xformers"
+    description = "xformers memory_efficient_attention_forward, paged bias, triton_splitKF (CUDA)"
+
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
+        """:data:`CAPABILITIES`' reasons, plus triton_splitk's rule for causal biases:
+        every sequence has the same number of queries, at most 16."""
+        reasons = CAPABILITIES.why_unsupported(case, device)
+        q_lens = set(case.q_lens_or_decode)
+        if len(q_lens) > 1:
+            reasons.append(f"q_lens {sorted(q_lens)} differ; triton_splitKF's causal bias "
+                           "needs one query length for all sequences")
+        if max(q_lens) > SPLITK_MAX_CAUSAL_Q_LEN:
+            reasons.append(f"q_len {max(q_lens)} > {SPLITK_MAX_CAUSAL_Q_LEN}, triton_splitKF's "
+                           "limit with a causal bias")
+        return reasons
+
+    def available(self, device: str = "cpu") -> Availability:
+        found = probe_cuda_peer("xformers", device, CAPABILITIES.min_compute_capability,
+                                INSTALL)
+        if not found.ok:
+            return found
+        try:
+            from xformers.ops.fmha import triton_splitk
+        except (ImportError, OSError, RuntimeError) as exc:
+            return Availability(False, f"xformers {found.version} failed to import: {exc}",
+                                found.version)
+        if installed_distribution("triton") is None:
+            return Availability(False, f"xformers {found.version}: its triton_splitKF kernel "
+                                       "needs triton, which is not installed", found.version)
+        details = {**found.details, "op": triton_splitk.FwOp.NAME}
+        return Availability(True, version=found.version, details=details)
+
+    def prepare(self, inputs: PagedInputs) -> _Prepared:
+        from xformers.ops.fmha import memory_efficient_attention_forward, triton_splitk
+
+        paged = xformers_paged(inputs)
+        call = functools.partial(
+            memory_efficient_attention_forward,
+            paged.q, paged.k, paged.v,
+            attn_bias=paged_bias(paged),
+            scale=inputs.case.scale,
+            op=triton_splitk.FwOp,
+        )
+        return _Prepared(call, tuple(inputs.q.shape))
+
+    def run(self, prepared: _Prepared) -> torch.Tensor:
+        return prepared.call().view(prepared.out_shape)  # [total_q, num_q_heads, head_dim]
