@@ -23,6 +23,12 @@ BUILTIN: tuple[str, ...] = (
     "pagedbench.adapters.vllm_triton:VllmUnified",
     "pagedbench.adapters.vllm_triton:VllmDecode",
     "pagedbench.adapters.vllm_triton:VllmChunkedPrefill",
+    "pagedbench.adapters.flashinfer:FlashInferNHD",
+    "pagedbench.adapters.flashinfer:FlashInferHND",
+    "pagedbench.adapters.flash_attn:FlashAttn2",
+    "pagedbench.adapters.flash_attn:FlashAttn3",
+    "pagedbench.adapters.xformers:XformersSplitK",
+    "pagedbench.adapters.vllm_cuda:VllmCudaFlashAttn",
 )
 
 
