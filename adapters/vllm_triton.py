@@ -493,6 +493,11 @@ class VllmUnified(_VllmTritonAdapter):
         return programs, steps
 
     def prepare(self, inputs: PagedInputs) -> _UnifiedPrepared:
+        """Bind the call: K and V are views of ``inputs.kv_cache`` (no copy), metadata the
+        canonical int32 tensors; allocates ``out`` (NaN, ``[total_q, num_q_heads,
+        head_dim]``) and, for 3D batches, the float32 softmax scratch ``[rows,
+        num_q_heads, 16, next_pow2(head_dim)]`` and twice ``[rows, num_q_heads, 16]`` with
+        ``rows = 128 // num_kv_heads`` (as vLLM's metadata builder)."""
         case = inputs.case
         unified_attention = _kernels().unified_attention
         out = new_output(inputs)
@@ -589,6 +594,15 @@ class VllmDecode(_VllmTritonAdapter):
         return programs, steps
 
     def prepare(self, inputs: PagedInputs) -> _DecodePrepared:
+        """Bind the call on the NHD views of ``inputs.kv_cache`` (no copy); allocates
+        ``out`` (NaN), ``lse [batch, num_q_heads]`` and ``attn_logits [batch, num_q_heads,
+        num_kv_splits, head_dim + 1]`` (float32), and unit K/V scales.
+
+        Raises
+        ------
+        ValueError
+            If the case is not a decode case (some ``q_lens`` > 1).
+        """
         case = inputs.case
         if case.mode != "decode":
             raise ValueError("vllm-decode runs decode cases only: q_lens must be None or "
@@ -682,6 +696,15 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
         return programs, steps
 
     def prepare(self, inputs: PagedInputs) -> _ChunkedPrepared:
+        """Convert the cache with :func:`to_split_x_layout` (copies) and gather the new
+        tokens' K and V, ``[total_q, num_kv_heads, head_dim]`` each, through the slot
+        mapping; allocates ``out`` (NaN) and unit K/V scales.
+
+        Raises
+        ------
+        ValueError
+            If head_dim is not a multiple of the layout's ``x`` (see :func:`split_x`).
+        """
         case = inputs.case
         chunked_prefill_paged_decode = _kernels().chunked_prefill_paged_decode
         key_cache, value_cache = to_split_x_layout(inputs.kv_cache)
@@ -720,6 +743,7 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
         return _ChunkedPrepared(call, out)
 
     def run(self, prepared: _ChunkedPrepared) -> torch.Tensor:
+        """One call, with vLLM's ROCm helpers stubbed around it (intervention 3)."""
         with rocm_helpers_stubbed():
             prepared.call()
         return prepared.out
