@@ -373,3 +373,23 @@ def test_check_invariants_catches_a_cache_entry_with_wrong_content():
     allocator._content[block][0] = 9
     with pytest.raises(AllocatorInvariantError, match="hash"):
         allocator.check_invariants()
+
+
+def test_eviction_takes_uncached_blocks_then_a_finished_request_tail_first():
+    """Reuse order of the free queue (vLLM v1 ``BlockPool.free_blocks``).
+
+    Uncached blocks are reused before any cached one, and a finished request's cached
+    blocks are evicted tail first, so a later request still hits the head of the prefix.
+    16 blocks of 4: A caches 3 blocks and ends; a 14-block filler takes the 13 uncached
+    blocks and evicts only A's third block; after the filler ends, a 1-block request takes
+    the filler's uncached partial block; a request with A's prefix then hits 2 blocks.
+    """
+    head = list(range(12))
+    allocator = _prefix_allocator(16)
+    allocator.add_sequence("a", head + [0])
+    allocator.free("a")
+    allocator.add_sequence("filler", [1] * 53)
+    allocator.free("filler")
+    allocator.add_sequence("small", [9, 9, 9])
+    assert allocator.add_sequence("b", head + [5]) == 2 * BLOCK_SIZE
+    allocator.check_invariants()
