@@ -38,6 +38,7 @@ from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 #: Parent hash of a sequence's first block.
 _ROOT_HASH = b""
@@ -182,24 +183,20 @@ class BlockAllocator:
         num_host_blocks: int | None = None,
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if num_host_blocks is None:
             num_host_blocks = num_blocks
-        if (
-            not isinstance(num_host_blocks, int)
-            or isinstance(num_host_blocks, bool)
-            or num_host_blocks < 0
-        ):
+        if not _is_int(num_host_blocks) or num_host_blocks < 0:
             raise ValueError(
                 f"num_host_blocks must be None or an int >= 0, got {num_host_blocks!r}"
             )
-        self.num_blocks = num_blocks
-        self.block_size = block_size
+        self.num_blocks = int(num_blocks)
+        self.block_size = int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.num_host_blocks = num_host_blocks
+        self.num_host_blocks = int(num_host_blocks)
 
-        order = list(range(num_blocks))
+        order = list(range(self.num_blocks))
         if seed is not None:
             random.Random(seed).shuffle(order)
         # Unreferenced blocks in reuse order: uncached at the front, cached at the back.
@@ -251,6 +248,10 @@ class BlockAllocator:
         """
         return self._seq(seq_id).num_tokens
 
+    def __contains__(self, seq_id: Hashable) -> bool:
+        """Whether ``seq_id`` is a known sequence (on device or swapped out), in O(1)."""
+        return seq_id in self._seqs
+
     def sequences(self) -> list[Hashable]:
         """Ids of all known sequences (on device or swapped out), in insertion order."""
         return list(self._seqs)
@@ -279,7 +280,7 @@ class BlockAllocator:
             If ``num_new_tokens`` < 0 or the sequence is swapped out.
         """
         seq = self._on_device(seq_id)
-        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+        if not _is_int(num_new_tokens) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
         if num_new_tokens == 0:
             return 0
@@ -354,6 +355,8 @@ class BlockAllocator:
         ------
         ValueError
             If ``seq_id`` is already known, or a token id is not an int64.
+        TypeError
+            If ``token_ids`` is not a sequence.
         OutOfBlocksError
             If the pool cannot hold the prompt; nothing is allocated.
         """
@@ -406,14 +409,16 @@ class BlockAllocator:
             If ``seq_id`` is not a known sequence.
         ValueError
             If the sequence is swapped out, a count is negative, or an id is not an int64.
+        TypeError
+            If ``tokens`` is neither an integer nor a sequence.
         OutOfBlocksError
             If the append needs more free blocks than there are; the message names the
             shortfall.
         """
-        if isinstance(tokens, int) and not isinstance(tokens, bool):
+        if _is_int(tokens):
             if tokens < 0:
                 raise ValueError(f"tokens must be a count >= 0 or a sequence of ids, got {tokens}")
-            ids: list[int | None] = [None] * tokens
+            ids: list[int | None] = [None] * int(tokens)
         else:
             ids = list(_check_token_ids(tokens))
         seq = self._on_device(seq_id)
@@ -818,17 +823,31 @@ class BlockAllocator:
         return hits
 
 
+def _is_int(value: object) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def _check_token_ids(token_ids: Sequence[int]) -> list[int]:
-    """``token_ids`` as a list, each an int in int64 range, else ValueError."""
-    ids = list(token_ids)
+    """``token_ids`` as a list of Python ints in int64 range.
+
+    Raises
+    ------
+    TypeError
+        If ``token_ids`` is not iterable.
+    ValueError
+        If an element is not an integer in int64 range.
+    """
+    try:
+        ids = list(token_ids)
+    except TypeError:
+        raise TypeError(
+            f"token_ids must be a sequence of ints, got {type(token_ids).__name__}"
+        ) from None
     for token_id in ids:
-        if (
-            not isinstance(token_id, int)
-            or isinstance(token_id, bool)
-            or not _INT64_MIN <= token_id <= _INT64_MAX
-        ):
+        if not _is_int(token_id) or not _INT64_MIN <= token_id <= _INT64_MAX:
             raise ValueError(f"token_ids must be ints in int64 range, got {token_id!r}")
-    return ids
+    return [int(token_id) for token_id in ids]
 
 
 def _require(condition: bool, message: str) -> None:

@@ -6,6 +6,7 @@ hits), not read back from the allocator.
 
 from __future__ import annotations
 
+import numpy
 import pytest
 
 from pagedbench.reference.allocator import (
@@ -77,7 +78,9 @@ def test_free_of_an_unknown_id_frees_nothing():
 def test_double_free_is_refused():
     allocator = BlockAllocator(8, BLOCK_SIZE)
     allocator.add_sequence("a", [1, 2])
+    assert "a" in allocator
     allocator.free("a")
+    assert "a" not in allocator
     with pytest.raises(KeyError, match="already freed"):
         allocator.free("a")
     assert allocator.num_free_blocks == 8
@@ -393,3 +396,13 @@ def test_eviction_takes_uncached_blocks_then_a_finished_request_tail_first():
     allocator.add_sequence("small", [9, 9, 9])
     assert allocator.add_sequence("b", head + [5]) == 2 * BLOCK_SIZE
     allocator.check_invariants()
+
+
+def test_numpy_integers_are_accepted_and_other_types_named():
+    allocator = BlockAllocator(numpy.int64(4), numpy.int32(BLOCK_SIZE))
+    allocator.add_sequence("a", numpy.arange(5))
+    assert allocator.append_tokens("a", numpy.int64(2)) == [
+        allocator.block_table("a")[1] * BLOCK_SIZE + offset for offset in (1, 2)
+    ]
+    with pytest.raises(TypeError, match="token_ids must be a sequence of ints, got float"):
+        allocator.append_tokens("a", 2.0)
