@@ -21,10 +21,15 @@ Prefix caching (opt-in) follows vLLM's automatic prefix caching
 (parent block's hash, the block's token ids), here SHA-256; a request whose prompt starts
 with the same full blocks shares their physical blocks. Equal blocks filled independently
 are all cached under one key (no deduplication, so block tables stay append-only, as in
-vLLM's ``BlockHashToBlockMap``); a lookup takes the one cached first. The allocator treats a slot as
-written when the call that returned it returns (the caller writes K/V there before its
-next call), so a block becomes matchable when the append that fills it completes, never
-earlier; tokens appended without ids never become matchable.
+vLLM's ``BlockHashToBlockMap``); a lookup takes the one cached first. The allocator
+treats a slot as written when the call that returned it returns (the caller writes K/V
+there before its next call), so a block becomes matchable when the append that fills it
+completes, never earlier; tokens appended without ids never become matchable.
+
+Preemption frees a sequence for recomputation (Kwon et al. section 4.5) or swaps its
+blocks to a host pool and back. :meth:`BlockAllocator.usage` accounts for memory at any
+moment, and :meth:`BlockAllocator.check_invariants` recomputes the whole state from the
+tables for the tests to call after every step.
 
 Placement is deliberately non-contiguous: the free list is shuffled with a seeded RNG, so
 a kernel that assumes ``block_table[i][j] == i * max_blocks + j`` fails.
