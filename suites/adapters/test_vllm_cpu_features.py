@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import assume, given, note
+from hypothesis import assume, example, given, note
 
 from pagedbench.harness.tolerance import assert_close_report
 from pagedbench.reference import PagedCase, materialize, naive_attention, reference_attention
@@ -97,10 +97,30 @@ def test_fp8_matches_the_dequantized_truth(kv_cache_dtype, k_scale, v_scale, dty
 
 @needs_vllm
 @given(vllm_cases(max_kv_len=300))
+@example(PagedCase(kv_lens=(1, 32, 33), q_lens=(1, 1, 9), num_q_heads=8, num_kv_heads=1,
+                   head_dim=128, block_size=32, dtype="bfloat16", alibi=True, sinks=True,
+                   kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25, name="mqa-fp8"))
+@example(PagedCase(kv_lens=(48, 49, 1), q_lens=(48, 2, 1), num_q_heads=4, num_kv_heads=4,
+                   head_dim=80, block_size=48, dtype="float16", sliding_window=16,
+                   logits_soft_cap=50.0, name="mha-vec16"))
 def test_declared_shapes_match_truth(case: PagedCase) -> None:
     reasons = ADAPTER.why_unsupported(case, "cpu")
     note(f"case {case.case_id}: {case.to_dict()}; unsupported: {reasons}")
     assume(not reasons)
+    check(case)
+
+
+@pytest.mark.parametrize("split_kv", ["0", "1"])
+@needs_vllm
+def test_split_and_unsplit_kv_match_truth(split_kv: str, monkeypatch) -> None:
+    """vLLM's backend splits long KV over threads unless ``VLLM_CPU_ATTN_SPLIT_KV=0``
+    (its tests check both); the adapter follows the variable, and both agree with the
+    truth on long decodes."""
+    monkeypatch.setenv("VLLM_CPU_ATTN_SPLIT_KV", split_kv)
+    assert ADAPTER.available("cpu").details["split_kv"] == str(split_kv == "1")
+    case = PagedCase(kv_lens=(3000, 1, 1500), q_lens=(1, 1, 2), num_q_heads=16,
+                     num_kv_heads=2, head_dim=128, block_size=32, dtype="bfloat16",
+                     alibi=True, sinks=True, name=f"split{split_kv}")
     check(case)
 
 

@@ -21,7 +21,7 @@ from itertools import accumulate
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pagedbench.adapters.vllm_cpu import (
@@ -88,6 +88,11 @@ def gather_vllm(key_cache: torch.Tensor, value_cache: torch.Tensor, inputs):
 
 
 @given(vllm_cases())
+@example(PagedCase(kv_lens=(1, 48, 49), num_q_heads=2, num_kv_heads=2, head_dim=96,
+                   block_size=48, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", k_scale=0.5,
+                   name="fp8-bs48"))
+@example(PagedCase(kv_lens=(16, 17, 3), q_lens=(16, 2, 3), num_q_heads=4, num_kv_heads=1,
+                   head_dim=64, block_size=16, dtype="float32", name="mqa"))
 def test_conversion_reads_back_the_logical_kv_and_keeps_the_poison(case: PagedCase) -> None:
     inputs = materialize(case)
     key_cache, value_cache = to_vllm_cpu_cache(inputs)
