@@ -48,9 +48,20 @@ def test_run_refuses_a_thread_count_other_than_prepares(prepared) -> None:
 
 
 def test_run_refuses_to_compile(prepared) -> None:
-    """A shape that ``prepare`` did not compile (here: two query rows per sequence) must
-    raise in ``run`` rather than be compiled, or run eagerly, inside the timed call."""
+    """A call that ``prepare`` did not compile (here: another sm_scale, a constant of the
+    compiled kernel) must raise in ``run`` rather than be compiled, or run eagerly, inside
+    the timed call."""
     flex, state = prepared
-    two_rows = replace(state, q=torch.cat([state.q, state.q], dim=2))  # [batch, hq, 2, d]
     with pytest.raises(RuntimeError, match="fail_on_recompile"):
-        flex.run(two_rows)
+        flex.run(replace(state, sm_scale=state.sm_scale / 2))
+
+
+def test_undeclared_features_and_fp8_cache_are_reported_unsupported() -> None:
+    case = PagedCase(kv_lens=(16,), num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
+                     dtype="bfloat16", alibi=True, sinks=True, kv_cache_dtype="fp8_e4m3",
+                     name="features")
+    assert FlexPaged().why_unsupported(case, "cpu") == [
+        "feature 'alibi' not supported",
+        "feature 'sinks' not supported",
+        "kv_cache_dtype 'fp8_e4m3' not in ['auto']",
+    ]
