@@ -55,9 +55,10 @@ same-dtype error that the tolerance policy allows twice of):
   128, 256; head_dim 8, 16, 32, 64, 65, 72, 80, 96, 100, 128, 256, 512; GQA ratios 1, 4,
   7, 8 (MQA); decode on both CPU templates, prefill mixed with decode, sliding window,
   soft cap, sm_scale. So no axis but the device is restricted in :data:`CAPABILITIES`.
-- compilation, per shape family: 6-30 s with a cold inductor cache (the first in a
-  process adds about 5 s), 0.05-2.5 s from a warm one. Every case of the default job is
-  its own family but two (22 compilations, 277 s in all on a loaded machine).
+- compilation, per shape family, with a cold inductor cache: 5 s on an idle machine
+  (the first in a process 17 s), up to 30 s on a loaded one; 0.05-2.5 s from a warm
+  cache. Every case of the default job is its own family but two (22 compilations,
+  277 s in all on a loaded machine).
 - a sequence whose last block is partly filled fails: the CPU kernel multiplies the
   masked slots' zero probabilities by their V rows (``0 * NaN = NaN``), so the NaN
   poison reaches the output (the class of pytorch/pytorch#101967 for SDPA; vLLM zeroes
@@ -86,7 +87,7 @@ from .base import Adapter, Availability, Capabilities
 #: size, i.e. our ``block_size``.
 Q_BLOCK_SIZE = 128
 #: Compiled shape families one process may hold (Dynamo's ``recompile_limit`` and
-#: ``accumulated_recompile_limit`` while ``prepare`` compiles). At 6-30 s per family on
+#: ``accumulated_recompile_limit`` while ``prepare`` compiles). At 5-30 s per family on
 #: two cores, a run reaches it only after hours; past it ``prepare`` raises.
 MAX_SHAPE_FAMILIES = 1024
 
