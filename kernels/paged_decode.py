@@ -1,0 +1,432 @@
+"""Paged decode attention in Triton: one program per (sequence, KV head).
+
+Each program owns one sequence's single query token for the whole group of query heads
+that share one KV head (GQA: ``group_size = num_q_heads // num_kv_heads`` rows), walks
+the sequence's keys in tiles of :data:`KV_TILE` logical positions, looks up every key's
+physical block in the block table (``block_tables[seq, pos // block_size]``, slot
+``pos % block_size``), and keeps a running softmax in float32 (online softmax, Milakov &
+Gimelshein 2018, arXiv:1805.02867; as in FlashAttention, Dao et al. 2022,
+arXiv:2205.14135). Tiling over logical positions rather than over blocks is what vLLM's
+Triton ``unified_attention`` does (``vllm/v1/attention/ops/triton_unified_attention.py``):
+it makes the tile a power of two whatever the block size (1, 48, 128, ...).
+
+Correctness rules the kernel keeps:
+
+- K and V are read from the canonical ``kv_cache[num_blocks, 2, block_size,
+  num_kv_heads, head_dim]`` through its strides, never copied.
+- Every key outside ``[first_key, kv_len)`` is excluded by a select (``tl.where`` to
+  ``-inf``) on the logits and by masked loads (``other=0``) of its block number, K and V;
+  the slots past ``kv_len`` hold NaN in pagedbench's inputs, and ``0 * NaN`` is NaN, so no
+  multiply-by-zero masking appears anywhere.
+- Rows past ``group_size`` and channels past ``head_dim`` are padding: the row count is
+  padded to a power of two >= 16 and ``head_dim`` to a power of two >= 16, the smallest
+  operand shapes ``tl.dot`` accepts on a GPU.
+
+Under the Triton interpreter (``TRITON_INTERPRET=1``, read when ``@triton.jit`` runs,
+i.e. at the import of this module) bfloat16 is stored as raw 16-bit patterns, and two
+operations on it are wrong in triton 3.9.0: ``tl.dot`` multiplies the patterns as
+integers (triton-lang/triton#11584; Triton's debugging guide: cast bfloat16 to float32
+before operating on it), and a float32 -> bfloat16 cast truncates the mantissa instead of
+rounding it to nearest even (``cast_impl`` in ``triton/runtime/interpreter.py`` passes no
+rounding mode; its round-to-nearest branch does not carry into the exponent). So when
+the launcher sees bfloat16 under the interpreter, and only then (:func:`bf16_via_fp32`),
+it sets ``BF16_VIA_FP32``: the dot operands are upcast to float32 and the output is
+rounded to bfloat16 with integer arithmetic (:func:`_round_to_bf16`). Compiled GPU code
+keeps bfloat16 tensor-core dots and the hardware conversion.
+
+Cost under the interpreter: every iteration of the key loop in every program is one
+"program step" (:func:`program_steps`); see
+:data:`pagedbench.adapters.triton_decode.INTERPRETER_STEP_BUDGET` for its measured cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+#: Keys per loop step (logical positions, any block size). A power of two >= 16 so that
+#: ``tl.dot`` shapes are legal on a GPU; vLLM's decode tiles are 16 or 32 keys.
+KV_TILE = 32
+#: Smallest extent ``tl.dot`` accepts for each operand dimension on a GPU.
+MIN_DOT_DIM = 16
+#: Data types of Q, K, V and the output (one dtype for all four).
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: Padded head_dim from which a program gets 8 warps instead of 4: with 4, the
+#: bfloat16 kernel at head_dim 256 spills registers (``ptxas -v``, sm_90a, triton 3.9.0:
+#: 255 registers and 156 bytes of spill stores; 8 warps: 207 registers, no spill), while
+#: at head_dim 128 4 warps do not spill (209 registers).
+WIDE_HEAD_DIM = 256
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exponential, overflow-free: ``sign(x) (1 - e) / (1 + e)``,
+    ``e = exp(-2|x|)`` (``libdevice.tanh`` does not run under the interpreter)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """float32 -> bfloat16, round to nearest even, by integer arithmetic on the bits:
+    add ``0x7FFF`` plus the lowest kept bit, then drop the low 16 bits (the carry moves
+    into the exponent as it must)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr,
+    kv_cache_ptr,
+    block_tables_ptr,
+    kv_lens_ptr,
+    out_ptr,
+    sm_scale,
+    logits_soft_cap,
+    sliding_window,
+    group_size,
+    stride_q_seq,
+    stride_q_head,
+    stride_q_dim,
+    stride_cache_block,
+    stride_cache_kv,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_cache_dim,
+    stride_table_seq,
+    stride_table_block,
+    stride_out_seq,
+    stride_out_head,
+    stride_out_dim,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_TILE: tl.constexpr,
+    HAS_SLIDING_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    BF16_VIA_FP32: tl.constexpr,
+):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    keys = tl.arange(0, KV_TILE)
+    row_ok = rows < group_size
+    dim_ok = dims < HEAD_DIM
+
+    q_heads = kv_head * group_size + rows  # [GROUP_PAD]
+    q_offsets = (
+        seq.to(tl.int64) * stride_q_seq
+        + q_heads[:, None] * stride_q_head
+        + dims[None, :] * stride_q_dim
+    )  # [GROUP_PAD, HEAD_DIM_PAD]
+    q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if BF16_VIA_FP32:
+        q = q.to(tl.float32)
+
+    kv_len = tl.load(kv_lens_ptr + seq)
+    if HAS_SLIDING_WINDOW:
+        first_key = tl.maximum(kv_len - sliding_window, 0)
+    else:
+        first_key = 0
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
+    head_offset = kv_head.to(tl.int64) * stride_cache_head
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(s - m_i)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    for tile_start in range((first_key // KV_TILE) * KV_TILE, kv_len, KV_TILE):
+        pos = tile_start + keys  # [KV_TILE] logical key positions
+        live = (pos < kv_len) & (pos >= first_key)
+        block = tl.load(
+            table_row + (pos // BLOCK_SIZE) * stride_table_block, mask=live, other=0
+        ).to(tl.int64)  # [KV_TILE] physical block of each key
+        slot_offsets = (
+            block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + head_offset
+        )  # [KV_TILE]
+        # [KV_TILE, HEAD_DIM_PAD]
+        kv_offsets = slot_offsets[:, None] + dims[None, :] * stride_cache_dim
+        kv_mask = live[:, None] & dim_ok[None, :]
+        k = tl.load(kv_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        v = tl.load(kv_cache_ptr + stride_cache_kv + kv_offsets, mask=kv_mask, other=0.0)
+        if BF16_VIA_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [GROUP_PAD, KV_TILE]
+        if HAS_SOFT_CAP:
+            s = logits_soft_cap * _tanh(s / logits_soft_cap)
+        s = tl.where(live[None, :], s * LOG2E, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, KV_TILE]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    # A row that saw no key (kv_len 0) stays all zeros (FlashAttention's convention).
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_offsets = (
+        seq.to(tl.int64) * stride_out_seq
+        + q_heads[:, None] * stride_out_head
+        + dims[None, :] * stride_out_dim
+    )  # [GROUP_PAD, HEAD_DIM_PAD]
+    if BF16_VIA_FP32:
+        out = _round_to_bf16(out)
+    else:
+        out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + out_offsets, out, mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def kernel_is_interpreted() -> bool:
+    """True when this module's kernel runs under the Triton interpreter.
+
+    Triton decides when ``@triton.jit`` decorates, i.e. when this module is imported
+    with ``TRITON_INTERPRET=1`` in the environment; setting it later changes nothing.
+    """
+    return isinstance(_paged_decode_kernel, InterpretedFunction)
+
+
+def bf16_via_fp32(dtype: torch.dtype, interpreted: bool) -> bool:
+    """Whether the kernel must do its bfloat16 work in float32 (``BF16_VIA_FP32``).
+
+    Only bfloat16 under the interpreter, whose bfloat16 ``tl.dot`` and float32 ->
+    bfloat16 cast are wrong (see the module docstring; float16 and float32 are right).
+    Compiled GPU code must keep bfloat16 dot operands for tensor cores.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+        Dtype of Q, K and V.
+    interpreted : bool
+        Whether the kernel runs under the interpreter (:func:`kernel_is_interpreted`).
+    """
+    return interpreted and dtype == torch.bfloat16
+
+
+def padded_dim(n: int) -> int:
+    """``n`` rounded up to a power of two, at least :data:`MIN_DOT_DIM` (rows, channels)."""
+    return max(MIN_DOT_DIM, triton.next_power_of_2(n))
+
+
+def program_steps(
+    kv_lens: Sequence[int], num_kv_heads: int, sliding_window: int | None = None
+) -> int:
+    """Iterations of the key loop over all programs of one launch.
+
+    A program (sequence ``i``, one KV head) steps over the :data:`KV_TILE`-aligned
+    tiles from the first visible key (``kv_len - sliding_window``, or 0) to ``kv_len``.
+
+    Parameters
+    ----------
+    kv_lens : sequence of int
+        Keys per sequence, ``[batch]``.
+    num_kv_heads : int
+    sliding_window : int or None
+    """
+    steps = 0
+    for kv_len in kv_lens:
+        first_key = 0 if sliding_window is None else max(kv_len - sliding_window, 0)
+        steps += math.ceil(kv_len / KV_TILE) - first_key // KV_TILE
+    return steps * num_kv_heads
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """A validated, fully planned launch of the kernel; calling it only launches.
+
+    Built by :func:`plan_paged_decode`. Calling it (re)writes every element of
+    :attr:`out` and returns it, so one plan can be launched many times (benchmarks).
+
+    Attributes
+    ----------
+    out : Tensor[batch, num_q_heads, head_dim], dtype of q
+    grid : tuple[int, int]
+        ``(batch, num_kv_heads)``: one program per sequence and KV head.
+    args : tuple
+        Positional kernel arguments (tensors, scalars, strides).
+    constexprs : dict[str, Any]
+        The kernel's compile-time parameters (``UPPER_CASE``).
+    num_warps : int
+        Warps per program on a GPU (see :data:`WIDE_HEAD_DIM`).
+    """
+
+    out: torch.Tensor
+    grid: tuple[int, int]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+    num_warps: int
+
+    def __call__(self) -> torch.Tensor:
+        _paged_decode_kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps)
+        return self.out
+
+
+def plan_paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> DecodeLaunch:
+    """Validate the arguments of :func:`paged_decode` and plan its launch (no launch).
+
+    Takes the same arguments as :func:`paged_decode`; allocates ``out`` when it is
+    None. Use it to keep validation and allocation out of a timed region.
+
+    Raises
+    ------
+    ValueError, TypeError
+        As :func:`paged_decode`.
+    """
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables),
+                    ("kv_lens", kv_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    _check(q.dim() == 3, f"q must be [batch, num_q_heads, head_dim] (3-D), got shape "
+                         f"{tuple(q.shape)}")
+    _check(q.dtype in SUPPORTED_DTYPES,
+           f"q.dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {q.dtype}")
+    _check(kv_cache.dim() == 5 and kv_cache.shape[1] == 2,
+           "kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim], got "
+           f"shape {tuple(kv_cache.shape)}")
+    _check(kv_cache.dtype == q.dtype,
+           f"kv_cache.dtype ({kv_cache.dtype}) must equal q.dtype ({q.dtype})")
+    batch, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    _check(cache_head_dim == head_dim,
+           f"kv_cache head_dim ({cache_head_dim}) must equal q head_dim ({head_dim})")
+    _check(min(batch, num_q_heads, head_dim, block_size, num_kv_heads) >= 1,
+           f"every dimension of q {tuple(q.shape)} and kv_cache {tuple(kv_cache.shape)} "
+           "must be >= 1")
+    _check(num_q_heads % num_kv_heads == 0,
+           f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check(block_tables.dtype == torch.int32,
+           f"block_tables.dtype must be torch.int32, got {block_tables.dtype}")
+    _check(block_tables.dim() == 2 and block_tables.shape[0] == batch,
+           f"block_tables must be [batch={batch}, max_blocks_per_seq], got shape "
+           f"{tuple(block_tables.shape)}")
+    _check(kv_lens.dtype == torch.int32, f"kv_lens.dtype must be torch.int32, got {kv_lens.dtype}")
+    _check(tuple(kv_lens.shape) == (batch,),
+           f"kv_lens must be [batch={batch}], got shape {tuple(kv_lens.shape)}")
+    devices = {t.device for t in (q, kv_cache, block_tables, kv_lens)}
+    _check(len(devices) == 1, f"q, kv_cache, block_tables and kv_lens must share one device, "
+                              f"got {sorted(map(str, devices))}")
+    sm_scale = float(sm_scale)
+    _check(math.isfinite(sm_scale) and sm_scale > 0, f"sm_scale must be finite and > 0, got "
+                                                     f"{sm_scale}")
+    _check(sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
+           f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    _check(logits_soft_cap is None or (math.isfinite(logits_soft_cap) and logits_soft_cap > 0),
+           f"logits_soft_cap must be None or finite and > 0, got {logits_soft_cap!r}")
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check(isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q.shape)
+               and out.dtype == q.dtype and out.device == q.device,
+               f"out must be a tensor of q's shape {tuple(q.shape)}, dtype {q.dtype} and "
+               f"device {q.device}")
+
+    group_size = num_q_heads // num_kv_heads
+    args = (
+        q, kv_cache, block_tables, kv_lens, out,
+        sm_scale,
+        float(logits_soft_cap or 1.0),
+        int(sliding_window or 0),
+        group_size,
+        *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
+    )
+    constexprs = {
+        "HEAD_DIM": head_dim,
+        "HEAD_DIM_PAD": padded_dim(head_dim),
+        "GROUP_PAD": padded_dim(group_size),
+        "BLOCK_SIZE": block_size,
+        "KV_TILE": KV_TILE,
+        "HAS_SLIDING_WINDOW": sliding_window is not None,
+        "HAS_SOFT_CAP": logits_soft_cap is not None,
+        "BF16_VIA_FP32": bf16_via_fp32(q.dtype, kernel_is_interpreted()),
+    }
+    num_warps = 8 if constexprs["HEAD_DIM_PAD"] >= WIDE_HEAD_DIM else 4
+    return DecodeLaunch(out, (batch, num_kv_heads), args, constexprs, num_warps)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Decode attention (one query token per sequence) over a paged KV cache.
+
+    ``out[i, h] = softmax(sm_scale * K_i @ q[i, h]) @ V_i`` where ``K_i, V_i`` are the
+    first ``kv_lens[i]`` tokens of sequence ``i`` read through ``block_tables[i]``, and
+    query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+
+    Parameters
+    ----------
+    q : Tensor[batch, num_q_heads, head_dim], float32 | float16 | bfloat16
+        The query of each sequence's last token.
+    kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], dtype of q
+        K at ``[:, 0]``, V at ``[:, 1]``; any strides (read in place).
+    block_tables : Tensor[batch, max_blocks_per_seq], int32
+        Physical block of each logical block. Entries past a sequence's last block are
+        never read.
+    kv_lens : Tensor[batch], int32
+        Keys per sequence, each in ``[0, max_blocks_per_seq * block_size]`` (not checked:
+        that would need a device-to-host copy); 0 gives a zero output row.
+    sm_scale : float
+        Scale of the logits ``q @ k``, > 0 (usually ``1 / sqrt(head_dim)``).
+    out : Tensor[batch, num_q_heads, head_dim], dtype of q, optional
+        Written in full and returned; allocated when None.
+    sliding_window : int or None
+        The query (at position ``kv_len - 1``) sees only keys ``>= kv_len - sliding_window``
+        (FlashAttention's ``window_size = (sliding_window - 1, 0)``).
+    logits_soft_cap : float or None
+        Scaled logits ``s`` become ``logits_soft_cap * tanh(s / logits_soft_cap)``
+        (Gemma 2; applied after ``sm_scale``, as in FlashInfer and vLLM).
+
+    Returns
+    -------
+    Tensor[batch, num_q_heads, head_dim], dtype of q
+        ``out`` (the given buffer, or a new one).
+
+    Raises
+    ------
+    TypeError
+        If q, kv_cache, block_tables or kv_lens is not a tensor.
+    ValueError
+        On a wrong rank, shape, dtype (block_tables and kv_lens must be int32; q and
+        kv_cache one of float32/float16/bfloat16, the same), mixed devices, sm_scale <= 0,
+        sliding_window < 1, logits_soft_cap <= 0, or an ``out`` unlike q.
+    """
+    return plan_paged_decode(
+        q, kv_cache, block_tables, kv_lens, sm_scale,
+        out=out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+    )()
