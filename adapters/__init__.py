@@ -20,6 +20,7 @@ ENTRY_POINT_GROUP = "pagedbench.adapters"
 BUILTIN: tuple[str, ...] = (
     "pagedbench.adapters.torch_sdpa:SdpaContiguous",
     "pagedbench.adapters.torch_sdpa:TorchGather",
+    "pagedbench.adapters.triton_decode:TritonPagedDecode",
     "pagedbench.adapters.flex_paged:FlexPaged",
     "pagedbench.adapters.vllm_cpu:VllmCpu",
     "pagedbench.adapters.vllm_triton:VllmUnified",

@@ -1,0 +1,112 @@
+"""The ``pagedbench-triton`` adapter: registration, availability, declared limits and
+the interpreter budget, and one prepare/run round trip against the truth."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedbench.adapters import BUILTIN, load
+from pagedbench.harness.cases import default_cases
+from pagedbench.harness.tolerance import assert_close_report
+from pagedbench.reference import PagedCase, materialize, naive_attention, reference_attention
+
+triton = pytest.importorskip("triton")
+from pagedbench.adapters.triton_decode import (  # noqa: E402
+    INTERPRETER_STEP_BUDGET,
+    TritonPagedDecode,
+)
+from pagedbench.kernels.paged_decode import KV_TILE, kernel_is_interpreted  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TARGET = "pagedbench.adapters.triton_decode:TritonPagedDecode"
+
+
+def test_registered_right_after_the_torch_gather_baseline():
+    assert BUILTIN.index(TARGET) == BUILTIN.index("pagedbench.adapters.torch_sdpa:TorchGather") + 1
+    assert isinstance(load(TARGET), TritonPagedDecode)
+    assert load(TARGET).name == "pagedbench-triton"
+
+
+def test_available_here():
+    availability = TritonPagedDecode().available(DEVICE)
+    assert availability.ok, availability.reason
+    assert availability.version == triton.__version__
+    assert availability.details == {"interpreted": str(kernel_is_interpreted()).lower(),
+                                    "kv_tile": str(KV_TILE)}
+    assert TritonPagedDecode().is_interpreted("cpu")
+
+
+def test_cpu_needs_the_interpreter_set_before_import():
+    """In a fresh process without TRITON_INTERPRET the CPU is refused with the remedy,
+    and setting the variable after the kernel module was imported is too late."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = (
+        "import os\n"
+        "from pagedbench.adapters.triton_decode import TritonPagedDecode\n"
+        "a = TritonPagedDecode().available('cpu'); print(a.ok, a.reason, sep='|')\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "a = TritonPagedDecode().available('cpu'); print(a.ok, a.reason, sep='|')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300, check=True)
+    before, after = done.stdout.splitlines()
+    assert before.startswith("False|") and "set TRITON_INTERPRET=1" in before
+    assert after.startswith("False|") and "imported before TRITON_INTERPRET=1" in after
+
+
+def test_every_reduced_preset_fits_the_interpreter_budget():
+    reduced = [c for c in default_cases() if c.tag == "reduced"]
+    assert len(reduced) == 12
+    for case in reduced:
+        assert TritonPagedDecode().why_unsupported(case, "cpu") == [], case.case_id
+
+
+def test_interpreter_budget_rejects_by_step_count():
+    """A full preset is refused on the CPU exactly when its steps, counted here from the
+    lengths, exceed the budget; the largest (phi3-mini, 32 KV heads) always is."""
+    adapter = TritonPagedDecode()
+    full = [c for c in default_cases() if c.tag != "reduced"]
+    for case in full:
+        steps = sum(math.ceil(n / KV_TILE) for n in case.kv_lens) * case.num_kv_heads
+        reasons = adapter.why_unsupported(case, "cpu")
+        if steps > INTERPRETER_STEP_BUDGET:
+            assert reasons == [f"too large for the Triton interpreter: {steps} steps > "
+                               f"budget {INTERPRETER_STEP_BUDGET}"], case.case_id
+        else:
+            assert reasons == [], case.case_id
+    assert adapter.why_unsupported(max(full, key=lambda c: c.num_kv_heads), "cpu")
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"q_lens": (1, 2)}, "mode 'prefill' not in ['decode']"),
+    ({"alibi": True}, "feature 'alibi' not supported"),
+    ({"sinks": True}, "feature 'sinks' not supported"),
+    ({"kv_cache_dtype": "fp8_e4m3"}, "kv_cache_dtype 'fp8_e4m3' not in ['auto']"),
+    ({"head_dim": 72}, "head_dim 72 not supported (supported: 64, 80, 96, 128, 256)"),
+])
+def test_declared_limits_give_reasons(change, reason):
+    case = PagedCase(kv_lens=(3, 9), num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     block_size=16).with_(**change)
+    assert reason in TritonPagedDecode().why_unsupported(case, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prepare_then_run_matches_dense(dtype):
+    case = PagedCase(kv_lens=(1, 30, 49), num_q_heads=10, num_kv_heads=2, head_dim=80,
+                     block_size=48, dtype=dtype, sliding_window=20, logits_soft_cap=8.0,
+                     name="adapter")
+    adapter = TritonPagedDecode()
+    assert adapter.why_unsupported(case, DEVICE) == []
+    inputs = materialize(case, DEVICE)
+    prepared = adapter.prepare(inputs)
+    assert bool(prepared.out.isnan().all()), "prepare must leave the NaN buffer unwritten"
+    first = adapter.run(prepared).clone()
+    assert_close_report(first, reference_attention(inputs), naive_attention(inputs),
+                        case.dtype, case.case_id)
+    assert torch.equal(adapter.run(prepared), first)
