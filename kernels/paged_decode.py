@@ -21,14 +21,17 @@ Correctness rules the kernel keeps:
 - Rows past ``group_size`` and channels past ``head_dim`` are padding: the row count is
   padded to a power of two >= 16 and ``head_dim`` to a power of two >= 16, the smallest
   operand shapes ``tl.dot`` accepts on a GPU.
+- Dots accumulate in float32, and float32 operands use ``input_precision="ieee"``:
+  Triton's default on a GPU is TF32, whose 10-bit mantissa would miss the float32
+  tolerance by orders of magnitude.
 
 Under the Triton interpreter (``TRITON_INTERPRET=1``, read when ``@triton.jit`` runs,
 i.e. at the import of this module) bfloat16 is stored as raw 16-bit patterns, and two
 operations on it are wrong in triton 3.9.0: ``tl.dot`` multiplies the patterns as
 integers (triton-lang/triton#11584; Triton's debugging guide: cast bfloat16 to float32
 before operating on it), and a float32 -> bfloat16 cast truncates the mantissa instead of
-rounding it to nearest even (``cast_impl`` in ``triton/runtime/interpreter.py`` passes no
-rounding mode; its round-to-nearest branch does not carry into the exponent). So when
+rounding it to nearest even, even with ``fp_downcast_rounding="rtne"`` (measured:
+1.9999990 becomes 1.9921875, where torch and the GPU give 2.0). So when
 the launcher sees bfloat16 under the interpreter, and only then (:func:`bf16_via_fp32`),
 it sets ``BF16_VIA_FP32``: the dot operands are upcast to float32 and the output is
 rounded to bfloat16 with integer arithmetic (:func:`_round_to_bf16`). Compiled GPU code
