@@ -38,7 +38,9 @@ class MultipleOf:
         return f"multiples of {self.n}"
 
 
-def _allows(allowed: Iterable[int | MultipleOf] | None, value: int) -> bool:
+def allows(allowed: Iterable[int | MultipleOf] | None, value: int) -> bool:
+    """Whether ``value`` is in ``allowed`` (ints and :class:`MultipleOf` rules; ``None``
+    allows everything)."""
     if allowed is None:
         return True
     return any(value in a if isinstance(a, MultipleOf) else value == a for a in allowed)
@@ -72,6 +74,17 @@ class Capabilities:
         ``"auto"`` means the KV cache has the case dtype.
     min_compute_capability : tuple[int, int] or None
         Lowest CUDA compute capability, for ``cuda`` runs.
+    nan_safe_tail : bool
+        True (the default, and what pagedbench's own kernels guarantee) when the result
+        cannot depend on the unused slots at the end of a sequence's partly filled last
+        block, even if they hold NaN. False declares that the kernel reads those slots and
+        multiplies them by zero probabilities (``0 * NaN = NaN``): a NaN or Inf left in a
+        reused block by an earlier request then corrupts the output. Conformance judges
+        such an implementation with finite stale values in those slots instead of NaN
+        (``materialize(..., tail_poison="stale")``; every other unused slot stays NaN),
+        records ``tail_poison: "stale"`` and marks its passes, and checks that the
+        declaration is still true. Found in vLLM's CPU op and compiled FlexAttention on
+        the CPU; vLLM fixed the same class in its CUDA kernel (vllm-project/vllm#641).
 
     Raises
     ------
@@ -89,6 +102,12 @@ class Capabilities:
     features: frozenset[str] = frozenset()
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     min_compute_capability: tuple[int, int] | None = None
+    nan_safe_tail: bool = True
+
+    @property
+    def tail_poison(self) -> str:
+        """What conformance puts in the tail of each last block: ``"nan"`` or ``"stale"``."""
+        return "nan" if self.nan_safe_tail else "stale"
 
     def __post_init__(self) -> None:
         unknown = sorted(self.features - FEATURES)
@@ -118,7 +137,7 @@ class Capabilities:
             ("gqa ratio", case.gqa_ratio, self.gqa_ratios),
         ]
         for axis, value, allowed in checks:
-            if not _allows(allowed, value):
+            if not allows(allowed, value):
                 reasons.append(f"{axis} {value} not supported (supported: {_describe(allowed)})")
         if case.mode not in self.modes:
             reasons.append(f"mode {case.mode!r} not in {sorted(self.modes)}")
@@ -137,7 +156,8 @@ class Capabilities:
             if values is None:
                 return None
             return [str(v) if isinstance(v, MultipleOf) else v
-                    for v in sorted(values, key=lambda v: (isinstance(v, MultipleOf), str(v)))]
+                    for v in sorted(values, key=lambda v: (isinstance(v, MultipleOf),
+                                                           v.n if isinstance(v, MultipleOf) else v))]
 
         return {
             "devices": sorted(self.devices),
@@ -149,6 +169,7 @@ class Capabilities:
             "features": sorted(self.features),
             "kv_cache_dtypes": sorted(self.kv_cache_dtypes),
             "min_compute_capability": self.min_compute_capability,
+            "nan_safe_tail": self.nan_safe_tail,
         }
 
 

@@ -62,10 +62,10 @@ same-dtype error that the tolerance policy allows twice of):
 - a sequence whose last block is partly filled fails: the CPU kernel multiplies the
   masked slots' zero probabilities by their V rows (``0 * NaN = NaN``), so the NaN
   poison reaches the output (the class of pytorch/pytorch#101967 for SDPA; vLLM zeroes
-  such V rows explicitly, vllm-project/vllm#641). :meth:`FlexPaged.why_unsupported`
-  reports such cases unsupported with that reason;
-  ``suites/adapters/test_flex_paged_poison.py`` pins the behaviour, so it shows when
-  PyTorch changes it.
+  such V rows explicitly, vllm-project/vllm#641). :data:`CAPABILITIES` therefore
+  declares ``nan_safe_tail=False``: conformance checks flex-paged with finite stale
+  values in those slots, and ``suites/adapters/test_flex_paged_poison.py`` pins the
+  behaviour, so it shows when PyTorch changes it.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     modes=frozenset({"decode", "prefill"}),
     features=frozenset({"sliding_window", "logits_soft_cap"}),
+    nan_safe_tail=False,
 )
 
 
@@ -196,10 +197,6 @@ class _Prepared:
     first_call_ms: float
 
 
-def _partial_last_blocks(case: PagedCase) -> list[int]:
-    return [i for i, n in enumerate(case.kv_lens) if n % case.block_size]
-
-
 class FlexPaged(Adapter):
     """``flex_attention`` over ``PagedAttention``'s pool and page table, compiled per shape.
 
@@ -245,17 +242,6 @@ class FlexPaged(Adapter):
         return Availability(True, version=version,
                             details={"cpu_isa": isa, "cxx": compiler,
                                      "num_threads": str(torch.get_num_threads())})
-
-    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = super().why_unsupported(case, device)
-        partial = _partial_last_blocks(case)
-        if partial:
-            reasons.append(
-                f"kv_lens must be multiples of block_size {case.block_size} (sequences {partial} "
-                "are not): the compiled CPU kernel multiplies the masked slots of a partly "
-                "filled last block by zero, so the NaN in unused slots reaches the output"
-            )
-        return reasons
 
     def prepare(self, inputs: PagedInputs) -> _Prepared:
         """Convert, build the block mask, compile and warm up (untimed).

@@ -20,12 +20,16 @@ STATUS_ORDER = [str(s) for s in Status]
 
 
 def cell_text(record: dict[str, Any]) -> str:
+    """The leaderboard cell of one record: its status, then for a pass its median time."""
     status = record["status"]
-    if status != str(Status.PASS) or record.get("time_ms_median") is None:
+    if status != str(Status.PASS):
         return status
+    mark = "pass†" if record.get("tail_poison") == "stale" else "pass"
+    if record.get("time_ms_median") is None:
+        return mark
     if record.get("timing_method") == "interpreted":
-        return "pass (interp.)"
-    return f"pass {record['time_ms_median']:.3g} ms"
+        return f"{mark} (interp.)"
+    return f"{mark} {record['time_ms_median']:.3g} ms"
 
 
 def frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
@@ -101,7 +105,10 @@ def markdown(records: list[dict[str, Any]], title: str = "pagedbench leaderboard
         f"# {title}", "", conditions, "",
         "Cells: verdict against the float64 truth, then the median time per call. "
         "Bold: fastest passing implementation of the row. `(interp.)`: ran under an "
-        "interpreter, checked for correctness, never ranked.", "",
+        "interpreter, checked for correctness, never ranked. `†`: the implementation "
+        "declares that it multiplies the unused slots of a partly filled last block by "
+        "zero (NaN there would reach its output), so it was checked with finite stale "
+        "values in those slots instead of NaN.", "",
         leaderboard(df).to_markdown(), "", "## Summary", "", summary(df).to_markdown(), "",
     ]
     notes = reasons(df)

@@ -140,6 +140,8 @@ def base_record(target: str, name: str, case: PagedCase, config: RunConfig,
         "time_ms": None,
         "time_ms_median": None,
         "timing_method": None,
+        "tail_poison": None,
+        "nan_tail_output_finite": None,
         "bytes_moved": bytes_moved(case),
         "flops": flops(case),
         "bandwidth_gbps": None,
@@ -159,15 +161,14 @@ def evaluate(adapter: Adapter, target: str, availability: Availability, case: Pa
     if reasons:
         return record | {"status": str(Status.UNSUPPORTED), "reason": "; ".join(reasons)}
     truth, naive = truth_for(case, config.cache_dir)
-    inputs = materialize(case, config.device)
+    tail_poison = adapter.capabilities().tail_poison
+    record["tail_poison"] = tail_poison
     try:
-        prepared = adapter.prepare(inputs)
+        prepared = adapter.prepare(materialize(case, config.device, tail_poison=tail_poison))
         out = adapter.run(prepared)
         _synchronize(config.device)
     except Exception as exc:  # the implementation's fault, recorded, never fatal
-        last = traceback.extract_tb(exc.__traceback__)[-1]
-        where = f"{Path(last.filename).name}:{last.lineno}"
-        return record | {"status": str(Status.ERROR), "reason": f"{type(exc).__name__}: {exc} ({where})"}
+        return record | {"status": str(Status.ERROR), "reason": _describe_exception(exc)}
     result = tolerance.compare(out, truth, naive, case.dtype)
     record |= {
         "status": str(Status.PASS if result.passed else Status.FAIL),
@@ -182,7 +183,8 @@ def evaluate(adapter: Adapter, target: str, availability: Availability, case: Pa
         try:
             timing = _time(adapter, prepared, config)
         except Exception as exc:
-            return record | {"status": str(Status.ERROR), "reason": f"while timing: {type(exc).__name__}: {exc}"}
+            return record | {"status": str(Status.ERROR),
+                             "reason": f"while timing: {_describe_exception(exc)}"}
         seconds = timing.median_ms / 1e3
         record |= {
             "time_ms": timing.to_dict(),
@@ -191,7 +193,26 @@ def evaluate(adapter: Adapter, target: str, availability: Availability, case: Pa
             "bandwidth_gbps": record["bytes_moved"] / seconds / 1e9 if seconds > 0 else None,
             "tflops": record["flops"] / seconds / 1e12 if seconds > 0 else None,
         }
+    if result.passed and tail_poison == "stale":
+        record["nan_tail_output_finite"] = _nan_tail_output_finite(adapter, case, config)
     return record
+
+
+def _describe_exception(exc: BaseException) -> str:
+    last = traceback.extract_tb(exc.__traceback__)[-1]
+    return f"{type(exc).__name__}: {exc} ({Path(last.filename).name}:{last.lineno})"
+
+
+def _nan_tail_output_finite(adapter: Adapter, case: PagedCase, config: RunConfig) -> bool | None:
+    """For an adapter that declares ``nan_safe_tail=False``: does its output stay finite
+    with NaN in the last blocks' tails after all? ``None`` when it raised. Recorded so a
+    fix upstream shows (the declaration can then be dropped)."""
+    try:
+        out = adapter.run(adapter.prepare(materialize(case, config.device)))
+        _synchronize(config.device)
+    except Exception:
+        return None
+    return bool(torch.isfinite(out).all())
 
 
 def _worker(target: str, cases: list[dict[str, Any]], config: RunConfig, channel: Any) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from pagedbench.adapters.base import Capabilities, _allows
+from pagedbench.adapters.base import Capabilities, allows
 from pagedbench.reference import PagedCase
 
 BLOCK_SIZES = (1, 2, 8, 16, 32, 48, 64, 128)
@@ -23,7 +23,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _allowed(values: tuple[int, ...], allowed: frozenset | None) -> list[int]:
-    return [v for v in values if _allows(allowed, v)]
+    return [v for v in values if allows(allowed, v)]
 
 
 @st.composite

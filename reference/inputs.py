@@ -179,7 +179,16 @@ def _store(x: torch.Tensor, scale: float, kv_dtype: torch.dtype) -> torch.Tensor
     return (x / scale).clamp(-limit, limit).to(kv_dtype)
 
 
-def materialize(case: PagedCase, device: str | torch.device = "cpu") -> PagedInputs:
+#: Magnitude of the finite "stale" values that ``tail_poison="stale"`` leaves in the unused
+#: slots of each last block: large enough that attending to one of them (K) or weighting
+#: one by a nonzero probability (V) gives an error far above any tolerance.
+STALE_SCALE = 30.0
+TAIL_POISONS = ("nan", "stale")
+
+
+def materialize(
+    case: PagedCase, device: str | torch.device = "cpu", *, tail_poison: str = "nan"
+) -> PagedInputs:
     """Build the canonical tensors of ``case`` on ``device``, deterministically from its seed.
 
     Q, K and V are standard normal (K with a few outlier channels, see
@@ -188,6 +197,11 @@ def materialize(case: PagedCase, device: str | torch.device = "cpu") -> PagedInp
     clamped to the fp8 type's finite range (saturating, as vLLM's fp8 cache writers do)
     and rounded to it. Block tables come from
     :class:`~pagedbench.reference.allocator.BlockAllocator` with a shuffled free list.
+    ``tail_poison`` chooses what fills the unused slots at the end of each sequence's
+    partly filled last block: ``"nan"`` (the strict default) or ``"stale"``, finite
+    values ``STALE_SCALE * N(0, 1)`` (stored like K and V), standing for what an earlier
+    request left there; every other unused slot is NaN either way. See
+    ``Capabilities.nan_safe_tail``.
     With ``case.alibi``, ``alibi_slopes`` holds :func:`alibi_slopes`; with
     ``case.sinks``, ``sinks`` holds logits uniform in ``[SINK_LOW, SINK_HIGH)``, drawn
     after Q from the same generator (so cases without sinks keep their values).
@@ -195,8 +209,11 @@ def materialize(case: PagedCase, device: str | torch.device = "cpu") -> PagedInp
     Raises
     ------
     ValueError
-        If the case is invalid (see :class:`PagedCase`).
+        If the case is invalid (see :class:`PagedCase`), or ``tail_poison`` is not one of
+        :data:`TAIL_POISONS`.
     """
+    if tail_poison not in TAIL_POISONS:
+        raise ValueError(f"tail_poison must be one of {TAIL_POISONS}, got {tail_poison!r}")
     gen = torch.Generator().manual_seed(case.seed)
     dtype = case.torch_dtype
     hkv, d, bs = case.num_kv_heads, case.head_dim, case.block_size
@@ -214,6 +231,14 @@ def materialize(case: PagedCase, device: str | torch.device = "cpu") -> PagedInp
         v = torch.randn(n, hkv, d, generator=gen)
         kv_cache[block, 0, offset] = _store(k, case.k_scale, kv_dtype)
         kv_cache[block, 1, offset] = _store(v, case.v_scale, kv_dtype)
+    if tail_poison == "stale":
+        stale_gen = torch.Generator().manual_seed(case.seed + 2)
+        for n, table in zip(case.kv_lens, tables):
+            free = -n % bs  # unused slots at the end of the last block
+            if free:
+                stale = STALE_SCALE * torch.randn(2, free, hkv, d, generator=stale_gen)
+                kv_cache[table[-1], 0, bs - free :] = _store(stale[0], case.k_scale, kv_dtype)
+                kv_cache[table[-1], 1, bs - free :] = _store(stale[1], case.v_scale, kv_dtype)
 
     q = torch.randn(case.total_q, case.num_q_heads, d, generator=gen).to(dtype)
     sinks = None

