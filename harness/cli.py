@@ -23,7 +23,7 @@ from pagedbench.reference import DTYPES
 
 from . import report, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
-from .runner import RunConfig, run
+from .runner import RunConfig, run, worker_environment
 from .store import DEFAULT_RESULTS_DIR, ResultsFile, Status, new_run_id, read_records
 
 #: Statuses that mean an implementation got a case it claims to support wrong.
@@ -125,6 +125,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    # Availability as a worker of `pagedbench run` would see it (the Triton interpreter on
+    # the CPU is switched on before any kernel module is imported).
+    os.environ.update(worker_environment(args.device, Path("build")))
     rows = []
     for name, (target, adapter) in registry().items():
         availability = adapter.available(args.device)
@@ -168,7 +171,13 @@ def capability_matrix(rows: list[dict[str, Any]]) -> str:
     import pandas as pd
 
     def join(values: list[Any] | None) -> str:
-        return "any" if values is None else ", ".join(map(str, values)) or "-"
+        if values is None:
+            return "any"
+        steps = {b - a for a, b in zip(values, values[1:])} if all(
+            isinstance(v, int) for v in values) else set()
+        if len(values) > 6 and len(steps) == 1:
+            return f"{values[0]}..{values[-1]} step {steps.pop()}"
+        return ", ".join(map(str, values)) or "-"
 
     table = pd.DataFrame([
         {
@@ -182,6 +191,8 @@ def capability_matrix(rows: list[dict[str, Any]]) -> str:
             "head dims": join(r["capabilities"]["head_dims"]),
             "modes": join(r["capabilities"]["modes"]),
             "features": join(r["capabilities"]["features"]),
+            "kv cache": join(r["capabilities"]["kv_cache_dtypes"]),
+            "NaN-safe tail": "yes" if r["capabilities"]["nan_safe_tail"] else "no (†)",
         }
         for r in rows
     ])

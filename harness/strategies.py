@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from pagedbench.adapters.base import Capabilities, allows
+from pagedbench.adapters.base import FEATURES, Capabilities, allows
 from pagedbench.reference import PagedCase
+from pagedbench.reference.case import KV_CACHE_DTYPES
 
-BLOCK_SIZES = (1, 2, 8, 16, 32, 48, 64, 128)
+BLOCK_SIZES = (1, 2, 8, 16, 32, 48, 64, 128, 256)
 GQA_RATIOS = (1, 2, 4, 5, 8)
 HEAD_DIMS = (64, 80, 96, 128)
 DTYPES = ("float32", "float16", "bfloat16")
@@ -39,8 +40,9 @@ def paged_cases(
     """A random :class:`PagedCase` within ``capabilities`` (all axes when ``None``).
 
     Lengths per sequence are drawn from ``{1, block_size - 1, block_size,
-    block_size + 1, uniform(1, max_kv_len)}``; prefill (q_len > 1) and the optional
-    features appear only when the capabilities declare them.
+    block_size + 1, uniform(1, max_kv_len)}``; prefill (q_len > 1), the optional features
+    and fp8 KV caches (with non-unit scales, as vLLM's tests use) appear only when the
+    capabilities declare them.
 
     Raises
     ------
@@ -68,13 +70,21 @@ def paged_cases(
     q_lens = None
     if "prefill" in modes and draw(st.booleans()):
         q_lens = tuple(draw(st.integers(1, min(kv, 16))) for kv in kv_lens)
-    features = caps.features if caps else frozenset({"sliding_window", "logits_soft_cap"})
+    features = caps.features if caps else FEATURES
     sliding_window = None
     if "sliding_window" in features and draw(st.booleans()):
         sliding_window = draw(st.integers(1, max_kv_len))
     soft_cap = None
     if "logits_soft_cap" in features and draw(st.booleans()):
         soft_cap = draw(st.sampled_from((5.0, 30.0, 50.0)))
+    alibi = "alibi" in features and draw(st.booleans())
+    sinks = "sinks" in features and draw(st.booleans())
+    kv_cache_dtypes = sorted(caps.kv_cache_dtypes if caps else KV_CACHE_DTYPES)
+    kv_cache_dtype = draw(st.sampled_from(kv_cache_dtypes))
+    scales = {}
+    if kv_cache_dtype != "auto":
+        scales = {"k_scale": draw(st.sampled_from((0.5, 1.0, 2.0))),
+                  "v_scale": draw(st.sampled_from((0.25, 1.0)))}
     return PagedCase(
         kv_lens=kv_lens,
         q_lens=q_lens,
@@ -85,6 +95,10 @@ def paged_cases(
         dtype=draw(st.sampled_from(dtype_choices)),
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,
+        alibi=alibi,
+        sinks=sinks,
+        kv_cache_dtype=kv_cache_dtype,
+        **scales,
         seed=draw(st.integers(0, 2**16)),
         name="hyp",
     )

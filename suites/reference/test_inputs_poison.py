@@ -25,7 +25,8 @@ def test_materialize_poisons_every_slot_without_a_live_token(case: PagedCase) ->
     ]
     assert inputs.slot_mapping.tolist() == expected_slots
     assert len(set(expected_slots)) == sum(case.kv_lens), "two tokens share a slot"
-    per_slot = inputs.kv_cache.permute(0, 2, 1, 3, 4).reshape(-1, 2 * case.num_kv_heads * case.head_dim)
+    per_slot = inputs.kv_cache.float().permute(0, 2, 1, 3, 4).reshape(
+        -1, 2 * case.num_kv_heads * case.head_dim)  # [num_blocks * block_size, 2 * hkv * d]
     nan_rows = per_slot.isnan().all(dim=1)
     finite_rows = per_slot.isfinite().all(dim=1)
     assert bool(finite_rows[live].all()), "a live token holds NaN"
@@ -35,6 +36,28 @@ def test_materialize_poisons_every_slot_without_a_live_token(case: PagedCase) ->
     ]
     assert bool((padding == inputs.padding_block).all())
     assert bool(inputs.kv_cache[inputs.padding_block].isnan().all())
+
+
+@given(paged_cases(max_batch=3, max_kv_len=70))
+def test_stale_tail_poison_fills_only_the_last_blocks_tails(case: PagedCase) -> None:
+    strict, stale = materialize(case), materialize(case, tail_poison="stale")
+    bs = case.block_size
+    tail = torch.zeros(stale.kv_cache.shape[0], bs, dtype=torch.bool)  # [num_blocks, bs]
+    for i, n in enumerate(case.kv_lens):
+        last = int(strict.block_tables[i, (n - 1) // bs])
+        tail[last, n - (n - 1) // bs * bs :] = True
+    a, b = strict.kv_cache.float(), stale.kv_cache.float()  # [blocks, 2, bs, hkv, d]
+    assert bool(b.permute(0, 2, 1, 3, 4)[tail].isfinite().all()), "a tail slot is not finite"
+    assert bool(a.permute(0, 2, 1, 3, 4)[tail].isnan().all())
+    same = ~tail[:, None, :, None, None].expand_as(a)
+    assert torch.equal(a[same].nan_to_num(7.0), b[same].nan_to_num(7.0)), (
+        "stale poison changed something outside the tails")
+
+
+def test_tail_poison_rejects_unknown_values() -> None:
+    case = PagedCase(kv_lens=(3,), num_q_heads=1, num_kv_heads=1, head_dim=64, block_size=4)
+    with pytest.raises(ValueError, match="tail_poison must be one of"):
+        materialize(case, tail_poison="zero")
 
 
 def test_materialize_is_deterministic_and_scattered() -> None:
