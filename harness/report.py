@@ -56,8 +56,17 @@ def frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
     return df.drop_duplicates(["case_id", "impl"], keep="last").reset_index(drop=True)
 
 
+def unavailable_everywhere(df: pd.DataFrame) -> list[str]:
+    """Implementations whose every record is ``unavailable`` (not installed, no GPU)."""
+    status_sets = df.groupby("impl", sort=False)["status"].agg(set)
+    return [impl for impl, statuses in status_sets.items()
+            if statuses == {str(Status.UNAVAILABLE)}]
+
+
 def leaderboard(df: pd.DataFrame) -> pd.DataFrame:
-    """Cases x implementations table of cells; the fastest ranked pass per row in bold."""
+    """Cases x implementations table of cells; the fastest ranked pass per row in bold.
+    Implementations unavailable on every case get no column (the summary lists them)."""
+    df = df[~df["impl"].isin(unavailable_everywhere(df))]
     impls = list(dict.fromkeys(df["impl"]))
     cases = list(dict.fromkeys(df["case_id"]))
     table = df.pivot(index="case_id", columns="impl", values="cell").reindex(index=cases, columns=impls)

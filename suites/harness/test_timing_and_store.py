@@ -81,6 +81,7 @@ def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted()
         _record("interp", "c1", "pass", 0.5, method="interpreted"),
         _record("a", "c2", "fail"), _record("b", "c2", "unsupported"),
         _record("interp", "c2", "pass", 0.1, method="interpreted"),
+        _record("gpu-only", "c1", "unavailable"), _record("gpu-only", "c2", "unavailable"),
     ]
     df = report.frame(records)
     table = report.leaderboard(df)
@@ -88,7 +89,9 @@ def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted()
     assert table.loc["c1", "a"] == "pass 2 ms"
     assert table.loc["c1", "interp"] == "pass (interp.)"
     assert table.loc["c2", "a"] == "fail" and table.loc["c2", "interp"] == "pass (interp.)"
+    assert list(table.columns) == ["a", "b", "interp"]  # never-available: no column
+    assert report.summary(df).loc["gpu-only", "unavailable"] == 2
     counts = report.summary(df)
-    assert counts.loc["a"].to_dict() == {"pass": 1, "fail": 1, "unsupported": 0}
+    assert counts.loc["a"].to_dict() == {"pass": 1, "fail": 1, "unsupported": 0, "unavailable": 0}
     text = report.markdown(records)
     assert "Device: cpu0" in text and "a: fail: why" in text
