@@ -225,5 +225,11 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def prepare(self, inputs: PagedInputs) -> Any: ...
 
+    def describe(self, prepared: Any) -> dict[str, str]:
+        """Facts about the call ``prepared`` will make that the library resolved per case
+        (sub-kernel, ISA, split count), recorded in the result's ``impl_details`` beside
+        :attr:`Availability.details`. Default: none."""
+        return {}
+
     @abc.abstractmethod
     def run(self, prepared: Any) -> torch.Tensor: ...

