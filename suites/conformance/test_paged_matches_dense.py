@@ -6,6 +6,8 @@ shuffled block tables. Run one implementation: ``pytest suites/conformance --imp
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 import torch
@@ -52,8 +54,32 @@ def test_paged_matches_dense(adapter, data) -> None:
     check(adapter, case)
 
 
-def _smallest(values, allowed_check) -> int | None:
-    return next((v for v in values if allowed_check(v)), None)
+def _probe(caps, block_size: int = 16, head_dim: int = 64) -> PagedCase:
+    dtype = sorted(caps.dtypes)[0]
+    return PagedCase(kv_lens=(1,), num_q_heads=1, num_kv_heads=1, head_dim=head_dim,
+                     block_size=block_size, dtype=dtype, name="probe")
+
+
+def pinned_case(adapter, kv_lens: Callable[[int], tuple[int, ...]], num_q_heads: int,
+                num_kv_heads: int, name: str) -> PagedCase:
+    """A pinned case at the first block size (16, 32, 64, 128, 8, 2, 1, 48) and head dim
+    (64, 128, 96, 80, 256) the adapter declares, in fp16 (else bf16, else fp32), with
+    ``kv_lens(block_size)``; skips the test when the adapter cannot run it."""
+    caps = adapter.capabilities()
+    block_size = next((b for b in (16, 32, 64, 128, 8, 2, 1, 48)
+                       if not caps.why_unsupported(_probe(caps, block_size=b), DEVICE)), None)
+    head_dim = next((d for d in (64, 128, 96, 80, 256)
+                     if not caps.why_unsupported(_probe(caps, head_dim=d), DEVICE)), None)
+    if block_size is None or head_dim is None:
+        pytest.skip(f"{adapter.name} declares none of the pinned block sizes/head dims")
+    dtype = next(d for d in ("float16", "bfloat16", "float32") if d in caps.dtypes)
+    case = PagedCase(kv_lens=kv_lens(block_size), num_q_heads=num_q_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                     dtype=dtype, name=name)
+    reasons = adapter.why_unsupported(case, DEVICE)
+    if reasons:
+        pytest.skip(f"{adapter.name}: {'; '.join(reasons)}")
+    return case
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (4, 1), (8, 2)],
@@ -61,47 +87,17 @@ def _smallest(values, allowed_check) -> int | None:
 def test_boundary_lengths(adapter, num_q_heads, num_kv_heads) -> None:
     """Pinned: one batch holding kv_len 1, block_size - 1, block_size, block_size + 1 and
     2 * block_size + 3, at the smallest block size and head dim the implementation takes."""
-    caps = adapter.capabilities()
-    block_size = _smallest((16, 32, 64, 128, 8, 2, 1, 48),
-                           lambda b: not caps.why_unsupported(_probe(caps, block_size=b), DEVICE))
-    head_dim = _smallest((64, 128, 96, 80, 256),
-                         lambda d: not caps.why_unsupported(_probe(caps, head_dim=d), DEVICE))
-    if block_size is None or head_dim is None:
-        pytest.skip(f"{adapter.name} declares none of the pinned block sizes/head dims")
-    dtype = next(d for d in ("float16", "bfloat16", "float32") if d in caps.dtypes)
-    lens = sorted({1, max(1, block_size - 1), block_size, block_size + 1, 2 * block_size + 3})
-    case = PagedCase(kv_lens=tuple(lens), num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                     head_dim=head_dim, block_size=block_size, dtype=dtype, name="boundary")
-    reasons = adapter.why_unsupported(case, DEVICE)
-    if reasons:
-        pytest.skip(f"{adapter.name}: {'; '.join(reasons)}")
+    case = pinned_case(
+        adapter, lambda bs: tuple(sorted({1, max(1, bs - 1), bs, bs + 1, 2 * bs + 3})),
+        num_q_heads, num_kv_heads, "boundary")
     check(adapter, case)
-
-
-def _probe(caps, block_size: int = 16, head_dim: int = 64) -> PagedCase:
-    dtype = sorted(caps.dtypes)[0]
-    return PagedCase(kv_lens=(1,), num_q_heads=1, num_kv_heads=1, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, name="probe")
 
 
 def test_block_placement_does_not_change_output(adapter) -> None:
     """Metamorphic (xformers' block-swap test): the same logical K/V scattered over
     different physical blocks gives the same output, bit for bit."""
-    caps = adapter.capabilities()
-    block_size = _smallest((16, 32, 64, 128, 8),
-                           lambda b: not caps.why_unsupported(_probe(caps, block_size=b), DEVICE))
-    head_dim = _smallest((64, 128, 96, 80, 256),
-                         lambda d: not caps.why_unsupported(_probe(caps, head_dim=d), DEVICE))
-    if block_size is None or head_dim is None:
-        pytest.skip(f"{adapter.name} declares none of the pinned block sizes/head dims")
-    dtype = next(d for d in ("float16", "bfloat16", "float32") if d in caps.dtypes)
-    case = PagedCase(kv_lens=(3 * block_size + 5, block_size + 1), num_q_heads=4,
-                     num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                     name="placement")
-    reasons = adapter.why_unsupported(case, DEVICE)
-    if reasons:
-        pytest.skip(f"{adapter.name}: {'; '.join(reasons)}")
-    a = materialize(case, DEVICE, tail_poison=caps.tail_poison)
+    case = pinned_case(adapter, lambda bs: (3 * bs + 5, bs + 1), 4, 2, "placement")
+    a = materialize(case, DEVICE, tail_poison=adapter.capabilities().tail_poison)
     moved = _permute_blocks(a)
     assert not torch.equal(a.block_tables, moved.block_tables)
     out_a = adapter.run(adapter.prepare(a))
@@ -114,8 +110,6 @@ def test_block_placement_does_not_change_output(adapter) -> None:
 
 def _permute_blocks(inputs):
     """The same inputs with the physical blocks reversed and the tables patched."""
-    from dataclasses import replace
-
     num_blocks = inputs.kv_cache.shape[0]
     new_of_old = torch.arange(num_blocks - 1, -1, -1, device=inputs.kv_cache.device)
     kv_cache = torch.empty_like(inputs.kv_cache)
@@ -135,19 +129,7 @@ def test_nan_safe_tail_declaration_is_true(adapter) -> None:
     declaring False does produce non-finite output; when a library fixes that, this test
     fails so the declaration (and the † in the leaderboard) can go."""
     caps = adapter.capabilities()
-    block_size = _smallest((16, 32, 64, 128, 8),
-                           lambda b: not caps.why_unsupported(_probe(caps, block_size=b), DEVICE))
-    head_dim = _smallest((64, 128, 96, 80, 256),
-                         lambda d: not caps.why_unsupported(_probe(caps, head_dim=d), DEVICE))
-    if block_size is None or head_dim is None:
-        pytest.skip(f"{adapter.name} declares none of the pinned block sizes/head dims")
-    dtype = next(d for d in ("float16", "bfloat16", "float32") if d in caps.dtypes)
-    case = PagedCase(kv_lens=(block_size + 1, 2 * block_size - 1), num_q_heads=4,
-                     num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
-                     name="nan-tail")
-    reasons = adapter.why_unsupported(case, DEVICE)
-    if reasons:
-        pytest.skip(f"{adapter.name}: {'; '.join(reasons)}")
+    case = pinned_case(adapter, lambda bs: (bs + 1, 2 * bs - 1), 4, 2, "nan-tail")
     out = adapter.run(adapter.prepare(materialize(case, DEVICE, tail_poison="nan")))
     finite = bool(torch.isfinite(out).all())
     assert finite == caps.nan_safe_tail, (

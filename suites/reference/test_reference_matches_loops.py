@@ -1,6 +1,8 @@
-"""The float64 truth with ALiBi, sinks and an fp8 KV cache equals attention written out
-query by query with Python floats, from the definitions:
+"""The float64 truth equals attention written out query by query with Python floats
+(math.exp, explicit sums), independent of torch's einsum/softmax, from the definitions:
 
+- GQA ``h // (num_q_heads // num_kv_heads)``, bottom-right causal, sliding window, soft
+  cap ``c * tanh(s / c)`` of the scaled logit;
 - ALiBi (Press et al., ICLR 2022): logit ``s(i, j) - slope[h] * (i - j)``, added after the
   soft cap (vLLM's CPU test reference);
 - sinks (gpt-oss, vLLM's ``s_aux``): ``exp(sink[h])`` joins the softmax denominator only;
@@ -61,6 +63,13 @@ def loop_attention(inputs) -> list:
 
 
 CASES = [
+    PagedCase(kv_lens=(1, 4, 5, 11), num_q_heads=4, num_kv_heads=2, head_dim=64,
+              block_size=4, dtype="float32", name="decode"),
+    PagedCase(kv_lens=(6, 9), q_lens=(3, 9), num_q_heads=3, num_kv_heads=1, head_dim=64,
+              block_size=2, dtype="bfloat16", name="prefill"),
+    PagedCase(kv_lens=(13,), q_lens=(4,), num_q_heads=2, num_kv_heads=2, head_dim=64,
+              block_size=8, dtype="float16", sliding_window=3, logits_soft_cap=2.0,
+              name="window-cap"),
     PagedCase(kv_lens=(1, 5, 9), num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
               dtype="float32", alibi=True, name="alibi-decode"),
     PagedCase(kv_lens=(7, 12), q_lens=(7, 3), num_q_heads=6, num_kv_heads=2, head_dim=16,
