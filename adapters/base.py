@@ -80,8 +80,9 @@ class Capabilities:
         block, even if they hold NaN. False declares that the kernel reads those slots and
         multiplies them by zero probabilities (``0 * NaN = NaN``): a NaN or Inf left in a
         reused block by an earlier request then corrupts the output. Conformance judges
-        such an implementation with finite stale values in those slots instead of NaN
-        (``materialize(..., tail_poison="stale")``; every other unused slot stays NaN),
+        such an implementation with finite stale V values in those slots instead of NaN
+        (``materialize(..., tail_poison="stale")``; K there and every other unused slot
+        stay NaN, so a logit computed for a key past ``kv_len`` still fails),
         records ``tail_poison: "stale"`` and marks its passes, and checks that the
         declaration is still true. Found in vLLM's CPU op and compiled FlexAttention on
         the CPU; vLLM fixed the same class in its CUDA kernel (vllm-project/vllm#641).

@@ -63,7 +63,7 @@ same-dtype error that the tolerance policy allows twice of):
   masked slots' zero probabilities by their V rows (``0 * NaN = NaN``), so the NaN
   poison reaches the output (the class of pytorch/pytorch#101967 for SDPA; vLLM zeroes
   such V rows explicitly, vllm-project/vllm#641). :data:`CAPABILITIES` therefore
-  declares ``nan_safe_tail=False``: conformance checks flex-paged with finite stale
+  declares ``nan_safe_tail=False``: conformance checks flex-paged with finite stale V
   values in those slots, and ``suites/adapters/test_flex_paged_poison.py`` pins the
   behaviour, so it shows when PyTorch changes it.
 """

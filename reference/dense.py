@@ -98,8 +98,8 @@ def attention(
     Returns
     -------
     Tensor[q_len, num_q_heads, head_dim], dtype of ``q``
-        A query row that sees no key would be all zeros (FlashAttention's convention);
-        with bottom-right causal masking every row sees at least itself.
+        With bottom-right causal masking (and a window >= 1) every row sees at least its
+        own position, so no row is fully masked; a NaN anywhere propagates, never hidden.
 
     Raises
     ------
@@ -127,7 +127,7 @@ def attention(
         visible &= pos_k > pos_q - case.sliding_window
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is None:
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # [hq, q_len, kv_len]
+        probs = torch.softmax(scores, dim=-1)  # [hq, q_len, kv_len]
     else:
         sink = sinks.to(q.dtype)[:, None, None].expand(-1, q_len, 1)  # [hq, q_len, 1]
         logits = torch.cat([sink, scores], dim=-1)  # [hq, q_len, 1 + kv_len]

@@ -179,9 +179,9 @@ def _store(x: torch.Tensor, scale: float, kv_dtype: torch.dtype) -> torch.Tensor
     return (x / scale).clamp(-limit, limit).to(kv_dtype)
 
 
-#: Magnitude of the finite "stale" values that ``tail_poison="stale"`` leaves in the unused
-#: slots of each last block: large enough that attending to one of them (K) or weighting
-#: one by a nonzero probability (V) gives an error far above any tolerance.
+#: Magnitude of the finite "stale" V values that ``tail_poison="stale"`` leaves in the
+#: unused slots of each last block: large enough that weighting one by a nonzero
+#: probability gives an error far above any tolerance.
 STALE_SCALE = 30.0
 TAIL_POISONS = ("nan", "stale")
 
@@ -197,10 +197,11 @@ def materialize(
     clamped to the fp8 type's finite range (saturating, as vLLM's fp8 cache writers do)
     and rounded to it. Block tables come from
     :class:`~pagedbench.reference.allocator.BlockAllocator` with a shuffled free list.
-    ``tail_poison`` chooses what fills the unused slots at the end of each sequence's
-    partly filled last block: ``"nan"`` (the strict default) or ``"stale"``, finite
-    values ``STALE_SCALE * N(0, 1)`` (stored like K and V), standing for what an earlier
-    request left there; every other unused slot is NaN either way. See
+    ``tail_poison`` chooses what fills the V half of the unused slots at the end of each
+    sequence's partly filled last block: ``"nan"`` (the strict default) or ``"stale"``,
+    finite values ``STALE_SCALE * N(0, 1)`` (stored like V), standing for what an earlier
+    request left there. K stays NaN there, so a kernel that computes a logit for a key
+    past ``kv_len`` still turns NaN; every other unused slot is NaN either way. See
     ``Capabilities.nan_safe_tail``.
     With ``case.alibi``, ``alibi_slopes`` holds :func:`alibi_slopes`; with
     ``case.sinks``, ``sinks`` holds logits uniform in ``[SINK_LOW, SINK_HIGH)``, drawn
@@ -236,9 +237,8 @@ def materialize(
         for n, table in zip(case.kv_lens, tables):
             free = -n % bs  # unused slots at the end of the last block
             if free:
-                stale = STALE_SCALE * torch.randn(2, free, hkv, d, generator=stale_gen)
-                kv_cache[table[-1], 0, bs - free :] = _store(stale[0], case.k_scale, kv_dtype)
-                kv_cache[table[-1], 1, bs - free :] = _store(stale[1], case.v_scale, kv_dtype)
+                stale = STALE_SCALE * torch.randn(free, hkv, d, generator=stale_gen)
+                kv_cache[table[-1], 1, bs - free :] = _store(stale, case.v_scale, kv_dtype)
 
     q = torch.randn(case.total_q, case.num_q_heads, d, generator=gen).to(dtype)
     sinks = None

@@ -9,7 +9,7 @@ block by a zero weight, so the NaN that ``materialize`` puts there turns those r
 (``0 * NaN``; :func:`test_nan_in_the_last_block_tail` records it as a known fault, and
 the adapter declares ``nan_safe_tail=False``). A real cache holds stale finite values
 there, which a zero weight cancels exactly. To test the math of each feature on partial
-blocks, the tests below put large stale finite values there
+blocks, the tests below put large stale finite V values there, K staying NaN
 (``materialize(..., tail_poison="stale")``): a kernel that gives any weight to a slot
 past ``kv_len`` is then far off and fails. Unused blocks and table padding stay NaN.
 """

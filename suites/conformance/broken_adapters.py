@@ -92,9 +92,10 @@ class Hangs(_Broken):
 
 
 class ReadsPastKvLenDeclaredNanUnsafe(ReadsPastKvLen):
-    """The off-by-one again, declaring ``nan_safe_tail=False``: the stale finite values
-    conformance then uses in the tails must still expose it (the relaxation hides NaN
-    propagation through zero weights, never attention to a slot past ``kv_len``)."""
+    """The off-by-one again, declaring ``nan_safe_tail=False``: with the stale V values
+    conformance then uses in the tails (K stays NaN) it must still fail (the relaxation
+    hides NaN propagation through zero weights, never attention to a slot past
+    ``kv_len``)."""
 
     name = "broken-reads-past-kv-len-nan-unsafe"
 

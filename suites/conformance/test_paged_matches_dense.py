@@ -33,7 +33,7 @@ def check(adapter, case: PagedCase) -> None:
     cpu_inputs = materialize(case, "cpu")
     out = adapter.run(adapter.prepare(inputs))
     assert_close_report(out, reference_attention(cpu_inputs), naive_attention(cpu_inputs),
-                        case.dtype, f"{adapter.name}:{case.case_id}")
+                        case.dtype, f"{adapter.name}:{case.case_id}", cpu_inputs.cu_seqlens_q)
 
 
 @settings(max_examples=EXAMPLES[os.environ.get("HYPOTHESIS_PROFILE", "ci")],

@@ -23,12 +23,13 @@ CASE = PagedCase(kv_lens=(1, 16, 17, 40), num_q_heads=4, num_kv_heads=2, head_di
                  block_size=16, dtype="float32", name="neg")
 
 
+@pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("cls", ["ReadsPastKvLen", "IgnoresBlockTable",
                                  "ReadsPastKvLenDeclaredNanUnsafe"])
-def test_broken_adapter_is_reported_fail(cls, tmp_path) -> None:
+def test_broken_adapter_is_reported_fail(cls, seed, tmp_path) -> None:
     target = f"{BROKEN}:{cls}"
     adapter = load(target)
-    record = evaluate(adapter, target, adapter.available("cpu"), CASE,
+    record = evaluate(adapter, target, adapter.available("cpu"), CASE.with_(seed=seed),
                       RunConfig(timing=False, cache_dir=tmp_path))
     assert record["status"] == "fail", record
     assert record["reason"]

@@ -51,3 +51,27 @@ def test_floor_admits_tiny_errors_when_naive_is_exact() -> None:
 def test_assert_close_report_names_the_case() -> None:
     with pytest.raises(AssertionError, match="my-case-id"):
         assert_close_report(out_with_error(1.0), TRUTH, NAIVE.float(), "float32", "my-case-id")
+
+
+def test_each_sequence_is_held_to_its_own_yardstick() -> None:
+    """A short sequence's large rounding noise must not buy slack for a long sequence
+    (an error of 0.009 where the long sequence's own naive error is 0.002 fails even if
+    the short one's naive error is 0.05)."""
+    truth = torch.zeros(2, 1, 4, dtype=torch.float64)  # rows: sequence 0, sequence 1
+    naive = truth.clone()
+    naive[0, 0, 0] = 0.05  # short sequence: big naive error
+    naive[1, 0, 0] = 0.002  # long sequence: small naive error
+    out = truth.clone()
+    out[1, 0, 1] = 0.009
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    assert compare(out.float(), truth, naive.float(), "float32").passed  # one batch yardstick
+    result = compare(out.float(), truth, naive.float(), "float32", cu)
+    assert not result.passed
+    assert "sequence 1" in result.reason and result.worst_index == (1, 0, 1)
+    assert result.naive_abs_err == pytest.approx(0.002)
+    assert result.allowed_abs_err == pytest.approx(2 * 0.002 + ATOL_FLOOR)
+
+
+def test_a_non_tensor_output_fails_cleanly() -> None:
+    result = compare((TRUTH.float(), None), TRUTH, NAIVE.float(), "float32")
+    assert not result.passed and "tuple" in result.reason
