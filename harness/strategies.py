@@ -39,8 +39,8 @@ def paged_cases(
 ) -> PagedCase:
     """A random :class:`PagedCase` within ``capabilities`` (all axes when ``None``).
 
-    Lengths per sequence are drawn from ``{1, block_size - 1, block_size,
-    block_size + 1, uniform(1, max_kv_len)}``; prefill (q_len > 1), the optional features
+    ``sm_scale`` is the default or an explicit value. Lengths per sequence are drawn
+    from ``{1, block_size - 1, block_size, block_size + 1, uniform(1, max_kv_len)}``; prefill (q_len > 1), the optional features
     and fp8 KV caches (with non-unit scales, as vLLM's tests use) appear only when the
     capabilities declare them.
 
@@ -85,6 +85,9 @@ def paged_cases(
     if kv_cache_dtype != "auto":
         scales = {"k_scale": draw(st.sampled_from((0.5, 1.0, 2.0))),
                   "v_scale": draw(st.sampled_from((0.25, 1.0)))}
+    # None (1/sqrt(head_dim)) or an explicit scale in the range models use (Gemma-2's
+    # query_pre_attn_scalar, muP-style 1/head_dim, a softmax temperature).
+    sm_scale = draw(st.one_of(st.none(), st.sampled_from((0.03, 0.0625, 0.2, 0.5))))
     return PagedCase(
         kv_lens=kv_lens,
         q_lens=q_lens,
@@ -93,6 +96,7 @@ def paged_cases(
         head_dim=draw(st.sampled_from(head_dims)),
         block_size=block_size,
         dtype=draw(st.sampled_from(dtype_choices)),
+        sm_scale=sm_scale,
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,
         alibi=alibi,

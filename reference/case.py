@@ -34,6 +34,20 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
 _KV_CACHE_DTYPE_TAGS = {"fp8_e4m3": "fp8e4m3", "fp8_e5m2": "fp8e5m2"}
 
 
+def _as_int(name: str, value: object) -> int:
+    """``value`` as a Python int (numpy ints accepted; bools, floats and strings not)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value.__index__())
+
+
+def _int_tuple(name: str, values: object) -> tuple[int, ...]:
+    """``values`` (a list or tuple of ints) as a tuple of Python ints."""
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{name} must be a list or tuple of ints, got {values!r}")
+    return tuple(_as_int(name, value) for value in values)
+
+
 def _range_tag(values: tuple[int, ...]) -> str:
     lo, hi = min(values), max(values)
     return f"{lo}" if lo == hi else f"{lo}..{hi}"
@@ -123,9 +137,21 @@ class PagedCase:
     v_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kv_lens", tuple(int(n) for n in self.kv_lens))
+        object.__setattr__(self, "kv_lens", _int_tuple("kv_lens", self.kv_lens))
         if self.q_lens is not None:
-            object.__setattr__(self, "q_lens", tuple(int(n) for n in self.q_lens))
+            object.__setattr__(self, "q_lens", _int_tuple("q_lens", self.q_lens))
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "seed",
+                     "sliding_window", "num_blocks"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _as_int(name, getattr(self, name)))
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("sm_scale", "logits_soft_cap"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float))
+                                          and not isinstance(value, bool)
+                                          and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
         if not self.kv_lens:
             raise ValueError("kv_lens must name at least one sequence")
         if min(self.kv_lens) < 1:
@@ -150,8 +176,6 @@ class PagedCase:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
-        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
-            raise ValueError(f"logits_soft_cap must be None or > 0, got {self.logits_soft_cap}")
         for name in ("alibi", "sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -72,6 +72,16 @@ class IgnoresBlockTable(_Broken):
         return _decode_through(inputs, tables, extra_tokens=0)
 
 
+class IgnoresSmScale(_Broken):
+    """Always scales by ``1 / sqrt(head_dim)``, whatever ``sm_scale`` the case sets."""
+
+    name = "broken-ignores-sm-scale"
+
+    def run(self, inputs: PagedInputs) -> torch.Tensor:
+        default = replace(inputs, case=inputs.case.with_(sm_scale=None))
+        return _decode_through(default, inputs.block_tables, extra_tokens=0)
+
+
 class Aborts(_Broken):
     """Kills its process, as a kernel hitting an illegal address or an ISA abort does."""
 

@@ -20,11 +20,11 @@ from pagedbench.reference import PagedCase
 
 BROKEN = "pagedbench.suites.conformance.broken_adapters"
 CASE = PagedCase(kv_lens=(1, 16, 17, 40), num_q_heads=4, num_kv_heads=2, head_dim=64,
-                 block_size=16, dtype="float32", name="neg")
+                 block_size=16, dtype="float32", sm_scale=0.2, name="neg")
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("cls", ["ReadsPastKvLen", "IgnoresBlockTable",
+@pytest.mark.parametrize("cls", ["ReadsPastKvLen", "IgnoresBlockTable", "IgnoresSmScale",
                                  "ReadsPastKvLenDeclaredNanUnsafe"])
 def test_broken_adapter_is_reported_fail(cls, seed, tmp_path) -> None:
     target = f"{BROKEN}:{cls}"

@@ -98,6 +98,14 @@ def test_gather_kv_returns_the_values_written_at_each_slot() -> None:
         ("q_lens", (4,), "q_lens"),
         ("block_size", 0, "block_size"),
         ("num_blocks", 1, "num_blocks"),
+        ("kv_lens", (5.7,), "kv_lens must be an int"),
+        ("kv_lens", "57", "list or tuple"),
+        ("head_dim", True, "head_dim must be an int"),
+        ("sliding_window", 2.5, "sliding_window must be an int"),
+        ("sm_scale", float("nan"), "sm_scale must be None or a finite number > 0"),
+        ("sm_scale", -1.0, "sm_scale"),
+        ("logits_soft_cap", float("inf"), "logits_soft_cap"),
+        ("seed", 2**70, "seed must be in"),
     ],
 )
 def test_paged_case_rejects_bad_input_naming_the_parameter(field, value, message) -> None:
