@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
-import queue as queue_module
 import time
 import traceback
 from collections.abc import Callable
@@ -152,12 +151,17 @@ def base_record(target: str, name: str, case: PagedCase, config: RunConfig,
 
 def evaluate(adapter: Adapter, target: str, availability: Availability, case: PagedCase,
              config: RunConfig) -> dict[str, Any]:
-    """Run one case through one adapter and return its result record (never raises
-    for the implementation's faults: they become ``error``/``fail`` records)."""
+    """Run one case through one adapter and return its result record. The
+    implementation's faults become ``error``/``fail`` records; an exception from here is
+    the harness's own (the worker records it as a harness error)."""
     record = base_record(target, adapter.name, case, config, availability)
     if not availability.ok:
         return record | {"status": str(Status.UNAVAILABLE), "reason": availability.reason}
-    reasons = adapter.why_unsupported(case, config.device)
+    try:
+        reasons = adapter.why_unsupported(case, config.device)
+    except Exception as exc:
+        return record | {"status": str(Status.ERROR),
+                         "reason": f"why_unsupported raised: {_describe_exception(exc)}"}
     if reasons:
         return record | {"status": str(Status.UNSUPPORTED), "reason": "; ".join(reasons)}
     truth, naive = truth_for(case, config.cache_dir)
@@ -170,7 +174,11 @@ def evaluate(adapter: Adapter, target: str, availability: Availability, case: Pa
         _synchronize(config.device)
     except Exception as exc:  # the implementation's fault, recorded, never fatal
         return record | {"status": str(Status.ERROR), "reason": _describe_exception(exc)}
-    record["impl_details"] = record["impl_details"] | adapter.describe(prepared)
+    try:
+        record["impl_details"] = record["impl_details"] | adapter.describe(prepared)
+    except Exception as exc:
+        return record | {"status": str(Status.ERROR),
+                         "reason": f"describe raised: {_describe_exception(exc)}"}
     result = tolerance.compare(out, truth, naive, case.dtype, inputs.cu_seqlens_q)
     record |= {
         "status": str(Status.PASS if result.passed else Status.FAIL),
@@ -218,7 +226,9 @@ def _nan_tail_output_finite(adapter: Adapter, case: PagedCase, config: RunConfig
 
 
 def _worker(target: str, cases: list[dict[str, Any]], config: RunConfig, channel: Any) -> None:
-    """Worker process body: load the adapter, evaluate each case, report over ``channel``.
+    """Worker process body: load the adapter, evaluate each case, report over ``channel``
+    (the sending end of a pipe: each ``send`` is written before it returns, so a result
+    sent just before a crash still reaches the parent).
 
     The environment is set before the adapter's module is imported, since Triton reads
     ``TRITON_INTERPRET`` when a kernel is decorated."""
@@ -228,13 +238,20 @@ def _worker(target: str, cases: list[dict[str, Any]], config: RunConfig, channel
         adapter = load(target)
         availability = adapter.available(config.device)
     except Exception as exc:
-        channel.put(("load_error", f"{type(exc).__name__}: {exc}"))
+        channel.send(("load_error", _describe_exception(exc)))
         return
     for index, case_dict in enumerate(cases):
-        channel.put(("start", index))
+        channel.send(("start", index))
         case = PagedCase.from_dict(case_dict)
-        channel.put(("result", index, evaluate(adapter, target, availability, case, config)))
-    channel.put(("done",))
+        try:
+            record = evaluate(adapter, target, availability, case, config)
+        except Exception as exc:  # a fault of the harness itself, never the adapter's
+            record = base_record(target, adapter.name, case, config, availability) | {
+                "status": str(Status.ERROR),
+                "reason": f"harness error, not the implementation's: {_describe_exception(exc)}",
+            }
+        channel.send(("result", index, record))
+    channel.send(("done",))
 
 
 def worker_environment(device: str, cache_dir: Path) -> dict[str, str]:
@@ -262,41 +279,43 @@ def run_target(
     context = mp.get_context("spawn")
     pending = list(range(len(cases)))
     while pending:
-        channel = context.Queue()
+        receiver, sender = context.Pipe(duplex=False)
         batch = [cases[i] for i in pending]
         process = context.Process(
-            target=_worker, args=(target, [c.to_dict() for c in batch], config, channel),
+            target=_worker, args=(target, [c.to_dict() for c in batch], config, sender),
             daemon=True,
         )
         process.start()
-        current: int | None = None
+        sender.close()  # the worker holds the only sending end: its death reads as EOF
+        received = 0  # results in; the first case without one is the one in progress
         deadline = time.monotonic() + config.case_timeout_s + 120  # + process start-up
         finished = False
         while not finished:
-            try:
-                message = channel.get(timeout=1.0)
-            except queue_module.Empty:
-                if not process.is_alive():
-                    finished = True
-                    index = current if current is not None else 0
-                    status, reason = Status.CRASH, f"worker died (exit code {process.exitcode})"
-                elif time.monotonic() > deadline:
+            message = None
+            if receiver.poll(1.0):
+                try:
+                    message = receiver.recv()
+                except EOFError:  # the worker is gone and everything it sent is read
+                    process.join(timeout=10)
+            if message is None:
+                if process.is_alive() and time.monotonic() <= deadline:
+                    continue
+                if process.is_alive():
                     process.kill()
-                    finished = True
-                    index = current if current is not None else 0
                     status, reason = Status.TIMEOUT, f"no result within {config.case_timeout_s:g} s"
                 else:
-                    continue
-                record = base_record(target, name, batch[index], config, None)
-                emit(record | {"status": str(status), "reason": reason})
-                pending = [pending[i] for i in range(index + 1, len(batch))]
+                    status, reason = Status.CRASH, f"worker died (exit code {process.exitcode})"
+                if received < len(batch):
+                    record = base_record(target, name, batch[received], config, None)
+                    emit(record | {"status": str(status), "reason": reason})
+                pending = pending[received + 1 :]
                 break
             kind = message[0]
             if kind == "start":
-                current = message[1]
                 deadline = time.monotonic() + config.case_timeout_s
             elif kind == "result":
                 emit(message[2])
+                received += 1
             elif kind == "load_error":
                 for case in batch:
                     record = base_record(target, name, case, config, None)
@@ -307,6 +326,7 @@ def run_target(
             else:  # done
                 pending = []
                 finished = True
+        receiver.close()
         process.join(timeout=10)
         if process.is_alive():
             process.kill()

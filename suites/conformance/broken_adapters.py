@@ -91,6 +91,21 @@ class Aborts(_Broken):
         os.abort()
 
 
+class AbortsBeforeCaseNamedAbort(ReadsPastKvLen):
+    """Correct until a case named ``"abort"``, where it kills its process at once from
+    ``why_unsupported``, milliseconds after the previous case's result was sent."""
+
+    name = "broken-aborts-early"
+
+    def why_unsupported(self, case, device: str) -> list[str]:
+        if case.name == "abort":
+            os.abort()
+        return []
+
+    def run(self, inputs: PagedInputs) -> torch.Tensor:
+        return _decode_through(inputs, inputs.block_tables, extra_tokens=0)
+
+
 class Hangs(_Broken):
     """Never returns (a deadlock)."""
 

@@ -117,6 +117,18 @@ def test_crash_and_hang_are_isolated(tmp_path) -> None:
     assert [(r["impl"], r["status"]) for r in on_disk] == [(r["impl"], r["status"]) for r in records]
 
 
+def test_a_crash_right_after_a_result_blames_the_right_case(tmp_path) -> None:
+    """The result sent just before the crash is kept, and the crash is recorded against
+    the case that was running (a queue with a feeder thread lost both)."""
+    names = ["a", "b", "abort", "d"]
+    cases = [CASE.with_(name=n, kv_lens=(5,)) for n in names]
+    records = run({"early": f"{BROKEN}:AbortsBeforeCaseNamedAbort"}, cases,
+                  RunConfig(timing=False, cache_dir=tmp_path, threads=1),
+                  ResultsFile(tmp_path / "r.jsonl"), "t")
+    assert [(r["case"]["name"], r["status"]) for r in records] == [
+        ("a", "pass"), ("b", "pass"), ("abort", "crash"), ("d", "pass")]
+
+
 def _register(tmp_path: Path, entries: dict[str, str]) -> dict[str, str]:
     """A minimal installed distribution whose entry points register ``entries``; returns
     the environment that puts it on the path of a subprocess."""
