@@ -61,8 +61,34 @@ def targets() -> list[str]:
     return found
 
 
+class Unloadable(Adapter):
+    """Stands in for an out-of-tree adapter whose module or class failed to load: it is
+    ``unavailable`` with the import error as the reason, so one broken plug-in never
+    breaks ``pagedbench list`` or ``run`` for the others."""
+
+    description = "adapter failed to load"
+
+    def __init__(self, target: str, error: BaseException) -> None:
+        self.name = target
+        self.reason = f"failed to load {target}: {type(error).__name__}: {error}"
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(devices=frozenset(), dtypes=frozenset())
+
+    def available(self, device: str = "cpu") -> Availability:
+        return Availability(False, self.reason)
+
+    def prepare(self, inputs):
+        raise RuntimeError(self.reason)
+
+    def run(self, prepared):
+        raise RuntimeError(self.reason)
+
+
 def registry() -> dict[str, tuple[str, Adapter]]:
-    """Every adapter by name: ``{name: (target, adapter)}``, in leaderboard order.
+    """Every adapter by name: ``{name: (target, adapter)}``, in leaderboard order. A
+    built-in that fails to load is a bug and raises; an entry-point adapter that fails to
+    load becomes an :class:`Unloadable` named by its target.
 
     Raises
     ------
@@ -71,7 +97,12 @@ def registry() -> dict[str, tuple[str, Adapter]]:
     """
     out: dict[str, tuple[str, Adapter]] = {}
     for target in targets():
-        adapter = load(target)
+        try:
+            adapter = load(target)
+        except Exception as exc:
+            if target in BUILTIN:
+                raise
+            adapter = Unloadable(target, exc)
         if adapter.name in out:
             raise ValueError(
                 f"adapter name {adapter.name!r} is declared by both {out[adapter.name][0]} "
@@ -88,6 +119,7 @@ __all__ = [
     "Availability",
     "Capabilities",
     "MultipleOf",
+    "Unloadable",
     "load",
     "registry",
     "targets",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -23,17 +24,41 @@ from pagedbench.reference import DTYPES
 
 from . import report, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
-from .runner import RunConfig, run, worker_environment
+from .runner import RunConfig, cache_environment, run, worker_environment
 from .store import DEFAULT_RESULTS_DIR, ResultsFile, Status, new_run_id, read_records
 
+#: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
+DEFAULT_CACHE_DIR = Path("build")
+#: Exit code of `pagedbench run` when no implementation passed any case (all
+#: unavailable or unsupported): a GPU runner with a broken driver must not look green.
+NOTHING_RAN = 2
 #: Statuses that mean an implementation got a case it claims to support wrong.
 FAILING = {str(Status.FAIL), str(Status.ERROR), str(Status.CRASH), str(Status.TIMEOUT)}
 
 
+def _device(text: str) -> str:
+    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
     return value
 
 
@@ -46,7 +71,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="implementation to run (repeatable; default: all)")
     run_p.add_argument("--preset", action="append", default=[], choices=list(MODEL_PRESETS),
                        metavar="NAME", help=f"model preset (repeatable; default: all of {', '.join(MODEL_PRESETS)})")
-    run_p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    run_p.add_argument("--device", type=_device, default="cpu",
+                       help="cpu (default), cuda or cuda:N")
     run_p.add_argument("--block-size", action="append", type=_positive_int, default=[],
                        help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))})")
     run_p.add_argument("--dtype", action="append", default=[], choices=list(DTYPES),
@@ -58,13 +84,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="torch threads per worker (default: all cores)")
     run_p.add_argument("--repetitions", type=_positive_int, default=10,
                        help="timed calls per case on the CPU (default: 10)")
-    run_p.add_argument("--case-timeout", type=float, default=300.0, metavar="SECONDS",
+    run_p.add_argument("--case-timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                        help="a case taking longer is 'timeout' (default: 300)")
-    run_p.add_argument("--cache-dir", type=Path, default=Path("build"),
-                       help="truth and compiler caches (default: build)")
+    run_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                       help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
 
     list_p = sub.add_parser("list", help="implementations, availability and capabilities")
-    list_p.add_argument("--device", default="cpu", help="device to check availability on")
+    list_p.add_argument("--device", type=_device, default="cpu",
+                        help="device to check availability on: cpu, cuda or cuda:N")
     list_p.add_argument("--json", action="store_true", help="machine-readable output")
     report_p = sub.add_parser("report", help="leaderboard from stored result files")
     report_p.add_argument("paths", nargs="+", type=Path,
@@ -96,6 +123,9 @@ def _progress_line(record: dict[str, Any]) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    if args.results_dir.exists() and not args.results_dir.is_dir():
+        raise SystemExit(f"pagedbench run: --results-dir {args.results_dir} is a file, "
+                         "not a folder")
     adapters = _select(args.impl)
     cases = default_cases(
         args.preset or None,
@@ -121,13 +151,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     if failing:
         console.print(f"[red]conformance failures in: {', '.join(failing)}[/]")
         return 1
+    if not any(r["status"] == str(Status.PASS) for r in records):
+        console.print("[red]nothing ran: every implementation was unavailable or every case "
+                      "unsupported (a CI lane that checks nothing must not pass)[/]")
+        return NOTHING_RAN
     return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     # Availability as a worker of `pagedbench run` would see it (the Triton interpreter on
     # the CPU is switched on before any kernel module is imported).
-    os.environ.update(worker_environment(args.device, Path("build")))
+    os.environ.update(worker_environment(args.device, DEFAULT_CACHE_DIR))
     rows = []
     for name, (target, adapter) in registry().items():
         availability = adapter.available(args.device)
@@ -153,11 +187,17 @@ def cmd_report(args: argparse.Namespace) -> int:
     missing = [str(p) for p in args.paths if not p.exists()]
     if missing:
         raise SystemExit(f"pagedbench report: no such file or folder: {', '.join(missing)}")
-    records = list(read_records(args.paths))
-    if args.format == "csv":
-        text = report.frame(records).drop(columns=["cell"]).to_csv(index=False)
-    else:
-        text = report.markdown(records)
+    if args.output and not args.output.parent.is_dir():
+        raise SystemExit(f"pagedbench report: --output folder {args.output.parent} "
+                         "does not exist")
+    try:
+        records = list(read_records(args.paths))
+        if args.format == "csv":
+            text = report.frame(records).drop(columns=["cell"]).to_csv(index=False)
+        else:
+            text = report.markdown(records)
+    except ValueError as exc:
+        raise SystemExit(f"pagedbench report: {exc}") from None
     if args.output:
         args.output.write_text(text)
     else:
@@ -202,8 +242,17 @@ def capability_matrix(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedbench`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
-    commands = {"run": cmd_run, "list": cmd_list, "report": cmd_report, "simulate": simulate.run}
-    return commands[args.command](args)
+    cache_dir = getattr(args, "cache_dir", DEFAULT_CACHE_DIR)
+    if cache_dir.exists() and not cache_dir.is_dir():
+        raise SystemExit(f"pagedbench: --cache-dir {cache_dir} is a file, not a folder")
+    os.environ.update(cache_environment(cache_dir))
+    commands = {"run": cmd_run, "list": cmd_list, "report": cmd_report,
+                "simulate": simulate.run}
+    try:
+        return commands[args.command](args)
+    except BrokenPipeError:  # e.g. `pagedbench report ... | head`: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

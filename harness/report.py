@@ -9,6 +9,7 @@ stated above the table; failure and unsupported reasons are listed under it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -25,20 +26,36 @@ def cell_text(record: dict[str, Any]) -> str:
     if status != str(Status.PASS):
         return status
     mark = "pass†" if record.get("tail_poison") == "stale" else "pass"
-    if record.get("time_ms_median") is None:
+    if record.get("time_ms_median") is None and not record.get("interpreted"):
         return mark
-    if record.get("timing_method") == "interpreted":
+    if record.get("interpreted") or record.get("timing_method") == "interpreted":
         return f"{mark} (interp.)"
     return f"{mark} {record['time_ms_median']:.3g} ms"
 
 
+REQUIRED_FIELDS = ("impl", "case_id", "status")
+
+
 def frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
-    """One row per record with the columns reports need (the last record of each
-    (impl, case_id) pair wins, so re-runs appended to a file replace earlier lines)."""
+    """One row per record with the columns reports need. The last record of each
+    (impl, device, case_id) wins, so re-runs appended to a file replace earlier lines;
+    when the records span several devices, implementations are labelled ``impl@device``
+    so a CPU and a GPU result never replace each other.
+
+    Raises
+    ------
+    ValueError
+        If a record is not an object with at least :data:`REQUIRED_FIELDS`.
+    """
+    records = list(records)
+    for number, r in enumerate(records, 1):
+        if not isinstance(r, dict) or any(k not in r for k in REQUIRED_FIELDS):
+            raise ValueError(f"record {number} is not a result (needs fields {REQUIRED_FIELDS})")
+    several_devices = len({r.get("device") for r in records}) > 1
     rows = [
         {
             "case_id": r["case_id"],
-            "impl": r["impl"],
+            "impl": f"{r['impl']}@{r.get('device')}" if several_devices else r["impl"],
             "status": r["status"],
             "reason": r.get("reason", ""),
             "time_ms_median": r.get("time_ms_median"),
@@ -92,26 +109,38 @@ def summary(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def reasons(df: pd.DataFrame) -> list[str]:
-    """Distinct ``impl: status: reason`` lines for every non-pass outcome."""
-    notes = df[df["status"] != str(Status.PASS)][["impl", "status", "reason"]]
-    return [f"{impl}: {status}: {reason}" for impl, status, reason in notes.drop_duplicates().itertuples(index=False)]
+    """``impl: status: reason (cases)`` lines for every non-pass outcome, one per distinct
+    reason, naming the cases it applies to."""
+    cases_of = df.groupby("impl", sort=False)["case_id"].agg(set)
+    notes = df[df["status"] != str(Status.PASS)]
+    grouped = notes.groupby(["impl", "status", "reason"], sort=False)["case_id"].agg(list)
+    return [f"{impl}: {status}: {reason} "
+            f"({'every case' if set(cases) == cases_of[impl] else ', '.join(cases)})"
+            for (impl, status, reason), cases in grouped.items()]
 
 
-def markdown(records: list[dict[str, Any]], title: str = "pagedbench leaderboard") -> str:
-    """The full Markdown report: conditions, leaderboard, summary, reasons."""
-    df = frame(records)
-    if df.empty:
-        return f"# {title}\n\nNo results.\n"
-    env = records[-1].get("env", {})
-    conditions = (
+def _conditions(record: dict[str, Any]) -> str:
+    env = record.get("env", {})
+    return (
         f"Device: {env.get('device', '?')} ({env.get('device_type', '?')}), "
         f"threads {env.get('threads', '?')}; torch {env.get('torch', '?')}, "
         f"triton {env.get('triton') or 'absent'}, vllm {env.get('vllm') or 'absent'}; "
         f"commit {str(env.get('git_sha') or '?')[:12]}{' (dirty)' if env.get('dirty') else ''}; "
-        f"run {records[-1].get('run_id', '?')}."
+        f"run {record.get('run_id', '?')}."
     )
-    lines = [
-        f"# {title}", "", conditions, "",
+
+
+def markdown(records: list[dict[str, Any]], title: str = "pagedbench leaderboard") -> str:
+    """The full Markdown report: the conditions of every environment the records come
+    from, the leaderboard, the summary, the reasons."""
+    df = frame(records)
+    if df.empty:
+        return f"# {title}\n\nNo results.\n"
+    environments = {json.dumps(r.get("env", {}), sort_keys=True): r for r in records}
+    lines = [f"# {title}", ""]
+    for record in environments.values():
+        lines += [_conditions(record), ""]
+    lines += [
         "Cells: verdict against the float64 truth, then the median time per call. "
         "Bold: fastest passing implementation of the row. `(interp.)`: ran under an "
         "interpreter, checked for correctness, never ranked. `†`: the implementation "

@@ -139,6 +139,7 @@ def base_record(target: str, name: str, case: PagedCase, config: RunConfig,
         "time_ms": None,
         "time_ms_median": None,
         "timing_method": None,
+        "interpreted": None,
         "tail_poison": None,
         "nan_tail_output_finite": None,
         "bytes_moved": bytes_moved(case),
@@ -155,6 +156,7 @@ def evaluate(adapter: Adapter, target: str, availability: Availability, case: Pa
     implementation's faults become ``error``/``fail`` records; an exception from here is
     the harness's own (the worker records it as a harness error)."""
     record = base_record(target, adapter.name, case, config, availability)
+    record["interpreted"] = adapter.is_interpreted(config.device)
     if not availability.ok:
         return record | {"status": str(Status.UNAVAILABLE), "reason": availability.reason}
     try:
@@ -254,14 +256,27 @@ def _worker(target: str, cases: list[dict[str, Any]], config: RunConfig, channel
     channel.send(("done",))
 
 
-def worker_environment(device: str, cache_dir: Path) -> dict[str, str]:
-    """Environment variables every worker needs: the Triton interpreter on the CPU, and
-    compiler caches inside ``cache_dir`` (never the home folder)."""
+def cache_environment(cache_dir: Path) -> dict[str, str]:
+    """Environment variables that keep every cache and scratch folder inside
+    ``cache_dir``, never the home folder or the system temp folder (TorchInductor's
+    precompiled headers follow ``TMPDIR``, matplotlib's font cache ``MPLCONFIGDIR``).
+    The folders are created."""
     cache_dir = Path(cache_dir).resolve()
     env = {
         "TRITON_CACHE_DIR": str(cache_dir / "triton-cache"),
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor-cache"),
+        "XDG_CACHE_HOME": str(cache_dir / "xdg-cache"),
+        "MPLCONFIGDIR": str(cache_dir / "matplotlib"),
+        "TMPDIR": str(cache_dir / "tmp"),
     }
+    for folder in env.values():
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    return env
+
+
+def worker_environment(device: str, cache_dir: Path) -> dict[str, str]:
+    """:func:`cache_environment`, plus the Triton interpreter when ``device`` is the CPU."""
+    env = cache_environment(cache_dir)
     if torch.device(device).type == "cpu":
         env["TRITON_INTERPRET"] = "1"
     return env

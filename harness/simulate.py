@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -167,8 +168,8 @@ def _budget_tokens(args: argparse.Namespace) -> tuple[int, int]:
             raise ValueError(f"--kv-budget-blocks must be >= 1, got {args.kv_budget_blocks}")
         return args.kv_budget_blocks * BUDGET_BLOCK_SIZE, per_token
     gib = DEFAULT_KV_BUDGET_GIB if args.kv_budget_gib is None else args.kv_budget_gib
-    if not gib > 0:
-        raise ValueError(f"--kv-budget-gib must be > 0, got {gib}")
+    if not (math.isfinite(gib) and gib > 0):
+        raise ValueError(f"--kv-budget-gib must be a finite number > 0, got {gib}")
     return budget_tokens_from_bytes(int(gib * _GIB), per_token), per_token
 
 
@@ -304,8 +305,12 @@ def run(args: argparse.Namespace) -> int:
         shares = any(r.n > 1 or r.prefix_id is not None for r in trace)
         policies = default_policies(args.block_sizes, sharing=shares)
         results = compare_policies(trace, policies, kv_budget_tokens, args.max_context, args.seed)
-    except (TraceError, CapacityError, ValueError, FileNotFoundError) as err:
+    except (TraceError, CapacityError, ValueError, OSError) as err:
         print(f"pagedbench simulate: error: {err}", file=sys.stderr)
+        return 2
+    if args.output_dir.exists() and not args.output_dir.is_dir():
+        print(f"pagedbench simulate: error: --output-dir {args.output_dir} is a file, "
+              "not a folder", file=sys.stderr)
         return 2
 
     frame = results_frame(results)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import platform
 import subprocess
+import warnings
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
@@ -115,8 +117,11 @@ class ResultsFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def append(self, record: dict[str, Any]) -> None:
-        """Write one record as one line, atomically (single O_APPEND write + fsync)."""
-        line = (json.dumps(record, sort_keys=True, allow_nan=True) + "\n").encode()
+        """Write one record as one line, atomically (single O_APPEND write + fsync).
+        Non-finite floats (an error figure of a NaN output) are written as ``null``, so
+        every line is strict JSON."""
+        line = (json.dumps(_finite_or_null(record), sort_keys=True, allow_nan=False)
+                + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line)
@@ -125,23 +130,44 @@ class ResultsFile:
             os.close(fd)
 
 
+def _finite_or_null(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 def read_records(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
     """Records from any number of ``.jsonl`` files or folders of them, in file order.
+
+    A last line without its newline is what a run killed mid-write leaves; it is skipped
+    (with a warning) so the rest of that run's results can still be read.
 
     Raises
     ------
     ValueError
-        If a line is not valid JSON (naming the file and line number).
+        If any other line is not valid JSON (naming the file and line number), or a file
+        is not UTF-8 text.
     """
     for path in paths:
         path = Path(path)
         files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
         for file in files:
-            with file.open() as fh:
-                for number, line in enumerate(fh, 1):
-                    if not line.strip():
+            try:
+                lines = file.read_text(encoding="utf-8").split("\n")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{file}: not a UTF-8 text file ({exc})") from exc
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    if number == len(lines):  # no newline after it: cut off mid-write
+                        warnings.warn(f"{file}:{number}: skipping a truncated last line",
+                                      stacklevel=2)
                         continue
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise ValueError(f"{file}:{number}: not a JSON line ({exc})") from exc
+                    raise ValueError(f"{file}:{number}: not a JSON line ({exc})") from exc

@@ -125,16 +125,18 @@ def bytes_moved(case: PagedCase) -> int:
     """Bytes a kernel must move at least once for ``case`` (bytes).
 
     Q and O (``total_q * num_q_heads * head_dim`` elements each), K and V of every token
-    each sequence attends to (``sum(kv_lens) * num_kv_heads * head_dim`` each; with a
-    sliding window, only the keys inside it), and the used block-table entries (int32).
+    each sequence attends to (``sum(kv_lens) * num_kv_heads * head_dim`` each, at the KV
+    cache's element size: 1 byte for fp8; with a sliding window, only the keys inside it),
+    and the used block-table entries (int32).
     """
     elem = torch.empty((), dtype=case.torch_dtype).element_size()
+    kv_elem = torch.empty((), dtype=case.kv_torch_dtype).element_size()  # 1 for fp8
     qo = 2 * case.total_q * case.num_q_heads * case.head_dim * elem
     attended = sum(
         min(kv, case.sliding_window + q - 1) if case.sliding_window else kv
         for kv, q in zip(case.kv_lens, case.q_lens_or_decode)
     )
-    kv = 2 * attended * case.num_kv_heads * case.head_dim * elem
+    kv = 2 * attended * case.num_kv_heads * case.head_dim * kv_elem
     tables = sum(case.blocks_per_seq) * 4
     return qo + kv + tables
 

@@ -371,6 +371,9 @@ def read_trace(path: str | Path, max_context: int) -> list[Request]:
 
 def _check_columns(path: Path, line: int, columns: Iterable[str]) -> None:
     columns = list(columns)
+    repeated = sorted({c for c in columns if columns.count(c) > 1})
+    if repeated:
+        raise TraceError(f"{path}:{line}: column(s) {repeated} appear more than once")
     unknown = [c for c in columns if c not in TRACE_COLUMNS]
     if unknown:
         raise TraceError(

@@ -42,6 +42,8 @@ def test_bytes_and_flops_from_actual_lengths() -> None:
                         head_dim=64, block_size=4, dtype="float32")
     assert flops(prefill) == 4 * 64 * (3 + 4 + 5 + 6)
     assert flops(prefill.with_(sliding_window=2)) == 4 * 64 * 8
+    fp8 = case.with_(kv_cache_dtype="fp8_e4m3")  # K and V at 1 byte per element
+    assert bytes_moved(fp8) == 2 * 2 * 8 * 64 * 2 + 2 * 20 * 2 * 64 * 1 + 3 * 4
 
 
 def test_results_file_appends_whole_lines_from_many_threads(tmp_path) -> None:
@@ -64,9 +66,24 @@ def test_results_file_appends_whole_lines_from_many_threads(tmp_path) -> None:
 
 def test_read_records_names_a_corrupt_line(tmp_path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"a": 1}) + "\n{not json\n")
+    path.write_text(json.dumps({"a": 1}) + "\n{not json\n" + json.dumps({"b": 2}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         list(read_records([path]))
+
+
+def test_read_records_skips_a_line_cut_off_by_a_crash(tmp_path) -> None:
+    path = tmp_path / "cut.jsonl"
+    path.write_text(json.dumps({"a": 1}) + "\n" + '{"b": "unterminated')
+    with pytest.warns(UserWarning, match="cut.jsonl:2: skipping a truncated last line"):
+        assert list(read_records([path])) == [{"a": 1}]
+
+
+def test_non_finite_figures_are_written_as_null(tmp_path) -> None:
+    store = ResultsFile(tmp_path / "r.jsonl")
+    store.append({"max_abs_err": float("nan"), "ratio": float("inf"), "nested": [float("-inf")]})
+    line = (tmp_path / "r.jsonl").read_text()
+    assert json.loads(line) == {"max_abs_err": None, "nested": [None], "ratio": None}
+    assert "NaN" not in line and "Infinity" not in line
 
 
 def _record(impl, case_id, status, ms=None, method="perf_counter"):

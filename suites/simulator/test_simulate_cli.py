@@ -129,7 +129,7 @@ def test_simulate_text_table_and_sharing_rows(
         (["--trace", "{bad}"], "missing required column(s) ['output_len']"),
         (["--trace", "{two}", "--parallel-samples", "2"],
          "--parallel-samples shape(s) the generated trace only"),
-        (["--kv-budget-gib", "0"], "--kv-budget-gib must be > 0, got 0.0"),
+        (["--kv-budget-gib", "0"], "--kv-budget-gib must be a finite number > 0, got 0.0"),
         (["--kv-budget-blocks", "0"], "--kv-budget-blocks must be >= 1, got 0"),
         # 1 block of 16 = 16 slots cannot hold one 32-token Max reservation.
         (["--trace", "{two}", "--max-context", "32", "--kv-budget-blocks", "1"],
@@ -177,3 +177,17 @@ def test_pagedbench_main_routes_simulate(
     assert [(r["policy"], r["steps"]) for r in records] == [
         ("Max", 12), ("Pow2", 7), ("Oracle", 7), ("Paged", 7),
     ]
+
+
+def test_simulate_rejects_unusable_paths_and_budgets(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "trace.csv"
+    folder.mkdir()
+    a_file = tmp_path / "out"
+    a_file.write_text("")
+    for argv, message in [
+        (["--trace", str(folder)], "Is a directory"),
+        (["--kv-budget-gib", "inf"], "--kv-budget-gib must be a finite number > 0"),
+        (["--num-requests", "5", "--output-dir", str(a_file)], "is a file, not a folder"),
+    ]:
+        code, _, err = _run(argv, capsys)
+        assert code == 2 and message in err, (argv, err)

@@ -57,6 +57,9 @@ def test_read_jsonl_skips_blank_lines(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "text", "message"),
     [
+        pytest.param("t.csv", "prompt_len,output_len,prompt_len\n10,5,5\n",
+                     r"t\.csv:1: column\(s\) \['prompt_len'\] appear more than once",
+                     id="repeated-column"),
         pytest.param("t.csv", "prompt_len,n\n3,1\n",
                      r"t\.csv:1: missing required column\(s\) \['output_len'\]",
                      id="missing-column"),
