@@ -4,12 +4,13 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 BUILD  := $(CURDIR)/build
 
-# Hermetic caches: compilers, pip, matplotlib and friends write under build/, never $HOME.
+# Hermetic caches: compilers, pip, matplotlib, temp files write under build/, never $HOME or /tmp.
 export TRITON_CACHE_DIR        := $(BUILD)/triton-cache
 export TORCHINDUCTOR_CACHE_DIR := $(BUILD)/inductor-cache
 export XDG_CACHE_HOME          := $(BUILD)/xdg-cache
 export MPLCONFIGDIR            := $(BUILD)/matplotlib
 export PIP_CACHE_DIR           := $(BUILD)/pip-cache
+export TMPDIR                  := $(BUILD)/tmp
 export PYTHONUNBUFFERED        := 1
 
 .PHONY: run test clean
@@ -18,6 +19,7 @@ export PYTHONUNBUFFERED        := 1
 # plain install pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside the
 # CPU torch and break importing vLLM's Python modules: remove them (shared/research/cpu_peers.md).
 $(VENV)/.installed: pyproject.toml Makefile
+	mkdir -p $(TMPDIR)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
@@ -27,9 +29,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 run: $(VENV)/.installed
+	mkdir -p $(TMPDIR)
 	$(BIN)/pagedbench run
 
 test: $(VENV)/.installed
+	mkdir -p $(TMPDIR)
 	$(BIN)/pytest
 
 clean:

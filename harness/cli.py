@@ -24,7 +24,7 @@ from pagedbench.reference import DTYPES
 
 from . import report, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
-from .runner import RunConfig, cache_environment, run, worker_environment
+from .runner import RunConfig, apply_environment, cache_environment, run, worker_environment
 from .store import DEFAULT_RESULTS_DIR, ResultsFile, Status, new_run_id, read_records
 
 #: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
@@ -161,7 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     # Availability as a worker of `pagedbench run` would see it (the Triton interpreter on
     # the CPU is switched on before any kernel module is imported).
-    os.environ.update(worker_environment(args.device, DEFAULT_CACHE_DIR))
+    apply_environment(worker_environment(args.device, DEFAULT_CACHE_DIR))
     rows = []
     for name, (target, adapter) in registry().items():
         availability = adapter.available(args.device)
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir = getattr(args, "cache_dir", DEFAULT_CACHE_DIR)
     if cache_dir.exists() and not cache_dir.is_dir():
         raise SystemExit(f"pagedbench: --cache-dir {cache_dir} is a file, not a folder")
-    os.environ.update(cache_environment(cache_dir))
+    apply_environment(cache_environment(cache_dir))
     commands = {"run": cmd_run, "list": cmd_list, "report": cmd_report,
                 "simulate": simulate.run}
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -234,7 +235,7 @@ def _worker(target: str, cases: list[dict[str, Any]], config: RunConfig, channel
 
     The environment is set before the adapter's module is imported, since Triton reads
     ``TRITON_INTERPRET`` when a kernel is decorated."""
-    os.environ.update(worker_environment(config.device, config.cache_dir))
+    apply_environment(worker_environment(config.device, config.cache_dir))
     torch.set_num_threads(config.threads)
     try:
         adapter = load(target)
@@ -272,6 +273,14 @@ def cache_environment(cache_dir: Path) -> dict[str, str]:
     for folder in env.values():
         Path(folder).mkdir(parents=True, exist_ok=True)
     return env
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    """Set ``env`` in this process, and make :mod:`tempfile` read ``TMPDIR`` again (it
+    caches the temp folder at first use; TorchInductor derives its precompiled-header
+    folder from it when ``torch._inductor.codecache`` is first imported)."""
+    os.environ.update(env)
+    tempfile.tempdir = None
 
 
 def worker_environment(device: str, cache_dir: Path) -> dict[str, str]:

@@ -7,7 +7,9 @@ Hypothesis profiles (select with ``HYPOTHESIS_PROFILE=dev`` or ``--hypothesis-pr
 - ``dev``: many more examples, random seeds, for a developer hunting bugs.
 
 On a machine without CUDA, Triton kernels run under the Triton interpreter: this file
-sets ``TRITON_INTERPRET=1`` before any kernel module is imported.
+sets ``TRITON_INTERPRET=1`` before any kernel module is imported. Compiler caches, the
+temp folder and hypothesis's example database go under ``build/`` (unless the
+environment already points them elsewhere, as the Makefile does).
 """
 
 from __future__ import annotations
@@ -17,13 +19,17 @@ from pathlib import Path
 
 import torch
 from hypothesis import HealthCheck, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from pagedbench.harness.runner import apply_environment, cache_environment
+
 _BUILD = Path(__file__).resolve().parent.parent / "build"
-os.environ.setdefault("TRITON_CACHE_DIR", str(_BUILD / "triton-cache"))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_BUILD / "inductor-cache"))
+_env = {k: v for k, v in cache_environment(_BUILD).items() if k not in os.environ}
+if not torch.cuda.is_available():
+    _env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "1")
+apply_environment(_env)
 
+set_hypothesis_home_dir(_BUILD / "hypothesis")  # dev's example database, not ./.hypothesis
 settings.register_profile(
     "ci",
     max_examples=20,
