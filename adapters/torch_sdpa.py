@@ -1,8 +1,8 @@
 """PyTorch SDPA baselines: ``torch-gather`` (paged) and ``sdpa-contiguous`` (not paged).
 
-``torch-gather`` is the simplest correct paged attention: gather every sequence's blocks
-through its block table into a padded dense batch, then call
-``torch.nn.functional.scaled_dot_product_attention`` with GQA. ``sdpa-contiguous`` runs
+``torch-gather`` is the simplest correct paged attention: gather every sequence's tokens
+through its block table, then call ``torch.nn.functional.scaled_dot_product_attention``
+with GQA, one call per sequence (a padded, masked batch was 4x slower on the CPU). ``sdpa-contiguous`` runs
 the same SDPA call on K/V that are already contiguous (gathered in the untimed
 ``prepare``): the no-paging baseline, so the difference between the two columns is the
 cost of the gather, i.e. the paging overhead (the vLLM paper, s. 7.1, reports 20-26% for
@@ -29,59 +29,55 @@ _CAPABILITIES = Capabilities(
 
 
 @dataclass(frozen=True)
-class _Batch:
-    """Padded, batched view of a case: what both SDPA variants feed to SDPA."""
+class _Sequence:
+    """One sequence as SDPA takes it: its queries, mask and where its tokens live."""
 
-    q: torch.Tensor  # [batch, num_q_heads, max_q, head_dim]
-    mask: torch.Tensor  # [batch, 1, max_q, max_kv] bool, True = attend
-    key_valid: torch.Tensor  # [batch, max_kv, 1, 1] bool, True = a live token
-    q_rows: torch.Tensor  # [total_q] int64, flat index of each real query in [batch*max_q]
-    scale: float
+    q: torch.Tensor  # [1, num_q_heads, q_len, head_dim]
+    mask: torch.Tensor | None  # [q_len, kv_len] bool, True = attend; None for decode
+    blocks: torch.Tensor  # [kv_len] int64, physical block of each token (via the table)
+    offsets: torch.Tensor  # [kv_len] int64, slot of each token inside its block
 
 
-def _batch(inputs: PagedInputs) -> _Batch:
+def _sequences(inputs: PagedInputs) -> list[_Sequence]:
+    """Per-sequence queries and masks, plus each token's (block, offset) read from the
+    block table. A decode query sees every key of its sequence, so it needs no mask
+    (SDPA then takes its fastest path); prefill rows get the bottom-right causal mask."""
     case = inputs.case
-    q_lens = torch.tensor(case.q_lens_or_decode, device=inputs.device)
-    max_q = int(q_lens.max())
-    max_kv = case.max_blocks_per_seq * case.block_size
-    kv_lens = inputs.kv_lens.to(torch.int64)
-    seq = torch.repeat_interleave(torch.arange(case.batch_size, device=inputs.device), q_lens)
-    local = torch.arange(case.total_q, device=inputs.device) - inputs.cu_seqlens_q[seq]
-    q_rows = seq * max_q + local  # [total_q]
-    q = inputs.q.new_zeros(case.batch_size * max_q, case.num_q_heads, case.head_dim)
-    q[q_rows] = inputs.q
-    q = q.view(case.batch_size, max_q, case.num_q_heads, case.head_dim).transpose(1, 2)
-
-    # Bottom-right causal: query j of sequence i sits at kv_len - q_len + j.
-    pos_q = (kv_lens - q_lens)[:, None] + torch.arange(max_q, device=inputs.device)  # [b, max_q]
-    pos_k = torch.arange(max_kv, device=inputs.device)  # [max_kv]
-    mask = pos_k[None, None, :] <= pos_q[:, :, None]  # [b, max_q, max_kv]
-    if case.sliding_window is not None:
-        mask &= pos_k[None, None, :] > pos_q[:, :, None] - case.sliding_window
-    key_valid = pos_k[None, :] < kv_lens[:, None]  # [b, max_kv]
-    return _Batch(q, mask[:, None], key_valid[:, :, None, None], q_rows, case.scale)
-
-
-def _sdpa(batch: _Batch, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA over ``k, v: [batch, max_kv, num_kv_heads, head_dim]`` -> ``[total_q, hq, d]``."""
-    out = F.scaled_dot_product_attention(
-        batch.q, k.transpose(1, 2), v.transpose(1, 2),
-        attn_mask=batch.mask, scale=batch.scale, enable_gqa=True,
-    )  # [b, hq, max_q, d]
-    return out.transpose(1, 2).flatten(0, 1)[batch.q_rows]  # [total_q, hq, d]
+    cu = inputs.cu_seqlens_q.tolist()
+    out = []
+    for i, kv_len in enumerate(case.kv_lens):
+        q_len = cu[i + 1] - cu[i]
+        pos_k = torch.arange(kv_len, device=inputs.device)
+        pos_q = kv_len - q_len + torch.arange(q_len, device=inputs.device)
+        mask = None
+        if q_len > 1 or case.sliding_window is not None:
+            mask = pos_k[None, :] <= pos_q[:, None]  # [q_len, kv_len], bottom-right causal
+            if case.sliding_window is not None:
+                mask &= pos_k[None, :] > pos_q[:, None] - case.sliding_window
+        table = inputs.block_tables[i].long()
+        out.append(_Sequence(
+            q=inputs.q[cu[i] : cu[i + 1]].transpose(0, 1)[None],  # [1, hq, q_len, d]
+            mask=mask,
+            blocks=table[pos_k // case.block_size],
+            offsets=pos_k % case.block_size,
+        ))
+    return out
 
 
-def _gather(inputs: PagedInputs, key_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of every sequence through the block table, ``[batch, max_kv, hkv, d]`` each.
+def _sdpa(seq: _Sequence, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA of one sequence over ``k, v: [1, num_kv_heads, kv_len, head_dim]`` ->
+    ``[q_len, num_q_heads, head_dim]``."""
+    out = F.scaled_dot_product_attention(seq.q, k, v, attn_mask=seq.mask, scale=scale,
+                                         enable_gqa=True)  # [1, hq, q_len, d]
+    return out[0].transpose(0, 1)
 
-    Slots past ``kv_len`` hold NaN poison; they are replaced by zeros with a select (they
-    are masked out of the softmax, but ``0 * NaN`` would still poison the output).
-    """
-    pages = inputs.kv_cache[inputs.block_tables.long()]  # [b, max_blocks, 2, bs, hkv, d]
-    k = pages[:, :, 0].flatten(1, 2)  # [b, max_kv, hkv, d]
-    v = pages[:, :, 1].flatten(1, 2)
-    zero = k.new_zeros(())
-    return torch.where(key_valid, k, zero), torch.where(key_valid, v, zero)
+
+def _gather(inputs: PagedInputs, seq: _Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one sequence read through its block table, ``[1, hkv, kv_len, d]``
+    each (only its live tokens: no slot past ``kv_len`` is touched)."""
+    k = inputs.kv_cache[seq.blocks, 0, seq.offsets]  # [kv_len, hkv, d]
+    v = inputs.kv_cache[seq.blocks, 1, seq.offsets]
+    return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
 
 
 class _TorchAdapter(Adapter):
@@ -95,18 +91,18 @@ class _TorchAdapter(Adapter):
 
 
 class TorchGather(_TorchAdapter):
-    """Gather the pages through the block table, then one batched SDPA call (timed)."""
+    """Gather each sequence's tokens through the block table, then SDPA (both timed)."""
 
     name = "torch-gather"
     description = "gather pages through the block table, then torch SDPA with GQA"
 
-    def prepare(self, inputs: PagedInputs) -> tuple[PagedInputs, _Batch]:
-        return inputs, _batch(inputs)
+    def prepare(self, inputs: PagedInputs) -> tuple[PagedInputs, list[_Sequence]]:
+        return inputs, _sequences(inputs)
 
-    def run(self, prepared: tuple[PagedInputs, _Batch]) -> torch.Tensor:
-        inputs, batch = prepared
-        k, v = _gather(inputs, batch.key_valid)
-        return _sdpa(batch, k, v)
+    def run(self, prepared: tuple[PagedInputs, list[_Sequence]]) -> torch.Tensor:
+        inputs, sequences = prepared
+        scale = inputs.case.scale
+        return torch.cat([_sdpa(seq, *_gather(inputs, seq), scale) for seq in sequences])
 
 
 class SdpaContiguous(_TorchAdapter):
@@ -115,11 +111,12 @@ class SdpaContiguous(_TorchAdapter):
     name = "sdpa-contiguous"
     description = "torch SDPA on contiguous K/V (no paging): the paging-overhead baseline"
 
-    def prepare(self, inputs: PagedInputs) -> tuple[_Batch, torch.Tensor, torch.Tensor]:
-        batch = _batch(inputs)
-        k, v = _gather(inputs, batch.key_valid)
-        return batch, k.contiguous(), v.contiguous()
+    def prepare(self, inputs: PagedInputs) -> tuple[float, list[tuple]]:
+        sequences = _sequences(inputs)
+        contiguous = [(seq, *(t.contiguous() for t in _gather(inputs, seq)))
+                      for seq in sequences]
+        return inputs.case.scale, contiguous
 
-    def run(self, prepared: tuple[_Batch, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        batch, k, v = prepared
-        return _sdpa(batch, k, v)
+    def run(self, prepared: tuple[float, list[tuple]]) -> torch.Tensor:
+        scale, contiguous = prepared
+        return torch.cat([_sdpa(seq, k, v, scale) for seq, k, v in contiguous])
