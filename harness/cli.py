@@ -82,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     run_p.add_argument("--no-timing", action="store_true", help="check correctness only")
     run_p.add_argument("--threads", type=_positive_int, default=os.cpu_count() or 1,
                        help="torch threads per worker (default: all cores)")
-    run_p.add_argument("--repetitions", type=_positive_int, default=10,
-                       help="timed calls per case on the CPU (default: 10)")
+    run_p.add_argument("--repetitions", type=_positive_int, default=RunConfig.repetitions,
+                       help=f"timed calls per case on the CPU, at most "
+                            f"{RunConfig.time_budget_s:g} s of them (default: {RunConfig.repetitions})")
     run_p.add_argument("--case-timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                        help="a case taking longer is 'timeout' (default: 300)")
     run_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,

@@ -64,8 +64,8 @@ class RunConfig:
     device: str = "cpu"
     timing: bool = True
     warmup: int = 1
-    repetitions: int = 10
-    time_budget_s: float = 1.5
+    repetitions: int = 30
+    time_budget_s: float = 1.0
     threads: int = os.cpu_count() or 1
     case_timeout_s: float = 300.0
     cache_dir: Path = Path("build")
