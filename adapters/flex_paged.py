@@ -77,7 +77,7 @@ from typing import Any
 
 import torch
 
-from pagedbench.reference import PagedCase, PagedInputs
+from pagedbench.reference import PagedInputs
 
 from .base import Adapter, Availability, Capabilities
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from pagedbench.adapters.flex_paged import FlexPaged
 from pagedbench.harness.tolerance import assert_close_report

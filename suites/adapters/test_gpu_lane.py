@@ -4,7 +4,6 @@ budget is stopped and recorded as such."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -43,9 +42,6 @@ def test_unknown_device_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("pagedbench.harness.cli") is None,
-                    reason="harness/cli.py (the `pagedbench` CLI the lane drives) does not "
-                           "exist yet")
 @pytest.mark.skipif(os.environ.get(gpu_lane.IN_LANE_ENV) == "1",
                     reason="already inside a GPU lane run; not starting a nested one")
 def test_cpu_lane_writes_its_files(tmp_path: Path) -> None:

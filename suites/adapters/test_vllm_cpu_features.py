@@ -17,7 +17,6 @@ past ``kv_len`` is then far off and fails. Unused blocks and table padding stay 
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import assume, example, given, note
 
 from pagedbench.harness.tolerance import assert_close_report
