@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedbench.reference import PagedInputs, naive_attention, reference_attention
+
 #: k in ``max_err <= k * naive_err + floor``: FlashAttention uses 2 for plain attention.
 ERROR_RATIO = 2.0
 #: Absolute floor added to the allowance (FlashAttention's ``+ 1e-5``); it matters when the
@@ -159,3 +161,18 @@ def assert_close_report(
             f"ratio vs naive {result.err_ratio_vs_naive:.3g})"
         )
     return result
+
+
+def assert_matches_truth(out: torch.Tensor, inputs: PagedInputs, label: str) -> Comparison:
+    """Judge ``out`` against the float64 truth and naive yardstick of ``inputs`` (computed
+    on the CPU), sequence by sequence; :func:`assert_close_report` with everything derived
+    from the inputs, so no caller can forget the per-sequence row ranges.
+
+    Raises
+    ------
+    AssertionError
+        With ``label`` and the figures, when the output fails the policy.
+    """
+    cpu = inputs.to("cpu")
+    return assert_close_report(out, reference_attention(cpu), naive_attention(cpu),
+                               inputs.case.dtype, label, cpu.cu_seqlens_q)

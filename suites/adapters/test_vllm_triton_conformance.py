@@ -82,7 +82,7 @@ def check(name: str, case: PagedCase) -> Run:
     out = adapter.run(prepared)
     truth = reference_attention(cpu_inputs)
     comparison = assert_close_report(out, truth, naive_attention(cpu_inputs), case.dtype,
-                                     f"{name}:{case.case_id}")
+                                     f"{name}:{case.case_id}", cpu_inputs.cu_seqlens_q)
     for feature in sorted(case.features):
         without = reference_attention(materialize(case.with_(**FEATURE_OFF[feature]), "cpu"))
         effect = float((truth - without).abs().max())

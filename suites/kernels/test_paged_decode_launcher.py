@@ -71,7 +71,8 @@ def test_interpreted_bfloat16_passes_and_needs_the_workaround(inputs):
     second half ever passes, the interpreter was fixed and the workaround can go."""
     truth, naive = reference_attention(inputs), naive_attention(inputs)
     plan = pd.plan_paged_decode(**_args(inputs))
-    assert_close_report(plan(), truth, naive, "bfloat16", inputs.case.case_id)
+    assert_close_report(plan(), truth, naive, "bfloat16", inputs.case.case_id,
+                        inputs.cu_seqlens_q)
     raw = dataclasses.replace(plan, constexprs={**plan.constexprs, "BF16_VIA_FP32": False})
     assert not compare(raw(), truth, naive, "bfloat16").passed
 
