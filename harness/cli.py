@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from rich.console import Console
 
 from pagedbench.adapters import registry
@@ -209,8 +210,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 def capability_matrix(rows: list[dict[str, Any]]) -> str:
     """Markdown table: implementations x (availability, devices, dtypes, block sizes,
     head dims, modes, features), from ``pagedbench list --json`` rows."""
-    import pandas as pd
-
     def join(values: list[Any] | None) -> str:
         if values is None:
             return "any"

@@ -28,7 +28,7 @@ def cell_text(record: dict[str, Any]) -> str:
     mark = "pass†" if record.get("tail_poison") == "stale" else "pass"
     if record.get("time_ms_median") is None and not record.get("interpreted"):
         return mark
-    if record.get("interpreted") or record.get("timing_method") == "interpreted":
+    if record.get("interpreted"):
         return f"{mark} (interp.)"
     return f"{mark} {record['time_ms_median']:.3g} ms"
 

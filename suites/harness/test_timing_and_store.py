@@ -89,6 +89,7 @@ def test_non_finite_figures_are_written_as_null(tmp_path) -> None:
 def _record(impl, case_id, status, ms=None, method="perf_counter"):
     return {"impl": impl, "case_id": case_id, "status": status, "reason": "" if status == "pass" else "why",
             "time_ms_median": ms, "timing_method": method if ms else None, "run_id": "r",
+            "interpreted": method == "interpreted",
             "env": {"device": "cpu0", "device_type": "cpu", "threads": 2}}
 
 
