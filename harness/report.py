@@ -61,6 +61,8 @@ def frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
             "time_ms_median": r.get("time_ms_median"),
             "timing_method": r.get("timing_method"),
             "max_abs_err": r.get("max_abs_err"),
+            "max_err_ulps": r.get("max_err_ulps"),
+            "mean_err_ulps": r.get("mean_err_ulps"),
             "err_ratio_vs_naive": r.get("err_ratio_vs_naive"),
             "bandwidth_gbps": r.get("bandwidth_gbps"),
             "cell": cell_text(r),
@@ -68,7 +70,8 @@ def frame(records: Iterable[dict[str, Any]]) -> pd.DataFrame:
         for r in records
     ]
     columns = ["case_id", "impl", "status", "reason", "time_ms_median", "timing_method",
-               "max_abs_err", "err_ratio_vs_naive", "bandwidth_gbps", "cell"]
+               "max_abs_err", "max_err_ulps", "mean_err_ulps", "err_ratio_vs_naive",
+               "bandwidth_gbps", "cell"]
     df = pd.DataFrame(rows, columns=columns)
     return df.drop_duplicates(["case_id", "impl"], keep="last").reset_index(drop=True)
 
@@ -99,13 +102,19 @@ def leaderboard(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def summary(df: pd.DataFrame) -> pd.DataFrame:
-    """Implementations x statuses: how many cases ended in each status."""
+    """Implementations x statuses: how many cases ended in each status; then, over the
+    passes, the largest error in ulps of the output dtype and the mean signed error in
+    ulps (the bias: about -0.3 for an implementation that truncates, 0 for round to
+    nearest; harness/tolerance.py)."""
     impls = list(dict.fromkeys(df["impl"]))
     counts = df.groupby(["impl", "status"]).size().unstack(fill_value=0)
     counts = counts.reindex(index=impls, columns=[s for s in STATUS_ORDER if s in counts.columns],
                             fill_value=0)
+    passes = df[df["status"] == str(Status.PASS)].groupby("impl")
+    counts["max err (ulps)"] = passes["max_err_ulps"].max().reindex(impls).round(2)
+    counts["bias (ulps)"] = passes["mean_err_ulps"].mean().reindex(impls).round(3)
     counts.index.name = "implementation"
-    return counts
+    return counts.astype(object).where(counts.notna(), "")
 
 
 def reasons(df: pd.DataFrame) -> list[str]:

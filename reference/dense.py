@@ -8,7 +8,8 @@ The gather walks the block table in plain Python, one token at a time
 (``block_tables[i][t // block_size]``, offset ``t % block_size``): no kernel and no
 vectorised index arithmetic that could share a bug with the kernels under test.
 
-Semantics pinned here (the anchors agree on each; see shared/research/anchors.md, s. 9):
+Semantics pinned here (vLLM's, FlashAttention's and FlashInfer's kernels and tests agree on
+each):
 
 - GQA: query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
 - Causal, aligned bottom-right: query ``i`` of a sequence with ``q_len`` queries and
@@ -71,6 +72,43 @@ def _require(name: str, value: torch.Tensor | None, wanted: bool, flag: str) -> 
         raise ValueError(f"{name} was given but {flag} is False; pass {name}=None")
 
 
+def masked_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    case: PagedCase,
+    alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The logits of one sequence as the softmax sees them, in the dtype of ``q``: scaled,
+    soft-capped, ALiBi-biased, and ``-inf`` where the causal mask or the window hides a key.
+
+    Parameters
+    ----------
+    q : Tensor[q_len, num_q_heads, head_dim]
+    k : Tensor[kv_len, num_kv_heads, head_dim], dtype of ``q``
+    case : PagedCase
+    alibi_slopes : Tensor[num_q_heads] or None
+
+    Returns
+    -------
+    Tensor[num_q_heads, q_len, kv_len], dtype of ``q``
+    """
+    q_len, kv_len = q.shape[0], k.shape[0]
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [kv_len, hq, d]
+    scores = torch.einsum("qhd,khd->hqk", q * case.scale, k)  # [hq, q_len, kv_len]
+    if case.logits_soft_cap is not None:
+        cap = case.logits_soft_cap
+        scores = cap * torch.tanh(scores / cap)
+    pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]  # [q_len, 1]
+    pos_k = torch.arange(kv_len, device=q.device)[None, :]  # [1, kv_len]
+    if alibi_slopes is not None:
+        distance = (pos_q - pos_k).to(q.dtype)  # [q_len, kv_len]
+        scores = scores - alibi_slopes.to(q.dtype)[:, None, None] * distance
+    visible = pos_k <= pos_q
+    if case.sliding_window is not None:
+        visible &= pos_k > pos_q - case.sliding_window
+    return scores.masked_fill(~visible, float("-inf"))
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -79,6 +117,7 @@ def attention(
     *,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Dense attention of one sequence, computed in the dtype of its arguments.
 
@@ -94,6 +133,10 @@ def attention(
         Required exactly when ``case.alibi``; used in the dtype of ``q``.
     sinks : Tensor[num_q_heads] or None
         Sink logits, required exactly when ``case.sinks``; used in the dtype of ``q``.
+    logits_dtype : torch.dtype or None
+        Compute the logits and the softmax in this dtype instead (the probabilities are
+        then rounded to the dtype of ``q`` before they weight ``v``); ``None``: all in the
+        dtype of ``q``.
 
     Returns
     -------
@@ -109,33 +152,23 @@ def attention(
     """
     _require("alibi_slopes", alibi_slopes, case.alibi, "case.alibi")
     _require("sinks", sinks, case.sinks, "case.sinks")
-    q_len, kv_len = q.shape[0], k.shape[0]
-    ratio = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(ratio, dim=1)  # [kv_len, hq, d]
-    v = v.repeat_interleave(ratio, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q * case.scale, k)  # [hq, q_len, kv_len]
-    if case.logits_soft_cap is not None:
-        cap = case.logits_soft_cap
-        scores = cap * torch.tanh(scores / cap)
-    pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]  # [q_len, 1]
-    pos_k = torch.arange(kv_len, device=q.device)[None, :]  # [1, kv_len]
-    if alibi_slopes is not None:
-        distance = (pos_q - pos_k).to(q.dtype)  # [q_len, kv_len]
-        scores = scores - alibi_slopes.to(q.dtype)[:, None, None] * distance
-    visible = pos_k <= pos_q
-    if case.sliding_window is not None:
-        visible &= pos_k > pos_q - case.sliding_window
-    scores = scores.masked_fill(~visible, float("-inf"))
+    out_dtype = q.dtype
+    if logits_dtype is not None:
+        q, k = q.to(logits_dtype), k.to(logits_dtype)
+    scores = masked_logits(q, k, case, alibi_slopes)  # [hq, q_len, kv_len]
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # [kv_len, hq, d]
+    q_len = q.shape[0]
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)  # [hq, q_len, kv_len]
     else:
         sink = sinks.to(q.dtype)[:, None, None].expand(-1, q_len, 1)  # [hq, q_len, 1]
         logits = torch.cat([sink, scores], dim=-1)  # [hq, q_len, 1 + kv_len]
         probs = torch.softmax(logits, dim=-1)[..., 1:]  # [hq, q_len, kv_len]
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    return torch.einsum("hqk,khd->qhd", probs.to(out_dtype), v)
 
 
-def _per_sequence(inputs: PagedInputs, dtype: torch.dtype) -> torch.Tensor:
+def _per_sequence(inputs: PagedInputs, dtype: torch.dtype,
+                  logits_dtype: torch.dtype | None = None) -> torch.Tensor:
     case = inputs.case
     cu = inputs.cu_seqlens_q.tolist()
     out = torch.empty(case.total_q, case.num_q_heads, case.head_dim, dtype=dtype,
@@ -149,6 +182,7 @@ def _per_sequence(inputs: PagedInputs, dtype: torch.dtype) -> torch.Tensor:
             case,
             alibi_slopes=inputs.alibi_slopes,
             sinks=inputs.sinks,
+            logits_dtype=logits_dtype,
         )
     return out
 
@@ -159,10 +193,14 @@ def reference_attention(inputs: PagedInputs) -> torch.Tensor:
 
 
 def naive_attention(inputs: PagedInputs) -> torch.Tensor:
-    """The same math done naively in the case dtype (scores, softmax and products all
-    rounded to it): the yardstick of the tolerance policy, after FlashAttention's tests
-    (``attention_ref(upcast=False)``). ``Tensor[total_q, num_q_heads, head_dim]``.
+    """The same math done naively at the case dtype, as a kernel's arithmetic would: the
+    logits and the softmax in float32 (every paged kernel keeps them there: its Q.K^T
+    accumulates in float32), the probabilities rounded to the case dtype before they
+    weight V, the product and the output in the case dtype. The yardstick of the
+    tolerance policy (``harness/tolerance.py``), after FlashAttention's same-precision
+    reference (``attention_ref(upcast=False)`` in ``tests/test_flash_attn.py``), which
+    also rounds the logits. ``Tensor[total_q, num_q_heads, head_dim]``, case dtype.
 
     An fp8 cache is dequantized into the case dtype first, so that the yardstick, like the
     truth, measures attention on the values the cache stands for."""
-    return _per_sequence(inputs, inputs.case.torch_dtype)
+    return _per_sequence(inputs, inputs.case.torch_dtype, logits_dtype=torch.float32)

@@ -18,9 +18,8 @@ from dataclasses import replace
 import pytest
 
 from pagedbench.adapters.flex_paged import FlexPaged
-from pagedbench.harness.tolerance import assert_close_report, assert_matches_truth
-from pagedbench.reference import PagedCase, PagedInputs, materialize, naive_attention
-from pagedbench.reference import reference_attention
+from pagedbench.harness.tolerance import Expected, assert_close_report, assert_matches_truth
+from pagedbench.reference import PagedCase, PagedInputs, materialize
 
 #: Sequences 0 and 2 end inside a block (5 = 0 * 16 + 5, 90 = 5 * 16 + 10); sequence 1
 #: fills its last block. Same shape family as the decode case of
@@ -71,8 +70,9 @@ def test_poisoned_v_tail_reaches_the_output(adapter: FlexPaged, poisoned: str) -
     nan_rows = [i for i in range(CASE.batch_size) if bool(out[i].isnan().all())]
     assert nan_rows == PARTIAL
     full = [i for i in range(CASE.batch_size) if i not in PARTIAL]
-    assert_close_report(out[full], reference_attention(inputs)[full],
-                        naive_attention(inputs)[full], CASE.dtype, f"{CASE.case_id}:{poisoned}")
+    expected = Expected.of(inputs)
+    assert_close_report(out[full], Expected(expected.truth[full], expected.naive[full]),
+                        CASE.dtype, f"{CASE.case_id}:{poisoned}")
 
 
 def test_poisoned_k_tail_alone_is_masked(adapter: FlexPaged) -> None:

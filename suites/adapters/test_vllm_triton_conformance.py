@@ -22,13 +22,8 @@ import pytest
 import torch
 
 from pagedbench.harness.cases import MODEL_PRESETS, preset_cases
-from pagedbench.harness.tolerance import Comparison, assert_close_report, compare
-from pagedbench.reference import (
-    PagedCase,
-    materialize,
-    naive_attention,
-    reference_attention,
-)
+from pagedbench.harness.tolerance import Comparison, Expected, assert_close_report, compare
+from pagedbench.reference import PagedCase, materialize, reference_attention
 
 pytestmark = [
     pytest.mark.vllm,
@@ -80,9 +75,10 @@ def check(name: str, case: PagedCase) -> Run:
     cpu_inputs = materialize(case, "cpu")
     prepared = adapter.prepare(inputs)
     out = adapter.run(prepared)
-    truth = reference_attention(cpu_inputs)
-    comparison = assert_close_report(out, truth, naive_attention(cpu_inputs), case.dtype,
-                                     f"{name}:{case.case_id}", cpu_inputs.cu_seqlens_q)
+    expected = Expected.of(cpu_inputs)
+    truth = expected.truth
+    comparison = assert_close_report(out, expected, case.dtype, f"{name}:{case.case_id}",
+                                     cpu_inputs.cu_seqlens_q)
     for feature in sorted(case.features):
         without = reference_attention(materialize(case.with_(**FEATURE_OFF[feature]), "cpu"))
         effect = float((truth - without).abs().max())
@@ -187,8 +183,7 @@ def test_declared_unsupported_combination_really_deviates(name: str, case: Paged
     assert any(r.startswith(reason) for r in adapter.why_unsupported(case, DEVICE))
     inputs, cpu_inputs = materialize(case, DEVICE), materialize(case, "cpu")
     out = adapter.run(adapter.prepare(inputs))
-    comparison = compare(out, reference_attention(cpu_inputs), naive_attention(cpu_inputs),
-                         case.dtype)
+    comparison = compare(out, Expected.of(cpu_inputs), case.dtype)
     assert comparison.max_abs_err > FEATURE_EFFECT * comparison.allowed_abs_err
 
 

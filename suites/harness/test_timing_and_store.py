@@ -110,6 +110,15 @@ def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted()
     assert list(table.columns) == ["a", "b", "interp"]  # never-available: no column
     assert report.summary(df).loc["gpu-only", "unavailable"] == 2
     counts = report.summary(df)
-    assert counts.loc["a"].to_dict() == {"pass": 1, "fail": 1, "unsupported": 0, "unavailable": 0}
+    assert counts.loc["a"].to_dict() == {"pass": 1, "fail": 1, "unsupported": 0, "unavailable": 0,
+                                         "max err (ulps)": "", "bias (ulps)": ""}
     text = report.markdown(records)
     assert "Device: cpu0" in text and "a: fail: why" in text
+
+
+def test_summary_shows_the_error_and_bias_in_ulps_of_the_passes() -> None:
+    records = [_record("trunc", "c1", "pass", 1.0) | {"max_err_ulps": 1.0, "mean_err_ulps": -0.3},
+               _record("trunc", "c2", "pass", 1.0) | {"max_err_ulps": 0.9, "mean_err_ulps": -0.4},
+               _record("trunc", "c3", "fail") | {"max_err_ulps": 50.0, "mean_err_ulps": 9.0}]
+    row = report.summary(report.frame(records)).loc["trunc"]
+    assert row["max err (ulps)"] == 1.0 and row["bias (ulps)"] == pytest.approx(-0.35)

@@ -1,77 +1,143 @@
-"""harness/tolerance.py: the policy's arithmetic and its failure modes."""
+"""harness/tolerance.py: the policy's arithmetic and its failure modes. Expected values
+come from numpy's float32/float16 spacing and from hand-computed bfloat16 ulps."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from pagedbench.harness.tolerance import ATOL_FLOOR, ERROR_RATIO, assert_close_report, compare
+from pagedbench.harness.tolerance import (
+    ERROR_RATIO,
+    ULP_FLOOR,
+    Expected,
+    assert_close_report,
+    compare,
+    ulp,
+)
 
-TRUTH = torch.tensor([[[1.0, -2.0, 0.5, 0.0]]], dtype=torch.float64)  # [1, 1, 4]
+TRUTH = torch.tensor([[[1.0, -2.0, 0.5, 0.25]]], dtype=torch.float64)  # [1, 1, 4]
 NAIVE = TRUTH + torch.tensor([0.0, 0.01, 0.0, 0.0], dtype=torch.float64)  # naive error 0.01
+EXPECTED = Expected(TRUTH, NAIVE.float())
 
 
-def out_with_error(err: float, dtype=torch.float32) -> torch.Tensor:
-    return (TRUTH + torch.tensor([0.0, 0.0, err, 0.0], dtype=torch.float64)).to(dtype)
+def out_with_error(err: float, dtype=torch.float32, channel: int = 2) -> torch.Tensor:
+    shift = torch.zeros(4, dtype=torch.float64)
+    shift[channel] = err
+    return (TRUTH + shift).to(dtype)
+
+
+def test_ulp_matches_numpy_spacing_for_float32_and_float16() -> None:
+    values = np.array([1.0, 0.75, 3.0, 1e-3, 60000.0, 2.0**-20, 1e-30, 0.0], dtype=np.float64)
+    for name, np_dtype in (("float32", np.float32), ("float16", np.float16)):
+        expected = np.spacing(values.astype(np_dtype)).astype(np.float64)
+        got = ulp(torch.from_numpy(values), name).numpy()
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_ulp_of_bfloat16_by_hand() -> None:
+    # bfloat16: 8 significant bits, float32's exponent range (smallest normal 2**-126).
+    got = ulp(torch.tensor([1.0, 1.5, 3.0, 0.3, 2.0**-130, 0.0], dtype=torch.float64), "bfloat16")
+    assert got.tolist() == [2.0**-7, 2.0**-7, 2.0**-6, 2.0**-9, 2.0**-133, 2.0**-133]
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        ulp(torch.ones(1), "float64")
 
 
 def test_passes_at_the_allowance_and_fails_just_above() -> None:
-    allowed = ERROR_RATIO * 0.01 + ATOL_FLOOR  # 0.02001 with the published constants
-    assert allowed == pytest.approx(0.02001)
-    ok = compare(out_with_error(0.0199), TRUTH, NAIVE.float(), "float32")
+    # channel 2 holds 0.5; the sequence's RMS is sqrt((1 + 4 + 0.25 + 0.0625) / 4) = 1.152,
+    # so the floor is ULP_FLOOR float32 ulps at 1.152: ULP_FLOOR * 2**-23.
+    yardstick = float(np.float32(-1.99)) + 2.0  # the naive error, as float32 holds it
+    floor = ULP_FLOOR["float32"] * float(np.spacing(np.float32(1.152)))
+    assert floor == ULP_FLOOR["float32"] * 2.0**-23
+    allowed = ERROR_RATIO * yardstick + floor
+    ok = compare(out_with_error(allowed * 0.99), EXPECTED, "float32")
     assert ok.passed and ok.reason == ""
-    assert ok.max_abs_err == pytest.approx(0.0199, abs=1e-6)
-    assert ok.worst_index == (0, 0, 2)
-    bad = compare(out_with_error(0.0202), TRUTH, NAIVE.float(), "float32")
+    assert ok.allowed_abs_err == pytest.approx(allowed, rel=1e-12)
+    assert ok.worst_index == (0, 0, 0, 2)
+    bad = compare(out_with_error(allowed * 1.02), EXPECTED, "float32")
     assert not bad.passed
-    assert "exceeds" in bad.reason and "(0, 0, 2)" in bad.reason
-    assert bad.err_ratio_vs_naive == pytest.approx(2.02, rel=1e-3)
+    assert "exceeds its allowance" in bad.reason and "row 0, head 0, channel 2" in bad.reason
+    assert bad.err_over_allowance == pytest.approx(1.02, rel=1e-3)
+    assert bad.err_ratio_vs_naive == pytest.approx(allowed * 1.02 / yardstick, rel=1e-3)
 
 
 def test_any_nan_or_inf_fails_even_when_other_values_are_exact() -> None:
     out = TRUTH.float().clone()
     out[0, 0, 3] = float("nan")
-    result = compare(out, TRUTH, NAIVE.float(), "float32")
-    assert not result.passed and "non-finite" in result.reason and result.worst_index == (0, 0, 3)
+    result = compare(out, EXPECTED, "float32")
+    assert not result.passed and "non-finite" in result.reason
+    assert result.worst_index == (0, 0, 0, 3)
     out[0, 0, 3] = float("inf")
-    assert not compare(out, TRUTH, NAIVE.float(), "float32").passed
+    assert not compare(out, EXPECTED, "float32").passed
 
 
-def test_shape_and_dtype_are_checked_before_values() -> None:
-    assert "shape" in compare(TRUTH.float()[:, :, :2], TRUTH, NAIVE.float(), "float32").reason
-    assert "dtype" in compare(TRUTH.half(), TRUTH, NAIVE.float(), "float32").reason
+def test_shape_dtype_and_type_are_checked_before_values() -> None:
+    assert "shape" in compare(TRUTH.float()[:, :, :2], EXPECTED, "float32").reason
+    assert "dtype" in compare(TRUTH.half(), EXPECTED, "float32").reason
+    assert "tuple" in compare((TRUTH.float(), None), EXPECTED, "float32").reason
 
 
-def test_floor_admits_tiny_errors_when_naive_is_exact() -> None:
-    exact = TRUTH.float()
-    assert compare(out_with_error(5e-6), TRUTH, exact, "float32").passed
-    assert not compare(out_with_error(5e-5), TRUTH, exact, "float32").passed
+def test_exact_yardstick_admits_one_rounding_and_no_more() -> None:
+    """kv_len 1: the naive output is V itself, error 0. One bfloat16 ulp off (what a
+    truncating conversion gives) passes; three ulps fail."""
+    truth = torch.tensor([[[1.0, 1.0, 1.0, 1.0]]], dtype=torch.float64)
+    exact = Expected(truth, truth.bfloat16())
+    one_ulp = torch.full((1, 1, 4), 1.0 - 2.0**-8, dtype=torch.float64).bfloat16()
+    assert float(one_ulp[0, 0, 0]) == 1.0 - 2.0**-8  # one ulp below 1.0 in bfloat16
+    assert compare(one_ulp, exact, "bfloat16").passed
+    three_ulps = torch.full((1, 1, 4), 1.0 + 3 * 2.0**-7, dtype=torch.float64).bfloat16()
+    result = compare(three_ulps, exact, "bfloat16")
+    assert not result.passed and result.max_err_ulps == pytest.approx(3.0)
 
 
-def test_assert_close_report_names_the_case() -> None:
-    with pytest.raises(AssertionError, match="my-case-id"):
-        assert_close_report(out_with_error(1.0), TRUTH, NAIVE.float(), "float32", "my-case-id")
+def test_a_non_finite_yardstick_never_widens_an_allowance() -> None:
+    """Sequence 0's naive result overflowed (NaN). An output off by 1000 there fails, and
+    a bit-exact output passes, wherever that sequence sits in the batch."""
+    truth = torch.rand(3, 2, 8, dtype=torch.float64)
+    naive = truth.clone()
+    for first in (0, 2):
+        naive_nan = naive.clone()
+        naive_nan[first] = float("nan")
+        expected = Expected(truth, naive_nan.float())
+        cu = torch.tensor([0, 1, 2, 3])
+        assert compare(truth.float(), expected, "float32", cu).passed
+        wrong = truth.clone()
+        wrong[first, 1, 3] += 1000.0
+        result = compare(wrong.float(), expected, "float32", cu)
+        assert not result.passed and result.worst_index == (first, 0, 1, 3)
 
 
 def test_each_sequence_is_held_to_its_own_yardstick() -> None:
     """A short sequence's large rounding noise must not buy slack for a long sequence
     (an error of 0.009 where the long sequence's own naive error is 0.002 fails even if
     the short one's naive error is 0.05)."""
-    truth = torch.zeros(2, 1, 4, dtype=torch.float64)  # rows: sequence 0, sequence 1
+    truth = torch.full((2, 1, 4), 0.5, dtype=torch.float64)  # rows: sequence 0, sequence 1
     naive = truth.clone()
-    naive[0, 0, 0] = 0.05  # short sequence: big naive error
-    naive[1, 0, 0] = 0.002  # long sequence: small naive error
+    naive[0, 0, 0] += 0.05  # short sequence: big naive error
+    naive[1, 0, 0] += 0.002  # long sequence: small naive error
     out = truth.clone()
-    out[1, 0, 1] = 0.009
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
-    assert compare(out.float(), truth, naive.float(), "float32").passed  # one batch yardstick
-    result = compare(out.float(), truth, naive.float(), "float32", cu)
+    out[1, 0, 1] += 0.009
+    expected = Expected(truth, naive.float())
+    assert compare(out.float(), expected, "float32").passed  # one batch-wide yardstick
+    result = compare(out.float(), expected, "float32", torch.tensor([0, 1, 2]))
     assert not result.passed
-    assert "sequence 1" in result.reason and result.worst_index == (1, 0, 1)
-    assert result.naive_abs_err == pytest.approx(0.002)
-    assert result.allowed_abs_err == pytest.approx(2 * 0.002 + ATOL_FLOOR)
+    assert "sequence 1" in result.reason and result.worst_index == (1, 0, 0, 1)
+    assert result.naive_abs_err == pytest.approx(0.002, rel=1e-4)
 
 
-def test_a_non_tensor_output_fails_cleanly() -> None:
-    result = compare((TRUTH.float(), None), TRUTH, NAIVE.float(), "float32")
-    assert not result.passed and "tuple" in result.reason
+def test_bias_in_ulps_shows_the_rounding_mode() -> None:
+    """Truncation toward zero of random values is biased by about -0.5 ulp toward smaller
+    magnitude; rounding to nearest is not."""
+    gen = torch.Generator().manual_seed(0)
+    truth = (torch.randn(64, 4, 32, generator=gen, dtype=torch.float64) + 3.0)  # |t| ~ 3
+    nearest = truth.bfloat16()
+    truncated = (truth.float().view(torch.int32) & -65536).view(torch.float32).bfloat16()
+    expected = Expected(truth, nearest)
+    assert abs(compare(nearest, expected, "bfloat16").mean_err_ulps) < 0.05
+    bias = compare(truncated, expected, "bfloat16").mean_err_ulps
+    assert -0.55 < bias < -0.4
+
+
+def test_assert_close_report_names_the_case() -> None:
+    with pytest.raises(AssertionError, match="my-case-id"):
+        assert_close_report(out_with_error(1.0), EXPECTED, "float32", "my-case-id")
