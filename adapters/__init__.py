@@ -72,7 +72,7 @@ class Unloadable(Adapter):
         self.name = target
         self.reason = f"failed to load {target}: {type(error).__name__}: {error}"
 
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return Capabilities(devices=frozenset(), dtypes=frozenset())
 
     def available(self, device: str = "cpu") -> Availability:

@@ -1,19 +1,24 @@
 """The adapter contract: how pagedbench drives any paged-attention implementation.
 
 An adapter turns the canonical :class:`~pagedbench.reference.PagedInputs` into its
-implementation's layout and call. It declares what it supports (:class:`Capabilities`),
-whether it can run here (:class:`Availability`), does all conversion and planning in
-``prepare()`` (untimed) and only launches in ``run()`` (timed). Modelled on vLLM v1's
-attention-backend contract (``supports_head_size``, ``get_supported_kernel_block_sizes``
-with ``MultipleOf``) and TRT-LLM's capability matrix with explicit skip reasons.
+implementation's layout and call. It declares what it supports on a device
+(:class:`Capabilities`), whether it can run here (:class:`Availability`), does all
+conversion and planning in ``prepare()`` (untimed, returning a :class:`Prepared`) and
+only launches in ``run()`` (timed). Modelled on vLLM v1's attention-backend contract
+(``supports_head_size``, ``get_supported_kernel_block_sizes`` with ``MultipleOf``) and
+TRT-LLM's capability matrix with explicit skip reasons.
+
+Triton implementations subclass :class:`TritonAdapter`: on the CPU their kernels run under
+Triton's interpreter, and the one budget mechanism for that (:class:`InterpreterBudget`,
+a linear cost model of the launch) makes too large a case ``unsupported``.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Union
 
 import torch
 
@@ -23,6 +28,9 @@ from pagedbench.reference.case import KV_CACHE_DTYPES
 #: Optional features a case may use, as :attr:`PagedCase.features` names them.
 FEATURES = frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks"})
 MODES = frozenset({"decode", "prefill"})
+
+#: What :attr:`Availability.details` and :attr:`Prepared.facts` may hold: JSON scalars.
+Fact = Union[str, int, float, bool]
 
 
 @dataclass(frozen=True)
@@ -38,23 +46,45 @@ class MultipleOf:
         return f"multiples of {self.n}"
 
 
-def allows(allowed: Iterable[int | MultipleOf] | None, value: int) -> bool:
-    """Whether ``value`` is in ``allowed`` (ints and :class:`MultipleOf` rules; ``None``
-    allows everything)."""
+@dataclass(frozen=True)
+class AtLeast:
+    """Any integer ``>= n`` (e.g. vLLM's Triton backend: ``head_size >= 32``)."""
+
+    n: int
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, int) and value >= self.n
+
+    def __str__(self) -> str:
+        return f">= {self.n}"
+
+
+_RULES = (MultipleOf, AtLeast)
+Allowed = Union[int, MultipleOf, AtLeast]
+
+
+def allows(allowed: Iterable[Allowed] | None, value: int) -> bool:
+    """Whether ``value`` is in ``allowed`` (ints and :class:`MultipleOf` / :class:`AtLeast`
+    rules; ``None`` allows everything)."""
     if allowed is None:
         return True
-    return any(value in a if isinstance(a, MultipleOf) else value == a for a in allowed)
+    return any(value in a if isinstance(a, _RULES) else value == a for a in allowed)
 
 
-def _describe(allowed: Iterable[int | MultipleOf]) -> str:
-    plain = sorted(a for a in allowed if not isinstance(a, MultipleOf))
-    rules = [str(a) for a in allowed if isinstance(a, MultipleOf)]
-    return ", ".join([*map(str, plain), *rules])
+def _sorted_allowed(allowed: Iterable[Allowed]) -> list[Allowed]:
+    """Plain values in ascending order, then the rules."""
+    plain = sorted(a for a in allowed if not isinstance(a, _RULES))
+    rules = sorted((a for a in allowed if isinstance(a, _RULES)), key=lambda a: (str(type(a)), a.n))
+    return [*plain, *rules]
+
+
+def _format_allowed(allowed: Iterable[Allowed]) -> str:
+    return ", ".join(map(str, _sorted_allowed(allowed)))
 
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What an implementation supports; ``None`` for an axis means "any value".
+    """What an implementation supports on one device; ``None`` for an axis means "any".
 
     Attributes
     ----------
@@ -62,8 +92,8 @@ class Capabilities:
         Device types, ``"cpu"`` and/or ``"cuda"``.
     dtypes : frozenset[str]
         Q/K/V/O dtypes by :data:`~pagedbench.reference.DTYPES` names.
-    head_dims, block_sizes, gqa_ratios : frozenset[int | MultipleOf] or None
-        Allowed values; ``MultipleOf(16)`` admits 16, 32, 48, ...
+    head_dims, block_sizes, gqa_ratios : frozenset[int | MultipleOf | AtLeast] or None
+        Allowed values; ``MultipleOf(16)`` admits 16, 32, 48, ..., ``AtLeast(32)`` 32, 33, ...
     modes : frozenset[str]
         ``"decode"`` (one query token per sequence) and/or ``"prefill"`` (several,
         causal bottom-right, also mixed with decodes).
@@ -73,37 +103,39 @@ class Capabilities:
         KV-cache storage types from :data:`~pagedbench.reference.case.KV_CACHE_DTYPES`;
         ``"auto"`` means the KV cache has the case dtype.
     min_compute_capability : tuple[int, int] or None
-        Lowest CUDA compute capability, for ``cuda`` runs.
+        Lowest CUDA compute capability; :meth:`why_unsupported` reads the device's.
     nan_safe_tail : bool
         True (the default, and what pagedbench's own kernels guarantee) when the result
         cannot depend on the unused slots at the end of a sequence's partly filled last
         block, even if they hold NaN. False declares that the kernel reads those slots and
-        multiplies them by zero probabilities (``0 * NaN = NaN``): a NaN or Inf left in a
-        reused block by an earlier request then corrupts the output. Conformance judges
-        such an implementation with finite stale V values in those slots instead of NaN
-        (``materialize(..., tail_poison="stale")``; K there and every other unused slot
-        stay NaN, so a logit computed for a key past ``kv_len`` still fails),
-        records ``tail_poison: "stale"`` and marks its passes, and checks that the
-        declaration is still true. Found in vLLM's CPU op and compiled FlexAttention on
-        the CPU; vLLM fixed the same class in its CUDA kernel (vllm-project/vllm#641).
+        multiplies them by zero probabilities (``0 * NaN = NaN``): conformance then puts
+        finite stale V values there instead (``materialize(..., tail_poison="stale")``; K
+        there and every other unused slot stay NaN, so a logit computed for a key past
+        ``kv_len`` still fails), records ``tail_poison: "stale"``, marks the passes, and
+        checks that the declaration is still true. vLLM fixed this class of fault in its
+        CUDA kernel (vllm-project/vllm#641).
+    notes : Mapping[str, str]
+        Why an axis is narrower than the library's own, keyed by the attribute name
+        (``{"dtypes": "..."}``); appended to that axis's unsupported reason.
 
     Raises
     ------
     ValueError
-        If ``features`` names something outside :data:`FEATURES`, or
-        ``kv_cache_dtypes`` something outside ``KV_CACHE_DTYPES``.
+        If ``features`` names something outside :data:`FEATURES`, ``kv_cache_dtypes``
+        something outside ``KV_CACHE_DTYPES``, or ``notes`` an unknown attribute.
     """
 
     devices: frozenset[str]
     dtypes: frozenset[str]
-    head_dims: frozenset[int | MultipleOf] | None = None
-    block_sizes: frozenset[int | MultipleOf] | None = None
-    gqa_ratios: frozenset[int | MultipleOf] | None = None
+    head_dims: frozenset[Allowed] | None = None
+    block_sizes: frozenset[Allowed] | None = None
+    gqa_ratios: frozenset[Allowed] | None = None
     modes: frozenset[str] = frozenset({"decode"})
     features: frozenset[str] = frozenset()
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     min_compute_capability: tuple[int, int] | None = None
     nan_safe_tail: bool = True
+    notes: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def tail_poison(self) -> str:
@@ -119,36 +151,65 @@ class Capabilities:
             raise ValueError(
                 f"kv_cache_dtypes {unknown} unknown; choose from {sorted(KV_CACHE_DTYPES)}"
             )
+        axes = {f.name for f in fields(self)} - {"notes"}
+        unknown = sorted(set(self.notes) - axes)
+        if unknown:
+            raise ValueError(f"notes name unknown attributes {unknown}; choose from {sorted(axes)}")
+
+    def _noted(self, attribute: str, reason: str) -> str:
+        note = self.notes.get(attribute)
+        return f"{reason} ({note})" if note else reason
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         """Reasons this implementation cannot run ``case`` on ``device``; empty if it can.
 
         Each reason names the axis, the case's value and the supported values, and is
-        recorded verbatim as the ``unsupported`` reason.
+        recorded verbatim as the ``unsupported`` reason. On a visible CUDA device, its
+        compute capability is checked against :attr:`min_compute_capability`.
         """
         reasons = []
         device_type = torch.device(device).type
         if device_type not in self.devices:
-            reasons.append(f"device {device_type!r} not in {sorted(self.devices)}")
+            reasons.append(self._noted(
+                "devices", f"device {device_type!r} not in {sorted(self.devices)}"))
         if case.dtype not in self.dtypes:
-            reasons.append(f"dtype {case.dtype} not in {sorted(self.dtypes)}")
+            reasons.append(self._noted(
+                "dtypes", f"dtype {case.dtype} not in {sorted(self.dtypes)}"))
         checks = [
-            ("head_dim", case.head_dim, self.head_dims),
-            ("block_size", case.block_size, self.block_sizes),
-            ("gqa ratio", case.gqa_ratio, self.gqa_ratios),
+            ("head_dims", "head_dim", case.head_dim),
+            ("block_sizes", "block_size", case.block_size),
+            ("gqa_ratios", "gqa ratio", case.gqa_ratio),
         ]
-        for axis, value, allowed in checks:
+        for attribute, axis, value in checks:
+            allowed = getattr(self, attribute)
             if not allows(allowed, value):
-                reasons.append(f"{axis} {value} not supported (supported: {_describe(allowed)})")
+                reasons.append(self._noted(attribute, f"{axis} {value} not supported "
+                                                      f"(supported: {_format_allowed(allowed)})"))
         if case.mode not in self.modes:
-            reasons.append(f"mode {case.mode!r} not in {sorted(self.modes)}")
+            reasons.append(self._noted("modes", f"mode {case.mode!r} not in {sorted(self.modes)}"))
         for feature in sorted(case.features - self.features):
-            reasons.append(f"feature {feature!r} not supported")
+            reasons.append(self._noted("features", f"feature {feature!r} not supported"))
         if case.kv_cache_dtype not in self.kv_cache_dtypes:
-            reasons.append(
-                f"kv_cache_dtype {case.kv_cache_dtype!r} not in {sorted(self.kv_cache_dtypes)}"
-            )
+            reasons.append(self._noted(
+                "kv_cache_dtypes",
+                f"kv_cache_dtype {case.kv_cache_dtype!r} not in {sorted(self.kv_cache_dtypes)}"))
+        if device_type == "cuda" and self.min_compute_capability is not None:
+            reasons += self._compute_capability_reasons(torch.device(device).index)
         return reasons
+
+    def _compute_capability_reasons(self, index: int | None) -> list[str]:
+        """Empty when the device's compute capability suffices, or when torch sees no such
+        device (``available()`` says so)."""
+        if not torch.cuda.is_available() or (index or 0) >= torch.cuda.device_count():
+            return []
+        have = torch.cuda.get_device_capability(index)
+        if have >= self.min_compute_capability:
+            return []
+        need = ".".join(map(str, self.min_compute_capability))
+        return [self._noted("min_compute_capability",
+                            f"compute capability {have[0]}.{have[1]} of "
+                            f"{torch.cuda.get_device_name(index)} not supported "
+                            f"(supported: >= {need})")]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, for ``pagedbench list --json``."""
@@ -156,9 +217,7 @@ class Capabilities:
         def axis(values: frozenset | None) -> list[Any] | None:
             if values is None:
                 return None
-            return [str(v) if isinstance(v, MultipleOf) else v
-                    for v in sorted(values, key=lambda v: (isinstance(v, MultipleOf),
-                                                           v.n if isinstance(v, MultipleOf) else v))]
+            return [str(v) if isinstance(v, _RULES) else v for v in _sorted_allowed(values)]
 
         return {
             "devices": sorted(self.devices),
@@ -171,6 +230,7 @@ class Capabilities:
             "kv_cache_dtypes": sorted(self.kv_cache_dtypes),
             "min_compute_capability": self.min_compute_capability,
             "nan_safe_tail": self.nan_safe_tail,
+            "notes": dict(self.notes),
         }
 
 
@@ -185,14 +245,50 @@ class Availability:
         Why not, when ``ok`` is False (e.g. "vllm not installed: No module named 'vllm'").
     version : str
         The library's version, or ``""`` when unknown.
-    details : dict
-        Extra facts to record with each result (resolved sub-kernel, ISA, ...).
+    details : dict[str, str | int | float | bool]
+        Extra facts to record with each result (ISA, whether interpreted, ...); booleans
+        and numbers as such, never as strings.
     """
 
     ok: bool
     reason: str = ""
     version: str = ""
-    details: dict[str, str] = field(default_factory=dict)
+    details: dict[str, Fact] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What ``prepare()`` returns: one bound call and where its output lands.
+
+    Attributes
+    ----------
+    call : Callable[[], Tensor | None]
+        The launch with every argument bound (usually a ``functools.partial`` of the
+        library function, whose ``keywords`` tests may read); calling it does only the
+        work that is timed.
+    out : Tensor[total_q, num_q_heads, head_dim] or None
+        The buffer ``call`` writes (``new_output``: NaN until then); None when ``call``
+        returns a new tensor.
+    out_shape : tuple[int, int, int] or None
+        When ``out`` is None, ``(total_q, num_q_heads, head_dim)``: the view of the returned
+        tensor :meth:`launch` gives (for libraries returning ``[batch, 1, ...]`` or
+        ``[1, total_q, ...]``); None returns it as it is.
+    facts : dict[str, str | int | float | bool]
+        What the library resolved for this case (sub-kernel, split count, ISA): the
+        default :meth:`Adapter.describe`.
+    """
+
+    call: Callable[[], torch.Tensor | None]
+    out: torch.Tensor | None = None
+    out_shape: tuple[int, int, int] | None = None
+    facts: dict[str, Fact] = field(default_factory=dict)
+
+    def launch(self) -> torch.Tensor:
+        """Call; return ``out``, or the call's result (viewed as ``out_shape`` if set)."""
+        result = self.call()
+        if self.out is not None:
+            return self.out
+        return result if self.out_shape is None else result.view(self.out_shape)
 
 
 class Adapter(abc.ABC):
@@ -209,7 +305,8 @@ class Adapter(abc.ABC):
     description: ClassVar[str] = ""
 
     @abc.abstractmethod
-    def capabilities(self) -> Capabilities: ...
+    def capabilities(self, device: str) -> Capabilities:
+        """What runs on ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``)."""
 
     @abc.abstractmethod
     def available(self, device: str = "cpu") -> Availability: ...
@@ -221,16 +318,107 @@ class Adapter(abc.ABC):
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         """Reasons from :meth:`capabilities`; adapters may add their own limits."""
-        return self.capabilities().why_unsupported(case, device)
+        return self.capabilities(device).why_unsupported(case, device)
 
     @abc.abstractmethod
-    def prepare(self, inputs: PagedInputs) -> Any: ...
+    def prepare(self, inputs: PagedInputs) -> Prepared: ...
 
-    def describe(self, prepared: Any) -> dict[str, str]:
+    def describe(self, prepared: Prepared) -> dict[str, Fact]:
         """Facts about the call ``prepared`` will make that the library resolved per case
         (sub-kernel, ISA, split count), recorded in the result's ``impl_details`` beside
-        :attr:`Availability.details`. Default: none."""
-        return {}
+        :attr:`Availability.details`: :attr:`Prepared.facts`."""
+        return dict(prepared.facts) if isinstance(prepared, Prepared) else {}
+
+    def run(self, prepared: Prepared) -> torch.Tensor:
+        """Launch: :meth:`Prepared.launch`."""
+        return prepared.launch()
+
+
+@dataclass(frozen=True)
+class InterpretedWork:
+    """What one call launches, as an interpreter cost model counts it.
+
+    Attributes
+    ----------
+    programs : int
+        Programs in the launch grid(s).
+    steps : int
+        Iterations of the kernels' key loop, summed over all programs.
+    step_weight : float
+        Cost of one step relative to the model's reference step (e.g. ``head_dim / 64``).
+    """
+
+    programs: int
+    steps: int
+    step_weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class InterpreterBudget:
+    """The largest call an interpreted implementation takes: one call is estimated at
+    ``programs * s_per_program + steps * step_weight * s_per_step`` seconds (coefficients
+    fitted to process CPU time; ``docs/interpreter-budget.md`` has the fits and the
+    command that measures them), and a case above ``max_s`` is unsupported."""
+
+    s_per_program: float
+    s_per_step: float
+    max_s: float
+
+    def seconds(self, work: InterpretedWork) -> float:
+        return (work.programs * self.s_per_program
+                + work.steps * work.step_weight * self.s_per_step)
+
+    def why_over(self, work: InterpretedWork) -> list[str]:
+        """The unsupported reason when ``work`` exceeds the budget; empty otherwise."""
+        seconds = self.seconds(work)
+        if seconds <= self.max_s:
+            return []
+        return [f"too large for Triton's interpreter: about {seconds:.1f} s per call "
+                f"({work.programs} programs, {work.steps} key-loop steps) against a budget "
+                f"of {self.max_s:g} s"]
+
+
+class TritonAdapter(Adapter):
+    """An implementation whose kernels are Triton's. On the CPU, and on CUDA when imported
+    under ``TRITON_INTERPRET=1``, they run under Triton's interpreter: timings are then
+    "interpreted", and a case whose call exceeds :attr:`interpreter_budget` is unsupported.
+    """
+
+    interpreter_budget: ClassVar[InterpreterBudget]
 
     @abc.abstractmethod
-    def run(self, prepared: Any) -> torch.Tensor: ...
+    def kernel_interpreted(self) -> bool | None:
+        """Whether the imported kernel is Triton's ``InterpretedFunction`` (Triton decides
+        at ``@triton.jit``, i.e. import, time, from ``TRITON_INTERPRET``); None when the
+        kernel cannot be imported (``available()`` gives the reason)."""
+
+    @abc.abstractmethod
+    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
+        """Programs and key-loop steps of one call on ``case``, following the kernel's
+        launch grid and tiling."""
+
+    def is_interpreted(self, device: str) -> bool:
+        """True on the CPU; on a visible CUDA device, :meth:`kernel_interpreted`."""
+        if torch.device(device).type == "cpu":
+            return True
+        return torch.cuda.is_available() and bool(self.kernel_interpreted())
+
+    def interpreter_missing(self) -> str:
+        """Why the kernel cannot run on the CPU ("" when it can): it was not imported
+        under Triton's interpreter. Call only once the kernel imports."""
+        if self.kernel_interpreted():
+            return ""
+        import triton
+
+        if triton.knobs.runtime.interpret:
+            return (f"{self.name}'s kernel module was imported before TRITON_INTERPRET=1 "
+                    "was set: set it before starting Python")
+        return ("Triton kernels run on the CPU only under Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before starting Python")
+
+    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
+        """Capability reasons plus, when interpreted, the :attr:`interpreter_budget`'s."""
+        reasons = super().why_unsupported(case, device)
+        if self.is_interpreted(device) and self.kernel_interpreted() is not None:
+            reasons += self.interpreter_budget.why_over(self.interpreter_work(case))
+        return reasons

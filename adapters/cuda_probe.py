@@ -1,21 +1,23 @@
-"""Can a CUDA-only peer run here? The shared first half of every GPU adapter's ``available()``.
+"""Can a CUDA-only peer run here? The ``available()`` of every GPU adapter.
 
 FlashInfer, FlashAttention, xformers' paged kernels and vLLM's CUDA build only run on an
-NVIDIA GPU. Their adapters answer ``available(device)`` in the same order, so that a
-result set says exactly why a column is empty on a given machine:
+NVIDIA GPU. Their adapters answer ``available(device)`` with :func:`cuda_peer_available`,
+in one order, so that a result set says exactly why a column is empty on a machine:
 
 1. the device string does not parse -> the reason names the ``device`` parameter;
 2. the peer's top-level module is not installed -> "<module> not installed (<install>)";
 3. the device is not CUDA -> "<distribution> <version> runs only on CUDA devices, ...";
 4. torch sees no CUDA device (e.g. a ``+cpu`` build) -> "<distribution> <version>
    installed, but torch <version> sees no CUDA device ...";
-5. the device index does not exist, or its compute capability is below the adapter's
-   minimum -> the reason names both.
+5. the device index does not exist -> the reason says how many torch sees;
+6. importing the peer fails -> "<module> <version> failed to import: <error>"; or the
+   adapter's check of what it imported says no -> "<module> <version>: <why>".
 
-Nothing here imports the peer: installation is checked with
-:func:`importlib.util.find_spec` and the version read from the installed distribution's
-metadata, so probing never runs a peer's import-time code (which may print warnings, or
-fail on a CPU-only torch). The adapter imports the peer itself once this probe says yes.
+Steps 1-5 (:func:`probe_cuda_peer`) never import the peer: installation is checked with
+:func:`importlib.util.find_spec` and the version read from the distribution's metadata,
+so probing never runs a peer's import-time code (which may print warnings, or fail on a
+CPU-only torch). A compute capability below the adapter's minimum is a per-case
+``unsupported`` reason (:meth:`Capabilities.why_unsupported`), not unavailability.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
+from collections.abc import Callable
 
 import torch
 
-from .base import Availability
+from .base import Availability, Fact
 
 
 @functools.cache
@@ -68,9 +71,7 @@ def installed_distribution(module: str) -> tuple[str, str] | None:
     return distributions[0], importlib.metadata.version(distributions[0])
 
 
-def probe_cuda_peer(
-    module: str, device: str, min_compute_capability: tuple[int, int], install: str
-) -> Availability:
+def probe_cuda_peer(module: str, device: str, install: str) -> Availability:
     """Whether a CUDA-only peer can run on ``device``, before importing it. Never raises.
 
     Parameters
@@ -79,8 +80,6 @@ def probe_cuda_peer(
         The peer's top-level import name.
     device : str
         The device asked for: ``"cuda"`` or ``"cuda:N"`` can pass; anything else cannot.
-    min_compute_capability : tuple[int, int]
-        The lowest ``(major, minor)`` the adapter declares.
     install : str
         How to install the peer, quoted in the "not installed" reason.
 
@@ -88,8 +87,8 @@ def probe_cuda_peer(
     -------
     Availability
         ``ok`` with the version and ``details`` (``device_name``, ``compute_capability``,
-        ``torch_cuda``) when the peer is installed and a new-enough GPU is visible;
-        otherwise not ``ok`` with the reason (version filled in when installed).
+        ``torch_cuda``) when the peer is installed and the GPU is visible; otherwise not
+        ``ok`` with the reason (version filled in when installed).
     """
     try:
         parsed = torch.device(device)
@@ -115,18 +114,45 @@ def probe_cuda_peer(
         return Availability(False, f"{device!r} does not exist: torch sees "
                                    f"{torch.cuda.device_count()} CUDA device(s)", version)
     capability = torch.cuda.get_device_capability(index)
-    name = torch.cuda.get_device_name(index)
-    if capability < min_compute_capability:
-        need = ".".join(map(str, min_compute_capability))
-        return Availability(
-            False,
-            f"{label} needs compute capability >= {need}; {name} has "
-            f"{capability[0]}.{capability[1]}",
-            version,
-        )
-    details = {
-        "device_name": name,
+    details: dict[str, Fact] = {
+        "device_name": torch.cuda.get_device_name(index),
         "compute_capability": f"{capability[0]}.{capability[1]}",
         "torch_cuda": str(torch.version.cuda),
     }
     return Availability(True, version=version, details=details)
+
+
+class PeerUnusable(Exception):
+    """Raised by the ``load`` of :func:`cuda_peer_available`: the peer imported but this
+    adapter cannot drive it (the message says why)."""
+
+
+def cuda_peer_available(module: str, device: str, install: str,
+                        load: Callable[[], dict[str, Fact]]) -> Availability:
+    """The ``available()`` of a CUDA-only peer: probe (:func:`probe_cuda_peer`), then import.
+
+    Parameters
+    ----------
+    module, device, install : str
+        As :func:`probe_cuda_peer`.
+    load : Callable[[], dict]
+        Imports the peer and checks what the adapter needs; returns the details to record
+        beside the probe's. Raises ``ImportError``, ``OSError`` or ``RuntimeError`` when the
+        import fails, :class:`PeerUnusable` when the import works but cannot serve.
+
+    Returns
+    -------
+    Availability
+        Never raises for those errors: they become the reason.
+    """
+    found = probe_cuda_peer(module, device, install)
+    if not found.ok:
+        return found
+    try:
+        details = load()
+    except PeerUnusable as exc:
+        return Availability(False, f"{module} {found.version}: {exc}", found.version)
+    except (ImportError, OSError, RuntimeError) as exc:
+        return Availability(False, f"{module} {found.version} failed to import: {exc}",
+                            found.version)
+    return Availability(True, version=found.version, details={**found.details, **details})

@@ -3,35 +3,21 @@
 ``flash-attn2`` runs decode cases through ``flash_attn_with_kvcache(..., block_table=)``
 and prefill/mixed cases through ``flash_attn_varlen_func(..., block_table=)``;
 ``flash-attn3`` runs every case through FA3's ``flash_attn_with_kvcache(...,
-page_table=, cu_seqlens_q=)``, which takes packed variable-length queries. ``prepare()``
-builds every argument; ``run()`` is the one call.
+page_table=, cu_seqlens_q=)`` with packed queries. Sources: ``flash_attn/
+flash_attn_interface.py``, ``hopper/flash_attn_interface.py`` and
+``csrc/flash_attn/flash_api.cpp`` of Dao-AILab/flash-attention at commit 0251105.
 
-Conventions (sources: ``flash_attn/flash_attn_interface.py``,
-``hopper/flash_attn_interface.py`` and ``csrc/flash_attn/flash_api.cpp`` of
-Dao-AILab/flash-attention at commit 0251105; anchors s. 4.1):
+- Paged K and V: ``[num_blocks, page_block_size, num_kv_heads, head_dim]`` each, last dim
+  contiguous: the canonical ``[:, 0]`` / ``[:, 1]`` made contiguous (:func:`flash_attn_paged`).
+- ``block_table`` / ``page_table`` and ``cache_seqlens`` are the canonical int32 tensors;
+  FA2's varlen path takes key lengths as prefix sums ``cu_seqlens_k [batch + 1]``.
+- Causal masks are aligned bottom-right; a window ``W`` is ``window_size = (W - 1, 0)``,
+  ``(-1, -1)`` none; ``softcap = c`` caps the scaled logits, 0.0 off.
 
-- Paged K and V are separate tensors ``[num_blocks, page_block_size, num_kv_heads,
-  head_dim]`` with a contiguous last dimension: the canonical cache's ``[:, 0]`` and
-  ``[:, 1]`` made contiguous (:func:`flash_attn_paged`).
-- ``block_table`` / ``page_table`` ``[batch, max_blocks_per_seq]`` int32 and
-  ``cache_seqlens`` ``[batch]`` int32 are the canonical ``block_tables`` and ``kv_lens``;
-  FA2's varlen path takes key lengths as prefix sums instead, ``cu_seqlens_k [batch + 1]``
-  int32 (``seqlen_k = cu_seqlens_k[i + 1] - cu_seqlens_k[i]``, ``block_info.h``).
-- Causal masks are aligned bottom-right ("If causal=True, the causal mask is aligned to
-  the bottom right corner"), as in the reference.
-- A window ``W`` is ``window_size = (W - 1, 0)``: query ``i`` sees keys in ``[i + s_k -
-  s_q - left, i + s_k - s_q + right]``; ``(-1, -1)`` is no window.
-- ``softcap = c`` caps the scaled logits, ``0.0`` turns it off.
-- The log-sum-exp FlashAttention can return is natural-log (``softmax_lse``); the adapter
-  contract returns only the output.
-
-Limits declared: fp16/bf16; head_dim a multiple of 8 up to 256 (``flash_api.cpp``:
-"head_size <= 256", "multiple of 8"); FA2 needs a block size divisible by 256
-(``flash_api.cpp``: "Paged KV cache block size must be divisible by 256") and compute
-capability 8.0 ("FlashAttention only supports Ampere GPUs or newer"); FA3 takes any block
-size ("page_block_size can be arbitrary (e.g, 1, 2, 3, 64, etc.)";
-Dao-AILab/flash-attention#1627) and is built for Hopper (README: "Requirements: H100 /
-H800 GPU"), so 9.0.
+Limits: fp16/bf16; head_dim a multiple of 8 up to 256 (``flash_api.cpp``); FA2 needs a
+block size divisible by 256 ("Paged KV cache block size must be divisible by 256") and
+compute capability 8.0; FA3 takes any block size (Dao-AILab/flash-attention#1627) and is
+built for Hopper (README: "H100 / H800 GPU"), so 9.0.
 """
 
 from __future__ import annotations
@@ -44,8 +30,8 @@ import torch
 
 from pagedbench.reference import PagedInputs
 
-from .base import Adapter, Availability, Capabilities, MultipleOf
-from .cuda_probe import probe_cuda_peer
+from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
+from .cuda_probe import PeerUnusable, cuda_peer_available
 
 #: head_dim values FlashAttention accepts: multiples of 8 up to 256.
 HEAD_DIMS = frozenset(range(8, 257, 8))
@@ -147,17 +133,14 @@ def flash_attn_paged(inputs: PagedInputs) -> FlashAttnPaged:
     )
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    call: functools.partial  # the library call with every argument bound
-    out_shape: tuple[int, int, int]  # (total_q, num_q_heads, head_dim)
-
-
-def _missing_parameter(function, parameter: str) -> str:
-    """Empty if ``function`` takes ``parameter``, else the reason it cannot be used."""
-    if parameter in inspect.signature(function).parameters:
-        return ""
-    return f"{function.__module__}.{function.__name__} has no {parameter!r} parameter"
+def _require_parameters(function, *parameters: str) -> None:
+    """Raise :class:`PeerUnusable` naming the first of ``parameters`` that ``function``
+    does not take."""
+    taken = inspect.signature(function).parameters
+    for parameter in parameters:
+        if parameter not in taken:
+            raise PeerUnusable(f"{function.__module__}.{function.__name__} has no "
+                               f"{parameter!r} parameter")
 
 
 class FlashAttn2(Adapter):
@@ -167,33 +150,25 @@ class FlashAttn2(Adapter):
     description = "FlashAttention 2 paged kvcache/varlen kernels (CUDA, block_size % 256)"
     install = "pip install flash-attn --no-build-isolation, which builds it from source"
 
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return FA2_CAPABILITIES
 
     def available(self, device: str = "cpu") -> Availability:
-        found = probe_cuda_peer("flash_attn", device, FA2_CAPABILITIES.min_compute_capability,
-                                self.install)
-        if not found.ok:
-            return found
-        try:
+        def load() -> dict[str, str]:
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-        except (ImportError, OSError, RuntimeError) as exc:
-            return Availability(False, f"flash_attn {found.version} failed to import: {exc}",
-                                found.version)
-        missing = (_missing_parameter(flash_attn_varlen_func, "block_table")
-                   or _missing_parameter(flash_attn_with_kvcache, "block_table"))
-        if missing:
-            return Availability(False, f"flash_attn {found.version}: {missing}", found.version)
-        details = {**found.details, "decode": "flash_attn_with_kvcache",
-                   "prefill": "flash_attn_varlen_func"}
-        return Availability(True, version=found.version, details=details)
 
-    def prepare(self, inputs: PagedInputs) -> _Prepared:
+            _require_parameters(flash_attn_varlen_func, "block_table")
+            _require_parameters(flash_attn_with_kvcache, "block_table")
+            return {"decode": "flash_attn_with_kvcache", "prefill": "flash_attn_varlen_func"}
+
+        return cuda_peer_available("flash_attn", device, self.install, load)
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         case = inputs.case
         paged = flash_attn_paged(inputs)
-        options = dict(softmax_scale=case.scale, causal=True, window_size=paged.window_size,
+        options = dict(softmax_scale=inputs.scale, causal=True, window_size=paged.window_size,
                        softcap=paged.softcap)
         if case.mode == "decode":
             call = functools.partial(
@@ -209,10 +184,7 @@ class FlashAttn2(Adapter):
                 paged.cu_seqlens_k, paged.max_seqlen_q, paged.max_seqlen_k,
                 block_table=paged.block_table, **options,
             )
-        return _Prepared(call, tuple(inputs.q.shape))
-
-    def run(self, prepared: _Prepared) -> torch.Tensor:
-        return prepared.call().view(prepared.out_shape)  # [total_q, num_q_heads, head_dim]
+        return Prepared(call, out_shape=tuple(inputs.q.shape))
 
 
 class FlashAttn3(Adapter):
@@ -222,42 +194,28 @@ class FlashAttn3(Adapter):
     description = "FlashAttention 3 paged kvcache kernel, varlen queries (CUDA, Hopper)"
     install = "build it from github.com/Dao-AILab/flash-attention/tree/main/hopper"
 
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return FA3_CAPABILITIES
 
     def available(self, device: str = "cpu") -> Availability:
-        found = probe_cuda_peer("flash_attn_3", device,
-                                FA3_CAPABILITIES.min_compute_capability, self.install)
-        if not found.ok:
-            return found
-        try:
+        def load() -> dict[str, str]:
             from flash_attn_3.flash_attn_interface import flash_attn_with_kvcache
-        except (ImportError, OSError, RuntimeError) as exc:
-            return Availability(False, f"flash_attn_3 {found.version} failed to import: {exc}",
-                                found.version)
-        missing = (_missing_parameter(flash_attn_with_kvcache, "page_table")
-                   or _missing_parameter(flash_attn_with_kvcache, "cu_seqlens_q"))
-        if missing:
-            return Availability(False, f"flash_attn_3 {found.version}: {missing}",
-                                found.version)
-        details = {**found.details, "decode": "flash_attn_with_kvcache",
-                   "prefill": "flash_attn_with_kvcache"}
-        return Availability(True, version=found.version, details=details)
 
-    def prepare(self, inputs: PagedInputs) -> _Prepared:
+            _require_parameters(flash_attn_with_kvcache, "page_table", "cu_seqlens_q")
+            return {"decode": "flash_attn_with_kvcache", "prefill": "flash_attn_with_kvcache"}
+
+        return cuda_peer_available("flash_attn_3", device, self.install, load)
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
         from flash_attn_3.flash_attn_interface import flash_attn_with_kvcache
 
-        case = inputs.case
         paged = flash_attn_paged(inputs)
         call = functools.partial(
             flash_attn_with_kvcache,
             inputs.q, paged.k_cache, paged.v_cache,
             cache_seqlens=paged.cache_seqlens, page_table=paged.block_table,
             cu_seqlens_q=paged.cu_seqlens_q, max_seqlen_q=paged.max_seqlen_q,
-            softmax_scale=case.scale, causal=True, window_size=paged.window_size,
+            softmax_scale=inputs.scale, causal=True, window_size=paged.window_size,
             softcap=paged.softcap,
         )
-        return _Prepared(call, tuple(inputs.q.shape))
-
-    def run(self, prepared: _Prepared) -> torch.Tensor:
-        return prepared.call().view(prepared.out_shape)  # [total_q, num_q_heads, head_dim]
+        return Prepared(call, out_shape=tuple(inputs.q.shape))

@@ -1,53 +1,40 @@
 """FlashInfer's paged attention wrappers, in its NHD and HND cache layouts (CUDA only).
 
 ``flashinfer-nhd`` and ``flashinfer-hnd`` drive ``BatchDecodeWithPagedKVCacheWrapper``
-(decode cases) and ``BatchPrefillWithPagedKVCacheWrapper`` (prefill and mixed cases).
-``prepare()`` converts the canonical inputs and calls ``plan()``; ``run()`` is one
-``wrapper.run()`` launch writing into a NaN-poisoned output buffer.
+(decode cases) and ``BatchPrefillWithPagedKVCacheWrapper`` (prefill and mixed cases):
+``prepare()`` converts the inputs and calls ``plan()``; ``run()`` is one ``wrapper.run()``
+into a NaN-poisoned output. Sources: FlashInfer's ``docs/tutorials/kv_layout.rst``,
+``flashinfer/decode.py`` and ``flashinfer/prefill.py`` at commit fb7d242, and vLLM's
+``tests/kernels/attention/test_flashinfer.py``.
 
-FlashInfer's conventions and how the canonical inputs map onto them (sources: FlashInfer
-``docs/tutorials/kv_layout.rst``, ``flashinfer/decode.py`` and ``flashinfer/prefill.py``
-at commit fb7d242, and vLLM's ``tests/kernels/attention/test_flashinfer.py``):
+- Page table: CSR ``kv_indptr [batch + 1]``, ``kv_indices``, ``kv_last_page_len [batch]``
+  in ``[1, page_size]``, all int32 (the docs: "int64 can cause indexing errors";
+  :func:`csr_page_table`).
+- Cache: ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` in ``"NHD"`` is the
+  canonical layout (no copy); ``"HND"`` swaps dims 2 and 3 (:func:`to_flashinfer_cache`).
+- Window ``W`` is ``window_left = W - 1`` (-1 off); the soft cap applies to scaled logits.
+- ``plan()`` defaults ``q_data_type`` to float16 and the prefill ``causal`` to False: both
+  are passed explicitly (tile-ai/TileOPs#734 ran bf16 through fp16 plans).
 
-- The page table is a CSR matrix: ``kv_indptr [batch + 1]``, ``kv_indices
-  [kv_indptr[-1]]`` (each sequence's pages in order) and ``kv_last_page_len [batch]``, the
-  tokens in each sequence's last page, in ``[1, page_size]``. A sequence holds
-  ``page_size * (num_pages - 1) + last_page_len`` tokens. All three int32 (the docs:
-  "int64 can cause indexing errors"). See :func:`csr_page_table`.
-- The 5-D cache is ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` in ``"NHD"``,
-  which is exactly the canonical layout (no copy), and ``[num_pages, 2, num_kv_heads,
-  page_size, head_dim]`` in ``"HND"``; ``[:, 0]`` is K, ``[:, 1]`` is V. See
-  :func:`to_flashinfer_cache`.
-- Sliding window ``W`` (a query at position ``p`` sees keys ``p - W + 1 .. p``) is
-  ``window_left = W - 1``, the "left (inclusive) window size"; ``-1`` turns it off.
-- Soft cap: ``logits_soft_cap * tanh(x / logits_soft_cap)`` on the scaled logits, the
-  convention of :class:`~pagedbench.reference.PagedCase`.
-- ``plan()`` defaults ``q_data_type`` to float16 and the prefill plan's ``causal`` to
-  False; both are passed explicitly (tile-ai/TileOPs#734 ran bf16 through fp16 plans).
-  Causal masking is aligned bottom-right, as in the reference.
-- The log-sum-exp FlashInfer can return is base 2 (``return_lse=True``); the adapter
-  contract returns only the output, so it is not converted here.
-
-Limits declared (:data:`CAPABILITIES`): fp16/bf16 only (fp32 has no kernel); head dims
-64, 128, 256, the ones FlashInfer's own test grids cover for both wrappers; any page
-size (its tests use 1, 5, 16); compute capability 8.0 (FlashInfer builds for sm75, but
-bf16 needs sm80). CUDA-core decode kernels exist only for GQA group sizes 1, 2, 3, 4,
-6 and 8 (``DISPATCH_GQA_GROUP_SIZE`` in ``include/flashinfer/utils.cuh``), so decode
-with a ratio above 4 uses the tensor-core path (``use_tensor_cores=True``), as vLLM's
-FlashInfer backend does; every ratio is then supported.
+Limits (:data:`CAPABILITIES`): fp16/bf16 (no fp32 kernel); head dims 64, 128, 256 (what
+FlashInfer's own test grids cover for both wrappers); any page size; compute capability
+8.0 (bf16). CUDA-core decode kernels exist only for GQA group sizes 1, 2, 3, 4, 6, 8
+(``DISPATCH_GQA_GROUP_SIZE``, ``include/flashinfer/utils.cuh``), so decode above ratio 4
+takes the tensor-core path (``use_tensor_cores=True``), as vLLM's FlashInfer backend does.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
 from pagedbench.reference import PagedInputs, new_output
 
-from .base import Adapter, Availability, Capabilities
-from .cuda_probe import probe_cuda_peer
+from .base import Adapter, Availability, Capabilities, Prepared
+from .cuda_probe import cuda_peer_available
 
 KV_LAYOUTS = ("NHD", "HND")
 #: Float workspace per wrapper: FlashInfer's recommended 128 MB (bytes).
@@ -182,42 +169,30 @@ def window_left(sliding_window: int | None) -> int:
     return sliding_window - 1
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    wrapper: Any  # a planned flashinfer Batch{Decode,Prefill}WithPagedKVCacheWrapper
-    q: torch.Tensor  # [total_q, num_q_heads, head_dim]
-    cache: torch.Tensor  # 5-D, in the wrapper's kv_layout
-    out: torch.Tensor  # [total_q, num_q_heads, head_dim], NaN until written
-
-
 class _FlashInfer(Adapter):
     """FlashInfer with the cache in :attr:`kv_layout`; subclasses fix the layout."""
 
     kv_layout: ClassVar[str]
 
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return CAPABILITIES
 
     def available(self, device: str = "cpu") -> Availability:
-        found = probe_cuda_peer("flashinfer", device, CAPABILITIES.min_compute_capability,
-                                INSTALL)
-        if not found.ok:
-            return found
-        try:
+        def load() -> dict[str, str]:
             import flashinfer  # noqa: F401  (the import is the check)
-        except (ImportError, OSError, RuntimeError) as exc:
-            return Availability(False, f"flashinfer {found.version} failed to import: {exc}",
-                                found.version)
-        details = {
-            **found.details,
-            "kv_layout": self.kv_layout,
-            "decode": "BatchDecodeWithPagedKVCacheWrapper(backend='auto'), tensor cores "
-                      f"when num_q_heads / num_kv_heads >= {TENSOR_CORE_DECODE_MIN_RATIO}",
-            "prefill": "BatchPrefillWithPagedKVCacheWrapper(backend='auto', causal=True)",
-        }
-        return Availability(True, version=found.version, details=details)
 
-    def prepare(self, inputs: PagedInputs) -> _Prepared:
+            return {
+                "kv_layout": self.kv_layout,
+                "decode": "BatchDecodeWithPagedKVCacheWrapper(backend='auto'), tensor cores "
+                          f"when num_q_heads / num_kv_heads >= {TENSOR_CORE_DECODE_MIN_RATIO}",
+                "prefill": "BatchPrefillWithPagedKVCacheWrapper(backend='auto', causal=True)",
+            }
+
+        return cuda_peer_available("flashinfer", device, INSTALL, load)
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        """Convert the page table (:func:`csr_page_table`) and cache, then ``plan()`` the
+        wrapper; the bound call is ``wrapper.run(q, cache, out=out)``."""
         import flashinfer
 
         case = inputs.case
@@ -228,7 +203,7 @@ class _FlashInfer(Adapter):
         options = dict(
             window_left=window_left(case.sliding_window),
             logits_soft_cap=case.logits_soft_cap,
-            sm_scale=case.scale,
+            sm_scale=inputs.scale,
             q_data_type=dtype,
             kv_data_type=dtype,
         )
@@ -244,10 +219,8 @@ class _FlashInfer(Adapter):
             wrapper.plan(inputs.cu_seqlens_q, table.indptr, table.indices,
                          table.last_page_len, case.num_q_heads, case.num_kv_heads,
                          case.head_dim, case.block_size, causal=True, **options)
-        return _Prepared(wrapper, inputs.q, cache, new_output(inputs))
-
-    def run(self, prepared: _Prepared) -> torch.Tensor:
-        return prepared.wrapper.run(prepared.q, prepared.cache, out=prepared.out)
+        out = new_output(inputs)
+        return Prepared(functools.partial(wrapper.run, inputs.q, cache, out=out), out)
 
 
 class FlashInferNHD(_FlashInfer):

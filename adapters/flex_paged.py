@@ -1,85 +1,44 @@
 """FlexAttention's paged attention ("flex-paged"): PyTorch's own paged helper, compiled.
 
 PyTorch ships paged attention as a layer over FlexAttention
-(``torch/nn/attention/experimental/_paged_attention.py``, class ``PagedAttention``):
-K and V live in one flat pool ``[1, num_kv_heads, n_pages * page_size, head_dim]``, a
-``page_table[batch, n_pages]`` (int64, -1 = unused) maps each sequence's logical pages
-to physical ones, and ``convert_logical_block_mask`` rewrites a block mask written in
-logical positions into one over the pool, wrapping its ``mask_mod`` so that it sees
-logical KV indices again and masks everything at or past ``kv_len``. The kernel is
-``flex_attention`` under ``torch.compile``. Shared semantics and the anchors:
-shared/research/anchors.md s. 5 and s. 9; the CPU measurements that this adapter's
-limits rest on: shared/research/cpu_peers.md s. 5 and the figures below.
+(``torch/nn/attention/experimental/_paged_attention.py``, class ``PagedAttention``): K and
+V in one flat pool ``[1, num_kv_heads, n_pages * page_size, head_dim]``, a
+``page_table[batch, n_pages]`` (int64, -1 = unused), and ``convert_logical_block_mask``,
+which rewrites a block mask over logical positions into one over the pool and masks
+everything at or past ``kv_len``. The kernel is ``flex_attention`` under
+``torch.compile(dynamic=False)`` (the default ``dynamic=None`` recompiles the second
+shape with dynamic sizes, which fails to build on the CPU).
 
-How the canonical inputs map onto it (all in the untimed ``prepare``):
+Mapping (all in the untimed ``prepare``): our block ``p`` is Flex's page ``p``
+(:func:`to_flex_layout`, NaN kept in unused slots); one logical ``mask_mod`` per case,
+bottom-right causal per sequence, padded query rows masked, plus the sliding window;
+``BLOCK_SIZE=(128, block_size)`` (the KV block must equal the page size); the soft cap is
+a ``score_mod``; ``enable_gqa=True``.
 
-- pool: our physical block ``p`` is Flex's page ``p`` (``page_size = block_size``,
-  ``n_pages = num_blocks``), so a token's slot ``block * block_size + offset`` is also
-  its address in Flex's pool. The NaN in every slot without a live token is kept: if the
-  kernel reads such a slot into the output, the output turns NaN and the case fails.
-- page table: written from our block tables into ``PagedAttention``'s own bookkeeping
-  (``page_table``, ``physical_to_logical``, ``capacity``, ``empty_pages``), the state its
-  ``reserve`` would leave had it chosen our blocks; padding entries stay -1.
-- masks: one logical ``mask_mod`` per case, bottom-right causal per sequence (query ``i``
-  of a sequence with ``q_len`` queries and ``kv_len`` keys sits at ``kv_len - q_len + i``),
-  query rows past a sequence's ``q_len`` (padding to the longest) masked, and the sliding
-  window; ``create_block_mask`` with ``BLOCK_SIZE=(128, block_size)`` (the KV block must
-  equal the page size), then ``convert_logical_block_mask(..., kv_len=kv_lens)``.
-- soft cap: a ``score_mod`` ``c * tanh(s / c)``; Flex applies it to the scaled scores.
-- GQA: ``enable_gqa=True`` on the pool's ``num_kv_heads``.
-
-Compilation: ``torch.compile(flex_attention, dynamic=False)``; the default
-(``dynamic=None``) recompiles the second shape it meets with dynamic sizes, and that
-build fails on the CPU (``CppCompileError: 'cur_kvSplitSize2' was not declared``,
-cpu_peers.md s. 5). Every distinct set of static shapes and constants (batch, heads,
-head_dim, padded q_len, num_blocks, block_size, dtype, sm_scale, sliding_window, soft
-cap) is one *shape family* and costs one compilation. TorchDynamo keeps the compiled
-families as cache entries of ``flex_attention``'s code object, shared by every
-``torch.compile`` wrapper of it in the process (measured: a second wrapper reuses the
-first one's entry), and after ``torch._dynamo.config.recompile_limit`` (8) entries it
-silently falls back to the unfused eager path, which materialises scores over the whole
-pool. So ``prepare`` compiles (its warm-up call) with the limits raised to
-:data:`MAX_SHAPE_FAMILIES` and ``fail_on_recompile_limit_hit``, and ``run`` launches
-under ``torch.compiler.set_stance("fail_on_recompile")``: a call that would compile or
-fall back raises instead of being timed. Compiled CPU kernels size per-thread buffers
-for the thread count at compile time (``cpp_flex_attention_template.py``: ``num_thread``
-is a constant of the generated code, not guarded by Dynamo), so ``run`` refuses to
-launch under a thread count other than ``prepare``'s.
-
-Measured (torch 2.13.0+cpu, 2-core AMD EPYC with AVX-512, gcc; kv_lens multiples of
-block_size; max abs error against the float64 truth, and its ratio to the naive
-same-dtype error that the tolerance policy allows twice of):
-
-- passes everywhere tried: float32 <= 9.3e-7 (ratio <= 1.8), float16 <= 9.5e-4
-  (<= 0.61), bfloat16 <= 8.1e-3 (<= 1.0); block_size 1, 4, 8, 12, 15, 16, 32, 48, 64,
-  128, 256; head_dim 8, 16, 32, 64, 65, 72, 80, 96, 100, 128, 256, 512; GQA ratios 1, 4,
-  7, 8 (MQA); decode on both CPU templates, prefill mixed with decode, sliding window,
-  soft cap, sm_scale. So no axis but the device is restricted in :data:`CAPABILITIES`.
-- compilation, per shape family, with a cold inductor cache: 5 s on an idle machine
-  (the first in a process 17 s), up to 30 s on a loaded one; 0.05-2.5 s from a warm
-  cache. Every case of the default job is its own family but two (22 compilations,
-  277 s in all on a loaded machine).
-- a sequence whose last block is partly filled fails: the CPU kernel multiplies the
-  masked slots' zero probabilities by their V rows (``0 * NaN = NaN``), so the NaN
-  poison reaches the output (the class of pytorch/pytorch#101967 for SDPA; vLLM zeroes
-  such V rows explicitly, vllm-project/vllm#641). :data:`CAPABILITIES` therefore
-  declares ``nan_safe_tail=False``: conformance checks flex-paged with finite stale V
-  values in those slots, and ``suites/adapters/test_flex_paged_poison.py`` pins the
-  behaviour, so it shows when PyTorch changes it.
+Compilation: each distinct set of static shapes and constants is one shape family and
+one compilation; Dynamo keeps them as cache entries of ``flex_attention``'s code object
+and past ``recompile_limit`` (8) silently falls back to the eager path. So ``prepare``
+compiles with the limits raised to :data:`MAX_SHAPE_FAMILIES`, and ``run`` launches under
+``set_stance("fail_on_recompile")`` and refuses a thread count other than ``prepare``'s
+(the compiled CPU kernel's per-thread buffers are sized at compile time). On the CPU the
+kernel multiplies the zero probabilities of a last block's unused slots by their V rows,
+so NaN there reaches the output: ``nan_safe_tail=False``. Measurements behind these
+limits: docs/flex-paged.md.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagedbench.reference import PagedInputs
 
-from .base import Adapter, Availability, Capabilities
+from .base import Adapter, Availability, Capabilities, Prepared
 
 #: Query rows per block of the block mask: FlexAttention's default sparse block size
 #: (``_DEFAULT_SPARSE_BLOCK_SIZE`` in ``torch/nn/attention/flex_attention.py``). The KV
@@ -91,7 +50,7 @@ Q_BLOCK_SIZE = 128
 #: two cores, a run reaches it only after hours; past it ``prepare`` raises.
 MAX_SHAPE_FAMILIES = 1024
 
-#: What flex-paged declares: every axis it passed on (module docstring), on the CPU only
+#: What flex-paged declares: every axis it passed on (docs/flex-paged.md), on the CPU only
 #: (its CUDA path, Triton templates with their own block-size rules, is not measured).
 CAPABILITIES = Capabilities(
     devices=frozenset({"cpu"}),
@@ -175,26 +134,18 @@ def to_flex_layout(inputs: PagedInputs) -> FlexPagedLayout:
     return FlexPagedLayout(k_cache, v_cache, paged)
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    """Everything ``run`` passes to the compiled kernel.
+def _attend_rows(attend: Callable[..., torch.Tensor], q: torch.Tensor, layout: FlexPagedLayout,
+                 q_seq: torch.Tensor, q_pos: torch.Tensor, **options: Any) -> torch.Tensor:
+    """One ``flex_attention`` call on the pool, then the packed query rows of its output.
 
-    ``q`` is ``[batch, num_q_heads, max_q_len, head_dim]`` (rows past a sequence's
-    ``q_len`` are zeros and masked); ``q_seq`` and ``q_pos`` (``[total_q]``, int64) pick
-    each packed query row back out of Flex's ``[batch, num_q_heads, max_q_len, head_dim]``
-    output.
+    ``q`` is ``[batch, num_q_heads, max_q_len, head_dim]`` (rows past a sequence's ``q_len``
+    are zeros and masked); ``q_seq`` and ``q_pos`` (``[total_q]``, int64) pick each packed
+    query row out of the output; ``options`` are ``flex_attention``'s ``score_mod``,
+    ``block_mask`` and ``scale``. Returns ``[total_q, num_q_heads, head_dim]``.
     """
-
-    attend: Callable[..., torch.Tensor]
-    q: torch.Tensor
-    layout: FlexPagedLayout
-    block_mask: Any
-    score_mod: Callable[..., torch.Tensor] | None
-    sm_scale: float
-    q_seq: torch.Tensor
-    q_pos: torch.Tensor
-    num_threads: int
-    first_call_ms: float
+    out = attend(q, layout.k_cache, layout.v_cache, enable_gqa=True,
+                 **options)  # [batch, hq, max_q, d]
+    return out[q_seq, :, q_pos]  # [total_q, hq, d]
 
 
 class FlexPaged(Adapter):
@@ -202,8 +153,8 @@ class FlexPaged(Adapter):
 
     ``prepare`` converts the layout (:func:`to_flex_layout`), pads the queries to the
     longest ``q_len``, builds and converts the block mask, and compiles (one warm-up call,
-    timed into ``first_call_ms``); ``run`` launches the compiled kernel and picks the
-    packed query rows out of its output.
+    timed into ``facts["first_call_ms"]``); ``run`` launches the compiled kernel and picks
+    the packed query rows out of its output.
     """
 
     name = "flex-paged"
@@ -213,7 +164,7 @@ class FlexPaged(Adapter):
     def __init__(self) -> None:
         self._attend: Callable[..., torch.Tensor] | None = None
 
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return CAPABILITIES
 
     def available(self, device: str = "cpu") -> Availability:
@@ -241,9 +192,9 @@ class FlexPaged(Adapter):
             return Availability(False, f"inductor finds no C++ compiler: {err}", version)
         return Availability(True, version=version,
                             details={"cpu_isa": isa, "cxx": compiler,
-                                     "num_threads": str(torch.get_num_threads())})
+                                     "num_threads": torch.get_num_threads()})
 
-    def prepare(self, inputs: PagedInputs) -> _Prepared:
+    def prepare(self, inputs: PagedInputs) -> Prepared:
         """Convert, build the block mask, compile and warm up (untimed).
 
         Raises
@@ -298,8 +249,8 @@ class FlexPaged(Adapter):
 
         if self._attend is None:
             self._attend = torch.compile(flex_attention, dynamic=False)
-        prepared = _Prepared(self._attend, q, layout, block_mask, score_mod, case.scale,
-                             seq, local, torch.get_num_threads(), 0.0)
+        call = functools.partial(_attend_rows, self._attend, q, layout, seq, local,
+                                 score_mod=score_mod, block_mask=block_mask, scale=inputs.scale)
         limits = torch._dynamo.config.patch(
             recompile_limit=MAX_SHAPE_FAMILIES,
             accumulated_recompile_limit=MAX_SHAPE_FAMILIES,
@@ -307,19 +258,12 @@ class FlexPaged(Adapter):
         )
         with limits:
             start = time.perf_counter()
-            self._launch(prepared)
+            call()
             first_call_ms = (time.perf_counter() - start) * 1e3
-        return replace(prepared, first_call_ms=first_call_ms)
+        return Prepared(call, facts={"num_threads": torch.get_num_threads(),
+                                     "first_call_ms": first_call_ms})
 
-    @staticmethod
-    def _launch(prepared: _Prepared) -> torch.Tensor:
-        layout = prepared.layout
-        return prepared.attend(
-            prepared.q, layout.k_cache, layout.v_cache, score_mod=prepared.score_mod,
-            block_mask=prepared.block_mask, scale=prepared.sm_scale, enable_gqa=True,
-        )  # [batch, hq, max_q, d]
-
-    def run(self, prepared: _Prepared) -> torch.Tensor:
+    def run(self, prepared: Prepared) -> torch.Tensor:
         """Launch the compiled kernel; ``Tensor[total_q, num_q_heads, head_dim]``, case dtype.
 
         Raises
@@ -327,11 +271,11 @@ class FlexPaged(Adapter):
         RuntimeError
             If the thread count changed since ``prepare``, or the call would compile.
         """
-        if torch.get_num_threads() != prepared.num_threads:
+        compiled_for = prepared.facts["num_threads"]
+        if torch.get_num_threads() != compiled_for:
             raise RuntimeError(
                 f"torch.get_num_threads() is {torch.get_num_threads()} but the kernel was "
-                f"compiled for {prepared.num_threads}; call prepare() again"
+                f"compiled for {compiled_for}; call prepare() again"
             )
         with torch.compiler.set_stance("fail_on_recompile"):
-            out = self._launch(prepared)
-        return out[prepared.q_seq, :, prepared.q_pos]  # [total_q, hq, d]
+            return prepared.launch()

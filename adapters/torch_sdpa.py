@@ -2,8 +2,8 @@
 
 ``torch-gather`` is the simplest correct paged attention: gather every sequence's tokens
 through its block table, then call ``torch.nn.functional.scaled_dot_product_attention``
-with GQA, one call per sequence (a padded, masked batch was 4x slower on the CPU). ``sdpa-contiguous`` runs
-the same SDPA call on K/V that are already contiguous (gathered in the untimed
+with GQA, one call per sequence (a padded, masked batch was 4x slower on the CPU).
+``sdpa-contiguous`` runs the same SDPA call on K/V that are already contiguous (gathered in the untimed
 ``prepare``): the no-paging baseline, so the difference between the two columns is the
 cost of the gather, i.e. the paging overhead (the vLLM paper, s. 7.1, reports 20-26% for
 its kernel against FasterTransformer's).
@@ -11,6 +11,7 @@ its kernel against FasterTransformer's).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +19,9 @@ import torch.nn.functional as F
 
 from pagedbench.reference import PagedInputs
 
-from .base import Adapter, Availability, Capabilities
+from .base import Adapter, Availability, Capabilities, Prepared
 
-_CAPABILITIES = Capabilities(
+CAPABILITIES = Capabilities(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     modes=frozenset({"decode", "prefill"}),
@@ -29,7 +30,7 @@ _CAPABILITIES = Capabilities(
 
 
 @dataclass(frozen=True)
-class _Sequence:
+class _SdpaSequence:
     """One sequence as SDPA takes it: its queries, mask and where its tokens live."""
 
     q: torch.Tensor  # [1, num_q_heads, q_len, head_dim]
@@ -38,7 +39,7 @@ class _Sequence:
     offsets: torch.Tensor  # [kv_len] int64, slot of each token inside its block
 
 
-def _sequences(inputs: PagedInputs) -> list[_Sequence]:
+def _sequences(inputs: PagedInputs) -> list[_SdpaSequence]:
     """Per-sequence queries and masks, plus each token's (block, offset) read from the
     block table. A decode query sees every key of its sequence, so it needs no mask
     (SDPA then takes its fastest path); prefill rows get the bottom-right causal mask."""
@@ -55,7 +56,7 @@ def _sequences(inputs: PagedInputs) -> list[_Sequence]:
             if case.sliding_window is not None:
                 mask &= pos_k[None, :] > pos_q[:, None] - case.sliding_window
         table = inputs.block_tables[i].long()
-        out.append(_Sequence(
+        out.append(_SdpaSequence(
             q=inputs.q[cu[i] : cu[i + 1]].transpose(0, 1)[None],  # [1, hq, q_len, d]
             mask=mask,
             blocks=table[pos_k // case.block_size],
@@ -64,7 +65,7 @@ def _sequences(inputs: PagedInputs) -> list[_Sequence]:
     return out
 
 
-def _sdpa(seq: _Sequence, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa(seq: _SdpaSequence, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """SDPA of one sequence over ``k, v: [1, num_kv_heads, kv_len, head_dim]`` ->
     ``[q_len, num_q_heads, head_dim]``."""
     out = F.scaled_dot_product_attention(seq.q, k, v, attn_mask=seq.mask, scale=scale,
@@ -72,7 +73,7 @@ def _sdpa(seq: _Sequence, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
     return out[0].transpose(0, 1)
 
 
-def _gather(inputs: PagedInputs, seq: _Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(inputs: PagedInputs, seq: _SdpaSequence) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one sequence read through its block table, ``[1, hkv, kv_len, d]``
     each (only its live tokens: no slot past ``kv_len`` is touched)."""
     k = inputs.kv_cache[seq.blocks, 0, seq.offsets]  # [kv_len, hkv, d]
@@ -80,9 +81,21 @@ def _gather(inputs: PagedInputs, seq: _Sequence) -> tuple[torch.Tensor, torch.Te
     return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
 
 
+def _gather_attend(inputs: PagedInputs, sequences: list[_SdpaSequence]) -> torch.Tensor:
+    """Gather, then SDPA, sequence by sequence: ``[total_q, num_q_heads, head_dim]``."""
+    return torch.cat([_sdpa(seq, *_gather(inputs, seq), inputs.scale) for seq in sequences])
+
+
+def _attend(contiguous: list[tuple[_SdpaSequence, torch.Tensor, torch.Tensor]],
+            scale: float) -> torch.Tensor:
+    """SDPA over each sequence's contiguous ``(seq, k, v)``: ``[total_q, num_q_heads,
+    head_dim]``."""
+    return torch.cat([_sdpa(seq, k, v, scale) for seq, k, v in contiguous])
+
+
 class _TorchAdapter(Adapter):
-    def capabilities(self) -> Capabilities:
-        return _CAPABILITIES
+    def capabilities(self, device: str) -> Capabilities:
+        return CAPABILITIES
 
     def available(self, device: str = "cpu") -> Availability:
         if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -96,13 +109,9 @@ class TorchGather(_TorchAdapter):
     name = "torch-gather"
     description = "gather pages through the block table, then torch SDPA with GQA"
 
-    def prepare(self, inputs: PagedInputs) -> tuple[PagedInputs, list[_Sequence]]:
-        return inputs, _sequences(inputs)
-
-    def run(self, prepared: tuple[PagedInputs, list[_Sequence]]) -> torch.Tensor:
-        inputs, sequences = prepared
-        scale = inputs.case.scale
-        return torch.cat([_sdpa(seq, *_gather(inputs, seq), scale) for seq in sequences])
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        """Per-sequence queries, masks and token addresses; the gather itself is timed."""
+        return Prepared(functools.partial(_gather_attend, inputs, _sequences(inputs)))
 
 
 class SdpaContiguous(_TorchAdapter):
@@ -111,12 +120,8 @@ class SdpaContiguous(_TorchAdapter):
     name = "sdpa-contiguous"
     description = "torch SDPA on contiguous K/V (no paging): the paging-overhead baseline"
 
-    def prepare(self, inputs: PagedInputs) -> tuple[float, list[tuple]]:
-        sequences = _sequences(inputs)
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        """Gather every sequence's K and V into contiguous tensors (untimed)."""
         contiguous = [(seq, *(t.contiguous() for t in _gather(inputs, seq)))
-                      for seq in sequences]
-        return inputs.case.scale, contiguous
-
-    def run(self, prepared: tuple[float, list[tuple]]) -> torch.Tensor:
-        scale, contiguous = prepared
-        return torch.cat([_sdpa(seq, k, v, scale) for seq, k, v in contiguous])
+                      for seq in _sequences(inputs)]
+        return Prepared(functools.partial(_attend, contiguous, inputs.scale))

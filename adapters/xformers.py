@@ -2,34 +2,23 @@
 
 ``xformers`` calls ``xformers.ops.fmha.memory_efficient_attention_forward(q, k, v,
 attn_bias=PagedBlockDiagonalCausalWithOffsetPaddedKeysMask, scale=, op=)`` with the op
-pinned to xformers' own paged kernel, ``triton_splitk.FwOp`` ("triton_splitKF"). The
-other ops that accept paged biases are FlashAttention's kernels, which have their own
-adapters; leaving the choice to xformers' dispatcher would make the kernel (and its
-limits) depend on batch size and head counts (``fmha/dispatch.py``), so one case could
-pass and its neighbour raise.
+pinned to xformers' own paged kernel, ``triton_splitk.FwOp`` ("triton_splitKF"); left to
+the dispatcher (``fmha/dispatch.py``) the kernel, and its limits, would depend on batch
+size and head counts. Sources: ``xformers/ops/fmha/attn_bias.py`` and ``triton_splitk.py``
+of xformers 0.0.35, ``tests/test_mem_eff_attention.py::paged_attention_run_inner`` at
+commit ca6d2aa.
 
-Layout (sources: ``xformers/ops/fmha/attn_bias.py``, ``triton_splitk.py`` of xformers
-0.0.35, and ``tests/test_mem_eff_attention.py::paged_attention_run_inner`` at commit
-ca6d2aa; anchors s. 8, 9):
+- K/V: the pool flattened to ``[1, num_blocks * block_size, G, H, D]`` (BMGHK: ``G =
+  num_kv_heads``, ``H = num_q_heads / num_kv_heads``, the KV head expanded with stride 0);
+  token ``t`` of sequence ``b`` is row ``block_tables[b, t // block_size] * block_size + t
+  % block_size`` (:func:`xformers_paged`). Queries: packed ``[1, total_q, G, H, D]``.
+- The bias: ``from_seqlens(q_seqlen, kv_seqlen, block_tables, page_size)``, causal
+  bottom-right per sequence (:func:`paged_bias`).
 
-- Paged K/V are the pool flattened to ``[1, num_blocks * block_size, G, H, D]`` (BMGHK:
-  ``G = num_kv_heads`` groups, ``H = num_q_heads / num_kv_heads`` query heads per group,
-  the KV head expanded with stride 0 over ``H``); token ``t`` of sequence ``b`` is row
-  ``block_tables[b, t // block_size] * block_size + t % block_size``
-  (``PagedBlockDiagonalPaddedKeysMask.materialize``). See :func:`xformers_paged`.
-- Queries are packed ``[1, total_q, G, H, D]``; query head ``g * H + h`` reads KV head
-  ``g``, the reference's ``h // (num_q_heads / num_kv_heads)``.
-- The bias is built by ``PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
-  q_seqlen, kv_seqlen, block_tables, page_size)``: each sequence's queries see only its
-  own first ``kv_seqlen`` keys, causally aligned bottom-right ("nor one which is nearer to
-  the final key in block i than Q is to the final query in block i").
-
-Limits declared, from ``triton_splitk.FwOp``: CUDA with compute capability 8.0,
-fp16/bf16 (``SUPPORTED_DTYPES``), head_dim in {16, 32, 64, 128, 256, 512}
-(``shape_not_supported_reasons``), block size a multiple of 64 ("page size should be
-divisible by the block size", ``BLOCK_N = 64``), and with a causal bias all sequences must
-have the same number of queries, at most 16 (:meth:`XformersSplitK.why_unsupported`). No
-sliding window (0.0.35 has no paged local-attention bias) and no soft cap.
+Limits, from ``triton_splitk.FwOp``: compute capability 8.0, fp16/bf16, head_dim in {16,
+32, 64, 128, 256, 512}, block size a multiple of 64 (``BLOCK_N``); with a causal bias one
+query length for all sequences, at most 16 (:meth:`XformersSplitK.why_unsupported`). No
+sliding window (no paged local bias in 0.0.35), no soft cap.
 """
 
 from __future__ import annotations
@@ -41,8 +30,8 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
 
-from .base import Adapter, Availability, Capabilities, MultipleOf
-from .cuda_probe import installed_distribution, probe_cuda_peer
+from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
+from .cuda_probe import PeerUnusable, cuda_peer_available, installed_distribution
 
 INSTALL = "pip install 'pagedbench[xformers]'"
 #: triton_splitk's ``BLOCK_N``: paged block sizes must be multiples of it.
@@ -136,25 +125,19 @@ def paged_bias(paged: XformersPagedInputs):
     )
 
 
-@dataclass(frozen=True)
-class _Prepared:
-    call: functools.partial  # memory_efficient_attention_forward, all arguments bound
-    out_shape: tuple[int, int, int]  # (total_q, num_q_heads, head_dim)
-
-
 class XformersSplitK(Adapter):
     """xformers' paged attention through its Triton split-K kernel."""
 
     name = "xformers"
     description = "xformers memory_efficient_attention_forward, paged bias, triton_splitKF (CUDA)"
 
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return CAPABILITIES
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         """:data:`CAPABILITIES`' reasons, plus triton_splitk's rule for causal biases:
         every sequence has the same number of queries, at most 16."""
-        reasons = CAPABILITIES.why_unsupported(case, device)
+        reasons = super().why_unsupported(case, device)
         q_lens = set(case.q_lens_or_decode)
         if len(q_lens) > 1:
             reasons.append(f"q_lens {sorted(q_lens)} differ; triton_splitKF's causal bias "
@@ -165,22 +148,17 @@ class XformersSplitK(Adapter):
         return reasons
 
     def available(self, device: str = "cpu") -> Availability:
-        found = probe_cuda_peer("xformers", device, CAPABILITIES.min_compute_capability,
-                                INSTALL)
-        if not found.ok:
-            return found
-        try:
+        def load() -> dict[str, str]:
             from xformers.ops.fmha import triton_splitk
-        except (ImportError, OSError, RuntimeError) as exc:
-            return Availability(False, f"xformers {found.version} failed to import: {exc}",
-                                found.version)
-        if installed_distribution("triton") is None:
-            return Availability(False, f"xformers {found.version}: its triton_splitKF kernel "
-                                       "needs triton, which is not installed", found.version)
-        details = {**found.details, "op": triton_splitk.FwOp.NAME}
-        return Availability(True, version=found.version, details=details)
 
-    def prepare(self, inputs: PagedInputs) -> _Prepared:
+            if installed_distribution("triton") is None:
+                raise PeerUnusable("its triton_splitKF kernel needs triton, which is not "
+                                   "installed")
+            return {"op": triton_splitk.FwOp.NAME}
+
+        return cuda_peer_available("xformers", device, INSTALL, load)
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
         from xformers.ops.fmha import memory_efficient_attention_forward, triton_splitk
 
         paged = xformers_paged(inputs)
@@ -188,10 +166,7 @@ class XformersSplitK(Adapter):
             memory_efficient_attention_forward,
             paged.q, paged.k, paged.v,
             attn_bias=paged_bias(paged),
-            scale=inputs.case.scale,
+            scale=inputs.scale,
             op=triton_splitk.FwOp,
-        )
-        return _Prepared(call, tuple(inputs.q.shape))
-
-    def run(self, prepared: _Prepared) -> torch.Tensor:
-        return prepared.call().view(prepared.out_shape)  # [total_q, num_q_heads, head_dim]
+        )  # returns [1, total_q, G, H, D]
+        return Prepared(call, out_shape=tuple(inputs.q.shape))

@@ -77,7 +77,8 @@ DEFAULT_BLOCK_SIZES = (16, 32)
 DEFAULT_DTYPES = ("bfloat16",)
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_MAX_KV_LEN = 2048
-#: The reduced form that an interpreted kernel can afford (see kernels/paged_decode.py).
+#: The reduced form that an interpreted kernel can afford (see the budgets in
+#: adapters/triton_decode.py and adapters/vllm_triton.py).
 REDUCED_BATCH_SIZE = 4
 REDUCED_MAX_KV_LEN = 160
 

@@ -176,7 +176,7 @@ def cmd_list(args: argparse.Namespace) -> int:
             "version": availability.version,
             "details": availability.details,
             "interpreted": adapter.is_interpreted(args.device),
-            "capabilities": adapter.capabilities().to_dict(),
+            "capabilities": adapter.capabilities(args.device).to_dict(),
         })
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -171,7 +171,7 @@ def evaluate(adapter: Adapter, target: str, availability: Availability, case: Pa
     if reasons:
         return record | {"status": str(Status.UNSUPPORTED), "reason": "; ".join(reasons)}
     expected = truth_for(case, config.cache_dir)
-    tail_poison = adapter.capabilities().tail_poison
+    tail_poison = adapter.capabilities(config.device).tail_poison
     record["tail_poison"] = tail_poison
     inputs = materialize(case, config.device, tail_poison=tail_poison)
     try:

@@ -1,8 +1,10 @@
 """Hypothesis strategies for paged-attention cases (imported by the test suites only).
 
-The axes and the values drawn from them follow the anchors' grids
-(shared/research/anchors.md, b.1): block sizes 1 to 128 including a non-power of two (48),
-GQA ratios including 5 (TRT-LLM's and FlashInfer's odd group), head dims 64/80/96/128, and
+The axes and the values drawn from them follow the peers' own test grids: block sizes 1
+to 256 including a non-power of two (48: vLLM's ``tests/kernels/attention/test_cpu_attn.py``;
+FlashInfer's ``tests/attention/test_batch_prefill_kernels.py`` uses 1, 5 and 16), GQA
+ratios including 5 (Llama 4's 40 query over 8 KV heads; FlashInfer's
+``tests/attention/test_trtllm_gen_attention_decode.py``), head dims 64/80/96/128, and
 ragged batches whose lengths always include the block boundaries 1, block_size - 1,
 block_size and block_size + 1 where paged kernels break. Drawn values are restricted to
 what the implementation under test declares, so no example is wasted on an unsupported

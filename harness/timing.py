@@ -3,8 +3,8 @@
 - CPU: ``time.perf_counter_ns`` around each call, after warm-up, with the thread count
   fixed by the caller (``torch.set_num_threads``); median and p10/p90 over the repetitions.
 - CUDA: ``triton.testing.do_bench``, which times with CUDA events and clears the L2 cache
-  before every repetition (cold-L2 timing, as FlashInfer's ``bench_gpu_time`` defaults to;
-  shared/research/anchors.md s.1.6, b.3); median and p10/p90.
+  before every repetition (cold-L2 timing, as FlashInfer's ``bench_gpu_time`` in
+  ``flashinfer/testing/utils.py`` defaults to); median and p10/p90.
 
 Derived bandwidth counts the bytes a case must move at least once (FlashInfer's
 ``attention_tb_per_sec_with_actual_seq_lens`` and tritonbench's ``decoding_attention``

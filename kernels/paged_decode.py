@@ -1,45 +1,30 @@
 """Paged decode attention in Triton: one program per (sequence, KV head).
 
-Each program owns one sequence's single query token for the whole group of query heads
-that share one KV head (GQA: ``group_size = num_q_heads // num_kv_heads`` rows), walks
-the sequence's keys in tiles of :data:`KV_TILE` logical positions, looks up every key's
-physical block in the block table (``block_tables[seq, pos // block_size]``, slot
-``pos % block_size``), and keeps a running softmax in float32 (online softmax, Milakov &
-Gimelshein 2018, arXiv:1805.02867; as in FlashAttention, Dao et al. 2022,
-arXiv:2205.14135). Tiling over logical positions rather than over blocks is what vLLM's
-Triton ``unified_attention`` does (``vllm/v1/attention/ops/triton_unified_attention.py``):
-it makes the tile a power of two whatever the block size (1, 48, 128, ...).
+Each program owns one sequence's query token for the group of query heads that share a KV
+head (GQA: ``group_size = num_q_heads // num_kv_heads`` rows), walks the sequence's keys
+in tiles of :data:`KV_TILE` logical positions, looks up each key's physical block in the
+block table (``block_tables[seq, pos // block_size]``, slot ``pos % block_size``), and
+keeps an online softmax in float32 (Milakov & Gimelshein 2018, arXiv:1805.02867; as in
+FlashAttention, arXiv:2205.14135). Tiling logical positions, not blocks, as vLLM's
+``unified_attention`` does, keeps the tile a power of two for any block size.
 
-Correctness rules the kernel keeps:
+Rules the kernel keeps:
 
-- K and V are read from the canonical ``kv_cache[num_blocks, 2, block_size,
-  num_kv_heads, head_dim]`` through its strides, never copied.
-- Every key outside ``[first_key, kv_len)`` is excluded by a select (``tl.where`` to
-  ``-inf``) on the logits and by masked loads (``other=0``) of its block number, K and V;
-  the slots past ``kv_len`` hold NaN in pagedbench's inputs, and ``0 * NaN`` is NaN, so no
-  multiply-by-zero masking appears anywhere.
-- Rows past ``group_size`` and channels past ``head_dim`` are padding: the row count is
-  padded to a power of two >= 16 and ``head_dim`` to a power of two >= 16, the smallest
-  operand shapes ``tl.dot`` accepts on a GPU.
-- Dots accumulate in float32, and float32 operands use ``input_precision="ieee"``:
-  Triton's default on a GPU is TF32, whose 10-bit mantissa would miss the float32
-  tolerance by orders of magnitude.
+- K and V are read in place from the canonical ``kv_cache[num_blocks, 2, block_size,
+  num_kv_heads, head_dim]`` through its strides.
+- Keys outside ``[first_key, kv_len)`` are excluded by selects (``tl.where`` to ``-inf``)
+  and masked loads, never by multiplying by zero: unused slots hold NaN in pagedbench's
+  inputs, and ``0 * NaN`` is NaN.
+- Rows and channels are padded to powers of two >= 16 (the smallest ``tl.dot`` operand on
+  a GPU); float32 dots use ``input_precision="ieee"`` (a GPU's default TF32 would miss the
+  float32 tolerance by orders of magnitude).
+- Under Triton's interpreter (``TRITON_INTERPRET=1`` at import), bfloat16 ``tl.dot`` is
+  wrong (triton-lang/triton#11584) and a float32 -> bfloat16 cast truncates (1.9999990
+  becomes 1.9921875; torch gives 2.0), so there the launcher sets ``BF16_VIA_FP32``
+  (:func:`bf16_via_fp32`): float32 dots, round-to-nearest-even by integer arithmetic.
 
-Under the Triton interpreter (``TRITON_INTERPRET=1``, read when ``@triton.jit`` runs,
-i.e. at the import of this module) bfloat16 is stored as raw 16-bit patterns, and two
-operations on it are wrong in triton 3.9.0: ``tl.dot`` multiplies the patterns as
-integers (triton-lang/triton#11584; Triton's debugging guide: cast bfloat16 to float32
-before operating on it), and a float32 -> bfloat16 cast truncates the mantissa instead of
-rounding it to nearest even, even with ``fp_downcast_rounding="rtne"`` (measured:
-1.9999990 becomes 1.9921875, where torch and the GPU give 2.0). So when
-the launcher sees bfloat16 under the interpreter, and only then (:func:`bf16_via_fp32`),
-it sets ``BF16_VIA_FP32``: the dot operands are upcast to float32 and the output is
-rounded to bfloat16 with integer arithmetic (:func:`_round_to_bf16`). Compiled GPU code
-keeps bfloat16 tensor-core dots and the hardware conversion.
-
-Cost under the interpreter: every iteration of the key loop in every program is one
-"program step" (:func:`program_steps`); see
-:data:`pagedbench.adapters.triton_decode.INTERPRETER_STEP_BUDGET` for its measured cost.
+Interpreted cost: :func:`program_steps`, charged by
+:data:`pagedbench.adapters.triton_decode.INTERPRETER_BUDGET`.
 """
 
 from __future__ import annotations

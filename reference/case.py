@@ -273,7 +273,7 @@ class PagedCase:
 
     @property
     def case_id(self) -> str:
-        """A stable, readable id, e.g. ``llama3.1-8b-bf16-d128-bs16-gqa4-b8-kv1..2048``."""
+        """A stable, readable id, e.g. ``llama3.1-8b-bf16-d128-bs16-h32x8-b8-kv1..2048``."""
         parts = [
             self.name,
             _DTYPE_TAGS[self.dtype],

@@ -114,7 +114,9 @@ class PagedInputs:
         return self.q.device
 
     @property
-    def sm_scale(self) -> float:
+    def scale(self) -> float:
+        """The softmax scale applied: :attr:`PagedCase.scale` (``case.sm_scale`` when
+        given, else ``1 / sqrt(head_dim)``)."""
         return self.case.scale
 
     def to(self, device: str | torch.device) -> PagedInputs:

@@ -5,6 +5,7 @@ compiled for another thread count), which it refuses.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -53,7 +54,8 @@ def test_run_refuses_to_compile(prepared) -> None:
     the timed call."""
     flex, state = prepared
     with pytest.raises(RuntimeError, match="fail_on_recompile"):
-        flex.run(replace(state, sm_scale=state.sm_scale / 2))
+        scale = state.call.keywords["scale"]
+        flex.run(replace(state, call=functools.partial(state.call, scale=scale / 2)))
 
 
 def test_undeclared_features_and_fp8_cache_are_reported_unsupported() -> None:

@@ -53,7 +53,7 @@ def _tail_slots_filled(inputs: PagedInputs, kv_index: int) -> PagedInputs:
 def test_partly_filled_last_block_is_declared_nan_unsafe(adapter: FlexPaged) -> None:
     """The declaration, and what conformance does with it: stale finite values in the
     tails (not NaN) and the output is correct."""
-    caps = adapter.capabilities()
+    caps = adapter.capabilities("cpu")
     assert not caps.nan_safe_tail and caps.tail_poison == "stale"
     assert adapter.why_unsupported(CASE, "cpu") == []
     inputs = materialize(CASE, tail_poison="stale")

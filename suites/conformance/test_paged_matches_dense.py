@@ -29,7 +29,7 @@ EXAMPLES = {"ci": 8, "dev": 200}
 def check(adapter, case: PagedCase) -> None:
     """Run ``case`` through ``adapter`` and assert the tolerance policy (NaN in the tails
     of last blocks unless the adapter declares ``nan_safe_tail=False``)."""
-    inputs = materialize(case, DEVICE, tail_poison=adapter.capabilities().tail_poison)
+    inputs = materialize(case, DEVICE, tail_poison=adapter.capabilities(DEVICE).tail_poison)
     out = adapter.run(adapter.prepare(inputs))
     assert_matches_truth(out, inputs, f"{adapter.name}:{case.case_id}")
 
@@ -38,7 +38,7 @@ def check(adapter, case: PagedCase) -> None:
           suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_paged_matches_dense(adapter, data) -> None:
-    caps = adapter.capabilities()
+    caps = adapter.capabilities(DEVICE)
     interpreted = adapter.is_interpreted(DEVICE)
     case = data.draw(paged_cases(
         caps,
@@ -63,7 +63,7 @@ def pinned_case(adapter, kv_lens: Callable[[int], tuple[int, ...]], num_q_heads:
     """A pinned case at the first block size (16, 32, 64, 128, 8, 2, 1, 48) and head dim
     (64, 128, 96, 80, 256) the adapter declares, in fp16 (else bf16, else fp32), with
     ``kv_lens(block_size)``; skips the test when the adapter cannot run it."""
-    caps = adapter.capabilities()
+    caps = adapter.capabilities(DEVICE)
     block_size = next((b for b in (16, 32, 64, 128, 8, 2, 1, 48)
                        if not caps.why_unsupported(_probe(caps, block_size=b), DEVICE)), None)
     head_dim = next((d for d in (64, 128, 96, 80, 256)
@@ -95,7 +95,7 @@ def test_block_placement_does_not_change_output(adapter) -> None:
     """Metamorphic (xformers' block-swap test): the same logical K/V scattered over
     different physical blocks gives the same output, bit for bit."""
     case = pinned_case(adapter, lambda bs: (3 * bs + 5, bs + 1), 4, 2, "placement")
-    a = materialize(case, DEVICE, tail_poison=adapter.capabilities().tail_poison)
+    a = materialize(case, DEVICE, tail_poison=adapter.capabilities(DEVICE).tail_poison)
     moved = _permute_blocks(a)
     assert not torch.equal(a.block_tables, moved.block_tables)
     out_a = adapter.run(adapter.prepare(a))
@@ -126,7 +126,7 @@ def test_nan_safe_tail_declaration_is_true(adapter) -> None:
     ``nan_safe_tail=True`` stays finite (and correct: see the tests above), and one
     declaring False does produce non-finite output; when a library fixes that, this test
     fails so the declaration (and the † in the leaderboard) can go."""
-    caps = adapter.capabilities()
+    caps = adapter.capabilities(DEVICE)
     case = pinned_case(adapter, lambda bs: (bs + 1, 2 * bs - 1), 4, 2, "nan-tail")
     out = adapter.run(adapter.prepare(materialize(case, DEVICE, tail_poison="nan")))
     finite = bool(torch.isfinite(out).all())

@@ -33,7 +33,7 @@ def test_broken_adapter_is_reported_fail(cls, seed, tmp_path) -> None:
                       RunConfig(timing=False, cache_dir=tmp_path))
     assert record["status"] == "fail", record
     assert record["reason"]
-    assert record["tail_poison"] == adapter.capabilities().tail_poison
+    assert record["tail_poison"] == adapter.capabilities("cpu").tail_poison
 
 
 class _ZeroWeightsTail(Adapter):
@@ -42,7 +42,7 @@ class _ZeroWeightsTail(Adapter):
 
     name = "zero-weights-tail"
 
-    def capabilities(self) -> Capabilities:
+    def capabilities(self, device: str) -> Capabilities:
         return Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({"float32"}),
                             nan_safe_tail=False)
 

@@ -95,7 +95,7 @@ def test_run_exits_2_when_nothing_ran(tmp_path) -> None:
     """Every selected implementation unavailable here (a GPU-only one on the CPU): no
     verdict at all must not look like success."""
     gpu_only = next(name for name, (_, a) in registry().items()
-                    if "cpu" not in a.capabilities().devices)
+                    if "cpu" not in a.capabilities("cpu").devices)
     code = main(["run", "--impl", gpu_only, "--preset", "llama3.1-70b-tp8", "--block-size",
                  "16", "--results-dir", str(tmp_path), "--no-timing",
                  "--cache-dir", str(tmp_path / "build")])

@@ -36,7 +36,7 @@ for dtype, head_dim, num_q_heads, block_size, window, cap in json.loads(sys.argv
                      head_dim=head_dim, block_size=block_size, dtype=dtype)
     inputs = materialize(case)
     plan = pd.plan_paged_decode(inputs.q, inputs.kv_cache, inputs.block_tables,
-                                inputs.kv_lens, inputs.sm_scale, sliding_window=window,
+                                inputs.kv_lens, inputs.scale, sliding_window=window,
                                 logits_soft_cap=cap)
     kernel = pd._paged_decode_kernel
     runtime = [n for n in kernel.arg_names if n not in plan.constexprs]

@@ -34,7 +34,7 @@ FEATURE_EFFECT = 2.0
 def _check(case: PagedCase) -> Comparison:
     inputs = materialize(case, DEVICE)
     out = paged_decode(inputs.q, inputs.kv_cache, inputs.block_tables, inputs.kv_lens,
-                       inputs.sm_scale, sliding_window=case.sliding_window,
+                       inputs.scale, sliding_window=case.sliding_window,
                        logits_soft_cap=case.logits_soft_cap)
     return assert_matches_truth(out, inputs, case.case_id)
 

@@ -33,7 +33,7 @@ def inputs():
 
 def _args(inputs):
     return dict(q=inputs.q, kv_cache=inputs.kv_cache, block_tables=inputs.block_tables,
-                kv_lens=inputs.kv_lens, sm_scale=inputs.sm_scale)
+                kv_lens=inputs.kv_lens, sm_scale=inputs.scale)
 
 
 # Selection of the bfloat16 workaround ------------------------------------------------

@@ -74,7 +74,7 @@ def _case(kv_lens, ratio, num_kv_heads, head_dim, block_size, dtype) -> PagedCas
 def test_decode_matches_dense(case: PagedCase):
     inputs = materialize(case, DEVICE)
     out = paged_decode(inputs.q, inputs.kv_cache, inputs.block_tables, inputs.kv_lens,
-                       inputs.sm_scale)
+                       inputs.scale)
     assert_matches_truth(out, inputs, case.case_id)
 
 
@@ -84,5 +84,5 @@ def test_decode_head_dim_256_matches_dense(dtype: str):
     case = _case((1, 33, 70), 2, 1, 256, 16, dtype)
     inputs = materialize(case, DEVICE)
     out = paged_decode(inputs.q, inputs.kv_cache, inputs.block_tables, inputs.kv_lens,
-                       inputs.sm_scale)
+                       inputs.scale)
     assert_matches_truth(out, inputs, case.case_id)

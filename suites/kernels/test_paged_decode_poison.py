@@ -37,7 +37,7 @@ def inputs(request):
 def _run(inputs, kv_cache=None, block_tables=None):
     return paged_decode(inputs.q, inputs.kv_cache if kv_cache is None else kv_cache,
                         inputs.block_tables if block_tables is None else block_tables,
-                        inputs.kv_lens, inputs.sm_scale, out=new_output(inputs))
+                        inputs.kv_lens, inputs.scale, out=new_output(inputs))
 
 
 def test_decode_poison_never_leaks(inputs):

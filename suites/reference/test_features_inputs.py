@@ -144,7 +144,7 @@ def test_registered_adapters_report_what_they_do_not_declare() -> None:
     kv_cache_dtype it does not declare among its unsupported reasons."""
     case = BASE.with_(alibi=True, sinks=True, kv_cache_dtype="fp8_e5m2")
     for name, (_, adapter) in registry().items():
-        caps = adapter.capabilities()
+        caps = adapter.capabilities("cpu")
         reasons = adapter.why_unsupported(case, "cpu")
         for feature in ("alibi", "sinks"):
             if feature not in caps.features:
