@@ -8,7 +8,7 @@ semantics that ``reference/dense.py`` pins, written once for both kernels:
 
 - logits ``s = sm_scale * q.k``; with an fp8 cache ``k = stored * k_scale``, so
   ``k_scale`` joins the scale and ``v_scale`` multiplies the accumulator once at the end
-  (as vLLM's Triton kernels fold them);
+  (the same product as dequantizing every K and V element first, for two multiplies);
 - soft cap ``c * tanh(s / c)``, then ALiBi ``- slope[h] * (query pos - key pos)``;
 - keys outside ``[first visible, query pos]`` are ``-inf`` by a select, never by a
   multiply (the poison in unused slots is NaN, and ``0 * NaN`` is NaN);
@@ -17,7 +17,7 @@ semantics that ``reference/dense.py`` pins, written once for both kernels:
 - a sink is a logit with no value: the softmax starts from max ``sink``, sum 1.
 
 K and V come through separate base pointers and strides, so a cache whose V has another
-head_dim (MLA-style) changes only the V dimension's constexpr. The interpreter's bfloat16
+head_dim (MLA-style) needs a V-side head_dim constexpr, not new addressing. The interpreter's bfloat16
 faults are handled by :mod:`pagedbench.kernels.paged_decode`'s mechanism
 (:func:`~pagedbench.kernels.paged_decode.bf16_via_fp32`, ``_round_to_bf16``), reused here.
 """

@@ -3,7 +3,7 @@
 Causal bottom-right over varlen queries (reference/dense.py): whole prompts (``q_len ==
 kv_len``), chunked prefill (``q_len < kv_len``), multi-token decode and single-token
 decode mixed in one batch, NaN in every unused slot, tables from a shuffled pool. Pinned
-cases cover block sizes 1/16/48, GQA ratios 1/4/7 (with 7, a program's rows hold whole
+cases cover block sizes 1/16/48/256, GQA ratios 1/4/7 (with 7, a program's rows hold whole
 groups and leave the rest unused), kv_len 1, block_size and block_size + 1, windows 1,
 2 and block_size +- 1, soft cap, ALiBi, sinks and fp8 E4M3/E5M2 in float32, float16 and
 bfloat16 (interpreted via the float32 upcast); hypothesis draws the rest.
@@ -16,13 +16,14 @@ import os
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from pagedbench.harness.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, PagedInputs, materialize, new_output
 
 pytest.importorskip("triton")
 from pagedbench.kernels.paged_prefill import paged_prefill  # noqa: E402
+
+from .test_split_decode_matches_dense import feature_cases  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = ("float32", "float16", "bfloat16")
@@ -50,6 +51,7 @@ PINNED = [
     _case((1, 16, 17, 40), (1, 16, 5, 1), 4, 16, "float32"),
     _case((48, 49, 30), (20, 1, 30), 7, 48, "bfloat16"),
     _case((2, 33, 9), (2, 12, 1), 1, 1, "float16"),
+    _case((256, 257, 3), (9, 1, 3), 4, 256, "float16"),
     _case((40, 12), (12, 12), 4, 16, "bfloat16", sliding_window=1),
     _case((40, 12), (9, 3), 7, 16, "float32", sliding_window=2),
     _case((50, 20), (20, 1), 4, 16, "float16", sliding_window=15),
@@ -70,26 +72,8 @@ def test_prefill_pinned_cases_match_dense(case: PagedCase):
     assert_matches_truth(run_prefill(inputs), inputs, case.case_id)
 
 
-@st.composite
-def prefill_cases(draw) -> PagedCase:
-    block_size = draw(st.sampled_from((1, 16, 48)))
-    boundary = st.sampled_from(sorted({1, block_size, block_size + 1}))
-    kv_lens = draw(st.lists(st.one_of(boundary, st.integers(1, 60)), min_size=1, max_size=3))
-    q_lens = tuple(draw(st.sampled_from(sorted({1, kv, min(kv, 12)}))) for kv in kv_lens)
-    fp8 = draw(st.sampled_from(("auto", "fp8_e4m3", "fp8_e5m2")))
-    scales = {} if fp8 == "auto" else {"k_scale": 2.0, "v_scale": 0.5}
-    return PagedCase(
-        kv_lens=tuple(kv_lens), q_lens=q_lens, num_q_heads=draw(st.sampled_from((1, 4, 7))),
-        num_kv_heads=1, head_dim=draw(st.sampled_from((64, 80))), block_size=block_size,
-        dtype=draw(st.sampled_from(DTYPES)),
-        sliding_window=draw(st.one_of(st.none(), st.integers(1, 60))),
-        logits_soft_cap=draw(st.sampled_from((None, 5.0))),
-        alibi=draw(st.booleans()), sinks=draw(st.booleans()),
-        kv_cache_dtype=fp8, **scales, seed=draw(st.integers(0, 2**16)), name="prefill-hyp")
-
-
 @settings(max_examples=EXAMPLES[os.environ.get("HYPOTHESIS_PROFILE", "ci")])
-@given(case=prefill_cases())
+@given(case=feature_cases(max_kv_len=60, prefill=True))
 def test_prefill_matches_dense(case: PagedCase):
     inputs = materialize(case, DEVICE)
     assert_matches_truth(run_prefill(inputs), inputs, case.case_id)

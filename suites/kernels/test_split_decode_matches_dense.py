@@ -83,24 +83,30 @@ def test_split_decode_with_empty_splits_matches_dense(case: PagedCase):
 
 
 @st.composite
-def split_cases(draw) -> PagedCase:
+def feature_cases(draw, max_kv_len: int = 100, prefill: bool = False) -> PagedCase:
+    """Cases over block sizes 1/16/48, GQA 1/4/7, every feature and fp8 type; with
+    ``prefill``, each sequence's q_len is 1, its kv_len, or up to 12 of it."""
     block_size = draw(st.sampled_from((1, 16, 48)))
     boundary = st.sampled_from(sorted({1, block_size, block_size + 1}))
-    kv_lens = draw(st.lists(st.one_of(boundary, st.integers(1, 100)), min_size=1, max_size=3))
+    kv_lens = draw(st.lists(st.one_of(boundary, st.integers(1, max_kv_len)), min_size=1,
+                            max_size=3))
+    q_lens = None
+    if prefill:
+        q_lens = tuple(draw(st.sampled_from(sorted({1, kv, min(kv, 12)}))) for kv in kv_lens)
     fp8 = draw(st.sampled_from(("auto", "fp8_e4m3", "fp8_e5m2")))
     scales = {} if fp8 == "auto" else {"k_scale": 0.5, "v_scale": 2.0}
     return PagedCase(
-        kv_lens=tuple(kv_lens), num_q_heads=draw(st.sampled_from((1, 4, 7))),
+        kv_lens=tuple(kv_lens), q_lens=q_lens, num_q_heads=draw(st.sampled_from((1, 4, 7))),
         num_kv_heads=1, head_dim=draw(st.sampled_from((64, 80))), block_size=block_size,
         dtype=draw(st.sampled_from(DTYPES)),
-        sliding_window=draw(st.one_of(st.none(), st.integers(1, 100))),
+        sliding_window=draw(st.one_of(st.none(), st.integers(1, max_kv_len))),
         logits_soft_cap=draw(st.sampled_from((None, 5.0))),
         alibi=draw(st.booleans()), sinks=draw(st.booleans()),
-        kv_cache_dtype=fp8, **scales, seed=draw(st.integers(0, 2**16)), name="split-hyp")
+        kv_cache_dtype=fp8, **scales, seed=draw(st.integers(0, 2**16)), name="hyp")
 
 
 @settings(max_examples=EXAMPLES[os.environ.get("HYPOTHESIS_PROFILE", "ci")])
-@given(case=split_cases(), num_splits=st.sampled_from((None, 1, 3)))
+@given(case=feature_cases(), num_splits=st.sampled_from((None, 1, 3)))
 def test_split_decode_matches_dense(case: PagedCase, num_splits):
     inputs = materialize(case, DEVICE)
     assert_matches_truth(run_split(inputs, num_splits=num_splits), inputs, case.case_id)
