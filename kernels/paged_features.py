@@ -1,10 +1,11 @@
-"""What pagedbench's split-KV decode and prefill kernels share: arguments and logit math.
+"""What pagedbench's Triton paged kernels share: argument checks, logit math, bfloat16.
 
-:func:`check_paged_args` validates the arguments both launchers take (the canonical
+:func:`check_paged_args` validates the arguments every launcher takes (the canonical
 ``kv_cache[num_blocks, 2, block_size, num_kv_heads, head_dim]`` in the query dtype or
 fp8, int32 ``block_tables`` and ``kv_lens``, the optional features), so a bad call fails
 with the parameter's name before anything launches. The ``@triton.jit`` helpers hold the
-semantics that ``reference/dense.py`` pins, written once for both kernels:
+semantics that ``reference/dense.py`` pins, written once for the split-KV decode and
+prefill kernels:
 
 - logits ``s = sm_scale * q.k``; with an fp8 cache ``k = stored * k_scale``, so
   ``k_scale`` joins the scale and ``v_scale`` multiplies the accumulator once at the end
@@ -17,9 +18,10 @@ semantics that ``reference/dense.py`` pins, written once for both kernels:
 - a sink is a logit with no value: the softmax starts from max ``sink``, sum 1.
 
 K and V come through separate base pointers and strides, so a cache whose V has another
-head_dim (MLA-style) needs a V-side head_dim constexpr, not new addressing. The interpreter's bfloat16
-faults are handled by :mod:`pagedbench.kernels.paged_decode`'s mechanism
-(:func:`~pagedbench.kernels.paged_decode.bf16_via_fp32`, ``_round_to_bf16``), reused here.
+head_dim (MLA-style) needs a V-side head_dim constexpr, not new addressing. All three
+kernels (:mod:`~pagedbench.kernels.paged_decode` too) take their padding
+(:func:`padded_dim`), ``_tanh`` and the interpreter's bfloat16 workaround
+(:func:`bf16_via_fp32`, ``_round_to_bf16``) from here.
 """
 
 from __future__ import annotations
@@ -32,12 +34,59 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .paged_decode import SUPPORTED_DTYPES, _round_to_bf16, _tanh, padded_dim
-
+#: Data types of Q and the output, and of K and V unless they are fp8.
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: fp8 element types an fp8 KV cache may hold (vLLM's ``fp8_e4m3`` and ``fp8_e5m2``).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: log2(e): the kernels work in base 2 (``exp2``), as FlashAttention-2 does.
 LOG2E = tl.constexpr(1.4426950408889634)
+#: Smallest extent ``tl.dot`` accepts for each operand dimension on a GPU.
+MIN_DOT_DIM = 16
+
+
+def padded_dim(n: int) -> int:
+    """``n`` rounded up to a power of two, at least :data:`MIN_DOT_DIM` (rows, channels)."""
+    return max(MIN_DOT_DIM, triton.next_power_of_2(n))
+
+
+def bf16_via_fp32(dtype: torch.dtype, interpreted: bool) -> bool:
+    """Whether a kernel must do its bfloat16 work in float32 (``BF16_VIA_FP32``).
+
+    Only bfloat16 under Triton's interpreter, where two operations on it are wrong in
+    triton 3.9.0: ``tl.dot`` multiplies the raw 16-bit patterns as integers
+    (triton-lang/triton#11584; Triton's debugging guide: cast bfloat16 to float32 first),
+    and a float32 -> bfloat16 cast truncates instead of rounding to nearest even, even
+    with ``fp_downcast_rounding="rtne"`` (1.9999990 becomes 1.9921875; torch and the GPU
+    give 2.0). The kernels then upcast the dot operands and round the output with
+    :func:`_round_to_bf16`. Compiled GPU code keeps bfloat16 dots for tensor cores.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+        Dtype of Q (and of K and V unless they are fp8).
+    interpreted : bool
+        Whether the kernel runs under the interpreter.
+    """
+    return interpreted and dtype == torch.bfloat16
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exponential, overflow-free: ``sign(x) (1 - e) / (1 + e)``,
+    ``e = exp(-2|x|)`` (``libdevice.tanh`` does not run under the interpreter)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """float32 -> bfloat16, round to nearest even, by integer arithmetic on the bits:
+    add ``0x7FFF`` plus the lowest kept bit, then drop the low 16 bits (the carry moves
+    into the exponent as it must)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @dataclass(frozen=True)
@@ -174,7 +223,7 @@ def _softmax_start(sinks_ptr, q_heads, row_ok, ROWS: tl.constexpr, HAS_SINKS: tl
 @triton.jit
 def _store_rows(out_ptr, offsets, x, mask, BF16_VIA_FP32: tl.constexpr):
     """Store float32 ``x`` in the output's dtype (bfloat16 rounded to nearest even by
-    integer arithmetic under the interpreter, see ``paged_decode``)."""
+    integer arithmetic under the interpreter: :func:`bf16_via_fp32`)."""
     if BF16_VIA_FP32:
         y = _round_to_bf16(x)
     else:
@@ -268,18 +317,29 @@ def check_paged_args(
     sm_scale: float,
     *,
     out: torch.Tensor | None,
-    sliding_window: int | None,
-    logits_soft_cap: float | None,
-    alibi_slopes: torch.Tensor | None,
-    sinks: torch.Tensor | None,
-    k_scale: float,
-    v_scale: float,
+    decode: bool,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fp8_cache: bool = True,
 ) -> PagedArgs:
     """Validate what every paged kernel takes; allocate ``out`` when it is None.
 
-    ``q`` is ``[num_tokens, num_q_heads, head_dim]``; how ``num_tokens`` relates to the
-    batch is the launcher's to check. See :func:`paged_split_decode` for the meaning of
-    each parameter.
+    See :func:`~pagedbench.kernels.paged_split_decode.paged_split_decode` for the meaning
+    of each parameter.
+
+    Parameters
+    ----------
+    decode : bool
+        True: ``q`` is ``[batch, num_q_heads, head_dim]``, one query token per sequence,
+        and ``kv_lens`` must be ``[batch]``. False: ``q`` is ``[total_q, num_q_heads,
+        head_dim]``, and how ``total_q`` splits over the batch is the launcher's to check.
+    fp8_cache : bool
+        Whether the kernel reads an fp8 ``kv_cache`` (the split-KV decode and prefill
+        kernels do; :mod:`~pagedbench.kernels.paged_decode`'s does not).
 
     Raises
     ------
@@ -287,26 +347,28 @@ def check_paged_args(
         If q, kv_cache, block_tables or kv_lens is not a tensor.
     ValueError
         Naming the parameter and the allowed values: wrong rank, shape or dtype (q one of
-        float32/float16/bfloat16; kv_cache q's dtype or float8_e4m3fn/float8_e5m2;
-        block_tables and kv_lens int32), mixed devices, sm_scale, sliding_window,
-        logits_soft_cap, k_scale or v_scale out of range (scales other than 1 need an fp8
-        cache), alibi_slopes or sinks not float32 ``[num_q_heads]``, or an ``out`` unlike q.
+        float32/float16/bfloat16; kv_cache q's dtype or, with ``fp8_cache``,
+        float8_e4m3fn/float8_e5m2; block_tables and kv_lens int32), mixed devices,
+        sm_scale, sliding_window, logits_soft_cap, k_scale or v_scale out of range (scales
+        other than 1 need an fp8 cache), alibi_slopes or sinks not float32
+        ``[num_q_heads]``, or an ``out`` unlike q.
     """
     for name, t in (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables),
                     ("kv_lens", kv_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _check(q.dim() == 3, f"q must be [num_tokens, num_q_heads, head_dim] (3-D), got shape "
+    rows = "batch" if decode else "total_q"
+    _check(q.dim() == 3, f"q must be [{rows}, num_q_heads, head_dim] (3-D), got shape "
                          f"{tuple(q.shape)}")
     _check(q.dtype in SUPPORTED_DTYPES,
            f"q.dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {q.dtype}")
     _check(kv_cache.dim() == 5 and kv_cache.shape[1] == 2,
            "kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim], got "
            f"shape {tuple(kv_cache.shape)}")
-    kv_fp8 = kv_cache.dtype in FP8_DTYPES
+    kv_fp8 = fp8_cache and kv_cache.dtype in FP8_DTYPES
     _check(kv_cache.dtype == q.dtype or kv_fp8,
-           f"kv_cache.dtype ({kv_cache.dtype}) must equal q.dtype ({q.dtype}) or be one of "
-           f"{[str(d) for d in FP8_DTYPES]}")
+           f"kv_cache.dtype ({kv_cache.dtype}) must equal q.dtype ({q.dtype})"
+           + (f" or be one of {[str(d) for d in FP8_DTYPES]}" if fp8_cache else ""))
     _, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
     _check(cache_head_dim == head_dim,
@@ -319,9 +381,15 @@ def check_paged_args(
     _check(block_tables.dtype == torch.int32,
            f"block_tables.dtype must be torch.int32, got {block_tables.dtype}")
     _check(kv_lens.dtype == torch.int32, f"kv_lens.dtype must be torch.int32, got {kv_lens.dtype}")
-    _check(kv_lens.dim() == 1 and kv_lens.shape[0] >= 1,
-           f"kv_lens must be [batch] with batch >= 1, got shape {tuple(kv_lens.shape)}")
-    batch = kv_lens.shape[0]
+    if decode:
+        batch = q.shape[0]
+        _check(batch >= 1 and tuple(kv_lens.shape) == (batch,),
+               f"kv_lens must be [batch={batch}] (one query token per sequence, batch >= 1), "
+               f"got shape {tuple(kv_lens.shape)}")
+    else:
+        _check(kv_lens.dim() == 1 and kv_lens.shape[0] >= 1,
+               f"kv_lens must be [batch] with batch >= 1, got shape {tuple(kv_lens.shape)}")
+        batch = kv_lens.shape[0]
     _check(block_tables.dim() == 2 and block_tables.shape[0] == batch,
            f"block_tables must be [batch={batch}, max_blocks_per_seq], got shape "
            f"{tuple(block_tables.shape)}")

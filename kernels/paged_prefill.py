@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import bf16_via_fp32, padded_dim
 from .paged_features import (
     LaunchConfig,
     _load_kv_tile,
@@ -38,10 +37,12 @@ from .paged_features import (
     _softmax_step,
     _store_rows,
     _table_blocks,
+    bf16_via_fp32,
     check_kv_lens_fit,
     check_paged_args,
     kernels_are_interpreted,
     launch_config,
+    padded_dim,
 )
 
 
@@ -258,7 +259,7 @@ def plan_paged_prefill(
     ValueError, TypeError
         As :func:`paged_prefill`.
     """
-    a = check_paged_args(q, kv_cache, block_tables, kv_lens, sm_scale, out=out,
+    a = check_paged_args(q, kv_cache, block_tables, kv_lens, sm_scale, out=out, decode=False,
                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                          alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale,
                          v_scale=v_scale)

@@ -36,19 +36,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_decode import bf16_via_fp32, padded_dim
 from .paged_features import (
     LaunchConfig,
     _load_kv_tile,
-    _table_blocks,
     _logits,
     _softmax_start,
     _softmax_step,
     _store_rows,
+    _table_blocks,
+    bf16_via_fp32,
     check_kv_lens_fit,
     check_paged_args,
     kernels_are_interpreted,
     launch_config,
+    padded_dim,
 )
 
 #: SMs the split count plans for when the launch is on the CPU (interpreted): an H100
@@ -437,14 +438,11 @@ def plan_paged_split_decode(
     ValueError, TypeError
         As :func:`paged_split_decode`.
     """
-    a = check_paged_args(q, kv_cache, block_tables, kv_lens, sm_scale, out=out,
+    a = check_paged_args(q, kv_cache, block_tables, kv_lens, sm_scale, out=out, decode=True,
                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                          alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale,
                          v_scale=v_scale)
     batch, num_q_heads, head_dim = q.shape
-    if kv_lens.shape[0] != batch:
-        raise ValueError(f"kv_lens must be [batch={batch}] (one query token per sequence), "
-                         f"got shape {tuple(kv_lens.shape)}")
     lens = kv_lens.tolist()
     check_kv_lens_fit(lens, block_tables.shape[1], a.block_size)
     plan = plan_splits(lens, a.num_kv_heads, head_dim, kv_cache.element_size(),

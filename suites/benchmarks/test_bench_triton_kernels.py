@@ -50,12 +50,12 @@ else:  # interpreted: one sequence pair, 2 KV heads of Llama-3-8B's shape
 def _plan(kernel: str, inputs):
     base = (inputs.q, inputs.kv_cache, inputs.block_tables, inputs.kv_lens)
     if kernel == "split":
-        return plan_paged_split_decode(*base, inputs.sm_scale)
+        return plan_paged_split_decode(*base, inputs.scale)
     if kernel == "split-invariant":
-        return plan_paged_split_decode(*base, inputs.sm_scale, batch_invariant=True)
+        return plan_paged_split_decode(*base, inputs.scale, batch_invariant=True)
     if kernel == "prefill":
-        return plan_paged_prefill(*base, inputs.cu_seqlens_q, inputs.sm_scale)
-    return plan_paged_decode(*base, inputs.sm_scale)
+        return plan_paged_prefill(*base, inputs.cu_seqlens_q, inputs.scale)
+    return plan_paged_decode(*base, inputs.scale)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.case_id for c in CASES])

@@ -71,7 +71,7 @@ def test_a_mixed_batch_equals_its_sequences_launched_alone():
         one = torch.tensor([0, cu[i + 1] - cu[i]], dtype=torch.int32, device=DEVICE)
         alone = pp.paged_prefill(inputs.q[cu[i]:cu[i + 1]], inputs.kv_cache,
                                  inputs.block_tables[i:i + 1], inputs.kv_lens[i:i + 1], one,
-                                 inputs.sm_scale)
+                                 inputs.scale)
         if i:  # the decode alone gets 16 rows, not 64: compare with the tolerance
             assert torch.equal(alone, together[cu[i]:cu[i + 1]]), f"sequence {i}"
         else:
@@ -88,7 +88,7 @@ def inputs():
 def _args(inputs):
     return dict(q=inputs.q, kv_cache=inputs.kv_cache, block_tables=inputs.block_tables,
                 kv_lens=inputs.kv_lens, cu_seqlens_q=inputs.cu_seqlens_q,
-                sm_scale=inputs.sm_scale)
+                sm_scale=inputs.scale)
 
 
 def _cu(values):

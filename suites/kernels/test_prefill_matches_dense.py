@@ -35,7 +35,7 @@ def run_prefill(inputs: PagedInputs) -> torch.Tensor:
     case = inputs.case
     return paged_prefill(
         inputs.q, inputs.kv_cache, inputs.block_tables, inputs.kv_lens, inputs.cu_seqlens_q,
-        inputs.sm_scale, out=new_output(inputs), sliding_window=case.sliding_window,
+        inputs.scale, out=new_output(inputs), sliding_window=case.sliding_window,
         logits_soft_cap=case.logits_soft_cap, alibi_slopes=inputs.alibi_slopes,
         sinks=inputs.sinks, k_scale=case.k_scale, v_scale=case.v_scale)
 

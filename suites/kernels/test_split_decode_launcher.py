@@ -104,7 +104,7 @@ def test_merge_of_given_partials_with_empty_splits():
                      block_size=16, dtype="float32", name="merge")
     inputs = materialize(case, DEVICE)
     launch = sd.plan_paged_split_decode(inputs.q, inputs.kv_cache, inputs.block_tables,
-                                        inputs.kv_lens, inputs.sm_scale, num_splits=4)
+                                        inputs.kv_lens, inputs.scale, num_splits=4)
     part_acc, part_m, part_l = launch.merge_args[3:6]
     gen = torch.Generator().manual_seed(0)
     m = torch.randn(part_m.shape, generator=gen, dtype=torch.float64) * 4
@@ -131,11 +131,12 @@ def inputs():
 
 def _args(inputs):
     return dict(q=inputs.q, kv_cache=inputs.kv_cache, block_tables=inputs.block_tables,
-                kv_lens=inputs.kv_lens, sm_scale=inputs.sm_scale)
+                kv_lens=inputs.kv_lens, sm_scale=inputs.scale)
 
 
 @pytest.mark.parametrize(("mutate", "message"), [
-    (lambda a: a.update(kv_lens=a["kv_lens"][:1]), "block_tables must be [batch=1"),
+    (lambda a: a.update(kv_lens=a["kv_lens"][:1]),
+     "kv_lens must be [batch=2] (one query token per sequence"),
     (lambda a: a.update(kv_lens=torch.tensor([5, 999], dtype=torch.int32, device=DEVICE)),
      "kv_lens[1] = 999 is outside [0, 32]"),
     (lambda a: a.update(kv_cache=a["kv_cache"].to(torch.bfloat16)),

@@ -35,7 +35,7 @@ def run_split(inputs: PagedInputs, **options) -> torch.Tensor:
     """The kernel on ``inputs`` with every feature of its case, into a NaN buffer."""
     case = inputs.case
     return paged_split_decode(
-        inputs.q, inputs.kv_cache, inputs.block_tables, inputs.kv_lens, inputs.sm_scale,
+        inputs.q, inputs.kv_cache, inputs.block_tables, inputs.kv_lens, inputs.scale,
         out=new_output(inputs), sliding_window=case.sliding_window,
         logits_soft_cap=case.logits_soft_cap, alibi_slopes=inputs.alibi_slopes,
         sinks=inputs.sinks, k_scale=case.k_scale, v_scale=case.v_scale, **options)

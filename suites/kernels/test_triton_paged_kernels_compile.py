@@ -60,11 +60,11 @@ for name, kernel, dtype, kv, head_dim, bs, q_lens, capability, stages in json.lo
                     sinks=x.sinks)
     if kernel == "prefill":
         plan = pp.plan_paged_prefill(x.q, x.kv_cache, x.block_tables, x.kv_lens,
-                                     x.cu_seqlens_q, x.sm_scale, **features)
+                                     x.cu_seqlens_q, x.scale, **features)
         jit, args, constexprs = pp._prefill_kernel, plan.args, plan.constexprs
     else:
         plan = sd.plan_paged_split_decode(x.q, x.kv_cache, x.block_tables, x.kv_lens,
-                                          x.sm_scale, batch_invariant=True, **features)
+                                          x.scale, batch_invariant=True, **features)
         jit, args, constexprs = sd._split_decode_kernel, plan.args, plan.constexprs
         if kernel == "merge":
             jit, args, constexprs = sd._merge_kernel, plan.merge_args, plan.merge_constexprs
