@@ -10,34 +10,44 @@ and the float32 partials; ``run`` only launches. Any block size and GQA ratio; s
 window, soft cap, ALiBi, sinks; fp8 E4M3 (compute capability 8.9 and up on a GPU: Triton
 has no E4M3 on sm_80) and E5M2 caches. On the CPU the kernels run under Triton's
 interpreter (``TRITON_INTERPRET=1`` before Python starts), within a cost budget per call
-(:data:`SPLIT_STEP_BUDGET`, :data:`PREFILL_STEP_BUDGET`).
+(:data:`SPLIT_BUDGET`, :data:`PREFILL_BUDGET`).
 """
 
 from __future__ import annotations
 
-import abc
-from typing import Any
+from dataclasses import replace
+from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
 
-from .base import Adapter, Availability, Capabilities
+from .base import Capabilities, Fact, InterpretedWork, InterpreterBudget, Prepared
+from .triton_decode import PagedbenchTritonAdapter
 
 #: Most interpreter steps (:meth:`pagedbench.kernels.paged_split_decode.SplitPlan.steps`:
-#: key-loop iterations and programs of both kernels) one interpreted split-decode call
-#: may take. Measured with triton 3.9.0 on this project's 2-core CI machine (AMD EPYC,
-#: other jobs beside), process CPU time of one call on 6 reduced presets (bf16, head_dim
-#: 96-256): 8.2 ms per step (least squares; within 0.7 s of every call). 600 admits
-#: every reduced preset of :mod:`pagedbench.harness.cases` (at most 584 steps, about
-#: 4 s) except phi3-mini's 32 KV heads (1088 steps, 9.4 s), and no full preset.
+#: key-loop iterations of both kernels plus one per program, so programs are not charged
+#: again) one interpreted split-decode call may take. Measured with triton 3.9.0 on this
+#: project's 2-core CI machine (AMD EPYC, other jobs beside), process CPU time of one call
+#: on 6 reduced presets (bf16, head_dim 96-256): 8.2 ms per step (least squares; within
+#: 0.7 s of every call). 600 admits every reduced preset of :mod:`pagedbench.harness.cases`
+#: (at most 584 steps, about 4 s) except phi3-mini's 32 KV heads (1088 steps, 9.4 s), and
+#: no full preset.
 SPLIT_STEP_BUDGET = 600
+SPLIT_S_PER_STEP = 0.0082
+SPLIT_BUDGET = InterpreterBudget(s_per_program=0.0, s_per_step=SPLIT_S_PER_STEP,
+                                 max_s=SPLIT_STEP_BUDGET * SPLIT_S_PER_STEP)
 #: The same for the prefill kernel, whose loop iteration over ``block_m`` rows counts
-#: ``block_m // 16`` steps (:meth:`pagedbench.kernels.paged_prefill.PrefillPlan.steps`).
-#: Measured as above on the reduced presets and four mixed prefill batches: 10 to 19 ms
-#: per step. 320 admits every reduced preset (phi3-mini: 320 steps, 5.1 s) and, of the
-#: full ones, llama3.1-70b-tp8 (one KV head) and qwen2.5-7b at block_size 16.
+#: ``block_m // 16`` steps (:meth:`pagedbench.kernels.paged_prefill.PrefillPlan.steps`,
+#: one more per program). Measured as above on the reduced presets and four mixed
+#: prefill batches: 10 to 19 ms per step; the estimate charges 16 ms (phi3-mini: 320
+#: steps, 5.1 s). 320 admits every reduced preset and, of the full ones,
+#: llama3.1-70b-tp8 (one KV head) and qwen2.5-7b at block_size 16.
 PREFILL_STEP_BUDGET = 320
+PREFILL_S_PER_STEP = 0.016
+PREFILL_BUDGET = InterpreterBudget(s_per_program=0.0, s_per_step=PREFILL_S_PER_STEP,
+                                   max_s=PREFILL_STEP_BUDGET * PREFILL_S_PER_STEP)
 
 _COMMON = dict(
     devices=frozenset({"cpu", "cuda"}),
@@ -61,88 +71,45 @@ def _feature_kwargs(inputs: PagedInputs) -> dict[str, Any]:
                 sinks=inputs.sinks, k_scale=case.k_scale, v_scale=case.v_scale)
 
 
-class _TritonPaged(Adapter):
-    """What both kernels' adapters share: availability, interpretation, limits."""
+def _cache_element_size(case: PagedCase) -> int:
+    return torch.empty((), dtype=case.kv_torch_dtype).element_size()
 
-    _capabilities: Capabilities
-    _budget: int
 
-    def capabilities(self) -> Capabilities:
-        return self._capabilities
+class _TritonPaged(PagedbenchTritonAdapter):
+    """What both kernels' adapters share: capabilities per device, interpretation."""
 
-    def available(self, device: str = "cpu") -> Availability:
-        """Ready when triton imports, on the CPU under the interpreter, on CUDA with
-        compute capability 8.0 or more. ``details`` records ``interpreted``."""
-        device_type = torch.device(device).type
-        if device_type not in self._capabilities.devices:
-            return Availability(False, f"device {device_type!r} not in "
-                                       f"{sorted(self._capabilities.devices)}")
-        try:
-            import triton
+    #: What the kernel takes; :meth:`capabilities` narrows it on an older GPU.
+    CAPABILITIES: ClassVar[Capabilities]
 
-            from pagedbench.kernels import paged_features
-        except ImportError as exc:
-            return Availability(False, f"triton not installed: {exc}")
-        interpreted = paged_features.kernels_are_interpreted()
-        if device_type == "cpu" and not interpreted:
-            if triton.knobs.runtime.interpret:
-                reason = ("pagedbench.kernels.paged_features was imported before "
-                          "TRITON_INTERPRET=1 was set: set it before starting Python")
-            else:
-                reason = ("the Triton kernels run on the CPU only under Triton's "
-                          "interpreter: set TRITON_INTERPRET=1 before starting Python")
-            return Availability(False, reason, triton.__version__)
-        if device_type == "cuda":
-            if not torch.cuda.is_available():
-                return Availability(False, "no CUDA device visible to torch",
-                                    triton.__version__)
-            capability = torch.cuda.get_device_capability(device)
-            if not interpreted and capability < self._capabilities.min_compute_capability:
-                need = ".".join(map(str, self._capabilities.min_compute_capability))
-                return Availability(False, f"compute capability {capability[0]}."
-                                           f"{capability[1]} < {need}", triton.__version__)
-        return Availability(True, version=triton.__version__,
-                            details={"interpreted": str(interpreted).lower()})
+    def capabilities(self, device: str) -> Capabilities:
+        """:attr:`CAPABILITIES`, without ``fp8_e4m3`` where the kernels are compiled for a
+        GPU below :data:`FP8_E4M3_MIN_CAPABILITY`."""
+        caps = self.CAPABILITIES
+        parsed = torch.device(device)
+        if (parsed.type != "cuda" or not torch.cuda.is_available()
+                or (parsed.index or 0) >= torch.cuda.device_count()
+                or self.is_interpreted(device)):
+            return caps
+        have = torch.cuda.get_device_capability(parsed.index)
+        if have >= FP8_E4M3_MIN_CAPABILITY:
+            return caps
+        return replace(caps, kv_cache_dtypes=caps.kv_cache_dtypes - {"fp8_e4m3"},
+                       notes={**caps.notes, "kv_cache_dtypes": (
+                           f"fp8_e4m3 needs compute capability 8.9 (Triton has no E4M3 "
+                           f"below), this GPU has {have[0]}.{have[1]}")})
 
-    def is_interpreted(self, device: str) -> bool:
-        """True on the CPU; on CUDA when the kernel modules were imported interpreted."""
-        if torch.device(device).type == "cpu":
-            return True
+    def kernel_interpreted(self) -> bool | None:
         try:
             from pagedbench.kernels.paged_features import kernels_are_interpreted
         except ImportError:
-            return False
+            return None
         return kernels_are_interpreted()
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        """Capability reasons; fp8 E4M3 below compute capability 8.9; when interpreted,
-        the step budget."""
-        reasons = self._capabilities.why_unsupported(case, device)
-        if (torch.device(device).type == "cuda" and case.kv_cache_dtype == "fp8_e4m3"
-                and torch.cuda.is_available() and not self.is_interpreted(device)):
-            capability = torch.cuda.get_device_capability(device)
-            if capability < FP8_E4M3_MIN_CAPABILITY:
-                reasons.append(f"kv_cache_dtype 'fp8_e4m3' needs compute capability 8.9 "
-                               f"(Triton has no E4M3 below), got {capability[0]}."
-                               f"{capability[1]}")
-        if reasons or not self.is_interpreted(device):
-            return reasons
-        try:
-            steps = self._steps(case)
-        except ImportError:
-            return reasons  # available() reports the missing triton
-        if steps > self._budget:
-            reasons.append(f"too large for the Triton interpreter: {steps} steps > "
-                           f"budget {self._budget}")
-        return reasons
-
-    @abc.abstractmethod
-    def _steps(self, case: PagedCase) -> int:
-        """Interpreter steps of ``case``'s launch, from its plan."""
-
-    def run(self, prepared: Any) -> torch.Tensor:
-        """Launch; returns ``Tensor[total_q, num_q_heads, head_dim]`` in the case dtype."""
-        return prepared()
+        """Capability reasons; the interpreter budget only for a case the kernel takes
+        (a launch outside the capabilities, e.g. head_dim 512, has no plan to cost)."""
+        return (self.capabilities(device).why_unsupported(case, device)
+                or super().why_unsupported(case, device))
 
 
 class TritonSplitDecode(_TritonPaged):
@@ -151,33 +118,40 @@ class TritonSplitDecode(_TritonPaged):
     name = "pagedbench-triton-split"
     description = ("pagedbench's Triton split-KV decode (flash-decoding): splits chosen "
                    "from batch, context and SM count, float32 partials and a merge")
-    _capabilities = SPLIT_CAPABILITIES
-    _budget = SPLIT_STEP_BUDGET
+    CAPABILITIES = SPLIT_CAPABILITIES
+    interpreter_budget = SPLIT_BUDGET
+    kernel_module = "pagedbench.kernels.paged_split_decode"
 
-    def _steps(self, case: PagedCase) -> int:
+    def kernel_facts(self, kernel: ModuleType, device: str) -> dict[str, Fact]:
+        """``num_sms`` (int): the SM count the split count plans for (on the CPU, the
+        stand-in :data:`~pagedbench.kernels.paged_split_decode.CPU_STAND_IN_SM_COUNT`)."""
+        return {"num_sms": kernel.device_sm_count(torch.device(device))}
+
+    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
+        """The split and merge programs of the plan for ``case``;
+        :meth:`~pagedbench.kernels.paged_split_decode.SplitPlan.steps` steps."""
         from pagedbench.kernels.paged_split_decode import plan_splits
 
-        element_size = torch.empty((), dtype=case.kv_torch_dtype).element_size()
-        plan = plan_splits(case.kv_lens, case.num_kv_heads, case.head_dim, element_size,
-                           case.sliding_window)
-        return plan.steps(case.kv_lens, case.num_kv_heads, case.sliding_window)
+        plan = plan_splits(case.kv_lens, case.num_kv_heads, case.head_dim,
+                           _cache_element_size(case), case.sliding_window)
+        grids = plan.num_splits + (0 if plan.direct_output else 1)
+        return InterpretedWork(case.batch_size * case.num_kv_heads * grids,
+                               plan.steps(case.kv_lens, case.num_kv_heads, case.sliding_window))
 
-    def prepare(self, inputs: PagedInputs):
-        """Validate, choose the splits for this device, allocate output and partials."""
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        """Validate, choose the splits for this device, allocate output and partials.
+        ``facts``: ``num_splits``, ``merge`` (bool), ``kv_tile``, ``num_warps``,
+        ``num_stages``."""
         from pagedbench.kernels.paged_split_decode import plan_paged_split_decode
 
-        return plan_paged_split_decode(inputs.q, inputs.kv_cache, inputs.block_tables,
-                                       inputs.kv_lens, inputs.sm_scale,
-                                       **_feature_kwargs(inputs))
-
-    def describe(self, prepared) -> dict[str, str]:
-        """Splits, tile, warps and stages of this launch."""
-        plan = prepared.plan
-        return {"num_splits": str(plan.num_splits),
-                "merge": str(not plan.direct_output).lower(),
-                "kv_tile": str(plan.config.kv_tile),
-                "num_warps": str(plan.config.num_warps),
-                "num_stages": str(plan.config.num_stages)}
+        launch = plan_paged_split_decode(inputs.q, inputs.kv_cache, inputs.block_tables,
+                                         inputs.kv_lens, inputs.scale,
+                                         **_feature_kwargs(inputs))
+        plan = launch.plan
+        return Prepared(launch, launch.out, facts={
+            "num_splits": plan.num_splits, "merge": not plan.direct_output,
+            "kv_tile": plan.config.kv_tile, "num_warps": plan.config.num_warps,
+            "num_stages": plan.config.num_stages})
 
 
 class TritonPrefill(_TritonPaged):
@@ -186,29 +160,31 @@ class TritonPrefill(_TritonPaged):
     name = "pagedbench-triton-prefill"
     description = ("pagedbench's Triton paged prefill: varlen queries, causal "
                    "bottom-right, GQA-packed rows, decode and prefill mixed in one launch")
-    _capabilities = PREFILL_CAPABILITIES
-    _budget = PREFILL_STEP_BUDGET
+    CAPABILITIES = PREFILL_CAPABILITIES
+    interpreter_budget = PREFILL_BUDGET
+    kernel_module = "pagedbench.kernels.paged_prefill"
 
-    def _steps(self, case: PagedCase) -> int:
+    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
+        """The work list's programs times num_kv_heads;
+        :meth:`~pagedbench.kernels.paged_prefill.PrefillPlan.steps` steps."""
         from pagedbench.kernels.paged_prefill import plan_prefill
 
-        element_size = torch.empty((), dtype=case.kv_torch_dtype).element_size()
         plan = plan_prefill(case.q_lens_or_decode, case.kv_lens, case.gqa_ratio,
-                            case.head_dim, element_size, case.sliding_window)
-        return plan.steps(case.num_kv_heads)
+                            case.head_dim, _cache_element_size(case), case.sliding_window)
+        return InterpretedWork(len(plan.work) * case.num_kv_heads,
+                               plan.steps(case.num_kv_heads))
 
-    def prepare(self, inputs: PagedInputs):
-        """Validate, build the work list, allocate the output."""
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        """Validate, build the work list, allocate the output. ``facts``: ``block_m``
+        (rows per program), ``programs`` (work items), ``kv_tile``, ``num_warps``,
+        ``num_stages``."""
         from pagedbench.kernels.paged_prefill import plan_paged_prefill
 
-        return plan_paged_prefill(inputs.q, inputs.kv_cache, inputs.block_tables,
-                                  inputs.kv_lens, inputs.cu_seqlens_q, inputs.sm_scale,
-                                  **_feature_kwargs(inputs))
-
-    def describe(self, prepared) -> dict[str, str]:
-        """Rows per program, programs, tile, warps and stages of this launch."""
-        plan = prepared.plan
-        return {"block_m": str(plan.block_m), "programs": str(len(plan.work)),
-                "kv_tile": str(plan.config.kv_tile),
-                "num_warps": str(plan.config.num_warps),
-                "num_stages": str(plan.config.num_stages)}
+        launch = plan_paged_prefill(inputs.q, inputs.kv_cache, inputs.block_tables,
+                                    inputs.kv_lens, inputs.cu_seqlens_q, inputs.scale,
+                                    **_feature_kwargs(inputs))
+        plan = launch.plan
+        return Prepared(launch, launch.out, facts={
+            "block_m": plan.block_m, "programs": len(plan.work),
+            "kv_tile": plan.config.kv_tile, "num_warps": plan.config.num_warps,
+            "num_stages": plan.config.num_stages})

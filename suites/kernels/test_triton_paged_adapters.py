@@ -20,7 +20,11 @@ from pagedbench.adapters.triton_paged import (  # noqa: E402
     TritonSplitDecode,
 )
 from pagedbench.kernels.paged_prefill import plan_prefill  # noqa: E402
-from pagedbench.kernels.paged_split_decode import plan_splits  # noqa: E402
+from pagedbench.kernels.paged_split_decode import (  # noqa: E402
+    CPU_STAND_IN_SM_COUNT,
+    device_sm_count,
+    plan_splits,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SPLIT = "pagedbench.adapters.triton_paged:TritonSplitDecode"
@@ -34,13 +38,18 @@ def test_registered_after_pagedbench_triton():
     assert load(PREFILL).name == "pagedbench-triton-prefill"
 
 
-@pytest.mark.parametrize("adapter", [TritonSplitDecode(), TritonPrefill()],
-                         ids=lambda a: a.name)
-def test_available_here_and_interpreted_on_the_cpu(adapter):
+@pytest.mark.parametrize(("adapter", "facts"), [
+    (TritonSplitDecode(), {"num_sms": device_sm_count(torch.device(DEVICE))}),
+    (TritonPrefill(), {}),
+], ids=["split", "prefill"])
+def test_available_here_and_interpreted_on_the_cpu(adapter, facts):
     availability = adapter.available(DEVICE)
     assert availability.ok, availability.reason
     assert availability.version == triton.__version__
+    assert availability.details == {"interpreted": adapter.is_interpreted(DEVICE), **facts}
     assert adapter.is_interpreted("cpu")
+    if DEVICE == "cpu":
+        assert facts.get("num_sms", CPU_STAND_IN_SM_COUNT) == CPU_STAND_IN_SM_COUNT
 
 
 def _case(**changes) -> PagedCase:
@@ -67,15 +76,33 @@ def test_every_feature_and_fp8_is_declared(adapter):
     assert adapter.why_unsupported(case, DEVICE) == []
 
 
-def test_fp8_e4m3_needs_compute_capability_8_9_on_a_gpu(monkeypatch):
-    adapter = TritonSplitDecode()
+@pytest.mark.parametrize("adapter", [TritonSplitDecode(), TritonPrefill()],
+                         ids=lambda a: a.name)
+def test_fp8_e4m3_needs_compute_capability_8_9_on_a_gpu(monkeypatch, adapter):
+    """On a (faked) compiled GPU, ``capabilities(device)`` drops fp8_e4m3 below 8.9 and
+    says why; compute capability 7.5 is below the kernels' 8.0 altogether; interpreted,
+    nothing is compiled and every fp8 type stays."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "Fake GPU")
     monkeypatch.setattr(adapter, "is_interpreted", lambda device: False)
     case = _case(kv_cache_dtype="fp8_e4m3")
-    for capability, refused in (((8, 0), True), ((8, 9), False), ((9, 0), False)):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
-        reasons = adapter.why_unsupported(case, "cuda")
-        assert any("needs compute capability 8.9" in r for r in reasons) is refused
+    for capability, reasons in (
+        ((7, 5), ["compute capability 7.5 of Fake GPU not supported (supported: >= 8.0)",
+                  "kv_cache_dtype 'fp8_e4m3' not in ['auto', 'fp8_e5m2'] (fp8_e4m3 needs "
+                  "compute capability 8.9 (Triton has no E4M3 below), this GPU has 7.5)"]),
+        ((8, 0), ["kv_cache_dtype 'fp8_e4m3' not in ['auto', 'fp8_e5m2'] (fp8_e4m3 needs "
+                  "compute capability 8.9 (Triton has no E4M3 below), this GPU has 8.0)"]),
+        ((8, 9), []),
+        ((9, 0), []),
+    ):
+        monkeypatch.setattr(torch.cuda, "get_device_capability",
+                            lambda index=None, c=capability: c)
+        assert sorted(adapter.why_unsupported(case, "cuda")) == reasons, capability
+        assert adapter.why_unsupported(case.with_(kv_cache_dtype="fp8_e5m2"),
+                                       "cuda") == reasons[:1 if capability < (8, 0) else 0]
+    monkeypatch.setattr(adapter, "is_interpreted", lambda device: True)
+    assert "fp8_e4m3" in adapter.capabilities("cuda").kv_cache_dtypes
 
 
 def test_interpreter_budgets_admit_the_presets_as_documented():
@@ -94,10 +121,12 @@ def test_interpreter_budgets_admit_the_presets_as_documented():
         for adapter, steps, budget in ((split, split_steps, SPLIT_STEP_BUDGET),
                                        (prefill, prefill_steps, PREFILL_STEP_BUDGET)):
             reasons = adapter.why_unsupported(case, "cpu")
-            expected = ([] if steps <= budget else
-                        [f"too large for the Triton interpreter: {steps} steps > "
-                         f"budget {budget}"])
-            assert reasons == expected, (adapter.name, case.case_id)
+            if steps <= budget:
+                assert reasons == [], (adapter.name, case.case_id)
+            else:
+                assert len(reasons) == 1, (adapter.name, case.case_id, reasons)
+                assert reasons[0].startswith("too large for Triton's interpreter"), reasons
+                assert f"{steps} key-loop steps" in reasons[0], reasons
             if not reasons:
                 admitted[adapter.name].add((case.name, case.block_size, case.tag))
     reduced = {(c.name, c.block_size, c.tag) for c in default_cases() if c.tag}
@@ -120,7 +149,9 @@ def test_prepare_then_run_matches_dense(adapter, q_lens, details):
     inputs = materialize(case, DEVICE)
     prepared = adapter.prepare(inputs)
     assert bool(prepared.out.isnan().all()), "prepare must leave the NaN buffer unwritten"
-    assert set(adapter.describe(prepared)) == details
+    facts = adapter.describe(prepared)
+    assert set(facts) == details
+    assert all(type(v) is (bool if k == "merge" else int) for k, v in facts.items()), facts
     first = adapter.run(prepared).clone()
     assert_matches_truth(first, inputs, case.case_id)
     assert torch.equal(adapter.run(prepared), first)
