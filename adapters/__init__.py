@@ -21,6 +21,8 @@ BUILTIN: tuple[str, ...] = (
     "pagedbench.adapters.torch_sdpa:SdpaContiguous",
     "pagedbench.adapters.torch_sdpa:TorchGather",
     "pagedbench.adapters.triton_decode:TritonPagedDecode",
+    "pagedbench.adapters.triton_paged:TritonSplitDecode",
+    "pagedbench.adapters.triton_paged:TritonPrefill",
     "pagedbench.adapters.flex_paged:FlexPaged",
     "pagedbench.adapters.vllm_cpu:VllmCpu",
     "pagedbench.adapters.vllm_triton:VllmUnified",

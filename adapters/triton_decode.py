@@ -10,9 +10,16 @@ Decode only (one query token per sequence); any block_size and GQA ratio; slidin
 window and logits soft cap. On the CPU the kernel runs under Triton's interpreter
 (``TRITON_INTERPRET=1`` must be set before the kernel module is imported, i.e. before
 starting Python), within :data:`INTERPRETER_BUDGET`.
+
+:class:`PagedbenchTritonAdapter` is what the adapters of all of pagedbench's Triton
+kernels share (:mod:`.triton_paged` holds the other two): their ``available()``.
 """
 
 from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import ClassVar
 
 import torch
 
@@ -21,6 +28,7 @@ from pagedbench.reference import PagedCase, PagedInputs, new_output
 from .base import (
     Availability,
     Capabilities,
+    Fact,
     InterpretedWork,
     InterpreterBudget,
     Prepared,
@@ -49,17 +57,55 @@ CAPABILITIES = Capabilities(
 )
 
 
-class TritonPagedDecode(TritonAdapter):
+class PagedbenchTritonAdapter(TritonAdapter):
+    """What the adapters of pagedbench's own Triton kernels (``kernels/``) share: when
+    they are available, and what that records. Subclasses name their kernel module."""
+
+    #: The module holding the kernel and its launcher (importing it imports triton).
+    kernel_module: ClassVar[str]
+
+    def kernel_facts(self, kernel: ModuleType, device: str) -> dict[str, Fact]:
+        """What :meth:`available` records about the imported ``kernel`` module on
+        ``device`` beside ``interpreted``; nothing by default."""
+        return {}
+
+    def available(self, device: str = "cpu") -> Availability:
+        """Ready when triton and :attr:`kernel_module` import and, on the CPU, the kernel
+        runs interpreted; on CUDA, when torch sees a device.
+
+        ``Availability.details`` records ``interpreted`` (bool) and :meth:`kernel_facts`.
+        """
+        device_type = torch.device(device).type
+        devices = self.capabilities(device).devices
+        if device_type not in devices:
+            return Availability(False, f"device {device_type!r} not in {sorted(devices)}")
+        try:
+            import triton
+
+            kernel = importlib.import_module(self.kernel_module)
+        except ImportError as exc:
+            return Availability(False, f"triton not installed: {exc}")
+        if device_type == "cpu" and self.interpreter_missing():
+            return Availability(False, self.interpreter_missing(), triton.__version__)
+        if device_type == "cuda" and not torch.cuda.is_available():
+            return Availability(False, "no CUDA device visible to torch", triton.__version__)
+        details = {"interpreted": self.is_interpreted(device),
+                   **self.kernel_facts(kernel, device)}
+        return Availability(True, version=triton.__version__, details=details)
+
+
+class TritonPagedDecode(PagedbenchTritonAdapter):
     """This project's Triton kernel: one program per (sequence, KV head), whole GQA group."""
 
     name = "pagedbench-triton"
     description = ("pagedbench's Triton paged decode: one program per sequence x KV head, "
                    "block table read per key tile, online softmax in float32")
     interpreter_budget = INTERPRETER_BUDGET
+    kernel_module = "pagedbench.kernels.paged_decode"
 
     def capabilities(self, device: str) -> Capabilities:
         """The same on every device (bfloat16 under the interpreter goes through float32:
-        :func:`~pagedbench.kernels.paged_decode.bf16_via_fp32`)."""
+        :func:`~pagedbench.kernels.paged_features.bf16_via_fp32`)."""
         return CAPABILITIES
 
     def kernel_interpreted(self) -> bool | None:
@@ -77,27 +123,9 @@ class TritonPagedDecode(TritonAdapter):
         steps = program_steps(case.kv_lens, case.num_kv_heads, case.sliding_window)
         return InterpretedWork(case.batch_size * case.num_kv_heads, steps)
 
-    def available(self, device: str = "cpu") -> Availability:
-        """Ready when triton imports and, on the CPU, the kernel runs interpreted.
-
-        ``Availability.details`` records ``interpreted`` (bool) and ``kv_tile`` (int).
-        """
-        device_type = torch.device(device).type
-        if device_type not in CAPABILITIES.devices:
-            return Availability(False, f"device {device_type!r} not in "
-                                       f"{sorted(CAPABILITIES.devices)}")
-        try:
-            import triton
-
-            from pagedbench.kernels import paged_decode
-        except ImportError as exc:
-            return Availability(False, f"triton not installed: {exc}")
-        if device_type == "cpu" and self.interpreter_missing():
-            return Availability(False, self.interpreter_missing(), triton.__version__)
-        if device_type == "cuda" and not torch.cuda.is_available():
-            return Availability(False, "no CUDA device visible to torch", triton.__version__)
-        details = {"interpreted": self.is_interpreted(device), "kv_tile": paged_decode.KV_TILE}
-        return Availability(True, version=triton.__version__, details=details)
+    def kernel_facts(self, kernel: ModuleType, device: str) -> dict[str, Fact]:
+        """``kv_tile`` (int): keys per step of the key loop."""
+        return {"kv_tile": kernel.KV_TILE}
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """Validate and plan the launch; ``out`` is NaN until the kernel runs."""

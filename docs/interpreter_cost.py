@@ -4,13 +4,15 @@ Usage (from the repository root, after ``make .venv/.installed``)::
 
     .venv/bin/python docs/interpreter_cost.py triton   # pagedbench-triton, bf16
     .venv/bin/python docs/interpreter_cost.py vllm     # the three vLLM kernels, fp16
+    .venv/bin/python docs/interpreter_cost.py paged    # pagedbench-triton-split, -prefill
 
-For each default-job model preset case the adapter admits on the CPU (``triton``: the
-bf16 cases of ``pagedbench run``; ``vllm``: their reduced forms in float16, since the
-interpreter cannot run vLLM's kernels in bfloat16), it times one ``run()`` in process CPU
-time (the interpreter compiles nothing, so one untimed call per adapter suffices), prints the launch's programs and key-loop steps, the time,
-the budget's estimate and their ratio, then the least-squares fit of ``seconds = a *
-programs + b * weighted steps``. Runs take 1-3 minutes on two cores; numbers from a
+For each default-job model preset case the adapter admits on the CPU (``triton`` and
+``paged``: the bf16 cases of ``pagedbench run``; ``vllm``: their reduced forms in
+float16, since the interpreter cannot run vLLM's kernels in bfloat16), it times one
+``run()`` in process CPU time (the interpreter compiles nothing, so one untimed call per
+adapter suffices), prints the launch's programs and key-loop steps, the time, the
+budget's estimate and their ratio, then the least-squares fit of ``seconds = a *
+programs + b * weighted steps``. Runs take 1-5 minutes on two cores; numbers from a
 loaded machine are high. See docs/interpreter-budget.md.
 """
 
@@ -25,6 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is im
 import numpy as np  # noqa: E402
 
 from pagedbench.adapters.triton_decode import TritonPagedDecode  # noqa: E402
+from pagedbench.adapters.triton_paged import TritonPrefill, TritonSplitDecode  # noqa: E402
 from pagedbench.adapters.vllm_triton import (  # noqa: E402
     VllmChunkedPrefill,
     VllmDecode,
@@ -35,6 +38,7 @@ from pagedbench.reference import materialize  # noqa: E402
 
 WORKLOADS = {
     "triton": ([TritonPagedDecode()], default_cases()),
+    "paged": ([TritonSplitDecode(), TritonPrefill()], default_cases()),
     "vllm": ([VllmUnified(), VllmDecode(), VllmChunkedPrefill()],
              [c.with_(dtype="float16") for c in default_cases() if c.tag == "reduced"]),
 }
@@ -43,7 +47,7 @@ WORKLOADS = {
 def main(which: str) -> None:
     adapters, cases = WORKLOADS[which]
     rows = []
-    print(f"{'adapter':22} {'case':58} {'programs':>8} {'steps':>6} {'s':>6} "
+    print(f"{'adapter':25} {'case':58} {'programs':>8} {'steps':>6} {'s':>6} "
           f"{'model s':>7} {'ratio':>5}")
     for adapter in adapters:
         availability = adapter.available("cpu")
@@ -60,7 +64,7 @@ def main(which: str) -> None:
             seconds = time.process_time() - start
             model = adapter.interpreter_budget.seconds(work)
             rows.append((work.programs, work.steps * work.step_weight, seconds))
-            print(f"{adapter.name:22} {case.case_id:58} {work.programs:8d} {work.steps:6d} "
+            print(f"{adapter.name:25} {case.case_id:58} {work.programs:8d} {work.steps:6d} "
                   f"{seconds:6.2f} {model:7.2f} {seconds / model if model else 0:5.2f}")
     if rows:
         data = np.array(rows)

@@ -21,7 +21,8 @@ Rules the kernel keeps:
 - Under Triton's interpreter (``TRITON_INTERPRET=1`` at import), bfloat16 ``tl.dot`` is
   wrong (triton-lang/triton#11584) and a float32 -> bfloat16 cast truncates (1.9999990
   becomes 1.9921875; torch gives 2.0), so there the launcher sets ``BF16_VIA_FP32``
-  (:func:`bf16_via_fp32`): float32 dots, round-to-nearest-even by integer arithmetic.
+  (:func:`~pagedbench.kernels.paged_features.bf16_via_fp32`): float32 dots,
+  round-to-nearest-even by integer arithmetic.
 
 Interpreted cost: :func:`program_steps`, charged by
 :data:`pagedbench.adapters.triton_decode.INTERPRETER_BUDGET`.
@@ -39,37 +40,16 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from .paged_features import _round_to_bf16, _tanh, bf16_via_fp32, check_paged_args, padded_dim
+
 #: Keys per loop step (logical positions, any block size). A power of two >= 16 so that
 #: ``tl.dot`` shapes are legal on a GPU; vLLM's decode tiles are 16 or 32 keys.
 KV_TILE = 32
-#: Smallest extent ``tl.dot`` accepts for each operand dimension on a GPU.
-MIN_DOT_DIM = 16
-#: Data types of Q, K, V and the output (one dtype for all four).
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: Padded head_dim from which a program gets 8 warps instead of 4: with 4, the
 #: bfloat16 kernel at head_dim 256 spills registers (``ptxas -v``, sm_90a, triton 3.9.0:
 #: 255 registers and 156 bytes of spill stores; 8 warps: 207 registers, no spill), while
 #: at head_dim 128 4 warps do not spill (209 registers).
 WIDE_HEAD_DIM = 256
-
-
-@triton.jit
-def _tanh(x):
-    """tanh from one exponential, overflow-free: ``sign(x) (1 - e) / (1 + e)``,
-    ``e = exp(-2|x|)`` (``libdevice.tanh`` does not run under the interpreter)."""
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _round_to_bf16(x):
-    """float32 -> bfloat16, round to nearest even, by integer arithmetic on the bits:
-    add ``0x7FFF`` plus the lowest kept bit, then drop the low 16 bits (the carry moves
-    into the exponent as it must)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -188,28 +168,6 @@ def kernel_is_interpreted() -> bool:
     return isinstance(_paged_decode_kernel, InterpretedFunction)
 
 
-def bf16_via_fp32(dtype: torch.dtype, interpreted: bool) -> bool:
-    """Whether the kernel must do its bfloat16 work in float32 (``BF16_VIA_FP32``).
-
-    Only bfloat16 under the interpreter, whose bfloat16 ``tl.dot`` and float32 ->
-    bfloat16 cast are wrong (see the module docstring; float16 and float32 are right).
-    Compiled GPU code must keep bfloat16 dot operands for tensor cores.
-
-    Parameters
-    ----------
-    dtype : torch.dtype
-        Dtype of Q, K and V.
-    interpreted : bool
-        Whether the kernel runs under the interpreter (:func:`kernel_is_interpreted`).
-    """
-    return interpreted and dtype == torch.bfloat16
-
-
-def padded_dim(n: int) -> int:
-    """``n`` rounded up to a power of two, at least :data:`MIN_DOT_DIM` (rows, channels)."""
-    return max(MIN_DOT_DIM, triton.next_power_of_2(n))
-
-
 def program_steps(
     kv_lens: Sequence[int], num_kv_heads: int, sliding_window: int | None = None
 ) -> int:
@@ -230,11 +188,6 @@ def program_steps(
         first_key = 0 if sliding_window is None else max(kv_len - sliding_window, 0)
         steps += math.ceil(kv_len / KV_TILE) - first_key // KV_TILE
     return steps * num_kv_heads
-
-
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
 
 
 @dataclass(frozen=True)
@@ -282,82 +235,38 @@ def plan_paged_decode(
     """Validate the arguments of :func:`paged_decode` and plan its launch (no launch).
 
     Takes the same arguments as :func:`paged_decode`; allocates ``out`` when it is
-    None. Use it to keep validation and allocation out of a timed region.
+    None. Use it to keep validation and allocation out of a timed region. The checks are
+    :func:`~pagedbench.kernels.paged_features.check_paged_args` (decode, no fp8 cache).
 
     Raises
     ------
     ValueError, TypeError
         As :func:`paged_decode`.
     """
-    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables),
-                    ("kv_lens", kv_lens)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    _check(q.dim() == 3, f"q must be [batch, num_q_heads, head_dim] (3-D), got shape "
-                         f"{tuple(q.shape)}")
-    _check(q.dtype in SUPPORTED_DTYPES,
-           f"q.dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {q.dtype}")
-    _check(kv_cache.dim() == 5 and kv_cache.shape[1] == 2,
-           "kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim], got "
-           f"shape {tuple(kv_cache.shape)}")
-    _check(kv_cache.dtype == q.dtype,
-           f"kv_cache.dtype ({kv_cache.dtype}) must equal q.dtype ({q.dtype})")
-    batch, num_q_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    _check(cache_head_dim == head_dim,
-           f"kv_cache head_dim ({cache_head_dim}) must equal q head_dim ({head_dim})")
-    _check(min(batch, num_q_heads, head_dim, block_size, num_kv_heads) >= 1,
-           f"every dimension of q {tuple(q.shape)} and kv_cache {tuple(kv_cache.shape)} "
-           "must be >= 1")
-    _check(num_q_heads % num_kv_heads == 0,
-           f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    _check(block_tables.dtype == torch.int32,
-           f"block_tables.dtype must be torch.int32, got {block_tables.dtype}")
-    _check(block_tables.dim() == 2 and block_tables.shape[0] == batch,
-           f"block_tables must be [batch={batch}, max_blocks_per_seq], got shape "
-           f"{tuple(block_tables.shape)}")
-    _check(kv_lens.dtype == torch.int32, f"kv_lens.dtype must be torch.int32, got {kv_lens.dtype}")
-    _check(tuple(kv_lens.shape) == (batch,),
-           f"kv_lens must be [batch={batch}], got shape {tuple(kv_lens.shape)}")
-    devices = {t.device for t in (q, kv_cache, block_tables, kv_lens)}
-    _check(len(devices) == 1, f"q, kv_cache, block_tables and kv_lens must share one device, "
-                              f"got {sorted(map(str, devices))}")
-    sm_scale = float(sm_scale)
-    _check(math.isfinite(sm_scale) and sm_scale > 0, f"sm_scale must be finite and > 0, got "
-                                                     f"{sm_scale}")
-    _check(sliding_window is None or (isinstance(sliding_window, int) and sliding_window >= 1),
-           f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
-    _check(logits_soft_cap is None or (math.isfinite(logits_soft_cap) and logits_soft_cap > 0),
-           f"logits_soft_cap must be None or finite and > 0, got {logits_soft_cap!r}")
-    if out is None:
-        out = torch.empty_like(q)
-    else:
-        _check(isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q.shape)
-               and out.dtype == q.dtype and out.device == q.device,
-               f"out must be a tensor of q's shape {tuple(q.shape)}, dtype {q.dtype} and "
-               f"device {q.device}")
-
-    group_size = num_q_heads // num_kv_heads
+    a = check_paged_args(q, kv_cache, block_tables, kv_lens, sm_scale, out=out, decode=True,
+                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                         fp8_cache=False)
+    batch, _, head_dim = q.shape
     args = (
-        q, kv_cache, block_tables, kv_lens, out,
-        sm_scale,
+        q, kv_cache, block_tables, kv_lens, a.out,
+        a.sm_scale,
         float(logits_soft_cap or 1.0),
         int(sliding_window or 0),
-        group_size,
-        *q.stride(), *kv_cache.stride(), *block_tables.stride(), *out.stride(),
+        a.group_size,
+        *q.stride(), *kv_cache.stride(), *block_tables.stride(), *a.out.stride(),
     )
     constexprs = {
         "HEAD_DIM": head_dim,
         "HEAD_DIM_PAD": padded_dim(head_dim),
-        "GROUP_PAD": padded_dim(group_size),
-        "BLOCK_SIZE": block_size,
+        "GROUP_PAD": padded_dim(a.group_size),
+        "BLOCK_SIZE": a.block_size,
         "KV_TILE": KV_TILE,
         "HAS_SLIDING_WINDOW": sliding_window is not None,
         "HAS_SOFT_CAP": logits_soft_cap is not None,
         "BF16_VIA_FP32": bf16_via_fp32(q.dtype, kernel_is_interpreted()),
     }
     num_warps = 8 if constexprs["HEAD_DIM_PAD"] >= WIDE_HEAD_DIM else 4
-    return DecodeLaunch(out, (batch, num_kv_heads), args, constexprs, num_warps)
+    return DecodeLaunch(a.out, (batch, a.num_kv_heads), args, constexprs, num_warps)
 
 
 def paged_decode(

@@ -129,6 +129,17 @@ def test_launcher_rejects_bad_inputs_naming_them(inputs, mutate, message):
     assert message in str(info.value)
 
 
+def test_launcher_refuses_an_fp8_cache(inputs):
+    """The shared check (``paged_features.check_paged_args``) admits fp8 caches for the
+    newer kernels only; this kernel's message offers no fp8 type."""
+    args = _args(inputs)
+    args["kv_cache"] = args["kv_cache"].to(torch.float8_e5m2)
+    with pytest.raises(ValueError) as info:
+        pd.paged_decode(**args)
+    assert str(info.value) == ("kv_cache.dtype (torch.float8_e5m2) must equal q.dtype "
+                               "(torch.bfloat16)")
+
+
 def test_launcher_rejects_non_tensors(inputs):
     args = _args(inputs)
     args["kv_lens"] = [5, 17]

@@ -1,0 +1,441 @@
+"""What pagedbench's Triton paged kernels share: argument checks, logit math, bfloat16.
+
+:func:`check_paged_args` validates the arguments every launcher takes (the canonical
+``kv_cache[num_blocks, 2, block_size, num_kv_heads, head_dim]`` in the query dtype or
+fp8, int32 ``block_tables`` and ``kv_lens``, the optional features), so a bad call fails
+with the parameter's name before anything launches. The ``@triton.jit`` helpers hold the
+semantics that ``reference/dense.py`` pins, written once for the split-KV decode and
+prefill kernels:
+
+- logits ``s = sm_scale * q.k``; with an fp8 cache ``k = stored * k_scale``, so
+  ``k_scale`` joins the scale and ``v_scale`` multiplies the accumulator once at the end
+  (the same product as dequantizing every K and V element first, for two multiplies);
+- soft cap ``c * tanh(s / c)``, then ALiBi ``- slope[h] * (query pos - key pos)``;
+- keys outside ``[first visible, query pos]`` are ``-inf`` by a select, never by a
+  multiply (the poison in unused slots is NaN, and ``0 * NaN`` is NaN);
+- online softmax in base 2, float32 (Milakov & Gimelshein 2018, arXiv:1805.02867): a row
+  that has seen no key keeps max ``-inf`` and weight 0 instead of ``exp2(-inf + inf)``;
+- a sink is a logit with no value: the softmax starts from max ``sink``, sum 1.
+
+K and V come through separate base pointers and strides, so a cache whose V has another
+head_dim (MLA-style) needs a V-side head_dim constexpr, not new addressing. All three
+kernels (:mod:`~pagedbench.kernels.paged_decode` too) take their padding
+(:func:`padded_dim`), ``_tanh`` and the interpreter's bfloat16 workaround
+(:func:`bf16_via_fp32`, ``_round_to_bf16``) from here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+#: Data types of Q and the output, and of K and V unless they are fp8.
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: fp8 element types an fp8 KV cache may hold (vLLM's ``fp8_e4m3`` and ``fp8_e5m2``).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: log2(e): the kernels work in base 2 (``exp2``), as FlashAttention-2 does.
+LOG2E = tl.constexpr(1.4426950408889634)
+#: Smallest extent ``tl.dot`` accepts for each operand dimension on a GPU.
+MIN_DOT_DIM = 16
+
+
+def padded_dim(n: int) -> int:
+    """``n`` rounded up to a power of two, at least :data:`MIN_DOT_DIM` (rows, channels)."""
+    return max(MIN_DOT_DIM, triton.next_power_of_2(n))
+
+
+def bf16_via_fp32(dtype: torch.dtype, interpreted: bool) -> bool:
+    """Whether a kernel must do its bfloat16 work in float32 (``BF16_VIA_FP32``).
+
+    Only bfloat16 under Triton's interpreter, where two operations on it are wrong in
+    triton 3.9.0: ``tl.dot`` multiplies the raw 16-bit patterns as integers
+    (triton-lang/triton#11584; Triton's debugging guide: cast bfloat16 to float32 first),
+    and a float32 -> bfloat16 cast truncates instead of rounding to nearest even, even
+    with ``fp_downcast_rounding="rtne"`` (1.9999990 becomes 1.9921875; torch and the GPU
+    give 2.0). The kernels then upcast the dot operands and round the output with
+    :func:`_round_to_bf16`. Compiled GPU code keeps bfloat16 dots for tensor cores.
+
+    Parameters
+    ----------
+    dtype : torch.dtype
+        Dtype of Q (and of K and V unless they are fp8).
+    interpreted : bool
+        Whether the kernel runs under the interpreter.
+    """
+    return interpreted and dtype == torch.bfloat16
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exponential, overflow-free: ``sign(x) (1 - e) / (1 + e)``,
+    ``e = exp(-2|x|)`` (``libdevice.tanh`` does not run under the interpreter)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """float32 -> bfloat16, round to nearest even, by integer arithmetic on the bits:
+    add ``0x7FFF`` plus the lowest kept bit, then drop the low 16 bits (the carry moves
+    into the exponent as it must)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tile shape and GPU launch parameters of one kernel at one padded head_dim.
+
+    Attributes
+    ----------
+    kv_tile : int
+        Keys per loop step for a 16-bit or fp8 cache (a power of two >= 16, any block
+        size); a float32 cache takes half, so one stage holds the same bytes.
+    block_m : int
+        Prefill: query rows per program (tokens x the GQA group); 0 for decode, whose
+        rows are the group itself.
+    num_warps, num_stages : int
+        Passed to the launch; ``num_stages`` is the depth of Triton's software pipeline
+        (buffers in shared memory for the next tiles' K and V).
+    programs_per_sm : int
+        Decode: programs one SM is assumed to hold at once (shared memory of
+        ``num_stages`` K and V tiles against the 228 KB of an H100/H200 SM), which sets
+        how many splits fill the GPU.
+    """
+
+    kv_tile: int
+    block_m: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int
+
+    def for_cache(self, element_size: int) -> LaunchConfig:
+        """This config for a cache of ``element_size`` bytes (float32: half the tile)."""
+        if element_size <= 2:
+            return self
+        return LaunchConfig(max(16, self.kv_tile // 2), self.block_m, self.num_warps,
+                            self.num_stages, self.programs_per_sm)
+
+
+#: Launch configs by kernel and padded head_dim: defaults taken from public kernels
+#: (Triton's fused-attention tutorial, vLLM's Triton decode and unified attention,
+#: FlashAttention-2's launch templates), NOT measured on a GPU; docs/KERNELS.md gives
+#: each row's source and an empty column for the H200 measurement that should replace
+#: it. ``num_stages`` 3 is the least depth at which the compiled key loop keeps the next
+#: tiles' K/V copies in flight during the math (sm_80 and sm_90, triton 3.9; checked by
+#: suites/kernels/test_triton_paged_kernels_compile.py); at 2 the copy waits for the math.
+LAUNCH_CONFIGS: dict[tuple[str, int], LaunchConfig] = {
+    ("split_decode", 16): LaunchConfig(64, 0, 4, 3, 4),
+    ("split_decode", 32): LaunchConfig(64, 0, 4, 3, 4),
+    ("split_decode", 64): LaunchConfig(64, 0, 4, 3, 4),
+    ("split_decode", 128): LaunchConfig(64, 0, 4, 3, 2),
+    ("split_decode", 256): LaunchConfig(32, 0, 8, 3, 2),
+    ("prefill", 16): LaunchConfig(64, 64, 4, 3, 0),
+    ("prefill", 32): LaunchConfig(64, 64, 4, 3, 0),
+    ("prefill", 64): LaunchConfig(64, 64, 4, 3, 0),
+    ("prefill", 128): LaunchConfig(64, 64, 4, 3, 0),
+    ("prefill", 256): LaunchConfig(32, 64, 8, 3, 0),
+}
+
+
+def launch_config(kernel: str, head_dim: int, element_size: int) -> LaunchConfig:
+    """The :data:`LAUNCH_CONFIGS` entry of ``kernel`` at ``head_dim`` (padded to a power
+    of two >= 16) for a cache of ``element_size`` bytes.
+
+    Raises
+    ------
+    ValueError
+        If there is no entry (head_dim above 256, or an unknown kernel).
+    """
+    key = (kernel, padded_dim(head_dim))
+    if key not in LAUNCH_CONFIGS:
+        known = sorted({d for k, d in LAUNCH_CONFIGS if k == kernel})
+        raise ValueError(f"no launch config for {kernel!r} at head_dim {head_dim} "
+                         f"(padded head_dims with one: {known})")
+    return LAUNCH_CONFIGS[key].for_cache(element_size)
+
+
+@triton.jit
+def _table_blocks(table_row, stride_table_block, pos, live, BLOCK_SIZE: tl.constexpr):
+    """Physical block of each logical key position ``pos`` ([KV_TILE], int64; 0 where
+    not ``live``)."""
+    return tl.load(table_row + (pos // BLOCK_SIZE) * stride_table_block, mask=live,
+                   other=0).to(tl.int64)
+
+
+@triton.jit
+def _load_kv_tile(cache_ptr, block, pos, live, dims, dim_ok, stride_block, stride_slot,
+                  head_offset, stride_dim, compute_dtype, BLOCK_SIZE: tl.constexpr):
+    """K or V of the keys at ``pos`` in physical blocks ``block`` (both [KV_TILE]) as
+    ``[KV_TILE, HEAD_DIM_PAD]`` in ``compute_dtype``; dead keys and channels load 0."""
+    slot = block * stride_block + (pos % BLOCK_SIZE) * stride_slot + head_offset  # [KV_TILE]
+    offsets = slot[:, None] + dims[None, :] * stride_dim  # [KV_TILE, HEAD_DIM_PAD]
+    tile = tl.load(cache_ptr + offsets, mask=live[:, None] & dim_ok[None, :], other=0.0)
+    return tile.to(compute_dtype)
+
+
+@triton.jit
+def _logits(q, k, qk_scale, logits_soft_cap, slopes, q_pos, k_pos, visible,
+            HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Logits in base-2 units, ``[ROWS, KV_TILE]`` float32: scale, soft cap, ALiBi, then
+    ``-inf`` wherever ``visible`` is False. ``q_pos`` [ROWS], ``k_pos`` [KV_TILE]."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    if HAS_SOFT_CAP:
+        s = logits_soft_cap * _tanh(s / logits_soft_cap)
+    if HAS_ALIBI:
+        s = s - slopes[:, None] * (q_pos[:, None] - k_pos[None, :]).to(tl.float32)
+    return tl.where(visible, s * LOG2E, float("-inf"))
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc):
+    """One online-softmax update with logits ``s`` [ROWS, KV_TILE] (base 2) and values
+    ``v`` [KV_TILE, HEAD_DIM_PAD]; returns the new (max, sum, accumulator)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])  # [ROWS, KV_TILE]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _softmax_start(sinks_ptr, q_heads, row_ok, ROWS: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Initial (max, sum) of each row: ``(-inf, 0)``, or ``(sink, 1)`` with sinks."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + q_heads, mask=row_ok, other=0.0)
+        m_i = sink * LOG2E
+        l_i = tl.full([ROWS], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([ROWS], dtype=tl.float32)
+    return m_i, l_i
+
+
+@triton.jit
+def _store_rows(out_ptr, offsets, x, mask, BF16_VIA_FP32: tl.constexpr):
+    """Store float32 ``x`` in the output's dtype (bfloat16 rounded to nearest even by
+    integer arithmetic under the interpreter: :func:`bf16_via_fp32`)."""
+    if BF16_VIA_FP32:
+        y = _round_to_bf16(x)
+    else:
+        y = x.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offsets, y, mask=mask)
+
+
+def kernels_are_interpreted() -> bool:
+    """True when these helpers (and so the kernels importing them) run under the Triton
+    interpreter: decided at import, by ``TRITON_INTERPRET=1`` in the environment."""
+    return isinstance(_logits, InterpretedFunction)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class PagedArgs:
+    """Validated arguments of one paged-attention launch (see :func:`check_paged_args`).
+
+    Attributes
+    ----------
+    k_cache, v_cache : Tensor[num_blocks, block_size, num_kv_heads, head_dim]
+        Views of ``kv_cache[:, 0]`` and ``kv_cache[:, 1]`` (no copy).
+    kv_fp8 : bool
+        Whether the cache holds fp8 values to be multiplied by ``k_scale``/``v_scale``.
+    """
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    out: torch.Tensor
+    sm_scale: float
+    sliding_window: int | None
+    logits_soft_cap: float | None
+    alibi_slopes: torch.Tensor | None
+    sinks: torch.Tensor | None
+    k_scale: float
+    v_scale: float
+    kv_fp8: bool
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.k_cache.shape[2]
+
+    @property
+    def block_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    def feature_constexprs(self) -> dict[str, bool]:
+        """The ``HAS_*`` and ``KV_FP8`` switches of the kernels."""
+        return {"HAS_SLIDING_WINDOW": self.sliding_window is not None,
+                "HAS_SOFT_CAP": self.logits_soft_cap is not None,
+                "HAS_ALIBI": self.alibi_slopes is not None,
+                "HAS_SINKS": self.sinks is not None}
+
+    def feature_args(self) -> tuple:
+        """Pointer and scalar arguments of the features, in the kernels' order: alibi
+        slopes, sinks (the query as a stand-in pointer when absent: never read),
+        ``sm_scale * k_scale``, ``v_scale``, soft cap, window."""
+        return (self.q if self.alibi_slopes is None else self.alibi_slopes,
+                self.q if self.sinks is None else self.sinks,
+                self.sm_scale * self.k_scale, self.v_scale,
+                float(self.logits_soft_cap or 1.0), int(self.sliding_window or 0))
+
+
+def _check_head_vector(name: str, t: torch.Tensor | None, num_q_heads: int,
+                       device: torch.device) -> None:
+    if t is None:
+        return
+    _check(isinstance(t, torch.Tensor) and tuple(t.shape) == (num_q_heads,)
+           and t.dtype == torch.float32 and t.device == device,
+           f"{name} must be None or a float32 Tensor[num_q_heads={num_q_heads}] on {device}, "
+           f"got {t.dtype if isinstance(t, torch.Tensor) else type(t).__name__} "
+           f"{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}")
+
+
+def check_paged_args(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    out: torch.Tensor | None,
+    decode: bool,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    fp8_cache: bool = True,
+) -> PagedArgs:
+    """Validate what every paged kernel takes; allocate ``out`` when it is None.
+
+    See :func:`~pagedbench.kernels.paged_split_decode.paged_split_decode` for the meaning
+    of each parameter.
+
+    Parameters
+    ----------
+    decode : bool
+        True: ``q`` is ``[batch, num_q_heads, head_dim]``, one query token per sequence,
+        and ``kv_lens`` must be ``[batch]``. False: ``q`` is ``[total_q, num_q_heads,
+        head_dim]``, and how ``total_q`` splits over the batch is the launcher's to check.
+    fp8_cache : bool
+        Whether the kernel reads an fp8 ``kv_cache`` (the split-KV decode and prefill
+        kernels do; :mod:`~pagedbench.kernels.paged_decode`'s does not).
+
+    Raises
+    ------
+    TypeError
+        If q, kv_cache, block_tables or kv_lens is not a tensor.
+    ValueError
+        Naming the parameter and the allowed values: wrong rank, shape or dtype (q one of
+        float32/float16/bfloat16; kv_cache q's dtype or, with ``fp8_cache``,
+        float8_e4m3fn/float8_e5m2; block_tables and kv_lens int32), mixed devices,
+        sm_scale, sliding_window, logits_soft_cap, k_scale or v_scale out of range (scales
+        other than 1 need an fp8 cache), alibi_slopes or sinks not float32
+        ``[num_q_heads]``, or an ``out`` unlike q.
+    """
+    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables),
+                    ("kv_lens", kv_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    rows = "batch" if decode else "total_q"
+    _check(q.dim() == 3, f"q must be [{rows}, num_q_heads, head_dim] (3-D), got shape "
+                         f"{tuple(q.shape)}")
+    _check(q.dtype in SUPPORTED_DTYPES,
+           f"q.dtype must be one of {[str(d) for d in SUPPORTED_DTYPES]}, got {q.dtype}")
+    _check(kv_cache.dim() == 5 and kv_cache.shape[1] == 2,
+           "kv_cache must be [num_blocks, 2, block_size, num_kv_heads, head_dim], got "
+           f"shape {tuple(kv_cache.shape)}")
+    kv_fp8 = fp8_cache and kv_cache.dtype in FP8_DTYPES
+    _check(kv_cache.dtype == q.dtype or kv_fp8,
+           f"kv_cache.dtype ({kv_cache.dtype}) must equal q.dtype ({q.dtype})"
+           + (f" or be one of {[str(d) for d in FP8_DTYPES]}" if fp8_cache else ""))
+    _, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    _check(cache_head_dim == head_dim,
+           f"kv_cache head_dim ({cache_head_dim}) must equal q head_dim ({head_dim})")
+    _check(min(num_q_heads, head_dim, block_size, num_kv_heads) >= 1,
+           f"every dimension of q {tuple(q.shape)} and kv_cache {tuple(kv_cache.shape)} "
+           "must be >= 1")
+    _check(num_q_heads % num_kv_heads == 0,
+           f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check(block_tables.dtype == torch.int32,
+           f"block_tables.dtype must be torch.int32, got {block_tables.dtype}")
+    _check(kv_lens.dtype == torch.int32, f"kv_lens.dtype must be torch.int32, got {kv_lens.dtype}")
+    if decode:
+        batch = q.shape[0]
+        _check(batch >= 1 and tuple(kv_lens.shape) == (batch,),
+               f"kv_lens must be [batch={batch}] (one query token per sequence, batch >= 1), "
+               f"got shape {tuple(kv_lens.shape)}")
+    else:
+        _check(kv_lens.dim() == 1 and kv_lens.shape[0] >= 1,
+               f"kv_lens must be [batch] with batch >= 1, got shape {tuple(kv_lens.shape)}")
+        batch = kv_lens.shape[0]
+    _check(block_tables.dim() == 2 and block_tables.shape[0] == batch,
+           f"block_tables must be [batch={batch}, max_blocks_per_seq], got shape "
+           f"{tuple(block_tables.shape)}")
+    devices = {t.device for t in (q, kv_cache, block_tables, kv_lens)}
+    _check(len(devices) == 1, f"q, kv_cache, block_tables and kv_lens must share one device, "
+                              f"got {sorted(map(str, devices))}")
+    sm_scale = float(sm_scale)
+    _check(math.isfinite(sm_scale) and sm_scale > 0,
+           f"sm_scale must be finite and > 0, got {sm_scale}")
+    _check(sliding_window is None or (isinstance(sliding_window, int)
+                                      and not isinstance(sliding_window, bool)
+                                      and sliding_window >= 1),
+           f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    _check(logits_soft_cap is None or (math.isfinite(logits_soft_cap) and logits_soft_cap > 0),
+           f"logits_soft_cap must be None or finite and > 0, got {logits_soft_cap!r}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _check(isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0,
+               f"{name} must be a finite float > 0, got {scale!r}")
+        _check(kv_fp8 or scale == 1.0,
+               f"{name}={scale} needs an fp8 kv_cache (float8_e4m3fn or float8_e5m2); with "
+               f"kv_cache.dtype {kv_cache.dtype} it must be 1.0")
+    _check_head_vector("alibi_slopes", alibi_slopes, num_q_heads, q.device)
+    _check_head_vector("sinks", sinks, num_q_heads, q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    else:
+        _check(isinstance(out, torch.Tensor) and tuple(out.shape) == tuple(q.shape)
+               and out.dtype == q.dtype and out.device == q.device,
+               f"out must be a tensor of q's shape {tuple(q.shape)}, dtype {q.dtype} and "
+               f"device {q.device}")
+    return PagedArgs(q, kv_cache[:, 0], kv_cache[:, 1], block_tables, kv_lens, out, sm_scale,
+                     sliding_window, logits_soft_cap, alibi_slopes, sinks, float(k_scale),
+                     float(v_scale), kv_fp8)
+
+
+def check_kv_lens_fit(kv_lens: list[int], max_blocks_per_seq: int, block_size: int) -> None:
+    """Each length must lie in ``[0, max_blocks_per_seq * block_size]`` (the plans read
+    ``kv_lens`` on the host anyway, so they check what a kernel cannot).
+
+    Raises
+    ------
+    ValueError
+        Naming the first sequence out of range.
+    """
+    limit = max_blocks_per_seq * block_size
+    for i, n in enumerate(kv_lens):
+        _check(0 <= n <= limit, f"kv_lens[{i}] = {n} is outside [0, {limit}] "
+                                f"(max_blocks_per_seq {max_blocks_per_seq} x block_size "
+                                f"{block_size})")
