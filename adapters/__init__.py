@@ -1,77 +1,102 @@
 """Adapters: one module per implementation, behind the contract in :mod:`.base`.
 
-:data:`BUILTIN` lists the in-tree implementations explicitly; its order is the
-leaderboard's column order. Out-of-tree implementations register through the entry-point
-group ``pagedbench.adapters`` (value ``"module:Class"``) and follow the built-ins.
-Adapters are addressed by their ``"module:Class"`` target so that a worker process can
-load exactly the same one.
+:data:`BUILTIN` lists the in-tree implementations explicitly, name -> ``"module:Class"``;
+its order is the leaderboard's column order. Out-of-tree implementations register through
+the entry-point group ``pagedbench.adapters`` (name = value ``"module:Class"``) and
+follow the built-ins; the entry point's name is the implementation's name.
+
+:func:`entries` finds every implementation without importing any of them, so that a
+plug-in that exits, crashes or hangs at import cannot take a command down: the runner
+imports each one (:func:`load`) inside its own worker process. :func:`registry` imports
+them all in this process, for the pytest suites.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 
 from .base import Adapter, Availability, Capabilities, MultipleOf
 
 ENTRY_POINT_GROUP = "pagedbench.adapters"
 
-#: In-tree implementations, in leaderboard order.
-BUILTIN: tuple[str, ...] = (
-    "pagedbench.adapters.torch_sdpa:SdpaContiguous",
-    "pagedbench.adapters.torch_sdpa:TorchGather",
-    "pagedbench.adapters.triton_decode:TritonPagedDecode",
-    "pagedbench.adapters.triton_paged:TritonSplitDecode",
-    "pagedbench.adapters.triton_paged:TritonPrefill",
-    "pagedbench.adapters.flex_paged:FlexPaged",
-    "pagedbench.adapters.vllm_cpu:VllmCpu",
-    "pagedbench.adapters.vllm_triton:VllmUnified",
-    "pagedbench.adapters.vllm_triton:VllmDecode",
-    "pagedbench.adapters.vllm_triton:VllmChunkedPrefill",
-    "pagedbench.adapters.flashinfer:FlashInferNHD",
-    "pagedbench.adapters.flashinfer:FlashInferHND",
-    "pagedbench.adapters.flash_attn:FlashAttn2",
-    "pagedbench.adapters.flash_attn:FlashAttn3",
-    "pagedbench.adapters.xformers:XformersSplitK",
-    "pagedbench.adapters.vllm_cuda:VllmCudaFlashAttn",
-)
+#: In-tree implementations by name, in leaderboard order.
+BUILTIN: dict[str, str] = {
+    "sdpa-contiguous": "pagedbench.adapters.torch_sdpa:SdpaContiguous",
+    "torch-gather": "pagedbench.adapters.torch_sdpa:TorchGather",
+    "pagedbench-triton": "pagedbench.adapters.triton_decode:TritonPagedDecode",
+    "pagedbench-triton-split": "pagedbench.adapters.triton_paged:TritonSplitDecode",
+    "pagedbench-triton-prefill": "pagedbench.adapters.triton_paged:TritonPrefill",
+    "flex-paged": "pagedbench.adapters.flex_paged:FlexPaged",
+    "vllm-cpu": "pagedbench.adapters.vllm_cpu:VllmCpu",
+    "vllm-unified": "pagedbench.adapters.vllm_triton:VllmUnified",
+    "vllm-decode": "pagedbench.adapters.vllm_triton:VllmDecode",
+    "vllm-chunked-prefill": "pagedbench.adapters.vllm_triton:VllmChunkedPrefill",
+    "flashinfer-nhd": "pagedbench.adapters.flashinfer:FlashInferNHD",
+    "flashinfer-hnd": "pagedbench.adapters.flashinfer:FlashInferHND",
+    "flash-attn2": "pagedbench.adapters.flash_attn:FlashAttn2",
+    "flash-attn3": "pagedbench.adapters.flash_attn:FlashAttn3",
+    "xformers": "pagedbench.adapters.xformers:XformersSplitK",
+    "vllm-cuda-flash-attn": "pagedbench.adapters.vllm_cuda:VllmCudaFlashAttn",
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An implementation as found, not imported: its name, ``"module:Class"`` target and
+    whether it is in-tree."""
+
+    name: str
+    target: str
+    builtin: bool
+
+
+def entries() -> list[Entry]:
+    """Built-ins, then the entry points of :data:`ENTRY_POINT_GROUP`, without importing
+    any. An entry point whose name is already taken is skipped with a warning naming both
+    targets."""
+    found = {name: Entry(name, target, True) for name, target in BUILTIN.items()}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in found:
+            if found[ep.name].target != ep.value:
+                warnings.warn(f"entry point {ep.name!r} = {ep.value!r} ignored: the name is "
+                              f"already {found[ep.name].target!r}", stacklevel=2)
+            continue
+        found[ep.name] = Entry(ep.name, ep.value, False)
+    return list(found.values())
 
 
 def load(target: str) -> Adapter:
-    """Instantiate the adapter class named by ``target`` (``"module:Class"``).
+    """Import and instantiate the adapter class named by ``target`` (``"module:Class"``).
 
     Raises
     ------
     ValueError
         If ``target`` is not of the form ``"module:Class"``.
+    TypeError
+        If the object it names is not an :class:`Adapter` subclass.
     ImportError, AttributeError
-        If the module or class does not exist.
+        If the module or class does not exist (and whatever the module raises at import).
     """
     module_name, sep, class_name = target.partition(":")
     if not sep or not module_name or not class_name:
         raise ValueError(f"adapter target must be 'module:Class', got {target!r}")
     cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, Adapter)):
+        raise TypeError(f"{target} is a {type(cls).__name__}, not an Adapter subclass")
     return cls()
 
 
-def targets() -> list[str]:
-    """Built-in targets, then those registered under :data:`ENTRY_POINT_GROUP`."""
-    found = list(BUILTIN)
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.value not in found:
-            found.append(ep.value)
-    return found
-
-
 class Unloadable(Adapter):
-    """Stands in for an out-of-tree adapter whose module or class failed to load: it is
-    ``unavailable`` with the import error as the reason, so one broken plug-in never
-    breaks ``pagedbench list`` or ``run`` for the others."""
+    """Stands in, in :func:`registry`, for an out-of-tree adapter whose module or class
+    failed to load: ``unavailable`` with the import error as the reason."""
 
     description = "adapter failed to load"
 
-    def __init__(self, target: str, error: BaseException) -> None:
-        self.name = target
+    def __init__(self, name: str, target: str, error: Exception) -> None:
+        self.name = name
         self.reason = f"failed to load {target}: {type(error).__name__}: {error}"
 
     def capabilities(self, device: str) -> Capabilities:
@@ -88,29 +113,19 @@ class Unloadable(Adapter):
 
 
 def registry() -> dict[str, tuple[str, Adapter]]:
-    """Every adapter by name: ``{name: (target, adapter)}``, in leaderboard order. A
-    built-in that fails to load is a bug and raises; an entry-point adapter that fails to
-    load becomes an :class:`Unloadable` named by its target.
-
-    Raises
-    ------
-    ValueError
-        If two targets declare the same adapter name.
-    """
+    """Every adapter imported in this process: ``{name: (target, adapter)}``, in
+    leaderboard order (for the pytest suites; commands never import plug-ins in their own
+    process). A built-in that fails to load is a bug and raises; an entry-point adapter
+    that raises at import becomes an :class:`Unloadable`."""
     out: dict[str, tuple[str, Adapter]] = {}
-    for target in targets():
+    for entry in entries():
         try:
-            adapter = load(target)
+            adapter = load(entry.target)
         except Exception as exc:
-            if target in BUILTIN:
+            if entry.builtin:
                 raise
-            adapter = Unloadable(target, exc)
-        if adapter.name in out:
-            raise ValueError(
-                f"adapter name {adapter.name!r} is declared by both {out[adapter.name][0]} "
-                f"and {target}"
-            )
-        out[adapter.name] = (target, adapter)
+            adapter = Unloadable(entry.name, entry.target, exc)
+        out[entry.name] = (entry.target, adapter)
     return out
 
 
@@ -120,9 +135,10 @@ __all__ = [
     "Adapter",
     "Availability",
     "Capabilities",
+    "Entry",
     "MultipleOf",
     "Unloadable",
+    "entries",
     "load",
     "registry",
-    "targets",
 ]

@@ -1,10 +1,16 @@
 """The ``pagedbench`` command line.
 
-``pagedbench run``   check and time implementations on cases; exit 1 on any conformance
-                     failure (``fail``, ``error``, ``crash`` or ``timeout``), 0 otherwise.
-``pagedbench list``  implementations, their availability (with reasons) and capabilities.
-``pagedbench report`` the leaderboard of stored result files (Markdown or CSV).
+``pagedbench run``      check and time implementations on cases (``--resume RUN_ID``
+                        finishes an interrupted run).
+``pagedbench list``     implementations, their availability (with reasons) and capabilities.
+``pagedbench report``   the leaderboard of stored result files (Markdown or CSV).
+``pagedbench schema``   the JSON Schema of a results-file line.
 ``pagedbench simulate`` KV capacity: contiguous reservation vs paged allocation on a trace.
+
+Implementations are found without importing them and imported only in worker processes
+(:mod:`.runner`), so no plug-in can take a command down. Bad options and input files are
+refused with the option, the value and what is allowed (exit 2); exit codes are those of
+:class:`~.status.ExitCode`.
 """
 
 from __future__ import annotations
@@ -13,28 +19,36 @@ import argparse
 import json
 import math
 import os
+import re
+import signal
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape as rich_escape
 
-from pagedbench.adapters import registry
-from pagedbench.reference import DTYPES
+from pagedbench.adapters import entries
+from pagedbench.reference import (DTYPES, PagedInputError, PagedValueError, check_fits,
+                                  resolve_device)
 
-from . import report, simulate
+from . import report, runner, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
-from .runner import RunConfig, apply_environment, cache_environment, run, worker_environment
-from .store import DEFAULT_RESULTS_DIR, ResultsFile, Status, new_run_id, read_records
+from .conformance import STALE_TAIL_MARK
+from .environment import apply_environment, cache_environment
+from .record import ListingRow, Plan, ResultRecord, RunRecord, json_schema
+from .status import ExitCode, Status, exit_code, exit_codes_help
+from .store import (DEFAULT_RESULTS_DIR, ResultsFile, new_run_id, read_lines, results_of,
+                    run_states)
 
 #: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
 DEFAULT_CACHE_DIR = Path("build")
-#: Exit code of `pagedbench run` when no implementation passed any case (all
-#: unavailable or unsupported): a GPU runner with a broken driver must not look green.
-NOTHING_RAN = 2
-#: Statuses that mean an implementation got a case it claims to support wrong.
-FAILING = {str(Status.FAIL), str(Status.ERROR), str(Status.CRASH), str(Status.TIMEOUT)}
+#: Most torch threads a worker may be given.
+MAX_THREADS = 1024
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def _device(text: str) -> str:
@@ -53,133 +67,265 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+def _int_in(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {low}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low} and <= {high}, "
+                                             f"got {value}")
+        return value
+    return parse
+
+
+_positive_int = _int_in(1, 2**62)
+
+
+def _run_id(text: str) -> str:
+    if not _RUN_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be a run id such as 20261130T041502Z-12345 "
+                                         f"(letters, digits, '.', '_', '-'), got {text!r}")
+    return text
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedbench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="pagedbench", description=__doc__.split("\n\n")[0],
+                                     epilog=exit_codes_help(),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run_p = sub.add_parser("run", help="check and time implementations on model-preset cases")
+    run_p = sub.add_parser("run", help="check and time implementations on model-preset cases",
+                           epilog=exit_codes_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     run_p.add_argument("--impl", action="append", default=[], metavar="NAME",
                        help="implementation to run (repeatable; default: all)")
     run_p.add_argument("--preset", action="append", default=[], choices=list(MODEL_PRESETS),
                        metavar="NAME", help=f"model preset (repeatable; default: all of {', '.join(MODEL_PRESETS)})")
-    run_p.add_argument("--device", type=_device, default="cpu",
-                       help="cpu (default), cuda or cuda:N")
+    run_p.add_argument("--device", type=_device, default=None,
+                       help="cpu (default), cuda or cuda:N; checked against this machine")
     run_p.add_argument("--block-size", action="append", type=_positive_int, default=[],
                        help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))})")
     run_p.add_argument("--dtype", action="append", default=[], choices=list(DTYPES),
                        help=f"dtype (repeatable; default: {' '.join(DEFAULT_DTYPES)})")
     run_p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
                        help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
-    run_p.add_argument("--no-timing", action="store_true", help="check correctness only")
-    run_p.add_argument("--threads", type=_positive_int, default=os.cpu_count() or 1,
+    run_p.add_argument("--no-timing", action="store_const", const=True, default=None,
+                       help="check correctness only")
+    run_p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
                        help="torch threads per worker (default: all cores)")
-    run_p.add_argument("--repetitions", type=_positive_int, default=RunConfig.repetitions,
+    run_p.add_argument("--repetitions", type=_int_in(1, 100_000), default=None,
                        help=f"timed calls per case on the CPU, at most "
-                            f"{RunConfig.time_budget_s:g} s of them (default: {RunConfig.repetitions})")
-    run_p.add_argument("--case-timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
-                       help="a case taking longer is 'timeout' (default: 300)")
+                            f"{runner.RunConfig.time_budget_s:g} s of them "
+                            f"(default: {runner.RunConfig.repetitions})")
+    run_p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+                       help="the implementation's own time per case (import and available, "
+                            "then prepare, run, describe); past it: 'timeout' (default: "
+                            f"{runner.RunConfig.case_timeout_s:g})")
+    run_p.add_argument("--harness-timeout", type=_positive_seconds, default=None,
+                       metavar="SECONDS",
+                       help="pagedbench's own time per case (truth, inputs, compare, "
+                            "timing); past it: 'harness-error' (default: "
+                            f"{runner.RunConfig.harness_timeout_s:g})")
     run_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                        help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
+    run_p.add_argument("--resume", type=_run_id, metavar="RUN_ID",
+                       help="finish the interrupted run RUN_ID of --results-dir with its "
+                            "recorded selection, skipping the results it already has")
 
     list_p = sub.add_parser("list", help="implementations, availability and capabilities")
     list_p.add_argument("--device", type=_device, default="cpu",
                         help="device to check availability on: cpu, cuda or cuda:N")
     list_p.add_argument("--json", action="store_true", help="machine-readable output")
+    list_p.add_argument("--timeout", type=_positive_seconds, default=runner.LIST_TIMEOUT_S,
+                        metavar="SECONDS", help="each implementation's time to import and "
+                        f"answer; past it: 'timeout' (default: {runner.LIST_TIMEOUT_S:g})")
     report_p = sub.add_parser("report", help="leaderboard from stored result files")
     report_p.add_argument("paths", nargs="+", type=Path,
                           help=".jsonl result files or folders of them (merged in order)")
     report_p.add_argument("--format", choices=["md", "csv"], default="md",
                           help="md: leaderboard + summary; csv: one row per result")
     report_p.add_argument("--output", type=Path, help="write here instead of stdout")
+    sub.add_parser("schema", help="JSON Schema of a results-file line (README, Results schema)")
     simulate.add_arguments(sub.add_parser(
         "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
     return parser
 
 
+def writable_folder(path: Path, option: str) -> None:
+    """Create ``path`` if missing and check that a file can be written in it.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``option`` and ``path``: it is a file, lies under a file, or cannot be
+        written (``/proc``, permissions).
+    """
+    if path.exists() and not path.is_dir():
+        raise PagedValueError(option, str(path), "a folder",
+                              f"{option} {path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise PagedValueError(option, str(path), "a folder pagedbench can create and write to",
+                              f"{option} {path}: cannot create or write there "
+                              f"({exc.strerror or exc})") from None
+
+
+def writable_file(path: Path, option: str) -> None:
+    """Check that ``path`` can be written: not a folder, in an existing writable folder.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``option`` and ``path``.
+    """
+    if path.is_dir():
+        raise PagedValueError(option, str(path), "a file", f"{option} {path} is a folder")
+    if not path.parent.is_dir():
+        raise PagedValueError(option, str(path), "a file in an existing folder",
+                              f"{option} folder {path.parent} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise PagedValueError(option, str(path), "a file in a folder pagedbench can write to",
+                              f"{option} {path}: cannot write there "
+                              f"({exc.strerror or exc})") from None
+
+
+def _checked_device(text: str) -> str:
+    """``text`` once this machine has that device (before any worker starts)."""
+    try:
+        resolve_device(text)
+    except PagedInputError as exc:
+        raise PagedValueError("--device", text, exc.allowed, f"--device {text}: {exc}") from None
+    return text
+
+
 def _select(names: list[str]) -> dict[str, str]:
-    adapters = {name: target for name, (target, _) in registry().items()}
-    unknown = [n for n in names if n not in adapters]
+    known = {e.name: e.target for e in entries()}
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"pagedbench: unknown --impl {unknown}; choose from {list(adapters)}")
-    return {n: adapters[n] for n in names} if names else adapters
+        raise PagedValueError("--impl", unknown, f"among {list(known)}",
+                              f"--impl {unknown} unknown; choose from {list(known)}")
+    return {n: known[n] for n in dict.fromkeys(names)} if names else known
 
 
-def _progress_line(record: dict[str, Any]) -> str:
-    status = record["status"]
-    colour = {"pass": "green", "fail": "red", "error": "red", "crash": "red",
-              "timeout": "red"}.get(status, "dim")
+def _progress_line(record: ResultRecord) -> str:
+    status = record.status
     detail = report.cell_text(record)
-    if status in FAILING:
-        detail += f": {record['reason']}"
-    return f"[{colour}]{record['impl']:<22}[/] {record['case_id']:<58} {detail}"
+    if status is not Status.PASS:
+        detail += f": {record.reason}"
+    return (f"[{status.colour}]{rich_escape(record.impl):<22}[/] "
+            f"{rich_escape(record.case_id):<58} {rich_escape(detail)}")
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    if args.results_dir.exists() and not args.results_dir.is_dir():
-        raise SystemExit(f"pagedbench run: --results-dir {args.results_dir} is a file, "
-                         "not a folder")
-    adapters = _select(args.impl)
-    cases = default_cases(
-        args.preset or None,
-        tuple(args.block_size) or DEFAULT_BLOCK_SIZES,
-        tuple(args.dtype) or DEFAULT_DTYPES,
-    )
-    config = RunConfig(device=args.device, timing=not args.no_timing, threads=args.threads,
-                       repetitions=args.repetitions, case_timeout_s=args.case_timeout,
-                       cache_dir=args.cache_dir)
-    run_id = new_run_id()
-    results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
-    console = Console(highlight=False, soft_wrap=True)
-    console.print(f"pagedbench run {run_id}: {len(adapters)} implementations x {len(cases)} "
-                  f"cases on {args.device} -> {results.path}")
-    records = run(adapters, cases, config, results, run_id,
-                  on_record=lambda r: console.print(_progress_line(r)))
-    text = report.markdown(records, title=f"pagedbench leaderboard ({args.device})")
+def _finish(records: list[ResultRecord], lines: list, results: ResultsFile,
+            console: Console, device: str) -> int:
+    """Write and print the report of a run; its exit code."""
+    text = report.markdown(lines, title=f"pagedbench leaderboard ({device})")
     md_path = results.path.with_suffix(".md")
     md_path.write_text(text)
     print(f"\n{text}")
-    failing = sorted({r["impl"] for r in records if r["status"] in FAILING})
     console.print(f"results: {results.path}  report: {md_path}")
-    if failing:
+    code = exit_code(r.status for r in records)
+    failing = sorted({r.impl for r in records if r.status.failing})
+    if code is ExitCode.CONFORMANCE_FAILURE:
         console.print(f"[red]conformance failures in: {', '.join(failing)}[/]")
-        return 1
-    if not any(r["status"] == str(Status.PASS) for r in records):
+    elif code is ExitCode.HARNESS_FAULT:
+        console.print("[yellow]harness errors (pagedbench's own fault, see the reasons)[/]")
+    elif code is ExitCode.NOTHING_RAN:
         console.print("[red]nothing ran: every implementation was unavailable or every case "
                       "unsupported (a CI lane that checks nothing must not pass)[/]")
-        return NOTHING_RAN
-    return 0
+    return int(code)
+
+
+def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, ResultsFile]:
+    given = [flag for flag, value in (("--impl", args.impl), ("--preset", args.preset),
+                                      ("--block-size", args.block_size), ("--dtype", args.dtype),
+                                      ("--device", args.device), ("--no-timing", args.no_timing),
+                                      ("--threads", args.threads),
+                                      ("--repetitions", args.repetitions),
+                                      ("--case-timeout", args.case_timeout),
+                                      ("--harness-timeout", args.harness_timeout)) if value]
+    if given:
+        raise PagedValueError("--resume", given, "only --results-dir and --cache-dir beside it",
+                              f"--resume finishes the run with its recorded selection and "
+                              f"settings; drop {', '.join(given)}")
+    results = ResultsFile(args.results_dir / f"{args.resume}.jsonl")
+    if not results.path.is_file():
+        raise PagedValueError("--resume", args.resume, "a run in --results-dir",
+                              f"--resume {args.resume}: no {results.path} (is --results-dir "
+                              "the folder that run wrote to?)")
+    starts = [line for line in results.lines() if isinstance(line, RunRecord)
+              and line.run_id == args.resume and line.event == "started"]
+    if not starts or starts[-1].plan is None:
+        raise PagedValueError("--resume", args.resume, "a run that recorded its start",
+                              f"--resume {args.resume}: {results.path} records no start with "
+                              "a plan (written before schema_version 2?)")
+    config = runner.RunConfig.from_dict(starts[-1].config or {}, args.cache_dir)
+    return starts[-1].plan, config, results
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    writable_folder(args.results_dir, "--results-dir")
+    console = Console(highlight=False, soft_wrap=True)
+    if args.resume:
+        plan, config, results = _resume_target(args)
+        _checked_device(config.device)
+        run_id = args.resume
+        state = run_states(results.lines())[run_id]
+        if state.finished is not None and state.results >= plan.size:
+            console.print(f"run {run_id} already finished ({state.results} results); "
+                          "nothing to resume")
+    else:
+        device = _checked_device(args.device or "cpu")
+        impls = _select(args.impl)
+        cases = default_cases(list(dict.fromkeys(args.preset)) or None,
+                              tuple(dict.fromkeys(args.block_size)) or DEFAULT_BLOCK_SIZES,
+                              tuple(dict.fromkeys(args.dtype)) or DEFAULT_DTYPES)
+        for case in cases:
+            try:
+                check_fits(case, device)
+            except PagedInputError as exc:
+                option = "--block-size" if exc.parameter == "block_size" else "--preset"
+                raise PagedValueError(option, exc.value, exc.allowed,
+                                      f"{option} {exc.value}: {exc}") from None
+        defaults = runner.RunConfig()
+        config = runner.RunConfig(
+            device=device, timing=not args.no_timing, cache_dir=args.cache_dir,
+            threads=args.threads or defaults.threads,
+            repetitions=args.repetitions or defaults.repetitions,
+            case_timeout_s=args.case_timeout or defaults.case_timeout_s,
+            harness_timeout_s=args.harness_timeout or defaults.harness_timeout_s)
+        plan = runner.make_plan(impls, cases)
+        run_id = new_run_id()
+        results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
+                  f"{len(plan.cases)} cases on {config.device} -> {results.path}")
+    try:
+        records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
+                             on_record=lambda r: console.print(_progress_line(r)))
+    except runner.Interrupted as exc:
+        console.print(f"[yellow]{exc}: the results so far are in {results.path}; finish the "
+                      f"run with: pagedbench run --resume {run_id} --results-dir "
+                      f"{args.results_dir}[/]")
+        return 128 + exc.signum
+    lines = [line for line in results.lines() if line.run_id == run_id]
+    return _finish(records, lines, results, console, config.device)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    # Availability as a worker of `pagedbench run` would see it (the Triton interpreter on
-    # the CPU is switched on before any kernel module is imported).
-    apply_environment(worker_environment(args.device, DEFAULT_CACHE_DIR))
-    rows = []
-    for name, (target, adapter) in registry().items():
-        availability = adapter.available(args.device)
-        rows.append({
-            "name": name,
-            "target": target,
-            "description": adapter.description,
-            "available": availability.ok,
-            "reason": availability.reason,
-            "version": availability.version,
-            "details": availability.details,
-            "interpreted": adapter.is_interpreted(args.device),
-            "capabilities": adapter.capabilities(args.device).to_dict(),
-        })
+    # Any device, even one this machine lacks: what each implementation declares for it
+    # is worth seeing, and its availability there says why it cannot run here.
+    rows = runner.list_adapters(entries(), args.device, DEFAULT_CACHE_DIR, args.timeout)
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
         return 0
     print(capability_matrix(rows))
     return 0
@@ -188,18 +334,15 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     missing = [str(p) for p in args.paths if not p.exists()]
     if missing:
-        raise SystemExit(f"pagedbench report: no such file or folder: {', '.join(missing)}")
-    if args.output and not args.output.parent.is_dir():
-        raise SystemExit(f"pagedbench report: --output folder {args.output.parent} "
-                         "does not exist")
-    try:
-        records = list(read_records(args.paths))
-        if args.format == "csv":
-            text = report.frame(records).drop(columns=["cell"]).to_csv(index=False)
-        else:
-            text = report.markdown(records)
-    except ValueError as exc:
-        raise SystemExit(f"pagedbench report: {exc}") from None
+        raise PagedValueError("paths", missing, "existing files or folders",
+                              f"no such file or folder: {', '.join(missing)}")
+    if args.output:
+        writable_file(args.output, "--output")
+    lines = list(read_lines(args.paths))
+    if args.format == "csv":
+        text = report.frame(results_of(lines)).drop(columns=["cell"]).to_csv(index=False)
+    else:
+        text = report.markdown(lines)
     if args.output:
         args.output.write_text(text)
     else:
@@ -207,52 +350,83 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def capability_matrix(rows: list[dict[str, Any]]) -> str:
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))
+    return 0
+
+
+def capability_matrix(rows: list[ListingRow]) -> str:
     """Markdown table: implementations x (availability, devices, dtypes, block sizes,
-    head dims, modes, features), from ``pagedbench list --json`` rows."""
-    def join(values: list[Any] | None) -> str:
+    head dims, modes, features), from ``pagedbench list`` rows."""
+    def join(values: Any) -> str:
         if values is None:
             return "any"
+        if not isinstance(values, list):
+            return str(values)
         steps = {b - a for a, b in zip(values, values[1:])} if all(
             isinstance(v, int) for v in values) else set()
         if len(values) > 6 and len(steps) == 1:
             return f"{values[0]}..{values[-1]} step {steps.pop()}"
         return ", ".join(map(str, values)) or "-"
 
+    def axes(row: ListingRow) -> dict[str, str]:
+        caps = row.capabilities
+        if caps is None:
+            return {}
+        return {
+            "devices": join(caps.get("devices")),
+            "dtypes": join(caps.get("dtypes")),
+            "block sizes": join(caps.get("block_sizes")),
+            "head dims": join(caps.get("head_dims")),
+            "modes": join(caps.get("modes")),
+            "features": join(caps.get("features")),
+            "kv cache": join(caps.get("kv_cache_dtypes")),
+            "NaN-safe tail": "yes" if caps.get("nan_safe_tail") else f"no ({STALE_TAIL_MARK})",
+        }
+
     table = pd.DataFrame([
         {
-            "implementation": r["name"],
-            "available": "yes" + (" (interp.)" if r["interpreted"] else "") if r["available"]
-            else f"no: {r['reason']}",
-            "version": r["version"],
-            "devices": join(r["capabilities"]["devices"]),
-            "dtypes": join(r["capabilities"]["dtypes"]),
-            "block sizes": join(r["capabilities"]["block_sizes"]),
-            "head dims": join(r["capabilities"]["head_dims"]),
-            "modes": join(r["capabilities"]["modes"]),
-            "features": join(r["capabilities"]["features"]),
-            "kv cache": join(r["capabilities"]["kv_cache_dtypes"]),
-            "NaN-safe tail": "yes" if r["capabilities"]["nan_safe_tail"] else "no (†)",
+            "implementation": row.name,
+            "available": "yes" + (" (interp.)" if row.interpreted else "") if row.available
+            else f"no: {row.reason}" if row.status == "unavailable"
+            else f"{row.status}: {row.reason}",
+            "version": row.version,
+            **axes(row),
         }
-        for r in rows
+        for row in rows
     ])
-    return table.to_markdown(index=False)
+    return report.escape_frame(table.fillna("?")).to_markdown(index=False)
+
+
+def _writable_outputs(args: argparse.Namespace) -> None:
+    """Check every output folder a command was given, before it runs."""
+    for dest, option in (("results_dir", "--results-dir"), ("cache_dir", "--cache-dir"),
+                         ("output_dir", "--output-dir")):
+        if getattr(args, dest, None) is not None:
+            writable_folder(getattr(args, dest), option)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pagedbench`` console script; returns the exit code."""
+    """Entry point of the ``pagedbench`` console script; returns the exit code
+    (:class:`~.status.ExitCode`; ``128 + N`` when stopped by signal N)."""
     args = _parser().parse_args(argv)
-    cache_dir = getattr(args, "cache_dir", DEFAULT_CACHE_DIR)
-    if cache_dir.exists() and not cache_dir.is_dir():
-        raise SystemExit(f"pagedbench: --cache-dir {cache_dir} is a file, not a folder")
-    apply_environment(cache_environment(cache_dir))
-    commands = {"run": cmd_run, "list": cmd_list, "report": cmd_report,
+    commands = {"run": cmd_run, "list": cmd_list, "report": cmd_report, "schema": cmd_schema,
                 "simulate": simulate.run}
     try:
+        _writable_outputs(args)
+        apply_environment(cache_environment(getattr(args, "cache_dir", DEFAULT_CACHE_DIR)))
         return commands[args.command](args)
-    except BrokenPipeError:  # e.g. `pagedbench report ... | head`: not an error
+    except PagedInputError as exc:
+        print(f"pagedbench {args.command}: error: {exc}", file=sys.stderr)
+        return int(ExitCode.USAGE_ERROR)
+    except BrokenPipeError:  # e.g. `pagedbench report ... | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return 128 + signal.SIGPIPE
+    except Exception as exc:  # a bug of pagedbench's: say so, with where it happened
+        print(f"pagedbench {args.command}: internal error (a pagedbench bug; exit "
+              f"{int(ExitCode.HARNESS_FAULT)}): {type(exc).__name__}: {exc}", file=sys.stderr)
+        traceback.print_exc()
+        return int(ExitCode.HARNESS_FAULT)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .environment import cache_environment
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"
 DEVICES = ("cuda", "cpu")
@@ -61,13 +63,6 @@ TOTAL_BUDGET_S = {"cuda": 465, "cpu": 240}
 GRACE_S = 10
 #: Per-case limit passed to ``pagedbench run --case-timeout`` (s).
 CASE_TIMEOUT_S = {"cuda": 60, "cpu": 60}
-#: Where caches go unless the environment already says.
-CACHE_ENV = {
-    "TRITON_CACHE_DIR": BUILD / "triton-cache",
-    "TORCHINDUCTOR_CACHE_DIR": BUILD / "inductor-cache",
-    "FLASHINFER_WORKSPACE_BASE": BUILD / "flashinfer",
-    "XDG_CACHE_HOME": BUILD / "xdg-cache",
-}
 #: Set in every step's environment, so a test can tell it runs inside a lane (and not
 #: start a lane of its own there).
 IN_LANE_ENV = "PAGEDBENCH_IN_GPU_LANE"
@@ -118,11 +113,9 @@ class Step:
 
 
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    for name, path in CACHE_ENV.items():
-        env.setdefault(name, str(path))
-    env[IN_LANE_ENV] = "1"
-    return env
+    """This process's environment, caches under ``build/`` unless already set
+    (:func:`~pagedbench.harness.environment.cache_environment`), and :data:`IN_LANE_ENV`."""
+    return {**os.environ, **cache_environment(BUILD), IN_LANE_ENV: "1"}
 
 
 def run_step(step: Step, out: Path) -> Step:

@@ -1,41 +1,57 @@
-"""The runner: every implementation on every case, each implementation in its own process.
+"""The runner: every implementation of a plan on every case, each in its own worker.
 
-For each adapter the runner starts a worker process (``spawn``) that loads the adapter by
-its ``"module:Class"`` target and walks the cases: ``available`` -> ``why_unsupported`` ->
-``materialize`` -> ``prepare`` (untimed) -> ``run`` -> compare with the float64 truth ->
-time (only when the output passed). Each result comes back to the parent as a JSON-ready
-record and is appended to the results file at once. If the worker dies (segfault, abort,
-CUDA illegal address) the case it was on is recorded as ``crash``; if a case outlives
-``case_timeout_s`` the worker is killed and the case is ``timeout``; in both cases a fresh
-worker continues with the remaining cases. One implementation's failure never loses
-another's results (DESIGN.md, "Statuses").
+For each implementation a worker (:class:`~.worker.Supervisor`) imports the adapter (the
+only process that does), asks ``available``, then walks the cases through
+:func:`~.conformance.judge` (truth from the cache of :mod:`.truth`) and times each pass.
+Each result comes back as a validated :class:`~.record.ResultRecord` and is appended to
+the results file at once. The implementation's own steps (import, ``available``,
+``why_unsupported``, ``prepare``, ``run``, ``describe``) share ``case_timeout_s`` per
+case; pagedbench's steps (truth, inputs, compare, timing) have ``harness_timeout_s``,
+and a worker's start-up its own. A step past its budget is killed and recorded against
+its party (``timeout``, or ``harness-error``); a worker that dies costs the case in
+flight a ``crash``; a fault while loading costs every remaining case of that
+implementation; otherwise a fresh worker continues with the next case. One
+implementation's failure never loses another's results (DESIGN.md, "Statuses").
+
+A run records its plan when it starts and ``finished`` when it ends, so that
+:func:`run` with ``resume=True`` completes an interrupted run without redoing the
+(implementation, case) pairs already in its file. SIGTERM, SIGINT and SIGHUP stop the
+run cleanly (the worker's process group is killed, ``interrupted`` is recorded) and raise
+:class:`Interrupted`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import multiprocessing as mp
+import contextlib
+import math
 import os
-import tempfile
-import time
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timezone
+import signal
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 
-from pagedbench.adapters import Adapter, Availability, load
-from pagedbench.reference import PagedCase, materialize
+from pagedbench.adapters import Adapter, Entry, load
+from pagedbench.reference import PagedCase, PagedValueError
 
-from . import tolerance
-from .store import SCHEMA_VERSION, ResultsFile, Status, environment
+from . import conformance
+from .environment import worker_environment
+from .record import (SCHEMA_VERSION, Environment, ListingRow, Plan, PlannedImpl, ResultRecord,
+                     RunRecord, comparison_figures, now, validation_problem)
+from .status import Status, exit_code
+from .store import ResultsFile, environment, results_of
 from .timing import Timing, bytes_moved, flops, time_cpu, time_cuda
+from .truth import truth_for
+from .worker import Channel, Fault, Supervisor
 
-_REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
+#: Seconds ``pagedbench list`` gives each implementation to import and answer.
+LIST_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -45,7 +61,7 @@ class RunConfig:
     Attributes
     ----------
     device : str
-        ``"cpu"`` or ``"cuda"`` (``"cuda:N"`` allowed).
+        ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
     timing : bool
         Time implementations whose output passed.
     warmup, repetitions : int
@@ -55,11 +71,20 @@ class RunConfig:
     threads : int
         ``torch.set_num_threads`` in every worker (fixed, recorded in ``env.threads``).
     case_timeout_s : float
-        A case (prepare + run + compare + timing) taking longer is ``timeout`` (s).
+        The implementation's budget per case: its import and ``available`` (once), then
+        ``why_unsupported``, ``prepare``, ``run``, ``describe`` (s). Past it: ``timeout``.
+    harness_timeout_s : float
+        pagedbench's budget per case: truth, inputs, compare and timing (s). Past it:
+        ``harness-error``. (A worker's start-up has ``worker.STARTUP_TIMEOUT_S``.)
     cache_dir : Path
-        Where float64 truths are cached between workers, and compiler caches live.
+        Where float64 truths are cached between workers and runs.
     suite : str
         Recorded in each result (``"default"``, ``"gpu-lane"``, ...).
+
+    Raises
+    ------
+    PagedValueError
+        On a device other than cpu/cuda/cuda:N, or a count or budget out of range.
     """
 
     device: str = "cpu"
@@ -69,46 +94,182 @@ class RunConfig:
     time_budget_s: float = 1.0
     threads: int = os.cpu_count() or 1
     case_timeout_s: float = 300.0
+    harness_timeout_s: float = 600.0
     cache_dir: Path = Path("build")
     suite: str = "default"
 
     def __post_init__(self) -> None:
-        device_type = torch.device(self.device).type
-        if device_type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        text = self.device if isinstance(self.device, str) else ""
+        kind, colon, index = text.partition(":")
+        if kind not in ("cpu", "cuda") or (colon and not (kind == "cuda" and index.isdigit())):
+            raise PagedValueError("device", self.device, "'cpu', 'cuda' or 'cuda:N'")
+        for name, low in (("warmup", 0), ("repetitions", 1), ("threads", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise PagedValueError(name, value, f"an int >= {low}")
+        for name in ("time_budget_s", "case_timeout_s", "harness_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise PagedValueError(name, value, "a finite number of seconds > 0")
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; the cache folder is left out (it belongs to the machine)."""
+        out = asdict(self)
+        del out["cache_dir"]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], cache_dir: Path) -> RunConfig:
+        """Inverse of :meth:`to_dict`, with ``cache_dir``; unknown keys are ignored."""
+        known = {f.name for f in fields(cls)} - {"cache_dir"}
+        return cls(**{k: v for k, v in data.items() if k in known}, cache_dir=cache_dir)
 
 
-def truth_for(case: PagedCase, cache_dir: Path) -> tolerance.Expected:
-    """The float64 truth and the naive yardstick of ``case``, on the CPU.
+class Interrupted(BaseException):
+    """The run was stopped by a signal (``signum``); its results so far are on disk and
+    ``resume`` finishes it."""
 
-    Computed once per case and kept in ``cache_dir/truth`` under a key that covers the
-    case and the source of ``reference/`` (a change to the reference invalidates it).
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP raise :class:`Interrupted` (in the main thread only:
+    elsewhere the handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(signum)
+
+    signums = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
+
+
+def make_plan(impls: dict[str, str], cases: list[PagedCase]) -> Plan:
+    """The plan of a run: implementations ``{name: target}`` (in order) x ``cases``.
+
+    Raises
+    ------
+    PagedValueError
+        If two cases have the same case id (results are keyed by it).
     """
-    digest = hashlib.sha256(repr(sorted(case.to_dict().items())).encode())
-    for source in sorted(_REFERENCE_DIR.glob("*.py")):
-        digest.update(source.read_bytes())
-    path = Path(cache_dir) / "truth" / f"{digest.hexdigest()[:24]}.pt"
-    if path.exists():
-        saved = torch.load(path)
-        return tolerance.Expected(saved["truth"], saved["naive"])
-    expected = tolerance.Expected.of(materialize(case, "cpu"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"truth": expected.truth, "naive": expected.naive}, tmp)
-    os.replace(tmp, path)
-    return expected
+    try:
+        return Plan(impls=[PlannedImpl(name=n, target=t) for n, t in impls.items()],
+                    cases=[c.to_dict() for c in cases])
+    except ValidationError as exc:
+        raise PagedValueError("cases", [c.case_id for c in cases], "distinct case ids",
+                              f"cases: {validation_problem(exc)}") from None
 
 
-def _synchronize(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+# Records ------------------------------------------------------------------------------
+def result_record(
+    *, run_id: str, env: Environment, config: RunConfig, name: str, target: str,
+    case: PagedCase, status: Status, reason: str = "", step: str | None = None,
+    row: ListingRow | None = None, verdict: conformance.Verdict | None = None,
+    timing: Timing | None = None,
+) -> ResultRecord:
+    """The result line of ``name`` on ``case``; ``row`` is what the implementation said
+    when it loaded (version, details, interpreted), ``verdict`` its check.
+
+    Raises
+    ------
+    pydantic.ValidationError
+        If something the adapter returned (``describe()``) is not JSON data.
+    """
+    seconds = timing.median_ms / 1e3 if timing else 0.0
+    moved, work = bytes_moved(case), flops(case)
+    details = dict(row.details) if row else {}
+    if verdict is not None:
+        details |= verdict.details
+    return ResultRecord(
+        kind="result", schema_version=SCHEMA_VERSION, run_id=run_id, suite=config.suite,
+        impl=name, impl_target=target, impl_version=row.version if row else "",
+        impl_details=details, case_id=case.case_id, case=case.to_dict(), device=config.device,
+        status=status, reason=reason, step=step,
+        **comparison_figures(verdict.comparison if verdict else None),
+        time_ms=timing.to_dict() if timing else None,
+        time_ms_median=timing.median_ms if timing else None,
+        timing_method=timing.method if timing else None,
+        interpreted=row.interpreted if row else None,
+        tail_poison=verdict.tail_poison if verdict else None,
+        nan_tail_output_finite=verdict.nan_tail_output_finite if verdict else None,
+        bytes_moved=moved, flops=work,
+        bandwidth_gbps=moved / seconds / 1e9 if seconds > 0 else None,
+        tflops=work / seconds / 1e12 if seconds > 0 else None,
+        env=env, timestamp=now(),
+    )
 
 
-def _time(adapter: Adapter, prepared: Any, config: RunConfig) -> Timing:
+def _fault_outcome(fault: Fault, config: RunConfig) -> tuple[Status, str]:
+    """Status and reason of the item a :class:`~.worker.Fault` hit, charged to its party."""
+    if fault.party == conformance.IMPL:
+        if fault.kind == "timeout":
+            return Status.TIMEOUT, (f"{fault.step} took longer than {config.case_timeout_s:g} s "
+                                    "(--case-timeout)")
+        if fault.kind == "crash":
+            return Status.CRASH, f"worker {fault.detail} during {fault.step}"
+        return Status.ERROR, f"worker {fault.detail} during {fault.step}"
+    budget = f"{config.harness_timeout_s:g} s (--harness-timeout)"
+    detail = f"took longer than {budget}" if fault.kind == "timeout" else f"worker {fault.detail}"
+    return (Status.HARNESS_ERROR,
+            f"pagedbench's {fault.step}: {detail}; not the implementation's fault")
+
+
+# The worker's side ----------------------------------------------------------------------
+def _listing(name: str, target: str, adapter: Adapter, device: str) -> ListingRow:
+    """What ``adapter`` says about itself, validated as JSON data (raises
+    ``ValidationError`` or whatever the adapter raises)."""
+    availability = adapter.available(device)
+    return ListingRow(
+        name=name, target=target,
+        status="available" if availability.ok is True else "unavailable",
+        description=type(adapter).description, available=availability.ok,
+        reason=availability.reason, version=availability.version,
+        details=availability.details, interpreted=adapter.is_interpreted(device),
+        capabilities=adapter.capabilities(device).to_dict(),
+    )
+
+
+def _error_row(name: str, target: str, status: str, reason: str) -> ListingRow:
+    return ListingRow(name=name, target=target, status=status, description="", available=False,
+                      reason=reason, version="", details={}, interpreted=None, capabilities=None)
+
+
+def _load_listing(name: str, target: str, device: str, channel: Channel,
+                  item: int | None) -> tuple[Adapter | None, ListingRow, str]:
+    """Import ``target`` and ask it about itself: the adapter (None when that failed), its
+    row (an ``error`` row when it failed) and the step it got to."""
+    channel.step(item, conformance.IMPL, "import")
+    try:
+        adapter = load(target)
+    except (Exception, SystemExit) as exc:
+        return None, _error_row(name, target, "error", f"importing {target} raised "
+                                f"{conformance.describe_exception(exc)}"), "import"
+    channel.step(item, conformance.IMPL, "available")
+    try:
+        return adapter, _listing(name, target, adapter, device), "available"
+    except ValidationError as exc:
+        reason = ("available/capabilities returned data that is not JSON: "
+                  f"{validation_problem(exc)}")
+    except (Exception, SystemExit) as exc:
+        reason = (f"available/is_interpreted/capabilities raised "
+                  f"{conformance.describe_exception(exc)}")
+    return None, _error_row(name, target, "error", reason), "available"
+
+
+def _time(adapter: Adapter, prepared: Any, config: RunConfig, interpreted: bool) -> Timing:
     call = lambda: adapter.run(prepared)  # noqa: E731
-    if adapter.is_interpreted(config.device):
+    if interpreted:
         return time_cpu(call, warmup=0, repetitions=1, method="interpreted")
     if torch.device(config.device).type == "cuda":
         return time_cuda(call)
@@ -116,271 +277,214 @@ def _time(adapter: Adapter, prepared: Any, config: RunConfig) -> Timing:
                     budget_s=config.time_budget_s)
 
 
-def base_record(target: str, name: str, case: PagedCase, config: RunConfig,
-                availability: Availability | None) -> dict[str, Any]:
-    """The fields every result line has, before the outcome is known."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "suite": config.suite,
-        "impl": name,
-        "impl_target": target,
-        "impl_version": availability.version if availability else "",
-        "impl_details": dict(availability.details) if availability else {},
-        "case_id": case.case_id,
-        "case": case.to_dict(),
-        "device": config.device,
-        "status": None,
-        "reason": "",
-        "max_abs_err": None,
-        "max_rel_err": None,
-        "max_err_ulps": None,
-        "mean_err_ulps": None,
-        "naive_abs_err": None,
-        "allowed_abs_err": None,
-        "err_over_allowance": None,
-        "err_ratio_vs_naive": None,
-        "worst_index": None,
-        "time_ms": None,
-        "time_ms_median": None,
-        "timing_method": None,
-        "interpreted": None,
-        "tail_poison": None,
-        "nan_tail_output_finite": None,
-        "bytes_moved": bytes_moved(case),
-        "flops": flops(case),
-        "bandwidth_gbps": None,
-        "tflops": None,
-        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-def evaluate(adapter: Adapter, target: str, availability: Availability, case: PagedCase,
-             config: RunConfig) -> dict[str, Any]:
-    """Run one case through one adapter and return its result record. The
-    implementation's faults become ``error``/``fail`` records; an exception from here is
-    the harness's own (the worker records it as a harness error)."""
-    record = base_record(target, adapter.name, case, config, availability)
-    record["interpreted"] = adapter.is_interpreted(config.device)
-    if not availability.ok:
-        return record | {"status": str(Status.UNAVAILABLE), "reason": availability.reason}
-    try:
-        reasons = adapter.why_unsupported(case, config.device)
-    except Exception as exc:
-        return record | {"status": str(Status.ERROR),
-                         "reason": f"why_unsupported raised: {_describe_exception(exc)}"}
-    if reasons:
-        return record | {"status": str(Status.UNSUPPORTED), "reason": "; ".join(reasons)}
-    expected = truth_for(case, config.cache_dir)
-    tail_poison = adapter.capabilities(config.device).tail_poison
-    record["tail_poison"] = tail_poison
-    inputs = materialize(case, config.device, tail_poison=tail_poison)
-    try:
-        prepared = adapter.prepare(inputs)
-        out = adapter.run(prepared)
-        _synchronize(config.device)
-    except Exception as exc:  # the implementation's fault, recorded, never fatal
-        return record | {"status": str(Status.ERROR), "reason": _describe_exception(exc)}
-    try:
-        record["impl_details"] = record["impl_details"] | adapter.describe(prepared)
-    except Exception as exc:
-        return record | {"status": str(Status.ERROR),
-                         "reason": f"describe raised: {_describe_exception(exc)}"}
-    result = tolerance.compare(out, expected, case.dtype, inputs.cu_seqlens_q.cpu())
-    figures = dataclasses.asdict(result)
-    record |= {key: figures[key] for key in record.keys() & figures.keys()} | {
-        "status": str(Status.PASS if result.passed else Status.FAIL),
-        "worst_index": None if result.worst_index is None else list(result.worst_index),
-    }
-    if result.passed and config.timing:
-        try:
-            timing = _time(adapter, prepared, config)
-        except Exception as exc:
-            return record | {"status": str(Status.ERROR),
-                             "reason": f"while timing: {_describe_exception(exc)}"}
-        seconds = timing.median_ms / 1e3
-        record |= {
-            "time_ms": timing.to_dict(),
-            "time_ms_median": timing.median_ms,
-            "timing_method": timing.method,
-            "bandwidth_gbps": record["bytes_moved"] / seconds / 1e9 if seconds > 0 else None,
-            "tflops": record["flops"] / seconds / 1e12 if seconds > 0 else None,
-        }
-    if result.passed and tail_poison == "stale":
-        record["nan_tail_output_finite"] = _nan_tail_output_finite(adapter, case, config)
-    return record
-
-
-def _describe_exception(exc: BaseException) -> str:
-    last = traceback.extract_tb(exc.__traceback__)[-1]
-    return f"{type(exc).__name__}: {exc} ({Path(last.filename).name}:{last.lineno})"
-
-
-def _nan_tail_output_finite(adapter: Adapter, case: PagedCase, config: RunConfig) -> bool | None:
-    """For an adapter that declares ``nan_safe_tail=False``: does its output stay finite
-    with NaN in the last blocks' tails after all? ``None`` when it raised. Recorded so a
-    fix upstream shows (the declaration can then be dropped)."""
-    try:
-        out = adapter.run(adapter.prepare(materialize(case, config.device)))
-        _synchronize(config.device)
-    except Exception:
-        return None
-    return bool(torch.isfinite(out).all())
-
-
-def _worker(target: str, cases: list[dict[str, Any]], config: RunConfig, channel: Any) -> None:
-    """Worker process body: load the adapter, evaluate each case, report over ``channel``
-    (the sending end of a pipe: each ``send`` is written before it returns, so a result
-    sent just before a crash still reaches the parent).
-
-    The environment is set before the adapter's module is imported, since Triton reads
-    ``TRITON_INTERPRET`` when a kernel is decorated."""
-    apply_environment(worker_environment(config.device, config.cache_dir))
+def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
+    config = RunConfig.from_dict(job["config"], Path(job["cache_dir"]))
     torch.set_num_threads(config.threads)
-    try:
-        adapter = load(target)
-        availability = adapter.available(config.device)
-    except Exception as exc:
-        channel.send(("load_error", _describe_exception(exc)))
+    env = Environment.model_validate_json(job["env"])
+    name, target = job["name"], job["target"]
+    adapter, row, step = _load_listing(name, target, config.device, channel, None)
+    if adapter is None:
+        channel.send({"kind": "fatal", "status": str(Status.ERROR), "step": step,
+                      "reason": row.reason})
         return
-    for index, case_dict in enumerate(cases):
-        channel.send(("start", index))
-        case = PagedCase.from_dict(case_dict)
-        try:
-            record = evaluate(adapter, target, availability, case, config)
-        except Exception as exc:  # a fault of the harness itself, never the adapter's
-            record = base_record(target, adapter.name, case, config, availability) | {
-                "status": str(Status.ERROR),
-                "reason": f"harness error, not the implementation's: {_describe_exception(exc)}",
-            }
-        channel.send(("result", index, record))
-    channel.send(("done",))
-
-
-def cache_environment(cache_dir: Path) -> dict[str, str]:
-    """Environment variables that keep every cache and scratch folder inside
-    ``cache_dir``, never the home folder or the system temp folder (TorchInductor's
-    precompiled headers follow ``TMPDIR``, matplotlib's font cache ``MPLCONFIGDIR``).
-    The folders are created."""
-    cache_dir = Path(cache_dir).resolve()
-    env = {
-        "TRITON_CACHE_DIR": str(cache_dir / "triton-cache"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache_dir / "inductor-cache"),
-        "XDG_CACHE_HOME": str(cache_dir / "xdg-cache"),
-        "MPLCONFIGDIR": str(cache_dir / "matplotlib"),
-        "TMPDIR": str(cache_dir / "tmp"),
-    }
-    for folder in env.values():
-        Path(folder).mkdir(parents=True, exist_ok=True)
-    return env
-
-
-def apply_environment(env: dict[str, str]) -> None:
-    """Set ``env`` in this process, and make :mod:`tempfile` read ``TMPDIR`` again (it
-    caches the temp folder at first use; TorchInductor derives its precompiled-header
-    folder from it when ``torch._inductor.codecache`` is first imported)."""
-    os.environ.update(env)
-    tempfile.tempdir = None
-
-
-def worker_environment(device: str, cache_dir: Path) -> dict[str, str]:
-    """:func:`cache_environment`, plus the Triton interpreter when ``device`` is the CPU."""
-    env = cache_environment(cache_dir)
-    if torch.device(device).type == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    return env
-
-
-def run_target(
-    target: str,
-    name: str,
-    cases: list[PagedCase],
-    config: RunConfig,
-    emit: Callable[[dict[str, Any]], None],
-) -> None:
-    """Evaluate ``cases`` with the adapter ``target`` in worker processes, calling ``emit``
-    with each record as it arrives; crashes and timeouts become records too."""
-    context = mp.get_context("spawn")
-    pending = list(range(len(cases)))
-    while pending:
-        receiver, sender = context.Pipe(duplex=False)
-        batch = [cases[i] for i in pending]
-        process = context.Process(
-            target=_worker, args=(target, [c.to_dict() for c in batch], config, sender),
-            daemon=True,
-        )
-        process.start()
-        sender.close()  # the worker holds the only sending end: its death reads as EOF
-        received = 0  # results in; the first case without one is the one in progress
-        deadline = time.monotonic() + config.case_timeout_s + 120  # + process start-up
-        finished = False
-        while not finished:
-            message = None
-            if receiver.poll(1.0):
+    channel.send({"kind": "loaded", "row": row.model_dump_json()})
+    truth = partial(truth_for, cache_dir=config.cache_dir)
+    for index in range(job["start"], len(job["cases"])):
+        channel.step(index, conformance.HARNESS, "case")
+        case = PagedCase.from_dict(job["cases"][index])
+        fields = dict(run_id=job["run_id"], env=env, config=config, name=name, target=target,
+                      case=case, row=row)
+        if not row.available:
+            record = result_record(**fields, status=Status.UNAVAILABLE, reason=row.reason,
+                                   step="available")
+        else:
+            verdict = conformance.judge(adapter, case, config.device, truth=truth,
+                                        on_step=partial(channel.step, index))
+            timing = None
+            if verdict.status is Status.PASS and config.timing:
+                channel.step(index, conformance.HARNESS, "timing")
                 try:
-                    message = receiver.recv()
-                except EOFError:  # the worker is gone and everything it sent is read
-                    process.join(timeout=10)
-            if message is None:
-                if process.is_alive() and time.monotonic() <= deadline:
-                    continue
-                if process.is_alive():
-                    process.kill()
-                    status, reason = Status.TIMEOUT, f"no result within {config.case_timeout_s:g} s"
-                else:
-                    status, reason = Status.CRASH, f"worker died (exit code {process.exitcode})"
-                if received < len(batch):
-                    record = base_record(target, name, batch[received], config, None)
-                    emit(record | {"status": str(status), "reason": reason})
-                pending = pending[received + 1 :]
-                break
-            kind = message[0]
-            if kind == "start":
-                deadline = time.monotonic() + config.case_timeout_s
-            elif kind == "result":
-                emit(message[2])
-                received += 1
-            elif kind == "load_error":
-                for case in batch:
-                    record = base_record(target, name, case, config, None)
-                    emit(record | {"status": str(Status.ERROR),
-                                   "reason": f"adapter failed to load: {message[1]}"})
-                pending = []
-                finished = True
-            else:  # done
-                pending = []
-                finished = True
-        receiver.close()
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
+                    timing = _time(adapter, verdict.prepared, config, bool(row.interpreted))
+                except (Exception, SystemExit) as exc:
+                    verdict = replace(verdict, status=Status.ERROR, step="timing", reason=(
+                        f"run raised while timing: {conformance.describe_exception(exc)}"))
+            try:
+                record = result_record(**fields, status=verdict.status, reason=verdict.reason,
+                                       step=verdict.step, verdict=verdict, timing=timing)
+            except ValidationError as exc:
+                record = result_record(
+                    **fields, status=Status.ERROR, step="describe",
+                    reason=f"describe returned data that is not JSON: {validation_problem(exc)}",
+                    verdict=replace(verdict, details={}))
+        channel.send({"kind": "output", "item": index, "data": record.model_dump_json()})
 
 
-def run(
-    adapters: dict[str, str],
-    cases: list[PagedCase],
-    config: RunConfig,
-    results: ResultsFile,
-    run_id: str,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Evaluate every adapter (``{name: target}``, in order) on every case.
+def _list_job(job: dict[str, Any], channel: Channel) -> None:
+    for index in range(job["start"], len(job["entries"])):
+        name, target = job["entries"][index]
+        _, row, _ = _load_listing(name, target, job["device"], channel, index)
+        channel.send({"kind": "output", "item": index, "data": row.model_dump_json()})
 
-    Each record gets ``run_id`` and the environment, is appended to ``results`` as it
-    arrives, and is passed to ``on_record`` (for progress display). Returns all records.
+
+def work(job: dict[str, Any], channel: Channel) -> None:
+    """The body of a worker process (:func:`~.worker.main`): an ``evaluate`` job (one
+    implementation on cases) or a ``list`` job (implementations' availability)."""
+    {"evaluate": _evaluate_job, "list": _list_job}[job["kind"]](job, channel)
+
+
+# The parent's side ----------------------------------------------------------------------
+class _Refused(Exception):
+    """A worker's message the parent cannot accept."""
+
+
+def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig,
+               run_id: str, env: Environment, emit: Callable[[ResultRecord], None]) -> None:
+    """Evaluate ``cases`` with the adapter ``target`` in worker processes, calling
+    ``emit`` with each record as it arrives; faults become records too."""
+    worker_env = worker_environment(config.device, config.cache_dir)
+    budgets = {conformance.IMPL: config.case_timeout_s,
+               conformance.HARNESS: config.harness_timeout_s}
+    job = {"kind": "evaluate", "name": name, "target": target, "run_id": run_id,
+           "cases": [c.to_dict() for c in cases], "config": config.to_dict(),
+           "cache_dir": str(Path(config.cache_dir).resolve()), "env": env.model_dump_json()}
+    row: ListingRow | None = None
+    start = 0
+
+    def record(index: int, status: Status, reason: str, step: str | None) -> ResultRecord:
+        return result_record(run_id=run_id, env=env, config=config, name=name, target=target,
+                             case=cases[index], status=status, reason=reason, step=step, row=row)
+
+    def on_message(message: dict[str, Any]) -> None:
+        nonlocal row, start
+        try:
+            if message["kind"] == "loaded":
+                row = ListingRow.model_validate_json(message["row"])
+            elif message["kind"] == "output":
+                index = message["item"]
+                result = ResultRecord.model_validate_json(message["data"])
+                if index != start or result.case_id != cases[index].case_id or result.impl != name:
+                    raise _Refused(f"a result for {result.impl}:{result.case_id} where "
+                                   f"{name}:{cases[start].case_id} was due")
+                emit(result)
+                start = index + 1
+            elif message["kind"] == "fatal":
+                status = Status(message["status"])
+                for index in range(start, len(cases)):
+                    emit(record(index, status, message["reason"], message["step"]))
+                start = len(cases)
+            else:
+                raise _Refused(f"a message of unknown kind {message['kind']!r}")
+        except (ValidationError, KeyError, TypeError, ValueError) as exc:
+            raise _Refused(str(exc)) from exc
+
+    while start < len(cases):
+        supervisor = Supervisor(job | {"start": start}, worker_env, budgets,
+                                Path(worker_env["TMPDIR"]))
+        try:
+            fault = supervisor.run(on_message)
+        except _Refused as exc:
+            fault = Fault("invalid", start, conformance.HARNESS, "result",
+                          f"sent a result the parent refuses ({exc})")
+        if fault is None:
+            if start < len(cases):  # done without all results: pagedbench's own bug
+                for index in range(start, len(cases)):
+                    emit(record(index, Status.HARNESS_ERROR, "the worker finished without "
+                                "this result", "result"))
+            return
+        status, reason = _fault_outcome(fault, config)
+        if fault.item is None:  # while loading: every remaining case
+            for index in range(start, len(cases)):
+                emit(record(index, status, reason, fault.step))
+            return
+        if fault.item < len(cases):
+            emit(record(fault.item, status, reason, fault.step))
+        start = fault.item + 1
+
+
+def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
+        on_record: Callable[[ResultRecord], None] | None = None, *,
+        resume: bool = False) -> list[ResultRecord]:
+    """Evaluate every implementation of ``plan`` on every case, appending each record to
+    ``results`` as it arrives (and passing it to ``on_record``, for progress).
+
+    With ``resume=True``, the pairs ``results`` already holds for ``run_id`` are kept and
+    only the others are run. Records ``started`` (with the plan) or ``resumed`` first and
+    ``finished`` (with the exit code) last. Returns every result of the run.
+
+    Raises
+    ------
+    Interrupted
+        On SIGTERM, SIGINT or SIGHUP (recorded as ``interrupted``; resumable).
     """
-    env = environment(config.device) | {"threads": config.threads}
-    records: list[dict[str, Any]] = []
+    env = Environment.model_validate(environment(config.device) | {"threads": config.threads})
+    records = ([r for r in results_of(results.lines()) if r.run_id == run_id]
+               if resume else [])
+    done = {(r.impl, r.case_id) for r in records}
+    results.append(RunRecord(
+        kind="run", schema_version=SCHEMA_VERSION, run_id=run_id, timestamp=now(),
+        event="resumed" if resume else "started", plan=None if resume else plan,
+        config=config.to_dict(), exit_code=None, counts=None))
 
-    def emit(record: dict[str, Any]) -> None:
-        record = {"run_id": run_id, **record, "env": env}
+    def emit(record: ResultRecord) -> None:
         results.append(record)
         records.append(record)
         if on_record is not None:
             on_record(record)
 
-    for name, target in adapters.items():
-        run_target(target, name, cases, config, emit)
+    cases = plan.paged_cases()
+    with _interruptible():
+        try:
+            for impl in plan.impls:
+                pending = [c for c in cases if (impl.name, c.case_id) not in done]
+                if pending:
+                    run_target(impl.name, impl.target, pending, config, run_id, env, emit)
+        except Interrupted as exc:
+            results.append(RunRecord(
+                kind="run", schema_version=SCHEMA_VERSION, run_id=run_id, timestamp=now(),
+                event="interrupted", plan=None, config=None, exit_code=128 + exc.signum,
+                counts=None))
+            raise
+    counts = Counter(r.status for r in records)
+    results.append(RunRecord(
+        kind="run", schema_version=SCHEMA_VERSION, run_id=run_id, timestamp=now(),
+        event="finished", plan=None, config=None,
+        exit_code=int(exit_code(r.status for r in records)), counts=dict(counts)))
     return records
 
 
-__all__ = ["RunConfig", "evaluate", "run", "run_target", "truth_for"]
+def list_adapters(found: list[Entry], device: str, cache_dir: Path,
+                  timeout_s: float = LIST_TIMEOUT_S) -> list[ListingRow]:
+    """What each implementation says about itself on ``device`` (``pagedbench list``),
+    asked in a worker: a plug-in that crashes or hangs at import gets a ``crash`` or
+    ``timeout`` row and the others are still listed."""
+    env = worker_environment(device, cache_dir)
+    job = {"kind": "list", "device": device, "entries": [(e.name, e.target) for e in found]}
+    rows: list[ListingRow] = []
+
+    def on_message(message: dict[str, Any]) -> None:
+        entry = found[len(rows)]
+        try:
+            rows.append(ListingRow.model_validate_json(message["data"]))
+        except (ValidationError, KeyError, TypeError) as exc:
+            rows.append(_error_row(entry.name, entry.target, "error",
+                                   f"the worker sent an invalid listing ({exc})"))
+
+    while len(rows) < len(found):
+        supervisor = Supervisor(job | {"start": len(rows)}, env,
+                                {conformance.IMPL: timeout_s,
+                                 conformance.HARNESS: RunConfig.harness_timeout_s},
+                                Path(env["TMPDIR"]))
+        fault = supervisor.run(on_message)
+        if fault is None:
+            break
+        index = len(rows) if fault.item is None else fault.item
+        if index < len(found):
+            entry = found[index]
+            what = fault.detail if fault.kind == "timeout" else f"worker {fault.detail}"
+            status = {"timeout": "timeout", "crash": "crash"}.get(fault.kind, "error")
+            rows.append(_error_row(entry.name, entry.target, status, f"{fault.step}: {what}"))
+    return rows
+
+
+__all__ = ["Interrupted", "RunConfig", "list_adapters", "make_plan", "result_record", "run",
+           "run_target", "work"]

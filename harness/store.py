@@ -1,47 +1,52 @@
-"""The results store: statuses, result records, and append-only JSON-lines files.
+"""The results store: append-only JSON-lines files of typed records (:mod:`.record`).
 
-One JSON object per line, one line per (implementation, case), in
-``<results_dir>/<run_id>.jsonl`` (default ``results/runs/``). Each line is written with a
-single ``os.write`` on a file opened ``O_APPEND`` and then fsync'ed, so concurrent writers
-never interleave within a line and a crash loses at most the line being written. Files
-merge by concatenation. The schema is documented in README.md ("Results schema");
-:data:`SCHEMA_VERSION` changes whenever a field changes meaning.
+One line per (implementation, case), plus a run's events, in ``<results_dir>/<run_id>.jsonl``
+(default ``results/runs/``). Each line is written with a single ``os.write`` on a file
+opened ``O_APPEND`` and then fsync'ed, so concurrent writers never interleave within a
+line and a kill loses at most the line being written. Files merge by concatenation.
+
+Reading validates every line against the schema and names the file and line of anything
+refused (:class:`ResultsFileError`): bad JSON, a newer ``schema_version``, an unknown
+status, a missing or mistyped field. A torn line (a write cut off by a kill: the last line
+of a file without its newline, or such a fragment glued to the next record when files
+were concatenated) is skipped with a warning naming the file; the rest is read.
+Version 1 lines (before the typed record) are read as version 2 with the new fields empty.
 """
 
 from __future__ import annotations
 
-import enum
 import json
-import math
 import os
 import platform
 import subprocess
 import warnings
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ValidationError
 
-SCHEMA_VERSION = 1
+from pagedbench.reference import PagedValueError
+
+from .record import (COMPARISON_FIELDS, LINE, SCHEMA_VERSION, ResultRecord, RunRecord,
+                     validation_problem)
+
 DEFAULT_RESULTS_DIR = Path("results/runs")
 
 
-class Status(str, enum.Enum):
-    """Outcome of one (implementation, case), DESIGN.md's seven statuses."""
+class ResultsFileError(PagedValueError):
+    """A results file or line that is not what :mod:`.record` describes; the message
+    starts with ``file:line``."""
 
-    PASS = "pass"  # output within tolerance of the float64 truth
-    FAIL = "fail"  # output wrong (numerical mismatch, NaN/Inf, shape or dtype)
-    ERROR = "error"  # the implementation raised
-    CRASH = "crash"  # the worker process died (segfault, abort, CUDA illegal address)
-    TIMEOUT = "timeout"  # no result within the time limit
-    UNSUPPORTED = "unsupported"  # the case is outside the declared capabilities
-    UNAVAILABLE = "unavailable"  # the implementation cannot run here at all
-
-    def __str__(self) -> str:
-        return self.value
+    def __init__(self, file: Path, line: int | None, problem: str) -> None:
+        where = f"{file}:{line}" if line is not None else str(file)
+        super().__init__("results file", where, "lines of the results schema",
+                         f"{where}: {problem}")
+        self.file, self.line = file, line
 
 
 def new_run_id() -> str:
@@ -72,7 +77,8 @@ def environment(device: str) -> dict[str, Any]:
     Keys: ``device`` (CPU model or GPU name), ``device_type``, ``cc`` (CUDA compute
     capability or None), ``driver`` (CUDA driver/runtime version or None), ``threads``,
     ``python``, ``torch``, ``triton``, peer versions (``vllm``, ``flashinfer``,
-    ``flash_attn``, ``xformers``; None when absent), ``git_sha``, ``dirty``, ``host``.
+    ``flash_attn``, ``xformers``; None when absent), ``git_sha``, ``dirty``, ``host``
+    (:class:`~pagedbench.harness.record.Environment`).
     """
     device_type = torch.device(device).type
     env: dict[str, Any] = {"device_type": device_type, "cc": None, "driver": None}
@@ -104,7 +110,7 @@ def environment(device: str) -> dict[str, Any]:
 
 
 class ResultsFile:
-    """Append-only JSON-lines file of result records.
+    """Append-only JSON-lines file of :mod:`.record` lines.
 
     Parameters
     ----------
@@ -115,59 +121,193 @@ class ResultsFile:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._checked_tail = False
 
-    def append(self, record: dict[str, Any]) -> None:
-        """Write one record as one line, atomically (single O_APPEND write + fsync).
-        Non-finite floats (an error figure of a NaN output) are written as ``null``, so
-        every line is strict JSON."""
-        line = (json.dumps(_finite_or_null(record), sort_keys=True, allow_nan=False)
-                + "\n").encode()
+    def append(self, line: BaseModel) -> None:
+        """Write one record as one line, atomically (single O_APPEND write + fsync);
+        non-finite figures are ``null``, so every line is strict JSON. Before the first
+        write, a torn last line left by a killed writer is dropped (:meth:`drop_torn_tail`)
+        so that the new line does not glue onto it."""
+        if not self._checked_tail:
+            self.drop_torn_tail()
+            self._checked_tail = True
+        data = (line.model_dump_json() + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, line)
+            os.write(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
 
+    def drop_torn_tail(self) -> None:
+        """If the file does not end with a newline, rewrite it without its last partial
+        line (atomically, through a temporary file), with a warning naming it."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return
+        if not data or data.endswith(b"\n"):
+            return
+        keep = data[: data.rfind(b"\n") + 1]
+        warnings.warn(f"{self.path}: dropping a torn last line ({len(data) - len(keep)} bytes "
+                      "written by a run that was killed mid-write)", stacklevel=3)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(keep)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
-def _finite_or_null(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_null(v) for v in value]
-    return value
+    def lines(self) -> list[ResultRecord | RunRecord]:
+        """Every line of this file (none when it does not exist yet)."""
+        return list(read_lines([self.path])) if self.path.exists() else []
 
 
-def read_records(paths: Iterable[Path]) -> Iterator[dict[str, Any]]:
-    """Records from any number of ``.jsonl`` files or folders of them, in file order.
+def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
+    """A version-1 result line as version 2: ``kind``, ``step`` and the comparison
+    figures version 1 did not have are empty."""
+    data = {"kind": "result", **data, "schema_version": SCHEMA_VERSION}
+    data.setdefault("step", None)
+    for name in COMPARISON_FIELDS:
+        data.setdefault(name, None)
+    return data
 
-    A last line without its newline is what a run killed mid-write leaves; it is skipped
-    (with a warning) so the rest of that run's results can still be read.
+
+def parse_line(data: object, file: Path, number: int) -> ResultRecord | RunRecord:
+    """One decoded JSON line as a record.
 
     Raises
     ------
-    ValueError
-        If any other line is not valid JSON (naming the file and line number), or a file
-        is not UTF-8 text.
+    ResultsFileError
+        Naming ``file:number``: a newer or unknown ``schema_version``, or a line that does
+        not match the schema (unknown status, missing or mistyped field, unknown field).
     """
+    if not isinstance(data, dict):
+        raise ResultsFileError(file, number, f"a {type(data).__name__}, not a record object")
+    found = data.get("schema_version")
+    if isinstance(found, bool) or not isinstance(found, int):
+        raise ResultsFileError(file, number, f"schema_version {found!r} is not an integer "
+                               f"(this pagedbench reads 1 to {SCHEMA_VERSION})")
+    if found > SCHEMA_VERSION:
+        raise ResultsFileError(file, number, f"schema_version {found} was written by a newer "
+                               f"pagedbench; this one reads 1 to {SCHEMA_VERSION}")
+    if found < 1:
+        raise ResultsFileError(file, number, f"schema_version {found} is not a pagedbench "
+                               f"schema (1 to {SCHEMA_VERSION})")
+    if found == 1:
+        data = _upgrade(data)
+    try:
+        return LINE.validate_json(json.dumps(data))
+    except ValidationError as exc:
+        raise ResultsFileError(file, number, validation_problem(exc)) from None
+
+
+def _glued_record(text: str) -> Any:
+    """The JSON object that ends ``text`` after a torn prefix, or None."""
+    start = text.find('{"', 1)
+    while start != -1:
+        try:
+            value = json.loads(text[start:])
+        except json.JSONDecodeError:
+            start = text.find('{"', start + 1)
+            continue
+        return value if isinstance(value, dict) else None
+    return None
+
+
+def _files(paths: Iterable[Path]) -> Iterator[Path]:
     for path in paths:
         path = Path(path)
-        files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-        for file in files:
+        if path.is_dir():
+            yield from sorted(path.glob("*.jsonl"))
+        elif path.exists():
+            yield path
+        else:
+            raise ResultsFileError(path, None, "no such file or folder")
+
+
+def read_lines(paths: Iterable[Path]) -> Iterator[ResultRecord | RunRecord]:
+    """Every line of any number of ``.jsonl`` files or folders of them, in file order,
+    validated (:func:`parse_line`). Torn lines are skipped with a warning naming the file.
+
+    Raises
+    ------
+    ResultsFileError
+        Naming the file and line of the first line refused, or a path that does not exist
+        or cannot be read.
+    """
+    for file in _files(paths):
+        try:
+            chunks = file.read_bytes().split(b"\n")
+        except OSError as exc:
+            raise ResultsFileError(file, None, f"cannot be read ({exc.strerror})") from None
+        last = len(chunks)  # the chunk after the last newline ("" when the file ends in one)
+        for number, chunk in enumerate(chunks, 1):
+            if not chunk.strip():
+                continue
             try:
-                lines = file.read_text(encoding="utf-8").split("\n")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{file}: not a UTF-8 text file ({exc})") from exc
-            for number, line in enumerate(lines, 1):
-                if not line.strip():
+                data = json.loads(chunk.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                if number == last:
+                    warnings.warn(f"{file}:{number}: skipping a torn last line (a run killed "
+                                  "mid-write)", stacklevel=2)
                     continue
-                try:
-                    yield json.loads(line)
-                except json.JSONDecodeError as exc:
-                    if number == len(lines):  # no newline after it: cut off mid-write
-                        warnings.warn(f"{file}:{number}: skipping a truncated last line",
-                                      stacklevel=2)
-                        continue
-                    raise ValueError(f"{file}:{number}: not a JSON line ({exc})") from exc
+                data = _glued_record(chunk.decode("utf-8", errors="replace"))
+                if data is None:
+                    raise ResultsFileError(file, number, f"not a JSON line ({exc})") from None
+                warnings.warn(f"{file}:{number}: skipping a torn line glued to the next record "
+                              "(files concatenated after a killed run)", stacklevel=2)
+            yield parse_line(data, file, number)
+
+
+def results_of(lines: Iterable[ResultRecord | RunRecord]) -> list[ResultRecord]:
+    """The result records among ``lines``."""
+    return [line for line in lines if isinstance(line, ResultRecord)]
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What the lines of one run say about it."""
+
+    run_id: str
+    started: RunRecord | None
+    finished: RunRecord | None
+    results: int
+
+    @property
+    def planned(self) -> int | None:
+        """Results the finished run holds, when its start (and plan) was read."""
+        return self.started.plan.size if self.started and self.started.plan else None
+
+
+def run_states(lines: Iterable[ResultRecord | RunRecord]) -> dict[str, RunState]:
+    """Per run id: its start, its end (the last ``finished`` after the last start or
+    resumption) and how many results were read."""
+    started: dict[str, RunRecord] = {}
+    finished: dict[str, RunRecord | None] = {}
+    results: dict[str, set[tuple[str, str]]] = {}
+    for line in lines:
+        if isinstance(line, ResultRecord):
+            results.setdefault(line.run_id, set()).add((line.impl, line.case_id))
+        elif line.event == "started":
+            started[line.run_id] = line
+            finished[line.run_id] = None
+        elif line.event == "finished":
+            finished[line.run_id] = line
+        else:  # resumed, interrupted: not finished any more
+            finished[line.run_id] = None
+    ids = list(dict.fromkeys([*started, *results]))
+    return {i: RunState(i, started.get(i), finished.get(i), len(results.get(i, ()))) for i in ids}
+
+
+__all__ = [
+    "DEFAULT_RESULTS_DIR",
+    "ResultsFile",
+    "ResultsFileError",
+    "RunState",
+    "environment",
+    "new_run_id",
+    "parse_line",
+    "read_lines",
+    "results_of",
+    "run_states",
+]

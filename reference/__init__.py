@@ -3,18 +3,24 @@
 from .allocator import BlockAllocator, OutOfBlocksError
 from .case import DTYPES, PagedCase
 from .dense import attention, gather_kv, naive_attention, reference_attention
-from .inputs import PagedInputs, materialize, new_output
+from .errors import PagedInputError, PagedTypeError, PagedValueError
+from .inputs import PagedInputs, check_fits, materialize, new_output, resolve_device
 
 __all__ = [
     "DTYPES",
     "BlockAllocator",
     "OutOfBlocksError",
     "PagedCase",
+    "PagedInputError",
     "PagedInputs",
+    "PagedTypeError",
+    "PagedValueError",
     "attention",
+    "check_fits",
     "gather_kv",
     "materialize",
     "naive_attention",
     "new_output",
     "reference_attention",
+    "resolve_device",
 ]

@@ -9,10 +9,12 @@ can travel to a worker process, into a result record, and back into a replay.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
+
+from .errors import PagedTypeError, PagedValueError
 
 #: Data types a case may use, by the names results and case ids carry.
 DTYPES: dict[str, torch.dtype] = {
@@ -32,20 +34,33 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 _KV_CACHE_DTYPE_TAGS = {"fp8_e4m3": "fp8e4m3", "fp8_e5m2": "fp8e5m2"}
+#: Largest ``sm_scale``, ``logits_soft_cap``, ``k_scale`` and ``v_scale`` accepted: past it
+#: the logits of unit-normal inputs can overflow even the float64 truth (a scale of 1e308
+#: gives inf - inf = NaN in its softmax), so the case would have no truth to judge by.
+MAX_SCALE = 1e6
 
 
 def _as_int(name: str, value: object) -> int:
     """``value`` as a Python int (numpy ints accepted; bools, floats and strings not)."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+        raise PagedTypeError(name, value, "an int")
     return int(value.__index__())
 
 
 def _int_tuple(name: str, values: object) -> tuple[int, ...]:
     """``values`` (a list or tuple of ints) as a tuple of Python ints."""
     if not isinstance(values, (list, tuple)):
-        raise ValueError(f"{name} must be a list or tuple of ints, got {values!r}")
+        raise PagedTypeError(name, values, "a list or tuple of ints")
     return tuple(_as_int(name, value) for value in values)
+
+
+def _positive_finite(name: str, value: object, allowed: str) -> None:
+    """Refuse anything but a real number in ``(0, MAX_SCALE]`` (bools and strings
+    included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PagedTypeError(name, value, allowed)
+    if not (math.isfinite(value) and 0 < value <= MAX_SCALE):
+        raise PagedValueError(name, value, f"{allowed}, at most {MAX_SCALE:g}")
 
 
 def _range_tag(values: tuple[int, ...]) -> str:
@@ -74,7 +89,8 @@ class PagedCase:
     dtype : str
         One of :data:`DTYPES` (``"float32"``, ``"float16"``, ``"bfloat16"``): Q, K, V, O.
     sm_scale : float or None
-        Softmax scale applied to ``q @ k``; ``None`` means ``1 / sqrt(head_dim)``.
+        Softmax scale applied to ``q @ k``; ``None`` means ``1 / sqrt(head_dim)``. At most
+        :data:`MAX_SCALE`, like ``logits_soft_cap``, ``k_scale`` and ``v_scale``.
     sliding_window : int or None
         If set, a query at absolute position ``p`` sees keys ``p - W + 1 .. p`` (vLLM's
         and FlashAttention's convention: ``window_size = (W - 1, 0)``).
@@ -112,7 +128,9 @@ class PagedCase:
 
     Raises
     ------
-    ValueError
+    PagedTypeError
+        On a field of the wrong type (bools are not ints; strings are not numbers).
+    PagedValueError
         On any inconsistent or out-of-range field, naming it and the allowed values.
     """
 
@@ -144,60 +162,62 @@ class PagedCase:
                      "sliding_window", "num_blocks"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _as_int(name, getattr(self, name)))
+        for name in ("name", "tag"):
+            if not isinstance(getattr(self, name), str):
+                raise PagedTypeError(name, getattr(self, name), "a str")
         if not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise PagedValueError("seed", self.seed, "in [0, 2**63)")
         for name in ("sm_scale", "logits_soft_cap"):
-            value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float))
-                                          and not isinstance(value, bool)
-                                          and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be None or a finite number > 0, got {value!r}")
+            if getattr(self, name) is not None:
+                _positive_finite(name, getattr(self, name), "None or a finite number > 0")
         if not self.kv_lens:
-            raise ValueError("kv_lens must name at least one sequence")
+            raise PagedValueError("kv_lens", self.kv_lens, "at least one sequence",
+                                  "kv_lens must name at least one sequence")
         if min(self.kv_lens) < 1:
-            raise ValueError(f"kv_lens must all be >= 1, got {self.kv_lens}")
+            raise PagedValueError("kv_lens", self.kv_lens, "all >= 1",
+                                  f"kv_lens must all be >= 1, got {self.kv_lens}")
         if self.q_lens is not None:
             if len(self.q_lens) != len(self.kv_lens):
-                raise ValueError(
-                    f"q_lens has {len(self.q_lens)} entries but kv_lens has {len(self.kv_lens)}"
-                )
+                raise PagedValueError(
+                    "q_lens", self.q_lens, f"{len(self.kv_lens)} entries, one per kv_lens",
+                    f"q_lens has {len(self.q_lens)} entries but kv_lens has {len(self.kv_lens)}")
             bad = [i for i, (q, k) in enumerate(zip(self.q_lens, self.kv_lens)) if not 1 <= q <= k]
             if bad:
-                raise ValueError(f"q_lens[i] must be in [1, kv_lens[i]]; violated at {bad}")
+                raise PagedValueError("q_lens", self.q_lens, "each in [1, kv_lens[i]]",
+                                      f"q_lens[i] must be in [1, kv_lens[i]]; violated at {bad}")
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise PagedValueError(name, getattr(self, name), ">= 1")
         if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(
+            raise PagedValueError(
+                "num_q_heads", self.num_q_heads,
+                f"a multiple of num_kv_heads ({self.num_kv_heads})",
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of "
-                f"num_kv_heads ({self.num_kv_heads})"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+                f"num_kv_heads ({self.num_kv_heads})")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            error = PagedValueError if isinstance(self.dtype, str) else PagedTypeError
+            raise error("dtype", self.dtype, f"one of {sorted(DTYPES)}")
         if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or >= 1, got {self.sliding_window}")
+            raise PagedValueError("sliding_window", self.sliding_window, "None or >= 1")
         for name in ("alibi", "sinks"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
-                f"got {self.kv_cache_dtype!r}"
-            )
+                raise PagedTypeError(name, getattr(self, name), "True or False")
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            error = PagedValueError if isinstance(self.kv_cache_dtype, str) else PagedTypeError
+            raise error("kv_cache_dtype", self.kv_cache_dtype, f"one of {sorted(KV_CACHE_DTYPES)}")
         for name in ("k_scale", "v_scale"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+            _positive_finite(name, value, "a finite float > 0")
             if self.kv_cache_dtype == "auto" and value != 1.0:
-                raise ValueError(
+                raise PagedValueError(
+                    name, value, "1.0 with kv_cache_dtype 'auto'",
                     f"{name}={value} needs an fp8 kv_cache_dtype ('fp8_e4m3' or 'fp8_e5m2'); "
-                    "with kv_cache_dtype 'auto' it must be 1.0"
-                )
+                    "with kv_cache_dtype 'auto' it must be 1.0")
         if self.num_blocks is not None and self.num_blocks < self.min_num_blocks:
-            raise ValueError(
+            raise PagedValueError(
+                "num_blocks", self.num_blocks, f">= {self.min_num_blocks}",
                 f"num_blocks={self.num_blocks} is below the {self.min_num_blocks} blocks "
-                "the kv_lens need (plus one padding block)"
-            )
+                "the kv_lens need (plus one padding block)")
 
     # Derived axes ---------------------------------------------------------------------
     @property
@@ -313,13 +333,44 @@ class PagedCase:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PagedCase:
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`.
+
+        Raises
+        ------
+        PagedTypeError
+            If ``data`` is not a dict, or a field has the wrong type.
+        PagedValueError
+            If a field is unknown or missing, or a value is out of range.
+        """
+        if not isinstance(data, dict):
+            raise PagedTypeError("case", data, "a dict of PagedCase fields")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in data if k not in known)
+        if unknown:
+            raise PagedValueError("case", unknown, f"fields among {known}",
+                                  f"case has unknown fields {unknown}; allowed: {known}")
+        required = [f.name for f in fields(cls) if f.default is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise PagedValueError("case", sorted(data), f"all of {required}",
+                                  f"case is missing fields {missing} (required: {required})")
         data = dict(data)
-        data["kv_lens"] = tuple(data["kv_lens"])
-        if data.get("q_lens") is not None:
-            data["q_lens"] = tuple(data["q_lens"])
+        for name in ("kv_lens", "q_lens"):
+            if isinstance(data.get(name), list):
+                data[name] = tuple(data[name])
         return cls(**data)
 
     def with_(self, **changes: Any) -> PagedCase:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again).
+
+        Raises
+        ------
+        PagedValueError
+            If a name in ``changes`` is not a field (or any error of the constructor).
+        """
+        known = [f.name for f in fields(self)]
+        unknown = sorted(k for k in changes if k not in known)
+        if unknown:
+            raise PagedValueError("changes", unknown, f"fields among {known}",
+                                  f"PagedCase has no fields {unknown}; allowed: {known}")
         return replace(self, **changes)

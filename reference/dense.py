@@ -31,7 +31,17 @@ from __future__ import annotations
 import torch
 
 from .case import PagedCase
+from .errors import PagedTypeError, PagedValueError
 from .inputs import PagedInputs
+
+
+def _checked(inputs: object) -> PagedInputs:
+    """``inputs`` once it is a :class:`PagedInputs` whose values agree with its case
+    (shapes and dtypes are checked when it is built)."""
+    if not isinstance(inputs, PagedInputs):
+        raise PagedTypeError("inputs", inputs, "a PagedInputs (see materialize)")
+    inputs.check_values()
+    return inputs
 
 
 def gather_kv(inputs: PagedInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -43,7 +53,13 @@ def gather_kv(inputs: PagedInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         One pair per sequence, each ``Tensor[kv_len, num_kv_heads, head_dim]`` in the
         cache's element type (the case dtype, or fp8 holding the quantized values; see
         :func:`dequantize`), on the inputs' device.
+
+    Raises
+    ------
+    PagedTypeError, PagedValueError
+        If ``inputs`` is not a consistent :class:`PagedInputs`.
     """
+    inputs = _checked(inputs)
     bs = inputs.case.block_size
     tables = inputs.block_tables.tolist()
     cache = inputs.kv_cache  # [num_blocks, 2, bs, hkv, d]
@@ -67,9 +83,29 @@ def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
 
 def _require(name: str, value: torch.Tensor | None, wanted: bool, flag: str) -> None:
     if wanted and value is None:
-        raise ValueError(f"{flag} is set, so {name} must be given (PagedInputs.{name})")
+        raise PagedValueError(name, value, f"a tensor when {flag} is set",
+                              f"{flag} is set, so {name} must be given (PagedInputs.{name})")
     if not wanted and value is not None:
-        raise ValueError(f"{name} was given but {flag} is False; pass {name}=None")
+        raise PagedValueError(name, "a tensor", f"None when {flag} is False",
+                              f"{name} was given but {flag} is False; pass {name}=None")
+
+
+def _check_sequence(q: object, k: object, v: object, case: object) -> None:
+    """Refuse arguments of :func:`attention` that disagree with each other or the case."""
+    if not isinstance(case, PagedCase):
+        raise PagedTypeError("case", case, "a PagedCase")
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            raise PagedTypeError(name, tensor, "a 3-D torch.Tensor [tokens, heads, head_dim]")
+    heads = (case.num_q_heads, case.num_kv_heads, case.num_kv_heads)
+    for name, tensor, num_heads in zip("qkv", (q, k, v), heads):
+        if tuple(tensor.shape[1:]) != (num_heads, case.head_dim):
+            raise PagedValueError(name, tuple(tensor.shape),
+                                  f"of shape [*, {num_heads}, {case.head_dim}]")
+    if k.shape != v.shape:
+        raise PagedValueError("v", tuple(v.shape), f"of the shape of k {tuple(k.shape)}")
+    if not 1 <= q.shape[0] <= k.shape[0]:
+        raise PagedValueError("q", tuple(q.shape), f"1 to {k.shape[0]} rows (kv_len)")
 
 
 def masked_logits(
@@ -146,10 +182,12 @@ def attention(
 
     Raises
     ------
-    ValueError
-        If ``alibi_slopes`` or ``sinks`` is missing although the case asks for it, or
-        given although it does not.
+    PagedTypeError, PagedValueError
+        If the tensors' shapes disagree with each other or the case, or ``alibi_slopes``
+        or ``sinks`` is missing although the case asks for it, or given although it does
+        not.
     """
+    _check_sequence(q, k, v, case)
     _require("alibi_slopes", alibi_slopes, case.alibi, "case.alibi")
     _require("sinks", sinks, case.sinks, "case.sinks")
     out_dtype = q.dtype
@@ -167,9 +205,12 @@ def attention(
     return torch.einsum("hqk,khd->qhd", probs.to(out_dtype), v)
 
 
-def _per_sequence(inputs: PagedInputs, dtype: torch.dtype,
+def _per_sequence(inputs: PagedInputs, dtype: torch.dtype | None,
                   logits_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Attention of every sequence in ``dtype`` (``None``: the case dtype)."""
+    inputs = _checked(inputs)
     case = inputs.case
+    dtype = case.torch_dtype if dtype is None else dtype
     cu = inputs.cu_seqlens_q.tolist()
     out = torch.empty(case.total_q, case.num_q_heads, case.head_dim, dtype=dtype,
                       device=inputs.device)
@@ -188,7 +229,13 @@ def _per_sequence(inputs: PagedInputs, dtype: torch.dtype,
 
 
 def reference_attention(inputs: PagedInputs) -> torch.Tensor:
-    """The float64 ground truth, ``Tensor[total_q, num_q_heads, head_dim]``, float64."""
+    """The float64 ground truth, ``Tensor[total_q, num_q_heads, head_dim]``, float64.
+
+    Raises
+    ------
+    PagedTypeError, PagedValueError
+        If ``inputs`` is not a consistent :class:`PagedInputs`.
+    """
     return _per_sequence(inputs, torch.float64)
 
 
@@ -202,5 +249,11 @@ def naive_attention(inputs: PagedInputs) -> torch.Tensor:
     also rounds the logits. ``Tensor[total_q, num_q_heads, head_dim]``, case dtype.
 
     An fp8 cache is dequantized into the case dtype first, so that the yardstick, like the
-    truth, measures attention on the values the cache stands for."""
-    return _per_sequence(inputs, inputs.case.torch_dtype, logits_dtype=torch.float32)
+    truth, measures attention on the values the cache stands for.
+
+    Raises
+    ------
+    PagedTypeError, PagedValueError
+        If ``inputs`` is not a consistent :class:`PagedInputs`.
+    """
+    return _per_sequence(inputs, None, logits_dtype=torch.float32)

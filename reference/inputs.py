@@ -14,6 +14,7 @@ cache holds the fp8 NaN (byte ``0x7F`` in both E4M3 "fn" and E5M2) in those slot
 from __future__ import annotations
 
 import math
+import os
 import random
 from dataclasses import dataclass
 
@@ -21,6 +22,7 @@ import torch
 
 from .allocator import BlockAllocator
 from .case import PagedCase
+from .errors import PagedTypeError, PagedValueError
 
 #: Fraction of K channels scaled up, and by how much: real models' keys have a few
 #: high-magnitude channels, which stress the low-precision dot products.
@@ -47,11 +49,13 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
 
     Raises
     ------
-    ValueError
-        If ``num_heads`` < 1.
+    PagedTypeError, PagedValueError
+        If ``num_heads`` is not an int >= 1.
     """
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
+        raise PagedTypeError("num_heads", num_heads, "an int >= 1")
     if num_heads < 1:
-        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        raise PagedValueError("num_heads", num_heads, ">= 1")
     m = 2 ** math.floor(math.log2(num_heads))
     slopes = [2.0 ** (-8.0 * i / m) for i in range(1, m + 1)]
     slopes += [2.0 ** (-8.0 * i / (2 * m)) for i in range(1, 2 * (num_heads - m), 2)]
@@ -99,6 +103,87 @@ class PagedInputs:
     alibi_slopes: torch.Tensor | None = None
     sinks: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse tensors whose type, shape, dtype or device disagree with the case (the
+        values are checked by :meth:`check_values`)."""
+        case = self.case
+        if not isinstance(case, PagedCase):
+            raise PagedTypeError("case", case, "a PagedCase")
+        hkv, d = case.num_kv_heads, case.head_dim
+        expected = {
+            "q": ((case.total_q, case.num_q_heads, d), case.torch_dtype),
+            "kv_cache": ((None, 2, case.block_size, hkv, d), case.kv_torch_dtype),
+            "block_tables": ((case.batch_size, None), torch.int32),
+            "kv_lens": ((case.batch_size,), torch.int32),
+            "cu_seqlens_q": ((case.batch_size + 1,), torch.int32),
+            "slot_mapping": ((sum(case.kv_lens),), torch.int64),
+        }
+        if case.alibi or self.alibi_slopes is not None:
+            expected["alibi_slopes"] = ((case.num_q_heads,), torch.float32)
+        if case.sinks or self.sinks is not None:
+            expected["sinks"] = ((case.num_q_heads,), torch.float32)
+        for name, (shape, dtype) in expected.items():
+            tensor = getattr(self, name)
+            if not isinstance(tensor, torch.Tensor):
+                raise PagedTypeError(name, tensor, f"a torch.Tensor of shape {_shape(shape)}")
+            if tensor.dim() != len(shape) or any(
+                    want is not None and got != want for got, want in zip(tensor.shape, shape)):
+                raise PagedValueError(name, tuple(tensor.shape), f"of shape {_shape(shape)}",
+                                      f"{name} must have shape {_shape(shape)} for case "
+                                      f"{case.case_id}, got {tuple(tensor.shape)}")
+            if tensor.dtype != dtype:
+                raise PagedValueError(name, tensor.dtype, f"of dtype {dtype}")
+            if tensor.device != self.q.device:
+                raise PagedValueError(name, tensor.device, f"on the device of q ({self.q.device})")
+        if case.alibi != (self.alibi_slopes is not None):
+            raise PagedValueError("alibi_slopes", self.alibi_slopes,
+                                  "given exactly when case.alibi is True")
+        if case.sinks != (self.sinks is not None):
+            raise PagedValueError("sinks", self.sinks, "given exactly when case.sinks is True")
+        num_blocks = self.kv_cache.shape[0]
+        if self.block_tables.shape[1] < case.max_blocks_per_seq:
+            raise PagedValueError("block_tables", tuple(self.block_tables.shape),
+                                  f"at least {case.max_blocks_per_seq} columns")
+        if isinstance(self.padding_block, bool) or not isinstance(self.padding_block, int):
+            raise PagedTypeError("padding_block", self.padding_block, "an int")
+        if not 0 <= self.padding_block < num_blocks:
+            raise PagedValueError("padding_block", self.padding_block, f"in 0..{num_blocks - 1}")
+
+    def check_values(self) -> None:
+        """Refuse values that disagree with the case: ``kv_lens``, ``cu_seqlens_q``, every
+        block-table entry a sequence uses (in ``0 .. num_blocks - 1``) and
+        ``slot_mapping`` (the slots those entries give). Reads the tensors back to the
+        host.
+
+        Raises
+        ------
+        PagedValueError
+            Naming the tensor, the entry and the allowed values.
+        """
+        case = self.case
+        if tuple(self.kv_lens.tolist()) != case.kv_lens:
+            raise PagedValueError("kv_lens", self.kv_lens.tolist(),
+                                  f"case.kv_lens {list(case.kv_lens)}")
+        cu = [0]
+        for q_len in case.q_lens_or_decode:
+            cu.append(cu[-1] + q_len)
+        if self.cu_seqlens_q.tolist() != cu:
+            raise PagedValueError("cu_seqlens_q", self.cu_seqlens_q.tolist(),
+                                  f"{cu} (prefix sums of q_lens)")
+        num_blocks, bs = self.kv_cache.shape[0], case.block_size
+        slots = []
+        for i, (row, used) in enumerate(zip(self.block_tables.tolist(), case.blocks_per_seq)):
+            bad = [b for b in row[:used] if not 0 <= b < num_blocks]
+            if bad:
+                raise PagedValueError(f"block_tables[{i}]", bad[0], f"in 0..{num_blocks - 1}")
+            slots += [row[t // bs] * bs + t % bs for t in range(case.kv_lens[i])]
+        found = self.slot_mapping.tolist()
+        if found != slots:
+            j = next(j for j, (a, b) in enumerate(zip(found, slots)) if a != b)
+            raise PagedValueError(f"slot_mapping[{j}]", found[j],
+                                  f"{slots[j]} (block_tables[seq][t // block_size] * "
+                                  "block_size + t % block_size)")
+
     @property
     def k_cache(self) -> torch.Tensor:
         """``[num_blocks, block_size, num_kv_heads, head_dim]`` view of K."""
@@ -134,6 +219,10 @@ class PagedInputs:
             move(self.alibi_slopes),
             move(self.sinks),
         )
+
+
+def _shape(shape: tuple[int | None, ...]) -> str:
+    return "[" + ", ".join("*" if n is None else str(n) for n in shape) + "]"
 
 
 def new_output(inputs: PagedInputs) -> torch.Tensor:
@@ -188,6 +277,94 @@ STALE_SCALE = 30.0
 TAIL_POISONS = ("nan", "stale")
 
 
+def resolve_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` that exists on this machine.
+
+    Raises
+    ------
+    PagedTypeError
+        If ``device`` is not a str or ``torch.device``.
+    PagedValueError
+        If it is not ``cpu``, ``cuda`` or ``cuda:N``, or names a CUDA device this machine
+        does not have (checked before anything is built).
+    """
+    allowed = "'cpu', 'cuda' or 'cuda:N'"
+    if isinstance(device, str):
+        try:
+            resolved = torch.device(device)
+        except RuntimeError:
+            raise PagedValueError("device", device, allowed) from None
+    elif isinstance(device, torch.device):
+        resolved = device
+    else:
+        raise PagedTypeError("device", device, f"a str or torch.device: {allowed}")
+    if resolved.type not in ("cpu", "cuda"):
+        raise PagedValueError("device", device, allowed)
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PagedValueError(
+                "device", str(device), "'cpu' on this machine",
+                f"device {str(device)!r}: no CUDA device is visible to torch here "
+                f"(torch {torch.__version__}); allowed: 'cpu'")
+        count = torch.cuda.device_count()
+        if resolved.index is not None and resolved.index >= count:
+            raise PagedValueError("device", str(device), f"'cpu' or cuda:0..cuda:{count - 1}")
+    return resolved
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of ``device`` (bytes): the GPU's, or the host's physical memory;
+    ``None`` when the host does not say."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(index).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def footprint_bytes(case: PagedCase) -> int:
+    """Bytes :func:`materialize` allocates for ``case`` at least: the KV pool
+    (``pool_blocks * 2 * block_size * num_kv_heads * head_dim`` elements), Q and an output
+    of its size, and the float32 draws of the longest sequence's K and V."""
+    pool = case.pool_blocks * 2 * case.block_size * case.num_kv_heads * case.head_dim
+    rows = case.total_q * case.num_q_heads * case.head_dim
+    draws = 2 * max(case.kv_lens) * case.num_kv_heads * case.head_dim
+    return pool * case.kv_torch_dtype.itemsize + 2 * rows * case.torch_dtype.itemsize + 4 * draws
+
+
+def check_fits(case: PagedCase, device: str | torch.device = "cpu") -> None:
+    """Refuse a case whose tensors could never fit in ``device``'s memory, before anything
+    is allocated (a block_size of 1e9 asks for terabytes of KV pool).
+
+    Raises
+    ------
+    PagedValueError
+        Naming the parameter that makes the pool this large (``num_blocks`` when set,
+        else ``block_size`` when it exceeds every sequence, else ``kv_lens``), the bytes
+        needed and the device's memory.
+    """
+    resolved = resolve_device(device)
+    total = device_memory_bytes(resolved)
+    need = footprint_bytes(case)
+    if total is None or need <= total:
+        return
+    if case.num_blocks is not None:
+        parameter, value = "num_blocks", case.num_blocks
+    elif case.block_size > max(case.kv_lens):
+        parameter, value = "block_size", case.block_size
+    else:
+        parameter, value = "kv_lens", list(case.kv_lens)
+    raise PagedValueError(
+        parameter, value, f"small enough for {total / 1e9:.3g} GB",
+        f"{parameter}={value}: case {case.case_id} needs {need / 1e9:.3g} GB "
+        f"({case.pool_blocks} blocks x 2 x block_size {case.block_size} x num_kv_heads "
+        f"{case.num_kv_heads} x head_dim {case.head_dim} of {case.kv_cache_dtype} KV cache, "
+        f"plus Q and the output), more than the {total / 1e9:.3g} GB of memory of "
+        f"{resolved.type}; allowed: a case that fits in it")
+
+
 def materialize(
     case: PagedCase, device: str | torch.device = "cpu", *, tail_poison: str = "nan"
 ) -> PagedInputs:
@@ -211,12 +388,18 @@ def materialize(
 
     Raises
     ------
-    ValueError
-        If the case is invalid (see :class:`PagedCase`), or ``tail_poison`` is not one of
-        :data:`TAIL_POISONS`.
+    PagedTypeError
+        If ``case`` is not a :class:`PagedCase`, or ``device`` not a str/device.
+    PagedValueError
+        If ``tail_poison`` is not one of :data:`TAIL_POISONS`, ``device`` does not exist
+        here (:func:`resolve_device`), or the case cannot fit in its memory
+        (:func:`check_fits`); all checked before anything is built.
     """
+    if not isinstance(case, PagedCase):
+        raise PagedTypeError("case", case, "a PagedCase")
     if tail_poison not in TAIL_POISONS:
-        raise ValueError(f"tail_poison must be one of {TAIL_POISONS}, got {tail_poison!r}")
+        raise PagedValueError("tail_poison", tail_poison, f"one of {TAIL_POISONS}")
+    check_fits(case, device)
     gen = torch.Generator().manual_seed(case.seed)
     dtype = case.torch_dtype
     hkv, d, bs = case.num_kv_heads, case.head_dim, case.block_size
@@ -268,4 +451,4 @@ def materialize(
         alibi_slopes=alibi_slopes(case.num_q_heads) if case.alibi else None,
         sinks=sinks,
     )
-    return inputs if torch.device(device).type == "cpu" else inputs.to(device)
+    return inputs if resolve_device(device).type == "cpu" else inputs.to(device)

@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 
-from pagedbench.harness.runner import apply_environment, cache_environment
+from pagedbench.harness.environment import apply_environment, cache_environment
 
 _BUILD = Path(__file__).resolve().parent.parent / "build"
-_env = {k: v for k, v in cache_environment(_BUILD).items() if k not in os.environ}
+_env = cache_environment(_BUILD)
 if not torch.cuda.is_available():
     _env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "1")
 apply_environment(_env)

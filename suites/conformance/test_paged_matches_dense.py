@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
+from pagedbench.harness.conformance import assert_conforms, inputs_for, nan_tail_output_finite
 from pagedbench.harness.strategies import paged_cases
-from pagedbench.harness.tolerance import assert_matches_truth
-from pagedbench.reference import PagedCase, materialize
+from pagedbench.reference import PagedCase
 
 from .conftest import DEVICE
 
@@ -24,14 +24,6 @@ from .conftest import DEVICE
 #: implementations that compile per shape (FlexAttention) or run interpreted cost seconds
 #: per example, so the budget is smaller than the profile's default.
 EXAMPLES = {"ci": 8, "dev": 200}
-
-
-def check(adapter, case: PagedCase) -> None:
-    """Run ``case`` through ``adapter`` and assert the tolerance policy (NaN in the tails
-    of last blocks unless the adapter declares ``nan_safe_tail=False``)."""
-    inputs = materialize(case, DEVICE, tail_poison=adapter.capabilities(DEVICE).tail_poison)
-    out = adapter.run(adapter.prepare(inputs))
-    assert_matches_truth(out, inputs, f"{adapter.name}:{case.case_id}")
 
 
 @settings(max_examples=EXAMPLES[os.environ.get("HYPOTHESIS_PROFILE", "ci")],
@@ -49,7 +41,7 @@ def test_paged_matches_dense(adapter, data) -> None:
     reasons = adapter.why_unsupported(case, DEVICE)
     note(f"case {case.case_id}: {case.to_dict()}; unsupported: {reasons}")
     assume(not reasons)
-    check(adapter, case)
+    assert_conforms(adapter, case, DEVICE)
 
 
 def _probe(caps, block_size: int = 16, head_dim: int = 64) -> PagedCase:
@@ -88,14 +80,14 @@ def test_boundary_lengths(adapter, num_q_heads, num_kv_heads) -> None:
     case = pinned_case(
         adapter, lambda bs: tuple(sorted({1, max(1, bs - 1), bs, bs + 1, 2 * bs + 3})),
         num_q_heads, num_kv_heads, "boundary")
-    check(adapter, case)
+    assert_conforms(adapter, case, DEVICE)
 
 
 def test_block_placement_does_not_change_output(adapter) -> None:
     """Metamorphic (xformers' block-swap test): the same logical K/V scattered over
     different physical blocks gives the same output, bit for bit."""
     case = pinned_case(adapter, lambda bs: (3 * bs + 5, bs + 1), 4, 2, "placement")
-    a = materialize(case, DEVICE, tail_poison=adapter.capabilities(DEVICE).tail_poison)
+    a = inputs_for(adapter, case, DEVICE)
     moved = _permute_blocks(a)
     assert not torch.equal(a.block_tables, moved.block_tables)
     out_a = adapter.run(adapter.prepare(a))
@@ -128,9 +120,9 @@ def test_nan_safe_tail_declaration_is_true(adapter) -> None:
     fails so the declaration (and the † in the leaderboard) can go."""
     caps = adapter.capabilities(DEVICE)
     case = pinned_case(adapter, lambda bs: (bs + 1, 2 * bs - 1), 4, 2, "nan-tail")
-    out = adapter.run(adapter.prepare(materialize(case, DEVICE, tail_poison="nan")))
-    finite = bool(torch.isfinite(out).all())
-    assert finite == caps.nan_safe_tail, (
+    finite = nan_tail_output_finite(adapter, case, DEVICE)
+    assert finite is caps.nan_safe_tail, (
         f"{adapter.name} declares nan_safe_tail={caps.nan_safe_tail} but its output with "
-        f"NaN in the last blocks' tails is {'finite' if finite else 'not finite'}"
+        f"NaN in the last blocks' tails is "
+        f"{ {True: 'finite', False: 'not finite', None: 'an exception'}[finite] }"
     )

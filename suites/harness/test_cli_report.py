@@ -1,120 +1,152 @@
-"""`pagedbench report` renders stored result files; `pagedbench list --json` describes
-every registered implementation."""
+"""The CLI refuses bad options and paths with the option, the value and what is allowed
+(exit 2, no traceback), documents its exit codes, and prints the results schema."""
 
 from __future__ import annotations
 
-import csv
-import io
 import json
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
-from pagedbench.adapters import registry
 from pagedbench.harness.cli import main
-from pagedbench.harness.store import ResultsFile
+from pagedbench.harness.record import json_schema
+from pagedbench.harness.status import ExitCode
 
-
-def _write(path, impl, case_id, status, ms):
-    ResultsFile(path).append({"impl": impl, "case_id": case_id, "status": status, "reason": "",
-                              "time_ms_median": ms, "timing_method": "perf_counter",
-                              "run_id": "r1", "env": {"device": "cpu0"}})
-
-
-def test_report_merges_files_and_later_lines_win(tmp_path, capsys) -> None:
-    _write(tmp_path / "a.jsonl", "x", "c1", "fail", None)
-    _write(tmp_path / "b.jsonl", "x", "c1", "pass", 3.0)
-    _write(tmp_path / "b.jsonl", "y", "c1", "pass", 1.5)
-    assert main(["report", str(tmp_path), "--format", "csv"]) == 0
-    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
-    assert [(r["impl"], r["status"], r["time_ms_median"]) for r in rows] == [
-        ("x", "pass", "3.0"), ("y", "pass", "1.5")]
-    out = tmp_path / "board.md"
-    assert main(["report", str(tmp_path / "b.jsonl"), "--output", str(out)]) == 0
-    assert "**pass 1.5 ms**" in out.read_text()
-
-
-def test_report_rejects_missing_paths(tmp_path) -> None:
-    with pytest.raises(SystemExit, match="no such file"):
-        main(["report", str(tmp_path / "absent.jsonl")])
-
-
-def test_list_json_covers_every_registered_adapter(capsys) -> None:
-    assert main(["list", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)
-    assert [r["name"] for r in rows] == list(registry())
-    for row in rows:
-        assert isinstance(row["available"], bool)
-        assert row["available"] or row["reason"], f"{row['name']} unavailable without a reason"
-        assert set(row["capabilities"]) >= {"devices", "dtypes", "block_sizes", "head_dims", "modes"}
+ROOT = Path(__file__).resolve().parents[2]
+ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]
 
 
 @pytest.mark.parametrize("argv, message", [
     (["run", "--device", "tpu"], "must be cpu, cuda or cuda:N"),
     (["run", "--device", "cuda:x"], "must be cpu, cuda or cuda:N"),
     (["run", "--case-timeout", "nan"], "finite number of seconds > 0"),
+    (["run", "--harness-timeout", "-1"], "finite number of seconds > 0"),
     (["run", "--case-timeout", "0"], "finite number of seconds > 0"),
     (["run", "--block-size", "0"], "integer >= 1"),
+    (["run", "--threads", "100000"], "<= 1024"),
     (["run", "--preset", "gpt-5"], "invalid choice"),
+    (["run", "--resume", "../x"], "must be a run id"),
     (["list", "--device", "mps"], "must be cpu, cuda or cuda:N"),
+    (["list", "--timeout", "inf"], "finite number of seconds > 0"),
 ])
 def test_bad_arguments_are_named_with_the_allowed_values(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == ExitCode.USAGE_ERROR
     assert message in capsys.readouterr().err
 
 
-def test_unusable_paths_exit_with_a_message(tmp_path) -> None:
+def _usage_error(argv: list[str], capsys) -> str:
+    assert main(argv) == ExitCode.USAGE_ERROR
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("option", ["--results-dir", "--cache-dir"])
+@pytest.mark.parametrize("where", ["a file", "under a file", "/proc"])
+def test_unusable_output_folders_are_refused(option, where, tmp_path, capsys) -> None:
     a_file = tmp_path / "f"
     a_file.write_text("")
-    with pytest.raises(SystemExit, match="--results-dir .* is a file"):
-        main(["run", "--results-dir", str(a_file)])
-    with pytest.raises(SystemExit, match="--cache-dir .* is a file"):
-        main(["run", "--cache-dir", str(a_file)])
-    not_a_result = tmp_path / "x.jsonl"
-    not_a_result.write_text("[1, 2]\n")
-    with pytest.raises(SystemExit, match="record 1 is not a result"):
-        main(["report", str(not_a_result)])
-    with pytest.raises(SystemExit, match="--output folder .* does not exist"):
-        main(["report", str(not_a_result), "--output", str(tmp_path / "no" / "x.md")])
+    path = {"a file": a_file, "under a file": a_file / "sub", "/proc": Path("/proc/pb")}[where]
+    err = _usage_error(["run", option, str(path), "--impl", "torch-gather"], capsys)
+    assert f"{option} {path}" in err
 
 
-def test_report_keeps_cpu_and_gpu_results_apart(tmp_path, capsys) -> None:
-    for device, ms in (("cpu", 9.0), ("cuda", 0.05)):
-        ResultsFile(tmp_path / f"{device}.jsonl").append(
-            {"impl": "k", "case_id": "c1", "status": "pass", "device": device,
-             "time_ms_median": ms, "timing_method": "perf_counter", "run_id": device,
-             "env": {"device": device}})
-    assert main(["report", str(tmp_path)]) == 0
+@pytest.mark.parametrize("where", ["under a file", "/proc"])
+def test_simulate_output_dir_under_a_file_or_proc_is_refused(where, tmp_path, capsys) -> None:
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    path = a_file / "sub" if where == "under a file" else Path("/proc/pb")
+    err = _usage_error(["simulate", "--output-dir", str(path)], capsys)
+    assert f"--output-dir {path}" in err
+
+
+@pytest.mark.parametrize("output, message", [
+    ("missing/x.md", "--output folder .* does not exist"),
+    (".", "--output .* is a folder"),
+    ("/proc/x.md", "--output /proc/x.md: cannot write there"),
+])
+def test_report_output_is_checked(output, message, tmp_path, capsys) -> None:
+    from .conftest import result
+    from pagedbench.harness.store import ResultsFile
+
+    ResultsFile(tmp_path / "r.jsonl").append(result("x"))
+    target = output if output.startswith("/") else str(tmp_path / output)
+    err = _usage_error(["report", str(tmp_path / "r.jsonl"), "--output", target], capsys)
+    assert re.search(message, err), err
+
+
+def test_report_rejects_missing_paths(tmp_path, capsys) -> None:
+    err = _usage_error(["report", str(tmp_path / "absent.jsonl")], capsys)
+    assert "no such file or folder" in err
+
+
+def test_a_typo_in_impl_is_a_usage_error(tmp_path, capsys) -> None:
+    err = _usage_error(["run", "--impl", "torch-gathr", "--results-dir", str(tmp_path)], capsys)
+    assert "--impl ['torch-gathr'] unknown; choose from ['sdpa-contiguous'" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_a_device_this_machine_lacks_is_refused_before_any_worker(tmp_path, capsys) -> None:
+    err = _usage_error(["run", "--device", "cuda", "--results-dir", str(tmp_path)], capsys)
+    assert "--device cuda: device 'cuda': no CUDA device is visible to torch" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_implausible_block_size_is_refused_naming_it(tmp_path, capsys) -> None:
+    err = _usage_error(["run", *ONE_PRESET[:2], "--block-size", "1000000000", "--impl",
+                        "torch-gather", "--results-dir", str(tmp_path)], capsys)
+    assert "--block-size 1000000000: block_size=1000000000: case llama3.1-70b-tp8" in err
+    assert "GB of memory of cpu" in err and not list(tmp_path.iterdir())
+
+
+def test_resume_needs_a_recorded_run_and_no_selection(tmp_path, capsys) -> None:
+    err = _usage_error(["run", "--resume", "nope", "--results-dir", str(tmp_path)], capsys)
+    assert f"--resume nope: no {tmp_path / 'nope.jsonl'}" in err
+    err = _usage_error(["run", "--resume", "nope", "--impl", "x", "--results-dir",
+                        str(tmp_path)], capsys)
+    assert "drop --impl" in err
+    from .conftest import result
+    from pagedbench.harness.store import ResultsFile
+
+    ResultsFile(tmp_path / "old.jsonl").append(result("x", run_id="old"))
+    err = _usage_error(["run", "--resume", "old", "--results-dir", str(tmp_path)], capsys)
+    assert "records no start with a plan" in err
+
+
+def test_run_exits_3_when_nothing_ran(tmp_path) -> None:
+    """The selected implementation is unavailable here (a GPU-only one on the CPU, or a
+    library not installed): no verdict at all must not look like success."""
+    code = main(["run", "--impl", "flashinfer-nhd", *ONE_PRESET, "--results-dir",
+                 str(tmp_path), "--cache-dir", str(tmp_path / "build")])
+    assert code == ExitCode.NOTHING_RAN
+
+
+def test_help_lists_every_exit_code(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
     out = capsys.readouterr().out
-    assert "k@cpu" in out and "k@cuda" in out
-    assert "Device: cpu" in out and "Device: cuda" in out
+    for code in ExitCode:
+        assert f"  {int(code)}  {code.meaning}" in out
 
 
-def test_run_exits_2_when_nothing_ran(tmp_path) -> None:
-    """Every selected implementation unavailable here (a GPU-only one on the CPU): no
-    verdict at all must not look like success."""
-    gpu_only = next(name for name, (_, a) in registry().items()
-                    if "cpu" not in a.capabilities("cpu").devices)
-    code = main(["run", "--impl", gpu_only, "--preset", "llama3.1-70b-tp8", "--block-size",
-                 "16", "--results-dir", str(tmp_path), "--no-timing",
-                 "--cache-dir", str(tmp_path / "build")])
-    assert code == 2
+def test_schema_command_prints_the_committed_schema(capsys) -> None:
+    assert main(["schema"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json_schema()
+    committed = json.loads((ROOT / "docs" / "result.schema.json").read_text())
+    assert committed == printed, "regenerate: pagedbench schema > docs/result.schema.json"
 
 
-def test_a_broken_out_of_tree_adapter_is_unavailable_not_fatal(tmp_path) -> None:
-    import os
-    import subprocess
-    import sys
-
-    dist = tmp_path / "site" / "broken_plugin-0.dist-info"
-    dist.mkdir(parents=True)
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 0\n")
-    (dist / "entry_points.txt").write_text("[pagedbench.adapters]\nx = not_installed_mod:Thing\n")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
-    listed = subprocess.run([sys.executable, "-m", "pagedbench.harness.cli", "list", "--json"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert listed.returncode == 0, listed.stderr
-    row = next(r for r in json.loads(listed.stdout) if r["name"] == "not_installed_mod:Thing")
-    assert not row["available"]
-    assert "ModuleNotFoundError" in row["reason"] and "not_installed_mod" in row["reason"]
+def test_readme_documents_every_field_and_exit_code() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Results schema", 1)[1].split("\n## ", 1)[0]
+    schema = json_schema()["$defs"]
+    for model in ("ResultRecord", "RunRecord"):
+        for field in schema[model]["properties"]:
+            assert f"`{field}`" in section, f"README's Results schema lacks {model}.{field}"
+    for code in ExitCode:
+        assert f"| {int(code)} |" in readme

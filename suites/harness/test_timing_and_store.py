@@ -8,9 +8,11 @@ import threading
 import pytest
 
 from pagedbench.harness import report
-from pagedbench.harness.store import ResultsFile, read_records
+from pagedbench.harness.store import ResultsFile, read_lines
 from pagedbench.harness.timing import bytes_moved, flops, time_cpu
 from pagedbench.reference import PagedCase
+
+from .conftest import result
 
 
 def test_time_cpu_measures_a_known_sleep() -> None:
@@ -52,64 +54,46 @@ def test_results_file_appends_whole_lines_from_many_threads(tmp_path) -> None:
 
     def write(worker: int) -> None:
         for i in range(50):
-            store.append({"worker": worker, "i": i, "payload": payload})
+            store.append(result(f"w{worker}", f"c{i}", reason=payload))
 
     threads = [threading.Thread(target=write, args=(w,)) for w in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    records = list(read_records([tmp_path / "sub"]))
+    records = list(read_lines([tmp_path / "sub"]))
     assert len(records) == 200
-    assert sorted((r["worker"], r["i"]) for r in records) == [(w, i) for w in range(4) for i in range(50)]
-
-
-def test_read_records_names_a_corrupt_line(tmp_path) -> None:
-    path = tmp_path / "bad.jsonl"
-    path.write_text(json.dumps({"a": 1}) + "\n{not json\n" + json.dumps({"b": 2}) + "\n")
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
-        list(read_records([path]))
-
-
-def test_read_records_skips_a_line_cut_off_by_a_crash(tmp_path) -> None:
-    path = tmp_path / "cut.jsonl"
-    path.write_text(json.dumps({"a": 1}) + "\n" + '{"b": "unterminated')
-    with pytest.warns(UserWarning, match="cut.jsonl:2: skipping a truncated last line"):
-        assert list(read_records([path])) == [{"a": 1}]
+    assert sorted((r.impl, r.case["name"]) for r in records) == sorted(
+        (f"w{w}", f"c{i}") for w in range(4) for i in range(50))
 
 
 def test_non_finite_figures_are_written_as_null(tmp_path) -> None:
     store = ResultsFile(tmp_path / "r.jsonl")
-    store.append({"max_abs_err": float("nan"), "ratio": float("inf"), "nested": [float("-inf")]})
+    store.append(result("x", max_abs_err=float("nan"), err_ratio_vs_naive=float("inf")))
     line = (tmp_path / "r.jsonl").read_text()
-    assert json.loads(line) == {"max_abs_err": None, "nested": [None], "ratio": None}
+    data = json.loads(line)
+    assert data["max_abs_err"] is None and data["err_ratio_vs_naive"] is None
     assert "NaN" not in line and "Infinity" not in line
-
-
-def _record(impl, case_id, status, ms=None, method="perf_counter"):
-    return {"impl": impl, "case_id": case_id, "status": status, "reason": "" if status == "pass" else "why",
-            "time_ms_median": ms, "timing_method": method if ms else None, "run_id": "r",
-            "interpreted": method == "interpreted",
-            "env": {"device": "cpu0", "device_type": "cpu", "threads": 2}}
 
 
 def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted() -> None:
     records = [
-        _record("a", "c1", "pass", 2.0), _record("b", "c1", "pass", 1.0),
-        _record("interp", "c1", "pass", 0.5, method="interpreted"),
-        _record("a", "c2", "fail"), _record("b", "c2", "unsupported"),
-        _record("interp", "c2", "pass", 0.1, method="interpreted"),
-        _record("gpu-only", "c1", "unavailable"), _record("gpu-only", "c2", "unavailable"),
+        result("a", "c1", "pass", 2.0), result("b", "c1", "pass", 1.0),
+        result("interp", "c1", "pass", 0.5, method="interpreted"),
+        result("a", "c2", "fail"), result("b", "c2", "unsupported"),
+        result("interp", "c2", "pass", 0.1, method="interpreted"),
+        result("gpu-only", "c1", "unavailable"), result("gpu-only", "c2", "unavailable"),
     ]
+    c1, c2 = records[0].case_id, records[3].case_id
     df = report.frame(records)
     table = report.leaderboard(df)
-    assert table.loc["c1", "b"] == "**pass 1 ms**"
-    assert table.loc["c1", "a"] == "pass 2 ms"
-    assert table.loc["c1", "interp"] == "pass (interp.)"
-    assert table.loc["c2", "a"] == "fail" and table.loc["c2", "interp"] == "pass (interp.)"
+    assert table.loc[c1, "b"] == "**pass 1 ms**"
+    assert table.loc[c1, "a"] == "pass 2 ms"
+    assert table.loc[c1, "interp"] == "pass (interp.)"
+    assert table.loc[c2, "a"] == "fail" and table.loc[c2, "interp"] == "pass (interp.)"
     assert list(table.columns) == ["a", "b", "interp"]  # never-available: no column
-    assert report.summary(df).loc["gpu-only", "unavailable"] == 2
     counts = report.summary(df)
+    assert counts.loc["gpu-only", "unavailable"] == 2
     assert counts.loc["a"].to_dict() == {"pass": 1, "fail": 1, "unsupported": 0, "unavailable": 0,
                                          "max err (ulps)": "", "bias (ulps)": ""}
     text = report.markdown(records)
@@ -117,8 +101,8 @@ def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted()
 
 
 def test_summary_shows_the_error_and_bias_in_ulps_of_the_passes() -> None:
-    records = [_record("trunc", "c1", "pass", 1.0) | {"max_err_ulps": 1.0, "mean_err_ulps": -0.3},
-               _record("trunc", "c2", "pass", 1.0) | {"max_err_ulps": 0.9, "mean_err_ulps": -0.4},
-               _record("trunc", "c3", "fail") | {"max_err_ulps": 50.0, "mean_err_ulps": 9.0}]
+    records = [result("trunc", "c1", "pass", 1.0, max_err_ulps=1.0, mean_err_ulps=-0.3),
+               result("trunc", "c2", "pass", 1.0, max_err_ulps=0.9, mean_err_ulps=-0.4),
+               result("trunc", "c3", "fail", max_err_ulps=50.0, mean_err_ulps=9.0)]
     row = report.summary(report.frame(records)).loc["trunc"]
     assert row["max err (ulps)"] == 1.0 and row["bias (ulps)"] == pytest.approx(-0.35)

@@ -32,8 +32,9 @@ PREFILL = "pagedbench.adapters.triton_paged:TritonPrefill"
 
 
 def test_registered_after_pagedbench_triton():
-    first = BUILTIN.index("pagedbench.adapters.triton_decode:TritonPagedDecode")
-    assert BUILTIN[first + 1 : first + 3] == (SPLIT, PREFILL)
+    targets = list(BUILTIN.values())
+    first = targets.index("pagedbench.adapters.triton_decode:TritonPagedDecode")
+    assert targets[first + 1 : first + 3] == [SPLIT, PREFILL]
     assert load(SPLIT).name == "pagedbench-triton-split"
     assert load(PREFILL).name == "pagedbench-triton-prefill"
 

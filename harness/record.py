@@ -1,0 +1,355 @@
+"""The typed, versioned result record: one pydantic model per kind of line in a results file.
+
+A results file (JSON lines, :mod:`.store`) holds :class:`ResultRecord` lines (one per
+implementation x case) and :class:`RunRecord` lines (a run's start with its plan, its
+resumptions, interruptions and its end), told apart by ``kind``. The runner writes them,
+report and the tests read them, and ``pagedbench schema`` prints the JSON Schema generated
+from them (committed as ``docs/result.schema.json``). :data:`SCHEMA_VERSION` changes
+whenever a field is added, removed or changes meaning.
+
+Everything an adapter hands over for a record (``Availability.version`` and ``details``,
+``describe()``) passes :func:`to_json_data` here: numpy and 0-d torch scalars, sets,
+tuples, paths, enums and dtypes become JSON values; anything else is refused with a
+:class:`~pagedbench.reference.PagedTypeError` naming where it was found, so that a bad
+value costs that implementation one ``error``, never the run. Non-finite figures are
+``null``. The figures of a comparison are every field of
+:class:`~pagedbench.harness.tolerance.Comparison` but ``passed`` and ``reason`` (which
+become ``status`` and ``reason``), so the record follows the tolerance policy's fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+import typing
+from datetime import datetime, timezone
+from pathlib import PurePath
+from typing import Annotated, Any, Literal, Optional, Union
+
+import numpy as np
+import torch
+from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue,
+                      TypeAdapter, ValidationError, create_model, field_validator)
+
+from pagedbench.reference import PagedCase, PagedInputError, PagedTypeError, PagedValueError
+
+from . import tolerance
+from .status import Status
+
+SCHEMA_VERSION = 2
+#: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).
+MAX_DETAILS_BYTES = 64 * 1024
+#: Deepest nesting accepted in adapter metadata (a self-referencing dict would recurse).
+MAX_DEPTH = 16
+_JSON_TYPES = "str, int, float, bool, None, and lists or str-keyed dicts of them"
+
+
+def to_json_data(value: object, where: str, depth: int = 0) -> JsonValue:
+    """``value`` as JSON data, converting what has an obvious JSON form.
+
+    numpy scalars and 0-d tensors become their Python value, sets become sorted lists,
+    tuples lists, enums their value, paths, ``torch.dtype`` and ``torch.device`` strings,
+    non-finite floats ``None``.
+
+    Raises
+    ------
+    PagedTypeError
+        For anything else (functions, locks, tensors with elements, custom objects),
+        naming ``where`` (e.g. ``"impl_details['plan']"``) and the value's type.
+    PagedValueError
+        For nesting deeper than :data:`MAX_DEPTH`.
+    """
+    if depth > MAX_DEPTH:
+        raise PagedValueError(where, type(value).__name__, f"nested at most {MAX_DEPTH} deep")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return to_json_data(value.item(), where, depth + 1)
+    if isinstance(value, enum.Enum):
+        return to_json_data(value.value, where, depth + 1)
+    if isinstance(value, (PurePath, torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise PagedTypeError(f"{where} key", bad[0], "a str (JSON object keys are strings)")
+        return {k: to_json_data(v, f"{where}[{k!r}]", depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json_data(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, (set, frozenset)):
+        items = [to_json_data(v, f"{where} element", depth + 1) for v in value]
+        return sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
+    raise PagedTypeError(where, type(value).__name__, f"JSON data ({_JSON_TYPES})",
+                         f"{where} must be JSON data ({_JSON_TYPES}), not a "
+                         f"{type(value).__module__}.{type(value).__qualname__}")
+
+
+def _finite_or_none(value: object) -> object:
+    if isinstance(value, (float, np.floating)) and not math.isfinite(value):
+        return None
+    return value
+
+
+#: A measured figure: a float, ``None`` when absent or not finite.
+Figure = Annotated[Optional[float], BeforeValidator(_finite_or_none)]
+
+
+class _Strict(BaseModel):
+    """Every field required and strictly typed (no "3" for 3, no "true" for True);
+    unknown fields refused. Read JSON with ``model_validate_json``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, ser_json_inf_nan="null")
+
+
+class TimingStats(_Strict):
+    """Latency of one implementation on one case, ms per call (``harness.timing.Timing``)."""
+
+    median: float
+    p10: float
+    p90: float
+    n: int
+    method: str
+
+
+class Environment(_Strict):
+    """Where a result was measured (``harness.store.environment``)."""
+
+    device: str
+    device_type: str
+    cc: Optional[str]
+    driver: Optional[str]
+    threads: int
+    python: str
+    torch: str
+    triton: Optional[str]
+    vllm: Optional[str]
+    flashinfer: Optional[str]
+    flash_attn: Optional[str]
+    xformers: Optional[str]
+    git_sha: Optional[str]
+    dirty: bool
+    host: str
+
+
+def _version_text(value: object) -> object:
+    """A version as text: ints and floats (``3``, ``0.32``) are converted, anything else
+    but a str is refused by the field's type."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+Version = Annotated[str, BeforeValidator(_version_text)]
+
+
+class _ResultFields(_Strict):
+    """The fields of a result line other than the comparison's figures."""
+
+    kind: Literal["result"]
+    schema_version: Literal[2]
+    run_id: str
+    suite: str
+    impl: str
+    impl_target: str
+    impl_version: Version
+    impl_details: dict[str, JsonValue]
+    case_id: str
+    case: dict[str, JsonValue]
+    device: str
+    status: Status
+    reason: str
+    step: Optional[str] = Field(description="where a non-pass outcome arose "
+                                "(import, available, prepare, run, truth, timing, ...)")
+    time_ms: Optional[TimingStats]
+    time_ms_median: Figure
+    timing_method: Optional[str]
+    interpreted: Optional[bool]
+    tail_poison: Optional[Literal["nan", "stale"]]
+    nan_tail_output_finite: Optional[bool]
+    bytes_moved: int
+    flops: int
+    bandwidth_gbps: Figure
+    tflops: Figure
+    env: Environment
+    timestamp: AwareDatetime
+
+    @field_validator("impl_details", mode="before")
+    @classmethod
+    def _details_as_json(cls, value: object) -> object:
+        data = to_json_data(value, "impl_details")
+        if not isinstance(data, dict):
+            raise PagedTypeError("impl_details", value, "a dict")
+        size = len(json.dumps(data))
+        if size > MAX_DETAILS_BYTES:
+            raise PagedValueError("impl_details", f"{size} bytes of JSON",
+                                  f"at most {MAX_DETAILS_BYTES} bytes")
+        return data
+
+    @field_validator("case", mode="after")
+    @classmethod
+    def _case_is_a_case(cls, value: dict[str, JsonValue]) -> dict[str, JsonValue]:
+        PagedCase.from_dict(value)  # raises PagedInputError, a ValueError
+        return value
+
+    def paged_case(self) -> PagedCase:
+        """The case this result is about."""
+        return PagedCase.from_dict(self.case)
+
+
+_NOT_FIGURES = {"passed", "reason"}
+
+
+def _comparison_fields() -> dict[str, Any]:
+    """One optional record field per field of ``tolerance.Comparison`` (floats as
+    :data:`Figure`), so the record follows the tolerance policy's figures."""
+    hints = typing.get_type_hints(tolerance.Comparison)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(tolerance.Comparison):
+        if f.name in _NOT_FIGURES:
+            continue
+        if f.name in _ResultFields.model_fields:
+            raise TypeError(f"Comparison.{f.name} collides with a result-record field")
+        hint = hints[f.name]
+        out[f.name] = (Figure if hint is float else Optional[hint], ...)
+    return out
+
+
+ResultRecord = create_model(  # noqa: N816 (a class)
+    "ResultRecord",
+    __base__=_ResultFields,
+    __doc__="One implementation on one case: verdict, figures, timing, environment.",
+    **_comparison_fields(),
+)
+COMPARISON_FIELDS = tuple(name for name in ResultRecord.model_fields
+                          if name not in _ResultFields.model_fields)
+
+
+def comparison_figures(comparison: tolerance.Comparison | None) -> dict[str, Any]:
+    """The record fields of ``comparison`` (all ``None`` when there is none)."""
+    if comparison is None:
+        return dict.fromkeys(COMPARISON_FIELDS)
+    data = dataclasses.asdict(comparison)
+    return {name: data[name] for name in COMPARISON_FIELDS}
+
+
+class PlannedImpl(_Strict):
+    """An implementation of a plan: its name and ``"module:Class"`` target."""
+
+    name: str
+    target: str
+
+
+class Plan(_Strict):
+    """What a run checks: implementations (in order) times cases; recorded when the run
+    starts so that ``--resume`` can finish exactly this run."""
+
+    impls: list[PlannedImpl]
+    cases: list[dict[str, JsonValue]]
+
+    @field_validator("cases", mode="after")
+    @classmethod
+    def _cases_are_cases(cls, value: list[dict[str, JsonValue]]) -> list[dict[str, JsonValue]]:
+        ids = [PagedCase.from_dict(c).case_id for c in value]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise PagedValueError("cases", twice, "distinct case ids")
+        return value
+
+    def paged_cases(self) -> list[PagedCase]:
+        return [PagedCase.from_dict(c) for c in self.cases]
+
+    @property
+    def size(self) -> int:
+        """How many (implementation, case) results the finished run holds."""
+        return len(self.impls) * len(self.cases)
+
+
+class RunRecord(_Strict):
+    """One event of a run: ``started`` (with the plan and configuration), ``resumed``,
+    ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
+
+    kind: Literal["run"]
+    schema_version: Literal[2]
+    run_id: str
+    event: Literal["started", "resumed", "interrupted", "finished"]
+    timestamp: AwareDatetime
+    plan: Optional[Plan]
+    config: Optional[dict[str, JsonValue]]
+    exit_code: Optional[int]
+    counts: Optional[dict[Status, int]]
+
+
+#: A line of a results file: a result or a run event.
+Line = Annotated[Union[ResultRecord, RunRecord], Field(discriminator="kind")]
+LINE = TypeAdapter(Line)
+
+
+class ListingRow(_Strict):
+    """One implementation as ``pagedbench list --json`` shows it."""
+
+    name: str
+    target: str
+    status: Literal["available", "unavailable", "error", "crash", "timeout"]
+    description: str
+    available: bool
+    reason: str
+    version: Version
+    details: dict[str, JsonValue]
+    interpreted: Optional[bool]
+    capabilities: Optional[dict[str, JsonValue]]
+
+    @field_validator("details", "capabilities", mode="before")
+    @classmethod
+    def _as_json(cls, value: object, info: Any) -> object:
+        return None if value is None else to_json_data(value, info.field_name)
+
+
+def validation_problem(exc: ValidationError) -> str:
+    """The first few problems of a pydantic ``ValidationError``, one line:
+    ``field.path: message; ...``."""
+    parts = []
+    for error in exc.errors()[:3]:
+        loc = ".".join(str(p) for p in error["loc"] if p not in ("result", "run"))
+        cause = error.get("ctx", {}).get("error")
+        message = str(cause) if isinstance(cause, Exception) else error["msg"]
+        parts.append(message if isinstance(cause, PagedInputError) else
+                     f"{loc or 'line'}: {message}")
+    more = f" (and {exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
+    return "; ".join(parts) + more
+
+
+def now() -> datetime:
+    """The timestamp records carry: now, UTC, to the second."""
+    return datetime.now(timezone.utc).replace(microsecond=0)
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of a results-file line (``pagedbench schema``)."""
+    schema = LINE.json_schema()
+    schema["title"] = f"pagedbench results line, schema_version {SCHEMA_VERSION}"
+    return schema
+
+
+__all__ = [
+    "COMPARISON_FIELDS",
+    "LINE",
+    "SCHEMA_VERSION",
+    "Environment",
+    "ListingRow",
+    "Plan",
+    "PlannedImpl",
+    "ResultRecord",
+    "RunRecord",
+    "TimingStats",
+    "comparison_figures",
+    "json_schema",
+    "now",
+    "to_json_data",
+    "validation_problem",
+]

@@ -1,0 +1,111 @@
+"""Statuses of one (implementation, case) and the exit codes of a run: the one place
+that says what each means, whether it counts against the implementation, its colour and
+its order in reports.
+
+An implementation is to blame for ``fail``, ``error``, ``crash`` and ``timeout``
+(:attr:`Status.failing`); ``harness-error`` is pagedbench's own fault (computing the
+truth, building the inputs, timing) and never the implementation's; ``unsupported`` and
+``unavailable`` are no verdict at all. :func:`exit_code` turns a run's statuses into the
+CLI's exit code (:class:`ExitCode`, README "Exit codes").
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+
+class Status(str, enum.Enum):
+    """Outcome of one (implementation, case); the order of definition is the order of
+    report columns."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    ERROR = "error"
+    CRASH = "crash"
+    TIMEOUT = "timeout"
+    HARNESS_ERROR = "harness-error"
+    UNSUPPORTED = "unsupported"
+    UNAVAILABLE = "unavailable"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def meaning(self) -> str:
+        """One line for README, ``--help`` and report legends."""
+        return _MEANING[self]
+
+    @property
+    def failing(self) -> bool:
+        """True when the implementation got a case it claims to support wrong."""
+        return self in (Status.FAIL, Status.ERROR, Status.CRASH, Status.TIMEOUT)
+
+    @property
+    def colour(self) -> str:
+        """The rich colour of progress lines."""
+        if self is Status.PASS:
+            return "green"
+        if self.failing:
+            return "red"
+        return "yellow" if self is Status.HARNESS_ERROR else "dim"
+
+
+_MEANING = {
+    Status.PASS: "output within tolerance of the float64 truth; only then is its speed shown",
+    Status.FAIL: "wrong output: error above tolerance, NaN/Inf anywhere, wrong shape or dtype",
+    Status.ERROR: "the implementation raised (at import, in available, prepare, run or "
+                  "describe), or returned metadata that is not JSON data",
+    Status.CRASH: "its worker process died (segfault, abort, exit at import, illegal address)",
+    Status.TIMEOUT: "its own available/prepare/run took longer than --case-timeout",
+    Status.HARNESS_ERROR: "pagedbench's own work (truth, inputs, timing) failed or took "
+                          "longer than --harness-timeout: not the implementation's fault",
+    Status.UNSUPPORTED: "outside the capabilities it declares (the reason is recorded)",
+    Status.UNAVAILABLE: "cannot run here at all (not installed, no GPU; the reason is recorded)",
+}
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of ``pagedbench run`` (and of every command: 2 is any usage error)."""
+
+    CLEAN = 0
+    CONFORMANCE_FAILURE = 1
+    USAGE_ERROR = 2
+    NOTHING_RAN = 3
+    HARNESS_FAULT = 4
+
+    @property
+    def meaning(self) -> str:
+        return _EXIT_MEANING[self]
+
+
+_EXIT_MEANING = {
+    ExitCode.CLEAN: "every verdict is pass (or unsupported/unavailable) and at least one passed",
+    ExitCode.CONFORMANCE_FAILURE: "some implementation failed a case: fail, error, crash or "
+                                  "timeout",
+    ExitCode.USAGE_ERROR: "bad command line or input file (nothing was run)",
+    ExitCode.NOTHING_RAN: "nothing was checked: every case unavailable or unsupported",
+    ExitCode.HARNESS_FAULT: "pagedbench itself failed (harness-error, or an internal fault)",
+}
+
+
+def exit_code(statuses: Iterable[Status | str]) -> ExitCode:
+    """The exit code of a run with these statuses: a conformance failure wins over a
+    harness fault (the kernel is wrong whatever else happened), which wins over "nothing
+    ran"; a run without a single ``pass`` never exits 0."""
+    seen = {Status(s) for s in statuses}
+    if any(s.failing for s in seen):
+        return ExitCode.CONFORMANCE_FAILURE
+    if Status.HARNESS_ERROR in seen:
+        return ExitCode.HARNESS_FAULT
+    if Status.PASS not in seen:
+        return ExitCode.NOTHING_RAN
+    return ExitCode.CLEAN
+
+
+def exit_codes_help() -> str:
+    """The exit-code table for ``--help``."""
+    return "exit codes:\n" + "\n".join(f"  {int(c)}  {c.meaning}" for c in ExitCode)
+
+
+__all__ = ["ExitCode", "Status", "exit_code", "exit_codes_help"]

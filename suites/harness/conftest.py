@@ -1,0 +1,113 @@
+"""Fixtures of the harness suite: registering test-only plug-ins as an out-of-tree package
+would, and finding the worker processes of a parent."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pagedbench.adapters import ENTRY_POINT_GROUP
+
+PLUGINS = "pagedbench.suites.harness.plugins"
+BROKEN = "pagedbench.suites.conformance.broken_adapters"
+#: Test-only plug-ins by entry-point name.
+FAULTS = {
+    "exits-at-import": f"{PLUGINS}.exits_at_import:Anything",
+    "os-exits-at-import": f"{PLUGINS}.os_exits_at_import:Anything",
+    "segfaults-at-import": f"{PLUGINS}.segfaults_at_import:Anything",
+    "hangs-at-import": f"{PLUGINS}.hangs_at_import:Anything",
+    "numpy-metadata": f"{PLUGINS}.misbehaving:NumpyAndSetMetadata",
+    "unpicklable-describe": f"{PLUGINS}.misbehaving:UnpicklableDescribe",
+    "int-version": f"{PLUGINS}.misbehaving:IntegerVersion",
+    "object-version": f"{PLUGINS}.misbehaving:ObjectVersion",
+    "slow-available": f"{PLUGINS}.misbehaving:SlowAvailable",
+    "hangs-in-run": f"{PLUGINS}.misbehaving:HangsInRun",
+    "slow-correct": f"{PLUGINS}.misbehaving:SlowCorrect",
+    "reports-environment": f"{PLUGINS}.misbehaving:ReportsEnvironment",
+    "slows-the-truth": f"{PLUGINS}.misbehaving:SlowsTheTruth",
+    "writes-into-the-channel": f"{PLUGINS}.misbehaving:WritesIntoTheChannel",
+    "reads-past": f"{BROKEN}:ReadsPastKvLen",
+    "missing-module": "not_installed_mod:Thing",
+}
+
+
+class RunsCode:
+    """Unpickling it creates the folder ``marker``: a stand-in for a planted pickle that
+    runs code."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.mkdir, (self.marker,))
+
+
+def register(site: Path, entries: dict[str, str]) -> dict[str, str]:
+    """Write a minimal installed distribution under ``site`` whose entry points register
+    ``entries``; return this process's environment with ``site`` on ``PYTHONPATH``."""
+    dist = site / "pagedbench_test_plugins-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pagedbench-test-plugins\nVersion: 0.0\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in entries.items())
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{lines}")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+    return env
+
+
+@pytest.fixture
+def plugin_env(tmp_path: Path) -> dict[str, str]:
+    """An environment in which every plug-in of :data:`FAULTS` is installed."""
+    return register(tmp_path / "site", FAULTS)
+
+
+def workers_of(parent_pid: int) -> list[int]:
+    """Live pagedbench worker processes started by ``parent_pid`` (from ``/proc``: their
+    command line names it with ``--parent``; zombies do not count)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if (b"pagedbench.harness.worker" in argv and b"--parent" in argv
+                and argv[argv.index(b"--parent") + 1] == str(parent_pid).encode()
+                and state != "Z"):
+            found.append(int(proc.name))
+    return found
+
+
+ENV = {"device": "cpu0", "device_type": "cpu", "cc": None, "driver": None, "threads": 2,
+       "python": "3.11", "torch": "2", "triton": None, "vllm": None, "flashinfer": None,
+       "flash_attn": None, "xformers": None, "git_sha": None, "dirty": False, "host": "h"}
+
+
+def result(impl: str, case_id_or_case="c1", status: str = "pass", ms: float | None = None, *,
+           method: str = "perf_counter", device: str = "cpu", reason: str | None = None,
+           run_id: str = "r1", env: dict | None = None, **changes):
+    """A valid result record for report and store tests: ``impl`` on a small case named
+    ``case_id_or_case`` (or that PagedCase), with ``status`` and a median of ``ms``."""
+    from pagedbench.harness.record import Environment
+    from pagedbench.harness.runner import RunConfig, result_record
+    from pagedbench.harness.status import Status
+    from pagedbench.harness.timing import Timing
+    from pagedbench.reference import PagedCase
+
+    case = case_id_or_case if isinstance(case_id_or_case, PagedCase) else PagedCase(
+        kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
+        dtype="float32", name=case_id_or_case)
+    timing = None if ms is None else Timing(ms, ms, ms, 3, method)
+    record = result_record(
+        run_id=run_id, env=Environment.model_validate(env or ENV),
+        config=RunConfig(device=device, timing=True), name=impl, target="t:T", case=case,
+        status=Status(status), reason=("" if status == "pass" else "why") if reason is None
+        else reason, timing=timing)
+    if method == "interpreted":
+        changes.setdefault("interpreted", True)
+    return record.model_copy(update=changes) if changes else record

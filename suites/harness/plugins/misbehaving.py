@@ -1,0 +1,134 @@
+"""Test-only adapters whose metadata, availability or environment misbehave, and two
+correct ones (one slow, one that slows the harness's own truth).
+
+Each is correct attention (``torch-gather``'s) unless its docstring says otherwise, so
+the status a run gives it is due to its one fault.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+from pagedbench.adapters.base import Availability
+from pagedbench.adapters.torch_sdpa import TorchGather
+
+
+class NumpyAndSetMetadata(TorchGather):
+    """Availability.details and describe() hold numpy scalars, a set and a tuple (once the
+    parent's JSON append raised and the run died); converted to JSON, the run passes."""
+
+    name = "numpy-metadata"
+
+    def available(self, device: str = "cpu") -> Availability:
+        return Availability(True, version="1.0", details={
+            "threads": np.int64(2), "ratio": np.float32(0.5), "fast": np.bool_(True),
+            "isas": {"avx2", "avx512"}, "shape": (1, 2)})
+
+    def describe(self, prepared) -> dict:
+        return {"splits": np.int32(4), "kernels": frozenset({"b", "a"})}
+
+
+class UnpicklableDescribe(TorchGather):
+    """describe() returns a lock and a function (once a bare "crash, exit code 1"): not
+    JSON data, refused as this implementation's ``error``."""
+
+    name = "unpicklable-describe"
+
+    def describe(self, prepared) -> dict:
+        return {"lock": threading.Lock(), "callback": lambda: None}
+
+
+class IntegerVersion(TorchGather):
+    """``Availability.version`` is an int (once it broke ``pagedbench list --json`` for
+    every implementation): recorded as the string ``"3"``."""
+
+    name = "int-version"
+
+    def available(self, device: str = "cpu") -> Availability:
+        return Availability(True, version=3)
+
+
+class ObjectVersion(TorchGather):
+    """``Availability.version`` is an object with no JSON form: refused, ``error``."""
+
+    name = "object-version"
+
+    def available(self, device: str = "cpu") -> Availability:
+        return Availability(True, version=object())
+
+
+class SlowAvailable(TorchGather):
+    """available() sleeps 1000 s (once: ``timeout`` after 125 s saying 5 s)."""
+
+    name = "slow-available"
+
+    def available(self, device: str = "cpu") -> Availability:
+        time.sleep(1000)
+        return super().available(device)
+
+
+class HangsInRun(TorchGather):
+    """run() never returns: its worker is in flight for as long as a test needs."""
+
+    name = "hangs-in-run"
+
+    def run(self, prepared):
+        while True:
+            time.sleep(1)
+
+
+class SlowCorrect(TorchGather):
+    """Correct, taking :data:`SLOW_S` seconds per run (a window to interrupt a run in)."""
+
+    name = "slow-correct"
+    SLOW_S = 1.5
+
+    def run(self, prepared):
+        time.sleep(self.SLOW_S)
+        return super().run(prepared)
+
+
+class ReportsEnvironment(TorchGather):
+    """Correct; describe() records the names of its process's environment variables."""
+
+    name = "reports-environment"
+
+    def describe(self, prepared) -> dict:
+        return {"environment": sorted(os.environ)}
+
+
+class SlowsTheTruth(TorchGather):
+    """Correct and fast, but when loaded it makes the harness's truth computation take
+    :data:`TRUTH_DELAY_S` more seconds: the harness's work, never charged to it."""
+
+    name = "slows-the-truth"
+    TRUTH_DELAY_S = 3.0
+
+    def __init__(self) -> None:
+        from pagedbench.harness import runner
+
+        original = runner.truth_for
+
+        def slow_truth(case, cache_dir):
+            time.sleep(self.TRUTH_DELAY_S)
+            return original(case, cache_dir)
+
+        runner.truth_for = slow_truth
+
+
+class WritesIntoTheChannel(TorchGather):
+    """run() writes a line that is not a message into pagedbench's message pipe (the fd
+    its worker was given): the case is this implementation's ``error``, and the next case
+    runs in a fresh worker."""
+
+    name = "writes-into-the-channel"
+
+    def run(self, prepared):
+        fd = int(sys.argv[sys.argv.index("--fd") + 1])
+        os.write(fd, b"not a message\n")
+        return super().run(prepared)

@@ -1,0 +1,62 @@
+"""Budgets and the worker channel blame the right party: the implementation's timeout
+covers only its own import, ``available``, ``prepare`` and ``run``; pagedbench's own
+work (truth, inputs, timing) has its own budget and status (issue 9, "The timeout blames
+the implementation for the harness's work"); a plug-in that writes into the worker's
+message pipe costs only its own case."""
+
+from __future__ import annotations
+
+import time
+
+from pagedbench.harness.record import Environment, ResultRecord
+from pagedbench.harness.runner import RunConfig, run_target
+from pagedbench.harness.status import Status
+from pagedbench.harness.store import environment
+from pagedbench.reference import PagedCase
+
+from .conftest import FAULTS
+
+CASES = [PagedCase(kv_lens=(5, 17), num_q_heads=4, num_kv_heads=2, head_dim=32,
+                   block_size=16, dtype="float32", name=n) for n in ("b1", "b2")]
+
+
+def _run(impl: str, config: RunConfig) -> tuple[list[ResultRecord], float]:
+    env = Environment.model_validate(environment("cpu"))
+    records: list[ResultRecord] = []
+    start = time.monotonic()
+    run_target(impl, FAULTS[impl], CASES, config, "t", env, records.append)
+    return records, time.monotonic() - start
+
+
+def test_a_slow_available_times_out_after_the_case_timeout(tmp_path) -> None:
+    config = RunConfig(timing=False, case_timeout_s=2, cache_dir=tmp_path, threads=1)
+    records, seconds = _run("slow-available", config)
+    assert [(r.status, r.step) for r in records] == [(Status.TIMEOUT, "available")] * 2
+    assert records[0].reason == "available took longer than 2 s (--case-timeout)"
+    assert seconds < 60  # one worker start-up and 2 s, not 125 s
+
+
+def test_the_truth_is_not_charged_to_the_implementation(tmp_path) -> None:
+    """Each truth takes 3 s more than it should (the plug-in slows pagedbench's own
+    computation), the case timeout is 2 s: the correct implementation passes."""
+    config = RunConfig(timing=False, case_timeout_s=2, harness_timeout_s=120,
+                       cache_dir=tmp_path, threads=1)
+    records, _ = _run("slows-the-truth", config)
+    assert [r.status for r in records] == [Status.PASS] * 2, [r.reason for r in records]
+
+
+def test_a_truth_past_the_harness_budget_is_a_harness_error(tmp_path) -> None:
+    config = RunConfig(timing=False, case_timeout_s=120, harness_timeout_s=1.5,
+                       cache_dir=tmp_path, threads=1)
+    records, _ = _run("slows-the-truth", config)
+    assert [(r.status, r.step) for r in records] == [(Status.HARNESS_ERROR, "truth")] * 2
+    assert records[0].reason == ("pagedbench's truth: took longer than 1.5 s "
+                                 "(--harness-timeout); not the implementation's fault")
+
+
+def test_a_plugin_writing_into_the_channel_costs_its_case_an_error(tmp_path) -> None:
+    config = RunConfig(timing=False, cache_dir=tmp_path, threads=1)
+    records, _ = _run("writes-into-the-channel", config)
+    assert [(r.status, r.step) for r in records] == [(Status.ERROR, "run")] * 2
+    assert records[0].reason == ("worker sent a line that is not a message: "
+                                 "b'not a message' during run")
