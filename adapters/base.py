@@ -24,6 +24,7 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
 from pagedbench.reference.case import KV_CACHE_DTYPES
+from pagedbench.reference.dense import LOGITS_PRECISIONS
 
 #: Optional features a case may use, as :attr:`PagedCase.features` names them.
 FEATURES = frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks"})
@@ -114,6 +115,13 @@ class Capabilities:
         ``kv_len`` still fails), records ``tail_poison: "stale"``, marks the passes, and
         checks that the declaration is still true. vLLM fixed this class of fault in its
         CUDA kernel (vllm-project/vllm#641).
+    logits_precision : str
+        ``"float32"`` (the default: the logits and softmax are computed in float32, as a
+        tensor-core Q.K^T accumulates) or ``"case"``: the implementation computes them in
+        the case dtype (e.g. multiplies q and k elementwise in fp16), the shortcut
+        FlashAttention's same-precision reference takes. Conformance then judges it
+        against a yardstick that does the same, marks its passes, and a test checks that
+        the declaration is still needed.
     notes : Mapping[str, str]
         Why an axis is narrower than the library's own, keyed by the attribute name
         (``{"dtypes": "..."}``); appended to that axis's unsupported reason.
@@ -135,12 +143,8 @@ class Capabilities:
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     min_compute_capability: tuple[int, int] | None = None
     nan_safe_tail: bool = True
+    logits_precision: str = "float32"
     notes: Mapping[str, str] = field(default_factory=dict, hash=False)
-
-    @property
-    def tail_poison(self) -> str:
-        """What conformance puts in the tail of each last block: ``"nan"`` or ``"stale"``."""
-        return "nan" if self.nan_safe_tail else "stale"
 
     def __post_init__(self) -> None:
         unknown = sorted(self.features - FEATURES)
@@ -151,6 +155,9 @@ class Capabilities:
             raise ValueError(
                 f"kv_cache_dtypes {unknown} unknown; choose from {sorted(KV_CACHE_DTYPES)}"
             )
+        if self.logits_precision not in LOGITS_PRECISIONS:
+            raise ValueError(f"logits_precision must be one of {LOGITS_PRECISIONS}, got "
+                             f"{self.logits_precision!r}")
         axes = {f.name for f in fields(self)} - {"notes"}
         unknown = sorted(set(self.notes) - axes)
         if unknown:
@@ -230,6 +237,7 @@ class Capabilities:
             "kv_cache_dtypes": sorted(self.kv_cache_dtypes),
             "min_compute_capability": self.min_compute_capability,
             "nan_safe_tail": self.nan_safe_tail,
+            "logits_precision": self.logits_precision,
             "notes": dict(self.notes),
         }
 

@@ -37,7 +37,7 @@ from pagedbench.reference import (DTYPES, PagedInputError, PagedValueError, chec
 
 from . import report, runner, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
-from .conformance import STALE_TAIL_MARK
+from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from .environment import apply_environment, cache_environment
 from .record import ListingRow, Plan, ResultRecord, RunRecord, json_schema
 from .status import ExitCode, Status, exit_code, exit_codes_help
@@ -382,6 +382,8 @@ def capability_matrix(rows: list[ListingRow]) -> str:
             "features": join(caps.get("features")),
             "kv cache": join(caps.get("kv_cache_dtypes")),
             "NaN-safe tail": "yes" if caps.get("nan_safe_tail") else f"no ({STALE_TAIL_MARK})",
+            "logits": ("float32" if caps.get("logits_precision", "float32") == "float32"
+                       else f"case dtype ({CASE_LOGITS_MARK})"),
         }
 
     table = pd.DataFrame([

@@ -33,6 +33,9 @@ from .truth import compute_truth
 
 #: Marks a pass judged with stale (finite) tails instead of NaN (README, "NaN-unsafe tails").
 STALE_TAIL_MARK = "†"
+#: Marks a pass judged against the yardstick with logits in the case dtype, which the
+#: implementation declares (``Capabilities.logits_precision = "case"``; README, "Tolerance").
+CASE_LOGITS_MARK = "‡"
 #: Parties a step is charged to.
 IMPL, HARNESS = "impl", "harness"
 
@@ -81,6 +84,9 @@ class Verdict:
         The figures, once the output was compared.
     tail_poison : str or None
         ``"nan"`` or ``"stale"`` once inputs were built.
+    logits_precision : str or None
+        The yardstick's logits precision (``"float32"`` or the declared ``"case"``) once
+        the truth was computed.
     details : dict
         What ``adapter.describe(prepared)`` returned.
     nan_tail_output_finite : bool or None
@@ -96,6 +102,7 @@ class Verdict:
     step: str | None = None
     comparison: tolerance.Comparison | None = None
     tail_poison: str | None = None
+    logits_precision: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     nan_tail_output_finite: bool | None = None
     prepared: Any = None
@@ -111,7 +118,7 @@ def judge(
     case: PagedCase,
     device: str,
     *,
-    truth: Callable[[PagedCase], tolerance.Expected] = compute_truth,
+    truth: Callable[..., tolerance.Expected] = compute_truth,
     on_step: StepCallback = _ignore_step,
     probe_nan_tail: bool = True,
 ) -> Verdict:
@@ -120,8 +127,8 @@ def judge(
     Parameters
     ----------
     truth : callable
-        ``case -> tolerance.Expected``; the runner passes its cached
-        :func:`~.truth.truth_for`.
+        ``truth(case, logits_precision=...) -> tolerance.Expected``; the runner passes its
+        cached :func:`~.truth.truth_for`.
     on_step : callable
         ``on_step(party, step)`` before each step.
     probe_nan_tail : bool
@@ -143,7 +150,8 @@ def judge(
     on_step(IMPL, "why_unsupported")
     try:
         reasons = adapter.why_unsupported(case, device)
-        poison = tail_poison(adapter.capabilities(device))
+        capabilities = adapter.capabilities(device)
+        poison, precision = tail_poison(capabilities), capabilities.logits_precision
     except (Exception, SystemExit) as exc:
         return impl_fault("why_unsupported", exc, "why_unsupported raised: ")
     if not isinstance(reasons, (list, tuple)) or not all(isinstance(r, str) for r in reasons):
@@ -153,7 +161,7 @@ def judge(
         return Verdict(Status.UNSUPPORTED, "; ".join(reasons), "why_unsupported")
     on_step(HARNESS, "truth")
     try:
-        expected = truth(case)
+        expected = truth(case, logits_precision=precision)
     except Exception as exc:
         return harness_fault("truth", exc)
     on_step(HARNESS, "inputs")
@@ -186,8 +194,8 @@ def judge(
     except Exception as exc:
         return harness_fault("compare", exc)
     verdict = Verdict(Status.PASS if comparison.passed else Status.FAIL, comparison.reason,
-                      None if comparison.passed else "compare", comparison, poison, details,
-                      prepared=prepared)
+                      None if comparison.passed else "compare", comparison, poison,
+                      precision, details, prepared=prepared)
     if comparison.passed and poison == "stale" and probe_nan_tail:
         on_step(IMPL, "nan-tail probe")
         verdict.nan_tail_output_finite = nan_tail_output_finite(adapter, case, device)
@@ -224,6 +232,6 @@ def assert_conforms(adapter: Adapter, case: PagedCase, device: str) -> tolerance
     return verdict.comparison
 
 
-__all__ = ["HARNESS", "IMPL", "STALE_TAIL_MARK", "Verdict", "assert_conforms",
+__all__ = ["CASE_LOGITS_MARK", "HARNESS", "IMPL", "STALE_TAIL_MARK", "Verdict", "assert_conforms",
            "describe_exception", "inputs_for", "judge", "nan_tail_output_finite",
            "synchronize", "tail_poison"]

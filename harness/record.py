@@ -171,6 +171,9 @@ class _ResultFields(_Strict):
     timing_method: Optional[str]
     interpreted: Optional[bool]
     tail_poison: Optional[Literal["nan", "stale"]]
+    logits_precision: Optional[Literal["float32", "case"]] = Field(
+        default=None, description="the yardstick's logits precision: float32, or the case "
+        "dtype for an implementation that declares it computes its logits there")
     nan_tail_output_finite: Optional[bool]
     bytes_moved: int
     flops: int

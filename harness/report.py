@@ -18,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from .conformance import STALE_TAIL_MARK
+from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from .record import ResultRecord, RunRecord
 from .status import Status
 from .store import results_of, run_states
@@ -48,7 +48,8 @@ def cell_text(record: ResultRecord) -> str:
     status = record.status
     if status is not Status.PASS:
         return str(status)
-    mark = f"pass{STALE_TAIL_MARK}" if record.tail_poison == "stale" else "pass"
+    mark = "pass" + (STALE_TAIL_MARK if record.tail_poison == "stale" else "") + (
+        CASE_LOGITS_MARK if record.logits_precision == "case" else "")
     if record.interpreted:
         return f"{mark} (interp.)"
     if record.time_ms_median is None:
@@ -187,7 +188,10 @@ def markdown(lines: list[ResultRecord | RunRecord], title: str = "pagedbench lea
         f"`{STALE_TAIL_MARK}`: the implementation "
         "declares that it multiplies the unused slots of a partly filled last block by "
         "zero (NaN there would reach its output), so it was checked with finite stale V "
-        "values in those slots instead of NaN (K there stays NaN).", "",
+        "values in those slots instead of NaN (K there stays NaN). "
+        f"`{CASE_LOGITS_MARK}`: the implementation declares that it computes its logits in "
+        "the case dtype, and was judged against a naive yardstick that does the same "
+        "(README, \"Tolerance\").", "",
         escape_frame(leaderboard(df)).to_markdown(), "", "## Summary", "",
         escape_frame(summary(df)).to_markdown(), "",
     ]

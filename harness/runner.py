@@ -202,6 +202,7 @@ def result_record(
         timing_method=timing.method if timing else None,
         interpreted=row.interpreted if row else None,
         tail_poison=verdict.tail_poison if verdict else None,
+        logits_precision=verdict.logits_precision if verdict else None,
         nan_tail_output_finite=verdict.nan_tail_output_finite if verdict else None,
         bytes_moved=moved, flops=work,
         bandwidth_gbps=moved / seconds / 1e9 if seconds > 0 else None,

@@ -9,9 +9,11 @@ An output at dtype T passes when every element ``e`` of every sequence ``i`` sat
   logits in float32 (:func:`~pagedbench.reference.naive_attention`): FlashAttention's
   "at most twice the error of a same-precision PyTorch implementation"
   (``tests/test_flash_attn.py``), except that FlashAttention's reference also rounds the
-  logits to T, which no kernel does and which hides a low-precision accumulator (README,
-  "Tolerance", has the measurement). A sequence whose yardstick is not finite is held to
-  the floor alone: NaN never widens an allowance;
+  logits to T, which hides a low-precision accumulator (README, "Tolerance", has the
+  measurement); an implementation that declares it computes its logits in T
+  (``Capabilities.logits_precision = "case"``) is held to that yardstick instead. A
+  sequence whose yardstick is not finite is held to the floor alone: NaN never widens an
+  allowance;
 - the floor: ``ULP_FLOOR[T]`` units in the last place of T at the truth's magnitude, floored
   at the sequence's RMS ``rms_i``, so that an exact yardstick (kv_len 1, window 1) still
   admits the rounding of the result every kernel makes (a truncating one included), and
@@ -57,10 +59,12 @@ class Expected:
     naive: torch.Tensor
 
     @classmethod
-    def of(cls, inputs: PagedInputs) -> Expected:
-        """Compute both from ``inputs`` (moved to the CPU first)."""
+    def of(cls, inputs: PagedInputs, logits_precision: str = "float32") -> Expected:
+        """Compute both from ``inputs`` (moved to the CPU first); the yardstick's logits in
+        ``logits_precision`` (``reference.naive_attention``: ``"float32"``, or ``"case"``
+        for an implementation that declares it computes them in the case dtype)."""
         cpu = inputs.to("cpu")
-        return cls(reference_attention(cpu), naive_attention(cpu))
+        return cls(reference_attention(cpu), naive_attention(cpu, logits_precision))
 
 
 def ulp(magnitude: torch.Tensor, dtype: str) -> torch.Tensor:

@@ -28,23 +28,26 @@ from .tolerance import Expected
 _REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
 
 
-def compute_truth(case: PagedCase) -> Expected:
-    """The truth and yardstick of ``case``, computed on the CPU (no cache)."""
-    return Expected.of(materialize(case, "cpu"))
+def compute_truth(case: PagedCase, logits_precision: str = "float32") -> Expected:
+    """The truth and yardstick of ``case`` (logits of the yardstick in
+    ``logits_precision``), computed on the CPU (no cache)."""
+    return Expected.of(materialize(case, "cpu"), logits_precision)
 
 
-def cache_key(case: PagedCase) -> str:
-    """SHA-256 (hex) of the case, the reference's source and the torch version."""
+def cache_key(case: PagedCase, logits_precision: str = "float32") -> str:
+    """SHA-256 (hex) of the case, the yardstick's logits precision, the reference's source
+    and the torch version."""
     digest = hashlib.sha256(json.dumps(case.to_dict(), sort_keys=True).encode())
+    digest.update(logits_precision.encode())
     for source in sorted(_REFERENCE_DIR.glob("*.py")):
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()
 
 
-def cache_path(case: PagedCase, cache_dir: Path) -> Path:
+def cache_path(case: PagedCase, cache_dir: Path, logits_precision: str = "float32") -> Path:
     """Where the truth of ``case`` is cached under ``cache_dir``."""
-    return Path(cache_dir) / "truth" / f"{cache_key(case)[:32]}.npz"
+    return Path(cache_dir) / "truth" / f"{cache_key(case, logits_precision)[:32]}.npz"
 
 
 def _load(path: Path, case: PagedCase, key: str) -> Expected:
@@ -74,19 +77,19 @@ def _save(path: Path, key: str, found: Expected) -> None:
     os.replace(tmp, path)
 
 
-def truth_for(case: PagedCase, cache_dir: Path) -> Expected:
+def truth_for(case: PagedCase, cache_dir: Path, logits_precision: str = "float32") -> Expected:
     """The truth and yardstick of ``case``, from the cache when a valid file is there;
     otherwise computed and cached. A file that cannot be read as this case's truth is
     replaced, with a warning naming it."""
-    key = cache_key(case)
-    path = cache_path(case, cache_dir)
+    key = cache_key(case, logits_precision)
+    path = cache_path(case, cache_dir, logits_precision)
     if path.exists():
         try:
             return _load(path, case, key)
         except Exception as exc:  # any unreadable file is recomputed, never fatal
             warnings.warn(f"truth cache {path} is unusable ({type(exc).__name__}: {exc}); "
                           "recomputing it", stacklevel=2)
-    found = compute_truth(case)
+    found = compute_truth(case, logits_precision)
     _save(path, key, found)
     return found
 

@@ -239,14 +239,21 @@ def reference_attention(inputs: PagedInputs) -> torch.Tensor:
     return _per_sequence(inputs, torch.float64)
 
 
-def naive_attention(inputs: PagedInputs) -> torch.Tensor:
+#: Where the naive yardstick computes its logits and softmax: ``"float32"`` (as a kernel's
+#: Q.K^T accumulates) or ``"case"`` (the case dtype, as FlashAttention's reference does).
+LOGITS_PRECISIONS = ("float32", "case")
+
+
+def naive_attention(inputs: PagedInputs, logits_precision: str = "float32") -> torch.Tensor:
     """The same math done naively at the case dtype, as a kernel's arithmetic would: the
-    logits and the softmax in float32 (every paged kernel keeps them there: its Q.K^T
-    accumulates in float32), the probabilities rounded to the case dtype before they
-    weight V, the product and the output in the case dtype. The yardstick of the
-    tolerance policy (``harness/tolerance.py``), after FlashAttention's same-precision
-    reference (``attention_ref(upcast=False)`` in ``tests/test_flash_attn.py``), which
-    also rounds the logits. ``Tensor[total_q, num_q_heads, head_dim]``, case dtype.
+    logits and the softmax in float32 (kernels accumulate Q.K^T in float32), the
+    probabilities rounded to the case dtype before they weight V, the product and the
+    output in the case dtype. The yardstick of the tolerance policy
+    (``harness/tolerance.py``), after FlashAttention's same-precision reference
+    (``attention_ref(upcast=False)`` in ``tests/test_flash_attn.py``), which also rounds
+    the logits: ``logits_precision="case"`` does that, for implementations that declare
+    it (``Capabilities.logits_precision``). ``Tensor[total_q, num_q_heads, head_dim]``,
+    case dtype.
 
     An fp8 cache is dequantized into the case dtype first, so that the yardstick, like the
     truth, measures attention on the values the cache stands for.
@@ -254,6 +261,11 @@ def naive_attention(inputs: PagedInputs) -> torch.Tensor:
     Raises
     ------
     PagedTypeError, PagedValueError
-        If ``inputs`` is not a consistent :class:`PagedInputs`.
+        If ``inputs`` is not a consistent :class:`PagedInputs`, or ``logits_precision`` is
+        not one of :data:`LOGITS_PRECISIONS`.
     """
-    return _per_sequence(inputs, None, logits_dtype=torch.float32)
+    if logits_precision not in LOGITS_PRECISIONS:
+        raise PagedValueError("logits_precision", logits_precision,
+                              f"one of {LOGITS_PRECISIONS}")
+    logits_dtype = torch.float32 if logits_precision == "float32" else None
+    return _per_sequence(inputs, None, logits_dtype=logits_dtype)

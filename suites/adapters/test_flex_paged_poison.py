@@ -18,6 +18,7 @@ from dataclasses import replace
 import pytest
 
 from pagedbench.adapters.flex_paged import FlexPaged
+from pagedbench.harness.conformance import tail_poison
 from pagedbench.harness.tolerance import Expected, assert_close_report, assert_matches_truth
 from pagedbench.reference import PagedCase, PagedInputs, materialize
 
@@ -54,7 +55,7 @@ def test_partly_filled_last_block_is_declared_nan_unsafe(adapter: FlexPaged) -> 
     """The declaration, and what conformance does with it: stale finite values in the
     tails (not NaN) and the output is correct."""
     caps = adapter.capabilities("cpu")
-    assert not caps.nan_safe_tail and caps.tail_poison == "stale"
+    assert not caps.nan_safe_tail and tail_poison(caps) == "stale"
     assert adapter.why_unsupported(CASE, "cpu") == []
     inputs = materialize(CASE, tail_poison="stale")
     out = adapter.run(adapter.prepare(inputs))

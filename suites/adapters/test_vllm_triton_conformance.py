@@ -188,6 +188,29 @@ def test_declared_unsupported_combination_really_deviates(name: str, case: Paged
     assert comparison.max_abs_err > FEATURE_EFFECT * comparison.allowed_abs_err
 
 
+#: The smallest case found where vllm-decode's case-dtype logits show (hypothesis, ci).
+CASE_DTYPE_LOGITS = PagedCase(kv_lens=(1, 57), num_q_heads=1, num_kv_heads=1, head_dim=80,
+                              block_size=1, dtype="float16", sm_scale=0.2, seed=1,
+                              name="mha-logits")
+
+
+def test_decode_declares_case_dtype_logits_and_still_needs_it() -> None:
+    """vllm-decode's MHA path rounds its q.k products to the case dtype: against the
+    float32-logits yardstick it misses the allowance, against the yardstick that rounds
+    its logits the same way it passes. If vLLM moves the path to float32 logits, the first
+    assertion fails and the declaration (and the leaderboard's mark) can go."""
+    adapter = _adapter("vllm-decode")
+    assert adapter.capabilities(DEVICE).logits_precision == "case"
+    if adapter.why_unsupported(CASE_DTYPE_LOGITS, DEVICE):
+        pytest.skip(f"vllm-decode cannot run {CASE_DTYPE_LOGITS.case_id} on {DEVICE}")
+    cpu_inputs = materialize(CASE_DTYPE_LOGITS, "cpu")
+    out = adapter.run(adapter.prepare(materialize(CASE_DTYPE_LOGITS, DEVICE)))
+    cu = cpu_inputs.cu_seqlens_q
+    strict = compare(out, Expected.of(cpu_inputs), "float16", cu)
+    assert not strict.passed and strict.max_err_ulps > 4, strict
+    assert compare(out, Expected.of(cpu_inputs, "case"), "float16", cu).passed
+
+
 def test_chunked_prefill_rejects_alibi_with_sinks_on_prefill_rows() -> None:
     adapter = _adapter("vllm-chunked-prefill")
     case = MIXED_ALIBI.with_(sinks=True)

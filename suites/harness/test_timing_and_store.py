@@ -106,3 +106,13 @@ def test_summary_shows_the_error_and_bias_in_ulps_of_the_passes() -> None:
                result("trunc", "c3", "fail", max_err_ulps=50.0, mean_err_ulps=9.0)]
     row = report.summary(report.frame(records)).loc["trunc"]
     assert row["max err (ulps)"] == 1.0 and row["bias (ulps)"] == pytest.approx(-0.35)
+
+
+def test_cells_mark_stale_tails_and_declared_case_dtype_logits() -> None:
+    plain = result("p", "c1", "pass", 2.0)
+    stale = result("s", "c1", "pass", 2.0, tail_poison="stale")
+    case_logits = result("l", "c1", "pass", 2.0, logits_precision="case")
+    both = result("b", "c1", "pass", 2.0, tail_poison="stale", logits_precision="case")
+    assert [report.cell_text(r) for r in (plain, stale, case_logits, both)] == [
+        "pass 2 ms", "pass† 2 ms", "pass‡ 2 ms", "pass†‡ 2 ms"]
+    assert "`‡`: the implementation declares" in report.markdown([plain, case_logits])

@@ -114,9 +114,9 @@ class SlowsTheTruth(TorchGather):
 
         original = runner.truth_for
 
-        def slow_truth(case, cache_dir):
+        def slow_truth(case, cache_dir, logits_precision="float32"):
             time.sleep(self.TRUTH_DELAY_S)
-            return original(case, cache_dir)
+            return original(case, cache_dir, logits_precision)
 
         runner.truth_for = slow_truth
 
