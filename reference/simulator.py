@@ -692,10 +692,21 @@ class _Paged:
     def _generated_token(self, live: _Live, sample: int) -> int:
         return self._gen_base + self._first_sample[live.index] + sample
 
+    def _step(self, seq: tuple[int, int], tokens: int | list[int]) -> int:
+        """Append ``tokens`` to ``seq`` as one engine step: reserve the slots, make the
+        copy-on-write copy, write and commit; returns the copies made."""
+        alloc = self.allocator
+        alloc.append_tokens(seq, tokens)
+        copies = alloc.pop_copies()
+        alloc.copy_done(copies)
+        alloc.commit(seq, alloc.num_tokens(seq))
+        return len(copies)
+
     def admit(self, live: _Live) -> bool:
         req = live.request
         alloc = self.allocator
         live.seq_ids = []
+        copies = 0
         try:
             if self.sharing:
                 first = (live.index, 0)
@@ -704,27 +715,26 @@ class _Paged:
                     prompt += [self._generated_token(live, 0)] * live.generated
                 live.seq_ids.append(first)
                 alloc.add_sequence(first, prompt)
+                alloc.commit(first, len(prompt))
                 for k in range(1, req.n):
                     live.seq_ids.append((live.index, k))
                     alloc.fork(first, (live.index, k))
                 if req.n > 1 and live.generated:
                     for k, seq in enumerate(live.seq_ids):
-                        alloc.append_tokens(seq, [self._generated_token(live, k)] * live.generated)
-                    self.cow_copies += len(alloc.pop_copies())
+                        copies += self._step(seq, [self._generated_token(live, k)] * live.generated)
             else:
                 for k in range(req.n):
                     seq = (live.index, k)
                     live.seq_ids.append(seq)
                     alloc.add_sequence(seq)
-                    alloc.append_tokens(seq, req.prompt_len + live.generated)
+                    self._step(seq, req.prompt_len + live.generated)
         except OutOfBlocksError:
             for seq in live.seq_ids:
                 if seq in alloc.sequences():
                     alloc.free(seq)
             live.seq_ids = []
-            if self.sharing:
-                alloc.pop_copies()
             return False
+        self.cow_copies += copies
         return True
 
     def grow(self, live: _Live, sample: int) -> bool:
@@ -732,10 +742,9 @@ class _Paged:
         seq = live.seq_ids[sample]
         try:
             if self.sharing:
-                self.allocator.append_tokens(seq, [self._generated_token(live, sample)])
-                self.cow_copies += len(self.allocator.pop_copies())
+                self.cow_copies += self._step(seq, [self._generated_token(live, sample)])
             else:
-                self.allocator.append_tokens(seq, 1)
+                self._step(seq, 1)
         except OutOfBlocksError:
             return False
         return True
