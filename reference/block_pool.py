@@ -1,8 +1,9 @@
-"""The device block pool: reference counts, pins, the free queue in eviction order, the prefix cache.
+"""Block pools: the device pool (reference counts, pins, eviction order, prefix cache), the
+host pool, and the copies between them.
 
-The pool is the lower half of :class:`~pagedbench.reference.allocator.BlockAllocator`, as
-vLLM v1's ``BlockPool`` (``vllm/v1/core/block_pool.py``) is the lower half of its
-``KVCacheManager``: it knows blocks, never sequences. Every block is exactly one of
+:class:`BlockPool` is the lower half of :class:`~pagedbench.reference.allocator.BlockAllocator`,
+as vLLM v1's ``BlockPool`` (``vllm/v1/core/block_pool.py``) is the lower half of its
+``KVCacheManager``: it knows blocks, never sequences. Every device block is exactly one of
 
 - **used**: referenced by at least one block table;
 - **in flight**: unreferenced but pinned by a pending copy (a swap or a copy-on-write

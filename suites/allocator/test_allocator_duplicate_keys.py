@@ -9,6 +9,8 @@ costs no free block, a hit on the unreferenced copy takes it out of the free que
 
 from __future__ import annotations
 
+import pytest
+
 from pagedbench.reference.allocator import BlockAllocator
 
 BLOCK_SIZE = 4
@@ -32,28 +34,22 @@ def _two_copies_of_head(commit_first: str) -> BlockAllocator:
     return allocator
 
 
-def test_lookup_takes_the_block_registered_first_when_it_is_free():
-    allocator = _two_copies_of_head(commit_first="a")
-    first = allocator.block_table("a")[0]
-    allocator.free("a")  # a's head is cached and free; b's copy is in use
+@pytest.mark.parametrize(
+    ("commit_first", "need"),
+    [("a", 2), ("b", 1)],
+    ids=["first-registered-is-free", "first-registered-is-in-use"],
+)
+def test_lookup_takes_the_block_registered_first(commit_first, need):
+    """After "a" ends, its head is cached and free and "b"'s is in use. The hit takes the
+    one committed first: the free one costs a block from the queue besides the tail's."""
+    allocator = _two_copies_of_head(commit_first)
+    first = allocator.block_table(commit_first)[0]
+    allocator.free("a")
     free_before = allocator.num_free_blocks
-    assert allocator.blocks_needed_for_prompt(PROMPT) == 2
+    assert allocator.blocks_needed_for_prompt(PROMPT) == need
     assert allocator.add_sequence("c", PROMPT) == BLOCK_SIZE
     assert allocator.block_table("c")[0] == first
-    # The hit took the free cached copy out of the queue, and one block for the tail.
-    assert allocator.num_free_blocks == free_before - 2
-    allocator.check_invariants()
-
-
-def test_lookup_takes_the_block_registered_first_when_it_is_in_use():
-    allocator = _two_copies_of_head(commit_first="b")
-    first = allocator.block_table("b")[0]
-    allocator.free("a")  # a's copy, registered second, is cached and free
-    free_before = allocator.num_free_blocks
-    assert allocator.blocks_needed_for_prompt(PROMPT) == 1
-    assert allocator.add_sequence("c", PROMPT) == BLOCK_SIZE
-    assert allocator.block_table("c")[0] == first
-    assert allocator.num_free_blocks == free_before - 1
+    assert allocator.num_free_blocks == free_before - need
     allocator.check_invariants()
 
 

@@ -128,6 +128,22 @@ def test_swap_out_sources_stay_pinned_until_the_copy_is_done():
     allocator.check_invariants()
 
 
+def test_prefix_hit_on_a_block_a_swap_out_still_reads_costs_no_free_block():
+    """The swapped-out sequence's cached blocks are pinned, not free: sharing them takes
+    nothing from the free queue, so the same request fits in the one free block."""
+    allocator = _caching(4)
+    prompt = list(range(9))  # two full blocks and one token: 3 of the 4 blocks
+    _prefill(allocator, "a", prompt)
+    out = allocator.swap_out("a")
+    assert allocator.num_free_blocks == 1 and allocator.usage().blocks_in_flight == 3
+    assert allocator.blocks_needed_for_prompt(prompt) == 1
+    assert allocator.add_sequence("b", prompt) == 2 * BLOCK_SIZE
+    assert allocator.block_table("b")[:2] == [c.src for c in out[:2]]
+    allocator.copy_done(out)
+    assert allocator.num_free_blocks == 1  # a's partial block; the shared two stay in use
+    allocator.check_invariants()
+
+
 def test_swap_in_waits_for_the_swap_out_copies():
     allocator = BlockAllocator(4, BLOCK_SIZE, seed=0)
     _prefill(allocator, "a", PROMPT)
