@@ -224,10 +224,8 @@ class BlockAllocator:
         seq = self._on_device(seq_id)
         if not _is_int(num_new_tokens) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
-        if num_new_tokens == 0:
-            return 0
-        grow = -(-(seq.num_tokens + num_new_tokens) // self.block_size) - len(seq.blocks)
-        return grow + int(self._last_block_shared_partial(seq))
+        copy_on_write = num_new_tokens > 0 and self._last_block_shared_partial(seq)
+        return self._blocks_needed(seq, num_new_tokens, copy_on_write)
 
     def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
         """Whether :meth:`append_tokens` of ``num_new_tokens`` would succeed now."""
@@ -313,7 +311,9 @@ class BlockAllocator:
             raise ValueError(f"sequence {seq_id!r} already exists")
         ids = _check_token_ids(token_ids)
         hits, need = self._plan_prompt(ids)
-        self._ensure_free(f"adding sequence {seq_id!r} with a {len(ids)}-token prompt", need)
+        if need > self._pool.num_free:
+            action = f"adding sequence {seq_id!r} with a {len(ids)}-token prompt"
+            raise self._out_of_blocks(action, need)
         seq = _SequenceState()
         for block in hits:
             self._pool.acquire(block)
@@ -364,9 +364,11 @@ class BlockAllocator:
         else:
             ids = list(_check_token_ids(tokens))
         seq = self._on_device(seq_id)
-        need = self.blocks_needed(seq_id, len(ids))
-        self._ensure_free(f"appending {len(ids)} tokens to sequence {seq_id!r}", need)
-        if ids and self._last_block_shared_partial(seq):
+        copy_on_write = bool(ids) and self._last_block_shared_partial(seq)
+        need = self._blocks_needed(seq, len(ids), copy_on_write)
+        if need > self._pool.num_free:
+            raise self._out_of_blocks(f"appending {len(ids)} tokens to sequence {seq_id!r}", need)
+        if copy_on_write:
             src = seq.blocks[-1]
             dst = self._pool.take()
             self._pool.fill(dst, self._pool.content[src])
@@ -536,7 +538,8 @@ class BlockAllocator:
         """
         seq = self._on_device(seq_id)
         self._require_written(seq, seq_id, "swap_out")
-        self._ensure_free(f"swapping out sequence {seq_id!r}", len(seq.blocks), host=True)
+        if len(seq.blocks) > self._host.num_free:
+            raise self._out_of_blocks(f"swapping out sequence {seq_id!r}", len(seq.blocks), True)
         copies = []
         for block in seq.blocks:
             host = self._host.take()
@@ -580,7 +583,8 @@ class BlockAllocator:
                 f"swap_in: the swap-out copies of sequence {seq_id!r} into host blocks "
                 f"{pending} are pending; call copy_done first"
             )
-        self._ensure_free(f"swapping in sequence {seq_id!r}", len(seq.host_blocks))
+        if len(seq.host_blocks) > self._pool.num_free:
+            raise self._out_of_blocks(f"swapping in sequence {seq_id!r}", len(seq.host_blocks))
         copies = []
         for host in seq.host_blocks:
             block = self._pool.take()
@@ -721,12 +725,19 @@ class BlockAllocator:
                 f"pending copies into blocks {filling}; commit and copy_done them first"
             )
 
-    def _ensure_free(self, action: str, need: int, host: bool = False) -> None:
-        """Raise :class:`OutOfBlocksError` when ``need`` blocks are more than are free."""
-        available = self._host.num_free if host else self._pool.num_free
-        if need > available:
-            total = self.num_host_blocks if host else self.num_blocks
-            raise OutOfBlocksError(action, need, available, total, "host" if host else "free")
+    def _out_of_blocks(self, action: str, need: int, host: bool = False) -> OutOfBlocksError:
+        """The refusal of ``action``, which needs ``need`` free blocks of the device (or
+        host) pool: the one place the exhaustion error is built."""
+        if host:
+            return OutOfBlocksError(action, need, self._host.num_free, self.num_host_blocks, "host")
+        return OutOfBlocksError(action, need, self._pool.num_free, self.num_blocks)
+
+    def _blocks_needed(self, seq: _SequenceState, num_new_tokens: int, copy_on_write: bool) -> int:
+        """New blocks for the overflow past the last block, plus the copy's block."""
+        if num_new_tokens == 0:
+            return 0
+        grow = -(-(seq.num_tokens + num_new_tokens) // self.block_size) - len(seq.blocks)
+        return grow + int(copy_on_write)
 
     def _last_block_shared_partial(self, seq: _SequenceState) -> bool:
         return seq.num_tokens % self.block_size != 0 and self._pool.ref[seq.blocks[-1]] > 1
@@ -752,16 +763,20 @@ class BlockAllocator:
         """
         bs = self.block_size
         pool = self._pool
-        slots = []
-        for token_id in ids:
-            pos = seq.num_tokens
-            if pos % bs == 0:
+        slots: list[int] = []
+        start = 0
+        while start < len(ids):
+            offset = seq.num_tokens % bs
+            if offset == 0:
                 seq.blocks.append(pool.take())
             block = seq.blocks[-1]
-            pool.write(block, token_id)
-            slots.append(block * bs + pos % bs)
-            seq.num_tokens = pos + 1
-            if seq.num_tokens % bs == 0:
+            count = min(bs - offset, len(ids) - start)
+            pool.write(block, ids[start : start + count])
+            first_slot = block * bs + offset
+            slots.extend(range(first_slot, first_slot + count))
+            seq.num_tokens += count
+            start += count
+            if offset + count == bs:
                 self._extend_hashes(seq, block)
         return slots
 
@@ -800,7 +815,7 @@ class BlockAllocator:
 
 def _is_int(value: object) -> bool:
     """An integer (Python or NumPy), not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
 
 
 def _check_token_ids(token_ids: Sequence[int]) -> list[int]:

@@ -224,10 +224,10 @@ class BlockPool:
             self.blocks_in_flight -= 1
             self._enqueue(block)
 
-    def write(self, block: int, token_id: int | None) -> None:
-        """Fill the next slot of a used block."""
-        self.content[block].append(token_id)
-        self.tokens_stored += 1
+    def write(self, block: int, token_ids: Sequence[int | None]) -> None:
+        """Fill the next slots of a used block (the caller keeps within ``block_size``)."""
+        self.content[block].extend(token_ids)
+        self.tokens_stored += len(token_ids)
 
     def fill(self, block: int, token_ids: Sequence[int | None]) -> None:
         """Fill a block just taken with a copy's content (copy-on-write, swap-in)."""

@@ -283,7 +283,8 @@ class _PagedMemory:
         alloc = self.allocator
         alloc.append_tokens(seq, tokens)
         copies = alloc.pop_copies()
-        alloc.copy_done(copies)
+        if copies:
+            alloc.copy_done(copies)
         alloc.commit(seq, alloc.num_tokens(seq))
         return len(copies)
 
