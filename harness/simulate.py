@@ -7,7 +7,7 @@ reserved KV memory holding tokens per policy, and concurrency against block size
 
 With no arguments: preset ``llama3.1-8b`` (128 KiB of K/V per token in bfloat16), a
 4 GiB KV budget (32768 token slots), ``max_context`` 2048, 1000 requests drawn with
-seed 0 from :func:`~pagedbench.reference.simulator.generate_trace`'s distribution, all
+seed 0 from :func:`~pagedbench.harness.traces.generate_trace`'s distribution, all
 queued at step 0; the plot goes to ``results/simulate/capacity.png`` and the table to
 ``results/simulate/policies.csv``.
 """
@@ -26,20 +26,15 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from pagedbench.harness.cases import MODEL_PRESETS
-from pagedbench.reference.simulator import (
+from pagedbench.harness.traces import generate_trace, read_trace
+from pagedbench.reference.kv_policies import (
     CONTIGUOUS_POLICIES,
-    DEFAULT_MAX_CONTEXT,
     PAGED_BLOCK_SIZES,
     CapacityError,
-    PolicyResult,
-    Request,
-    TraceError,
-    budget_tokens_from_bytes,
-    compare_policies,
     default_policies,
-    generate_trace,
-    read_trace,
 )
+from pagedbench.reference.simulator import PolicyResult, budget_tokens_from_bytes, compare_policies
+from pagedbench.reference.workload import DEFAULT_MAX_CONTEXT, Request, TraceError
 
 DEFAULT_PRESET = "llama3.1-8b"
 DEFAULT_KV_BUDGET_GIB = 4.0

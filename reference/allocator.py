@@ -3,86 +3,67 @@
 This is the memory model of paged attention (Kwon et al., "Efficient Memory Management
 for Large Language Model Serving with PagedAttention", SOSP 2023, section 4): the KV cache
 is cut into ``num_blocks`` blocks of ``block_size`` token slots; each sequence owns an
-ordered list of blocks (its block table); a block is taken from the free list only when
-the sequence's last block is full; blocks are reference-counted so that forked sequences
-(parallel sampling, beam search) share them, and a shared, partially filled block is
-copied before it is written (copy-on-write, section 4.4). Host-only Python ints, no
-torch, so stateful tests run in milliseconds.
+ordered list of blocks (its block table); a block is taken only when the sequence's last
+block is full; blocks are reference-counted so that forked sequences (parallel sampling,
+beam search) share them, and a shared, partially filled block is copied before it is
+written (copy-on-write, section 4.4). Preemption frees a sequence for recomputation
+(section 4.5) or swaps its blocks to a host pool and back. Host-only Python ints, no torch,
+so stateful tests run in milliseconds. The pool, its eviction order and the prefix cache
+are :mod:`~pagedbench.reference.block_pool`.
 
-Free list and eviction order follow vLLM v1's ``BlockPool`` (``vllm/v1/core/block_pool.py``):
-one queue holds every block with no reference, uncached blocks at the front (reused
-first) and prefix-cached blocks at the back in the order they were freed, so a cached
-block is evicted least-recently-used first and only when no uncached block is left. The
-queue is an ``OrderedDict`` (a doubly linked list): take, append, prepend, and removing a
-cached block that a new request hits are all O(1).
+Data in flight is explicit. The caller reserves slots (:meth:`BlockAllocator.add_sequence`,
+:meth:`~BlockAllocator.append_tokens`), writes K/V there, then says so with
+:meth:`~BlockAllocator.commit`; every copy the allocator asks for (a :class:`BlockCopy`:
+copy-on-write, swap out, swap in) is pending until :meth:`~BlockAllocator.copy_done`.
+With prefix caching (vLLM's automatic prefix caching, ``docs/design/prefix_caching.md``)
+a sequence's full blocks become matchable in table order, each once it is committed and
+no copy into it is pending, so no request can hit K/V that is not written yet. A block
+that a pending copy reads or writes is pinned: it is neither reused nor evicted, even
+when no table holds it any more, until the copy is done.
 
-Prefix caching (opt-in) follows vLLM's automatic prefix caching
-(``docs/design/prefix_caching.md``): a full block is named by a hash chained over
-(parent block's hash, the block's token ids), here SHA-256; a request whose prompt starts
-with the same full blocks shares their physical blocks. Equal blocks filled independently
-are all cached under one key (no deduplication, so block tables stay append-only, as in
-vLLM's ``BlockHashToBlockMap``); a lookup takes the one cached first. The allocator
-treats a slot as written when the call that returned it returns (the caller writes K/V
-there before its next call), so a block becomes matchable when the append that fills it
-completes, never earlier; tokens appended without ids never become matchable.
-
-Preemption frees a sequence for recomputation (Kwon et al. section 4.5) or swaps its
-blocks to a host pool and back. :meth:`BlockAllocator.usage` accounts for memory at any
-moment, and :meth:`BlockAllocator.check_invariants` recomputes the whole state from the
-tables for the tests to call after every step.
-
-Placement is deliberately non-contiguous: the free list is shuffled with a seeded RNG, so
-a kernel that assumes ``block_table[i][j] == i * max_blocks + j`` fails.
+:meth:`BlockAllocator.check_invariants` recomputes the whole state from the tables for the
+tests to call after every step. (This file is long on purpose: one class whose public
+methods' docstrings are its specification, and the checker beside the state it checks.)
 """
 
 from __future__ import annotations
 
-import hashlib
-import random
-from array import array
-from collections import Counter, OrderedDict, deque
-from collections.abc import Hashable, Sequence
+from collections import Counter
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 
-#: Parent hash of a sequence's first block.
-_ROOT_HASH = b""
+from .block_pool import (
+    ROOT_HASH,
+    AllocatorInvariantError,
+    BlockCopy,
+    BlockPool,
+    CopyKind,
+    HostPool,
+    OutOfBlocksError,
+    chain_hash,
+    invariant,
+)
+
+__all__ = [
+    "AllocatorInvariantError",
+    "AllocatorUsage",
+    "BlockAllocator",
+    "BlockCopy",
+    "CopyKind",
+    "OutOfBlocksError",
+    "chain_hash",
+]
+
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-class OutOfBlocksError(RuntimeError):
-    """An allocation needs more free blocks than the pool (device or host) has.
-
-    Attributes
-    ----------
-    needed : int
-        Blocks the operation needs.
-    available : int
-        Blocks free (including evictable cached blocks) when it was refused.
-    """
-
-    def __init__(self, message: str, needed: int, available: int) -> None:
-        super().__init__(message)
-        self.needed = needed
-        self.available = available
-
-    @property
-    def shortfall(self) -> int:
-        """Blocks missing: ``needed - available``."""
-        return self.needed - self.available
-
-
-class AllocatorInvariantError(AssertionError):
-    """:meth:`BlockAllocator.check_invariants` found broken state; the message names the
-    invariant and the block or sequence that breaks it."""
 
 
 @dataclass(frozen=True)
 class AllocatorUsage:
     """Memory accounting of the device pool at one moment.
 
-    Every block is exactly one of used, free, or cached, so
-    ``blocks_used + blocks_free + blocks_cached == num_blocks``.
+    Every block is exactly one of used, in flight, free or cached, so
+    ``blocks_used + blocks_in_flight + blocks_free + blocks_cached == num_blocks``.
 
     Attributes
     ----------
@@ -103,7 +84,9 @@ class AllocatorUsage:
         Internal fragmentation: ``slots_allocated - tokens_stored``, the allocated slots
         that hold no token (the unfilled tail of each partially filled block).
     host_blocks_used : int
-        Host (swap) pool blocks holding swapped-out sequences.
+        Host (swap) pool blocks held by swapped-out sequences or pinned by a pending copy.
+    blocks_in_flight : int
+        Unreferenced blocks that a pending copy pins (not allocatable until it is done).
     """
 
     num_blocks: int
@@ -114,37 +97,21 @@ class AllocatorUsage:
     slots_allocated: int
     fragmentation_slots: int
     host_blocks_used: int
+    blocks_in_flight: int
 
 
 @dataclass
-class _Sequence:
+class _SequenceState:
     """One sequence's allocator state."""
 
     blocks: list[int] = field(default_factory=list)  # device block table; empty if swapped
     num_tokens: int = 0
-    # Chained hashes of the leading full blocks whose token ids are all known (kept only
-    # with prefix caching).
+    num_committed: int = 0  # leading tokens whose K/V the caller has written
+    # Chained keys of the leading full blocks whose token ids are all known (kept only
+    # with prefix caching), and how many of those blocks are registered in the cache.
     hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
     host_blocks: list[int] | None = None  # host block table while swapped out
-
-
-def chain_hash(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """The prefix-cache key of a full block: SHA-256 over its parent's key and its ids.
-
-    Parameters
-    ----------
-    parent_hash : bytes
-        Key of the previous block of the sequence; ``b""`` for the first block.
-    token_ids : Sequence[int]
-        The block's ``block_size`` token ids, each in int64 range.
-
-    Returns
-    -------
-    bytes
-        32-byte digest. Chaining makes a block's key depend on the whole prefix, so equal
-        keys mean equal prefixes (vLLM's ``hash_block_tokens``, ``kv_cache_utils.py``).
-    """
-    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
 class BlockAllocator:
@@ -160,7 +127,7 @@ class BlockAllocator:
     seed : int or None
         Seeds the shuffle of the initial free list; ``None`` keeps ascending order.
     enable_prefix_caching : bool
-        Share full blocks between sequences with the same prefix (see the module notes).
+        Share full, committed blocks between sequences with the same prefix.
     num_host_blocks : int or None
         Blocks in the host pool that :meth:`swap_out` copies to; ``None`` means
         ``num_blocks``. May be 0 (swapping then always fails).
@@ -173,10 +140,9 @@ class BlockAllocator:
 
     Notes
     -----
-    Sequence ids are any hashable values. Every mutation either completes or raises
-    before changing anything. Copies the caller must make on the K/V cache are reported:
-    copy-on-write by :meth:`pop_copies`, swaps by the return values of :meth:`swap_out`
-    and :meth:`swap_in`.
+    Sequence ids are any hashable values; a method given an id that is not a known
+    sequence (never added, or already freed) raises ``KeyError`` naming it. Every mutation
+    either completes or raises before changing anything.
     """
 
     def __init__(
@@ -200,58 +166,36 @@ class BlockAllocator:
         self.block_size = int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.num_host_blocks = int(num_host_blocks)
+        self._pool = BlockPool(self.num_blocks, self.block_size, seed, self.enable_prefix_caching)
 
-        order = list(range(self.num_blocks))
-        if seed is not None:
-            random.Random(seed).shuffle(order)
-        # Unreferenced blocks in reuse order: uncached at the front, cached at the back.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(order)
-        self._ref = [0] * num_blocks
-        # Token id written in each slot of each block (None: appended without an id);
-        # the length is the block's fill.
-        self._content: list[list[int | None]] = [[] for _ in range(num_blocks)]
-        # Prefix cache: key -> its blocks (an ordered set), and per block its key and its
-        # parent's key.
-        self._cached: dict[bytes, dict[int, None]] = {}
-        self._block_hash: list[bytes | None] = [None] * num_blocks
-        self._parent_hash: list[bytes | None] = [None] * num_blocks
+        self._host = HostPool(self.num_host_blocks)
 
-        self._host_free: deque[int] = deque(range(num_host_blocks))
-        self._host_content: list[list[int | None]] = [[] for _ in range(num_host_blocks)]
-
-        self._seqs: dict[Hashable, _Sequence] = {}
-        self._copies: list[tuple[int, int]] = []
-        # Running totals, recomputed from scratch by check_invariants.
-        self._blocks_used = 0
-        self._blocks_cached = 0
-        self._tokens_stored = 0
+        self._seqs: dict[Hashable, _SequenceState] = {}
+        self._copies: list[BlockCopy] = []  # copy-on-write copies not yet popped
+        self._pending: dict[BlockCopy, Hashable] = {}  # pending copy -> its sequence's id
+        self._filling: set[int] = set()  # device blocks a pending copy writes
 
     # Queries ------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: free plus evictable cached blocks."""
-        return len(self._free)
+        return self._pool.num_free
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         """The physical block ids of ``seq_id``, in logical order (a copy; empty while
         the sequence is swapped out).
-
-        Raises
-        ------
-        KeyError
-            If ``seq_id`` is not a known sequence.
         """
         return list(self._seq(seq_id).blocks)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Tokens ``seq_id`` holds (on device, or on host while swapped out).
-
-        Raises
-        ------
-        KeyError
-            If ``seq_id`` is not a known sequence.
         """
         return self._seq(seq_id).num_tokens
+
+    def num_committed(self, seq_id: Hashable) -> int:
+        """Leading tokens of ``seq_id`` whose K/V are written (see :meth:`commit`).
+        """
+        return self._seq(seq_id).num_committed
 
     def __contains__(self, seq_id: Hashable) -> bool:
         """Whether ``seq_id`` is a known sequence (on device or swapped out), in O(1)."""
@@ -263,11 +207,6 @@ class BlockAllocator:
 
     def is_swapped_out(self, seq_id: Hashable) -> bool:
         """Whether ``seq_id`` is in the host pool.
-
-        Raises
-        ------
-        KeyError
-            If ``seq_id`` is not a known sequence.
         """
         return self._seq(seq_id).host_blocks is not None
 
@@ -279,29 +218,24 @@ class BlockAllocator:
 
         Raises
         ------
-        KeyError
-            If ``seq_id`` is not a known sequence.
         ValueError
             If ``num_new_tokens`` < 0 or the sequence is swapped out.
         """
         seq = self._on_device(seq_id)
         if not _is_int(num_new_tokens) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
-        if num_new_tokens == 0:
-            return 0
-        bs = self.block_size
-        grow = -(-(seq.num_tokens + num_new_tokens) // bs) - len(seq.blocks)
-        return grow + int(self._last_block_shared_partial(seq))
+        copy_on_write = num_new_tokens > 0 and self._last_block_shared_partial(seq)
+        return self._blocks_needed(seq, num_new_tokens, copy_on_write)
 
     def can_append(self, seq_id: Hashable, num_new_tokens: int) -> bool:
         """Whether :meth:`append_tokens` of ``num_new_tokens`` would succeed now."""
-        return self.blocks_needed(seq_id, num_new_tokens) <= len(self._free)
+        return self.blocks_needed(seq_id, num_new_tokens) <= self._pool.num_free
 
     def blocks_needed_for_prompt(self, token_ids: Sequence[int]) -> int:
         """Free blocks :meth:`add_sequence` with this prompt would take now.
 
-        That is the prompt's blocks less its prefix-cache hits on blocks in use (a hit
-        on an unreferenced cached block still takes it out of the free queue).
+        That is the prompt's blocks less its prefix-cache hits on blocks outside the free
+        queue (a hit on a free cached block still takes it out of the queue).
 
         Raises
         ------
@@ -312,26 +246,32 @@ class BlockAllocator:
 
     def usage(self) -> AllocatorUsage:
         """Memory accounting now (see :class:`AllocatorUsage`)."""
-        slots = self._blocks_used * self.block_size
+        pool = self._pool
+        slots = pool.blocks_used * self.block_size
         return AllocatorUsage(
             num_blocks=self.num_blocks,
-            blocks_used=self._blocks_used,
-            blocks_free=len(self._free) - self._blocks_cached,
-            blocks_cached=self._blocks_cached,
-            tokens_stored=self._tokens_stored,
+            blocks_used=pool.blocks_used,
+            blocks_free=pool.num_free - pool.blocks_cached,
+            blocks_cached=pool.blocks_cached,
+            tokens_stored=pool.tokens_stored,
             slots_allocated=slots,
-            fragmentation_slots=slots - self._tokens_stored,
-            host_blocks_used=self.num_host_blocks - len(self._host_free),
+            fragmentation_slots=slots - pool.tokens_stored,
+            host_blocks_used=self.num_host_blocks - self._host.num_free,
+            blocks_in_flight=pool.blocks_in_flight,
         )
 
-    def pop_copies(self) -> list[tuple[int, int]]:
-        """Copy-on-write copies made since the last call, as ``(src_block, dst_block)``.
+    def pop_copies(self) -> list[BlockCopy]:
+        """Copy-on-write copies made since the last call.
 
-        The caller copies the K/V of ``src_block`` into ``dst_block`` (every layer) before
-        writing the new tokens at the slots the append returned.
+        The caller copies the K/V of ``src`` into ``dst`` before the new tokens at the
+        slots the append returned are read, then reports it with :meth:`copy_done`.
         """
         copies, self._copies = self._copies, []
         return copies
+
+    def pending_copies(self) -> list[BlockCopy]:
+        """Every copy handed out and not yet reported done, oldest first."""
+        return list(self._pending)
 
     # Mutations ----------------------------------------------------------------------------
     def add_sequence(self, seq_id: Hashable, token_ids: Sequence[int] = ()) -> int:
@@ -341,6 +281,7 @@ class BlockAllocator:
         shared instead of allocated, capped so that at least one prompt token is left to
         compute (a prompt that is a whole number of cached blocks recomputes its last
         block: vLLM's ``max_cache_hit_length = num_tokens - 1``, ``kv_cache_manager.py``).
+        Of several blocks cached under one key, the one registered first is shared.
 
         Parameters
         ----------
@@ -352,9 +293,10 @@ class BlockAllocator:
         Returns
         -------
         int
-            Prompt tokens served from the prefix cache (a multiple of ``block_size``).
-            The caller computes K/V for the rest and writes them at
-            ``block_table(seq_id)[pos // block_size] * block_size + pos % block_size``.
+            Prompt tokens served from the prefix cache (a multiple of ``block_size``;
+            they count as committed). The caller computes K/V for the rest, writes them at
+            ``block_table(seq_id)[pos // block_size] * block_size + pos % block_size`` and
+            calls :meth:`commit`.
 
         Raises
         ------
@@ -369,20 +311,16 @@ class BlockAllocator:
             raise ValueError(f"sequence {seq_id!r} already exists")
         ids = _check_token_ids(token_ids)
         hits, need = self._plan_prompt(ids)
-        if need > len(self._free):
-            raise OutOfBlocksError(
-                f"adding sequence {seq_id!r} with a {len(ids)}-token prompt needs {need} free "
-                f"blocks but only {len(self._free)} of {self.num_blocks} are free "
-                f"(short by {need - len(self._free)})",
-                need,
-                len(self._free),
-            )
-        seq = _Sequence()
+        if need > self._pool.num_free:
+            action = f"adding sequence {seq_id!r} with a {len(ids)}-token prompt"
+            raise self._out_of_blocks(action, need)
+        seq = _SequenceState()
         for block in hits:
-            self._acquire(block)
+            self._pool.acquire(block)
             seq.blocks.append(block)
-            seq.hashes.append(self._block_hash[block])
-        seq.num_tokens = len(hits) * self.block_size
+            seq.hashes.append(self._pool.block_hash[block])
+        seq.num_tokens = seq.num_committed = len(hits) * self.block_size
+        seq.num_registered = len(hits)
         self._seqs[seq_id] = seq
         self._write(seq, ids[seq.num_tokens :])
         return len(hits) * self.block_size
@@ -407,11 +345,10 @@ class BlockAllocator:
         -------
         list[int]
             The physical slot of each new token, ``[num_new_tokens]`` (``slot_mapping``).
+            The tokens are uncommitted until :meth:`commit`.
 
         Raises
         ------
-        KeyError
-            If ``seq_id`` is not a known sequence.
         ValueError
             If the sequence is swapped out, a count is negative, or an id is not an int64.
         TypeError
@@ -427,24 +364,84 @@ class BlockAllocator:
         else:
             ids = list(_check_token_ids(tokens))
         seq = self._on_device(seq_id)
-        need = self.blocks_needed(seq_id, len(ids))
-        if need > len(self._free):
-            raise OutOfBlocksError(
-                f"appending {len(ids)} tokens to sequence {seq_id!r} needs {need} new "
-                f"blocks but only {len(self._free)} of {self.num_blocks} are free "
-                f"(short by {need - len(self._free)})",
-                need,
-                len(self._free),
-            )
-        if ids and self._last_block_shared_partial(seq):
+        copy_on_write = bool(ids) and self._last_block_shared_partial(seq)
+        need = self._blocks_needed(seq, len(ids), copy_on_write)
+        if need > self._pool.num_free:
+            raise self._out_of_blocks(f"appending {len(ids)} tokens to sequence {seq_id!r}", need)
+        if copy_on_write:
             src = seq.blocks[-1]
-            dst = self._take_block()
-            self._content[dst] = list(self._content[src])
-            self._tokens_stored += len(self._content[dst])
-            self._release(src)
+            dst = self._pool.take()
+            self._pool.fill(dst, self._pool.content[src])
+            copy = BlockCopy(src, dst, CopyKind.COPY_ON_WRITE)
+            self._start_copy(copy, seq_id)
+            self._pool.release(src)
             seq.blocks[-1] = dst
-            self._copies.append((src, dst))
+            self._copies.append(copy)
         return self._write(seq, ids)
+
+    def commit(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Record that the K/V of ``seq_id``'s first ``num_tokens`` tokens are written.
+
+        Call it after the prefill or decode step that wrote them (vLLM's
+        ``num_computed_tokens``). With prefix caching, each full block whose tokens are
+        all committed, whose ids are known and into which no copy is pending becomes
+        matchable, in table order.
+
+        Raises
+        ------
+        ValueError
+            If the sequence is swapped out, or ``num_tokens`` is not an int between the
+            tokens committed so far and the tokens it holds.
+        """
+        seq = self._on_device(seq_id)
+        if not _is_int(num_tokens) or not seq.num_committed <= num_tokens <= seq.num_tokens:
+            raise ValueError(
+                f"commit: num_tokens of sequence {seq_id!r} must be an int in "
+                f"[{seq.num_committed}, {seq.num_tokens}] (committed so far, held), "
+                f"got {num_tokens!r}"
+            )
+        seq.num_committed = int(num_tokens)
+        self._register_ready(seq)
+
+    def copy_done(self, copies: Iterable[BlockCopy]) -> None:
+        """Record that the caller has made ``copies``; unpin their blocks.
+
+        A block that no table holds any more returns to the free queue now; a block
+        copied into becomes matchable (with prefix caching) once its sequence's earlier
+        blocks are. All-or-nothing: every copy is checked before any is marked done.
+
+        Raises
+        ------
+        TypeError
+            If an element is not a :class:`BlockCopy`.
+        ValueError
+            If a copy is not pending (never handed out, or already done), or appears twice.
+        """
+        copies = list(copies)
+        for copy in copies:
+            if not isinstance(copy, BlockCopy):
+                raise TypeError(f"copy_done takes BlockCopy objects, got {copy!r}")
+        unknown = [copy for copy in copies if copy not in self._pending]
+        if unknown:
+            raise ValueError(f"copy_done: {unknown} are not pending (never handed out, or done)")
+        if len(set(copies)) != len(copies):
+            raise ValueError("copy_done: a copy appears more than once")
+        for copy in copies:
+            seq_id = self._pending.pop(copy)
+            if copy.kind is CopyKind.SWAP_OUT:
+                self._host.filling.discard(copy.dst)
+                self._pool.unpin(copy.src)
+                self._host.unpin(copy.dst)
+                continue
+            self._filling.discard(copy.dst)
+            if copy.kind is CopyKind.COPY_ON_WRITE:
+                self._pool.unpin(copy.src)
+            else:
+                self._host.unpin(copy.src)
+            self._pool.unpin(copy.dst)
+            seq = self._seqs.get(seq_id)
+            if seq is not None and seq.host_blocks is None:
+                self._register_ready(seq)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """Start ``child_id`` as a copy of ``parent_id`` that shares all its blocks.
@@ -454,28 +451,33 @@ class BlockAllocator:
 
         Raises
         ------
-        KeyError
-            If ``parent_id`` is not a known sequence.
         ValueError
-            If ``child_id`` already exists or the parent is swapped out.
+            If ``child_id`` already exists, the parent is swapped out, or its K/V are not
+            all written (uncommitted tokens, or a copy into its blocks pending).
         """
         parent = self._on_device(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"fork: child sequence {child_id!r} already exists")
+        self._require_written(parent, parent_id, "fork")
         for block in parent.blocks:
-            self._acquire(block)
-        self._seqs[child_id] = _Sequence(
-            blocks=list(parent.blocks), num_tokens=parent.num_tokens, hashes=list(parent.hashes)
+            self._pool.acquire(block)
+        self._seqs[child_id] = _SequenceState(
+            blocks=list(parent.blocks),
+            num_tokens=parent.num_tokens,
+            num_committed=parent.num_committed,
+            hashes=list(parent.hashes),
+            num_registered=parent.num_registered,
         )
 
     def free(self, *seq_ids: Hashable) -> None:
         """End the given sequences and drop their references to blocks.
 
-        A block whose last reference goes returns to the free queue: uncached blocks at
-        the front, prefix-cached blocks at the back (they stay matchable until evicted).
-        A table is released last block first, so a sequence's tail is evicted before its
-        prefix (vLLM ``KVCacheManager.free``). Host blocks of swapped-out sequences return
-        to the host pool. All-or-nothing: every id is checked before anything is freed.
+        A block whose last reference goes returns to the free queue (see
+        :mod:`~pagedbench.reference.block_pool` for the order), or stays pinned while a
+        pending copy uses it. A table is released last block first, so a sequence's tail
+        is evicted before its prefix (vLLM ``KVCacheManager.free``). Host blocks of
+        swapped-out sequences return to the host pool. All-or-nothing: every id is checked
+        before anything is freed.
 
         Raises
         ------
@@ -492,8 +494,9 @@ class BlockAllocator:
         seqs = [self._seq(seq_id) for seq_id in seq_ids]
         for seq_id, seq in zip(seq_ids, seqs):
             for block in reversed(seq.blocks):
-                self._release(block)
-            self._host_free.extend(seq.host_blocks or ())
+                self._pool.release(block)
+            for host in seq.host_blocks or ():
+                self._host.release(host)
             del self._seqs[seq_id]
 
     def preempt(self, seq_id: Hashable) -> int:
@@ -508,329 +511,311 @@ class BlockAllocator:
         -------
         int
             Tokens whose K/V must be recomputed: all the sequence's tokens.
-
-        Raises
-        ------
-        KeyError
-            If ``seq_id`` is not a known sequence.
         """
         num_tokens = self._seq(seq_id).num_tokens
         self.free(seq_id)
         return num_tokens
 
-    def swap_out(self, seq_id: Hashable) -> list[tuple[int, int]]:
+    def swap_out(self, seq_id: Hashable) -> list[BlockCopy]:
         """Move ``seq_id``'s blocks to the host pool, all or nothing.
 
         Each device block is copied to its own host block and the sequence drops its
-        device references (a block shared with another sequence stays on device for it).
+        device references (a block shared with another sequence stays on device for it);
+        a device block stays pinned until its copy is done.
 
         Returns
         -------
-        list[tuple[int, int]]
-            ``(device_block, host_block)`` copies for the caller to make, in table order
-            (vLLM v0 ``BlockSpaceManager.swap_out``'s mapping).
+        list[BlockCopy]
+            ``SWAP_OUT`` copies (device ``src``, host ``dst``) in table order (vLLM v0
+            ``BlockSpaceManager.swap_out``'s mapping).
 
         Raises
         ------
-        KeyError
-            If ``seq_id`` is not a known sequence.
         ValueError
-            If it is already swapped out.
+            If it is already swapped out, or its K/V are not all written.
         OutOfBlocksError
             If the host pool has too few free blocks.
         """
         seq = self._on_device(seq_id)
-        need = len(seq.blocks)
-        if need > len(self._host_free):
-            raise OutOfBlocksError(
-                f"swapping out sequence {seq_id!r} needs {need} host blocks but only "
-                f"{len(self._host_free)} of {self.num_host_blocks} are free "
-                f"(short by {need - len(self._host_free)})",
-                need,
-                len(self._host_free),
-            )
-        mapping = []
+        self._require_written(seq, seq_id, "swap_out")
+        if len(seq.blocks) > self._host.num_free:
+            raise self._out_of_blocks(f"swapping out sequence {seq_id!r}", len(seq.blocks), True)
+        copies = []
         for block in seq.blocks:
-            host = self._host_free.popleft()
-            self._host_content[host] = list(self._content[block])
-            mapping.append((block, host))
+            host = self._host.take()
+            self._host.content[host] = list(self._pool.content[block])
+            copy = BlockCopy(block, host, CopyKind.SWAP_OUT)
+            self._start_copy(copy, seq_id)
+            copies.append(copy)
         for block in reversed(seq.blocks):
-            self._release(block)
-        seq.host_blocks = [host for _, host in mapping]
+            self._pool.release(block)
+        seq.host_blocks = [copy.dst for copy in copies]
         seq.blocks = []
-        return mapping
+        seq.num_registered = 0
+        return copies
 
-    def swap_in(self, seq_id: Hashable) -> list[tuple[int, int]]:
+    def swap_in(self, seq_id: Hashable) -> list[BlockCopy]:
         """Bring a swapped-out ``seq_id`` back into new device blocks, all or nothing.
 
-        With prefix caching, its full blocks become matchable again; sharing the sequence
-        had with others before the swap is not restored.
+        One new block per host block, without a prefix-cache lookup (the table is
+        restored from its host copy; sharing it had before the swap is not restored).
+        With prefix caching its full blocks become matchable again as their copies are
+        done.
 
         Returns
         -------
-        list[tuple[int, int]]
-            ``(host_block, device_block)`` copies for the caller to make, in table order.
+        list[BlockCopy]
+            ``SWAP_IN`` copies (host ``src``, device ``dst``) in table order.
 
         Raises
         ------
-        KeyError
-            If ``seq_id`` is not a known sequence.
         ValueError
-            If it is not swapped out.
+            If it is not swapped out, or its swap-out copies are still pending.
         OutOfBlocksError
             If the device pool has too few free blocks.
         """
         seq = self._seq(seq_id)
         if seq.host_blocks is None:
             raise ValueError(f"swap_in: sequence {seq_id!r} is not swapped out")
-        need = len(seq.host_blocks)
-        if need > len(self._free):
-            raise OutOfBlocksError(
-                f"swapping in sequence {seq_id!r} needs {need} free blocks but only "
-                f"{len(self._free)} of {self.num_blocks} are free "
-                f"(short by {need - len(self._free)})",
-                need,
-                len(self._free),
+        pending = [host for host in seq.host_blocks if host in self._host.filling]
+        if pending:
+            raise ValueError(
+                f"swap_in: the swap-out copies of sequence {seq_id!r} into host blocks "
+                f"{pending} are pending; call copy_done first"
             )
-        mapping = []
-        for index, host in enumerate(seq.host_blocks):
-            block = self._take_block()
-            self._content[block] = self._host_content[host]
-            self._host_content[host] = []
-            self._tokens_stored += len(self._content[block])
+        if len(seq.host_blocks) > self._pool.num_free:
+            raise self._out_of_blocks(f"swapping in sequence {seq_id!r}", len(seq.host_blocks))
+        copies = []
+        for host in seq.host_blocks:
+            block = self._pool.take()
+            self._pool.fill(block, self._host.content[host])
+            self._host.content[host] = []
             seq.blocks.append(block)
-            if index < len(seq.hashes):
-                parent = seq.hashes[index - 1] if index else _ROOT_HASH
-                self._register(block, parent, seq.hashes[index])
-            mapping.append((host, block))
-        self._host_free.extend(seq.host_blocks)
+            copy = BlockCopy(host, block, CopyKind.SWAP_IN)
+            self._start_copy(copy, seq_id)
+            copies.append(copy)
+        for host in seq.host_blocks:
+            self._host.release(host)
         seq.host_blocks = None
-        return mapping
+        return copies
 
     # Invariants ---------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Recompute the whole state from the tables and compare; raise on any mismatch.
 
-        Checked: every block is exactly one of used (referenced), free, or cached
-        (unreferenced with a prefix-cache key), and the free queue holds exactly the
-        unreferenced blocks, valid ids only; a block's reference count equals the number
-        of tables holding it (so it is >= 0 and no table holds a freed block), and no
-        table holds a block twice; each table has ``ceil(num_tokens / block_size)``
-        blocks, full but for the last; every cache entry points to a full block whose
-        content hashes to its key, and block keys and entries agree; each sequence's
-        chained hashes match its blocks' content; the running totals behind
-        :meth:`usage` match a recount; host blocks are each free or held once.
+        Checked: every block is exactly one of used (referenced), in flight (pinned by a
+        pending copy), free or cached, and the free queue holds exactly the unreferenced,
+        unpinned blocks; a block's reference count equals the number of tables holding it
+        and its pins the pending copies using it; no table holds a block twice; each
+        table has ``ceil(num_tokens / block_size)`` blocks, full but for the last; every
+        cache entry points to a full block whose content hashes to its key, no copy
+        writes into it, and block keys and entries agree; each sequence's chained hashes
+        match its blocks' content; conversely, each sequence's leading full blocks that
+        are hashed, committed and free of pending copies are registered under their keys,
+        and no block of a table is registered past its committed tokens (so nothing
+        unwritten is matchable); the running totals behind :meth:`usage` match a recount;
+        host blocks are each free, or held once or pinned.
 
         Raises
         ------
         AllocatorInvariantError
             Naming the broken invariant and the block or sequence.
         """
-        bs = self.block_size
         holders: Counter[int] = Counter()
         for seq_id, seq in self._seqs.items():
-            _require(
+            invariant(
                 len(set(seq.blocks)) == len(seq.blocks),
                 f"sequence {seq_id!r} holds a block twice: {seq.blocks}",
             )
             holders.update(seq.blocks)
-            expected_blocks = 0 if seq.host_blocks is not None else -(-seq.num_tokens // bs)
-            _require(
-                len(seq.blocks) == expected_blocks,
-                f"table length: sequence {seq_id!r} has {seq.num_tokens} tokens in "
-                f"{len(seq.blocks)} device blocks, expected {expected_blocks}",
-            )
-            table_content = self._content if seq.host_blocks is None else self._host_content
-            table = seq.blocks if seq.host_blocks is None else seq.host_blocks
-            for index, block in enumerate(table):
-                fill = min(bs, seq.num_tokens - index * bs)
-                _require(
-                    len(table_content[block]) == fill,
-                    f"block fill: block {block} at index {index} of sequence {seq_id!r} "
-                    f"holds {len(table_content[block])} tokens, expected {fill}",
-                )
-            parent = _ROOT_HASH
-            for index, key in enumerate(seq.hashes):
-                ids = table_content[table[index]]
-                _require(
-                    len(ids) == bs and None not in ids and chain_hash(parent, ids) == key,
-                    f"sequence hash: key {index} of sequence {seq_id!r} does not match "
-                    f"the content of block {table[index]}",
-                )
-                parent = key
-        for block in range(self.num_blocks):
-            _require(self._ref[block] >= 0, f"ref count: block {block} has {self._ref[block]}")
-            _require(
-                self._ref[block] == holders[block],
-                f"ref count: block {block} has ref {self._ref[block]} but "
-                f"{holders[block]} tables hold it",
-            )
-            _require(
-                (self._ref[block] == 0) == (block in self._free),
-                f"partition: block {block} has ref {self._ref[block]} and is "
-                f"{'' if block in self._free else 'not '}in the free queue",
-            )
-        _require(
-            all(isinstance(b, int) and 0 <= b < self.num_blocks for b in self._free),
-            "free queue: holds an invalid block id",
+            self._check_sequence(seq_id, seq)
+        pins: Counter[int] = Counter()
+        host_pins: Counter[int] = Counter()
+        for copy in self._pending:
+            (host_pins if copy.kind is CopyKind.SWAP_IN else pins)[copy.src] += 1
+            (host_pins if copy.kind is CopyKind.SWAP_OUT else pins)[copy.dst] += 1
+        filling = {c.dst for c in self._pending if c.kind is not CopyKind.SWAP_OUT}
+        invariant(
+            self._filling == filling,
+            f"pending copies: blocks {sorted(self._filling ^ filling)} are marked as being "
+            "written but are no copy's target, or the reverse",
         )
-        entries = [(key, block) for key, blocks in self._cached.items() for block in blocks]
-        for key, block in entries:
-            _require(
-                self._block_hash[block] == key,
-                f"cache entry: key {key.hex()[:12]} points to block {block} whose key differs",
-            )
-            ids = self._content[block]
-            _require(
-                len(ids) == bs
-                and None not in ids
-                and chain_hash(self._parent_hash[block], ids) == key,
-                f"cache entry: block {block} is not full or its content does not hash to "
-                f"its key {key.hex()[:12]}",
-            )
-        keyed = [b for b in range(self.num_blocks) if self._block_hash[b] is not None]
-        _require(
-            len(keyed) == len(entries) and all(self._cached.values()),
-            f"cache entry: {len(keyed)} blocks carry a key but the cache has "
-            f"{len(entries)} entries (or an empty key)",
+        self._pool.check(holders, pins, filling)
+        self._host.check(
+            Counter(h for seq in self._seqs.values() for h in seq.host_blocks or ()),
+            host_pins,
+            {c.dst for c in self._pending if c.kind is CopyKind.SWAP_OUT},
         )
-        used = [b for b in range(self.num_blocks) if self._ref[b] > 0]
-        cached_free = sum(1 for b in self._free if self._block_hash[b] is not None)
-        stored = sum(len(self._content[b]) for b in used)
-        for name, running, recount in (
-            ("blocks_used", self._blocks_used, len(used)),
-            ("blocks_cached", self._blocks_cached, cached_free),
-            ("tokens_stored", self._tokens_stored, stored),
-        ):
-            _require(running == recount, f"accounting: {name} is {running}, recount {recount}")
-        host_held = Counter(h for seq in self._seqs.values() for h in seq.host_blocks or ())
-        _require(
-            all(n == 1 for n in host_held.values())
-            and not host_held.keys() & set(self._host_free)
-            and len(host_held) + len(self._host_free) == self.num_host_blocks
-            and len(set(self._host_free)) == len(self._host_free),
-            "host pool: a host block is held twice, both held and free, or lost",
+
+    def _check_sequence(self, seq_id: Hashable, seq: _SequenceState) -> None:
+        bs = self.block_size
+        on_host = seq.host_blocks is not None
+        expected_blocks = 0 if on_host else -(-seq.num_tokens // bs)
+        invariant(
+            len(seq.blocks) == expected_blocks,
+            f"table length: sequence {seq_id!r} has {seq.num_tokens} tokens in "
+            f"{len(seq.blocks)} device blocks, expected {expected_blocks}",
+        )
+        invariant(
+            0 <= seq.num_committed <= seq.num_tokens,
+            f"commit: sequence {seq_id!r} has {seq.num_committed} of {seq.num_tokens} "
+            "tokens committed",
+        )
+        content = self._host.content if on_host else self._pool.content
+        table = seq.host_blocks if on_host else seq.blocks
+        for index, block in enumerate(table):
+            fill = min(bs, seq.num_tokens - index * bs)
+            invariant(
+                len(content[block]) == fill,
+                f"block fill: block {block} at index {index} of sequence {seq_id!r} "
+                f"holds {len(content[block])} tokens, expected {fill}",
+            )
+        parent = ROOT_HASH
+        for index, key in enumerate(seq.hashes):
+            ids = content[table[index]]
+            invariant(
+                len(ids) == bs and None not in ids and chain_hash(parent, ids) == key,
+                f"sequence hash: key {index} of sequence {seq_id!r} does not match "
+                f"the content of block {table[index]}",
+            )
+            parent = key
+        if on_host:
+            return
+        # The converse of the cache entries: the leading blocks that are ready are filed.
+        ready = 0
+        limit = min(len(seq.hashes), seq.num_committed // bs)
+        while ready < limit and seq.blocks[ready] not in self._filling:
+            ready += 1
+        block_hash = self._pool.block_hash
+        invariant(
+            seq.num_registered == ready
+            and all(block_hash[seq.blocks[i]] == seq.hashes[i] for i in range(ready)),
+            f"prefix cache: sequence {seq_id!r} has {ready} full, committed blocks with "
+            f"settled copies, but {seq.num_registered} are registered (or under other keys)",
+        )
+        invariant(
+            all(
+                block_hash[block] is None or (index + 1) * bs <= seq.num_committed
+                for index, block in enumerate(seq.blocks)
+            ),
+            f"prefix cache: sequence {seq_id!r} has a block registered past its "
+            f"{seq.num_committed} committed tokens",
         )
 
     # Internals ----------------------------------------------------------------------------
-    def _seq(self, seq_id: Hashable) -> _Sequence:
+    def _seq(self, seq_id: Hashable) -> _SequenceState:
         try:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"unknown sequence {seq_id!r} (never added, or already freed)") from None
 
-    def _on_device(self, seq_id: Hashable) -> _Sequence:
+    def _on_device(self, seq_id: Hashable) -> _SequenceState:
         seq = self._seq(seq_id)
         if seq.host_blocks is not None:
             raise ValueError(f"sequence {seq_id!r} is swapped out; swap_in it first")
         return seq
 
-    def _last_block_shared_partial(self, seq: _Sequence) -> bool:
-        return seq.num_tokens % self.block_size != 0 and self._ref[seq.blocks[-1]] > 1
+    def _require_written(self, seq: _SequenceState, seq_id: Hashable, action: str) -> None:
+        """Refuse an operation that reads ``seq``'s K/V before all of it is written."""
+        uncommitted = seq.num_tokens - seq.num_committed
+        filling = [block for block in seq.blocks if block in self._filling]
+        if uncommitted or filling:
+            raise ValueError(
+                f"{action}: sequence {seq_id!r} has {uncommitted} uncommitted tokens and "
+                f"pending copies into blocks {filling}; commit and copy_done them first"
+            )
 
-    def _take_block(self) -> int:
-        """Pop the head of the free queue (evicting its cache entry) with one reference."""
-        block, _ = self._free.popitem(last=False)
-        key = self._block_hash[block]
-        if key is not None:
-            del self._cached[key][block]
-            if not self._cached[key]:
-                del self._cached[key]
-            self._block_hash[block] = self._parent_hash[block] = None
-            self._blocks_cached -= 1
-        self._content[block] = []
-        self._ref[block] = 1
-        self._blocks_used += 1
-        return block
+    def _out_of_blocks(self, action: str, need: int, host: bool = False) -> OutOfBlocksError:
+        """The refusal of ``action``, which needs ``need`` free blocks of the device (or
+        host) pool: the one place the exhaustion error is built."""
+        if host:
+            return OutOfBlocksError(action, need, self._host.num_free, self.num_host_blocks, "host")
+        return OutOfBlocksError(action, need, self._pool.num_free, self.num_blocks)
 
-    def _acquire(self, block: int) -> None:
-        """Add a reference to a block that holds data (fork, prefix hit)."""
-        if self._ref[block] == 0:
-            del self._free[block]
-            self._blocks_cached -= self._block_hash[block] is not None
-            self._blocks_used += 1
-            self._tokens_stored += len(self._content[block])
-        self._ref[block] += 1
+    def _blocks_needed(self, seq: _SequenceState, num_new_tokens: int, copy_on_write: bool) -> int:
+        """New blocks for the overflow past the last block, plus the copy's block."""
+        if num_new_tokens == 0:
+            return 0
+        grow = -(-(seq.num_tokens + num_new_tokens) // self.block_size) - len(seq.blocks)
+        return grow + int(copy_on_write)
 
-    def _release(self, block: int) -> None:
-        self._ref[block] -= 1
-        if self._ref[block] == 0:
-            self._blocks_used -= 1
-            self._tokens_stored -= len(self._content[block])
-            self._free[block] = None
-            if self._block_hash[block] is None:
-                self._free.move_to_end(block, last=False)
-            else:
-                self._blocks_cached += 1
+    def _last_block_shared_partial(self, seq: _SequenceState) -> bool:
+        return seq.num_tokens % self.block_size != 0 and self._pool.ref[seq.blocks[-1]] > 1
 
-    def _write(self, seq: _Sequence, ids: Sequence[int | None]) -> list[int]:
+    def _start_copy(self, copy: BlockCopy, seq_id: Hashable) -> None:
+        """Pin both ends of a new pending copy and mark its target as being written."""
+        if copy.kind is CopyKind.SWAP_IN:
+            self._host.pin(copy.src)
+        else:
+            self._pool.pin(copy.src)
+        if copy.kind is CopyKind.SWAP_OUT:
+            self._host.pin(copy.dst)
+            self._host.filling.add(copy.dst)
+        else:
+            self._pool.pin(copy.dst)
+            self._filling.add(copy.dst)
+        self._pending[copy] = seq_id
+
+    def _write(self, seq: _SequenceState, ids: Sequence[int | None]) -> list[int]:
         """Place ``ids`` after the sequence's tokens, taking blocks as they fill.
 
         The caller has checked that enough blocks are free and done any copy-on-write.
         """
         bs = self.block_size
-        slots = []
-        for token_id in ids:
-            pos = seq.num_tokens
-            if pos % bs == 0:
-                seq.blocks.append(self._take_block())
+        pool = self._pool
+        slots: list[int] = []
+        start = 0
+        while start < len(ids):
+            offset = seq.num_tokens % bs
+            if offset == 0:
+                seq.blocks.append(pool.take())
             block = seq.blocks[-1]
-            self._content[block].append(token_id)
-            slots.append(block * bs + pos % bs)
-            seq.num_tokens = pos + 1
-            if seq.num_tokens % bs == 0:
-                self._on_block_full(seq, block)
-        self._tokens_stored += len(ids)
+            count = min(bs - offset, len(ids) - start)
+            pool.write(block, ids[start : start + count])
+            first_slot = block * bs + offset
+            slots.extend(range(first_slot, first_slot + count))
+            seq.num_tokens += count
+            start += count
+            if offset + count == bs:
+                self._extend_hashes(seq, block)
         return slots
 
-    def _on_block_full(self, seq: _Sequence, block: int) -> None:
-        """Extend the sequence's hash chain over a block just filled, and cache it."""
-        ids = self._content[block]
+    def _extend_hashes(self, seq: _SequenceState, block: int) -> None:
+        """Extend the sequence's hash chain over a block just filled (with caching, while
+        every earlier block has a key and this one has all its ids)."""
+        ids = self._pool.content[block]
         index = seq.num_tokens // self.block_size - 1
         if not self.enable_prefix_caching or len(seq.hashes) != index or None in ids:
             return
-        parent = seq.hashes[-1] if seq.hashes else _ROOT_HASH
-        key = chain_hash(parent, ids)
-        seq.hashes.append(key)
-        self._register(block, parent, key)
+        seq.hashes.append(chain_hash(seq.hashes[-1] if seq.hashes else ROOT_HASH, ids))
 
-    def _register(self, block: int, parent: bytes, key: bytes) -> None:
-        """Make a full, written, referenced block matchable under ``key``."""
-        if self.enable_prefix_caching:
-            self._cached.setdefault(key, {})[block] = None
-            self._block_hash[block] = key
-            self._parent_hash[block] = parent
+    def _register_ready(self, seq: _SequenceState) -> None:
+        """Register the sequence's next full blocks that are hashed, committed and free of
+        pending copies, in table order (stopping at the first that is not)."""
+        limit = min(len(seq.hashes), seq.num_committed // self.block_size)
+        while seq.num_registered < limit:
+            index = seq.num_registered
+            block = seq.blocks[index]
+            if block in self._filling:
+                return
+            parent = seq.hashes[index - 1] if index else ROOT_HASH
+            self._pool.register(block, parent, seq.hashes[index])
+            seq.num_registered += 1
 
     def _plan_prompt(self, ids: Sequence[int]) -> tuple[list[int], int]:
         """The prompt's prefix-cache hits, and the free blocks its allocation takes.
 
-        A hit on an unreferenced cached block takes it out of the free queue, so only
-        hits on blocks in use save a free block.
+        A hit on a block in the free queue takes it out of the queue, so only hits on
+        blocks outside it (in use, or pinned by a copy) save a free block.
         """
-        hits = self._match_prefix(ids)
-        need = -(-len(ids) // self.block_size) - sum(self._ref[b] > 0 for b in hits)
+        hits = self._pool.match_prefix(ids)
+        need = -(-len(ids) // self.block_size) - sum(not self._pool.is_free(b) for b in hits)
         return hits, need
-
-    def _match_prefix(self, ids: Sequence[int]) -> list[int]:
-        """Cached blocks that hold the prompt's leading full blocks, leaving >= 1 token."""
-        if not self.enable_prefix_caching:
-            return []
-        bs = self.block_size
-        hits: list[int] = []
-        parent = _ROOT_HASH
-        for start in range(0, (len(ids) - 1) // bs * bs, bs):
-            key = chain_hash(parent, ids[start : start + bs])
-            blocks = self._cached.get(key)
-            if not blocks:
-                break
-            hits.append(next(iter(blocks)))
-            parent = key
-        return hits
 
 
 def _is_int(value: object) -> bool:
     """An integer (Python or NumPy), not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
 
 
 def _check_token_ids(token_ids: Sequence[int]) -> list[int]:
@@ -853,8 +838,3 @@ def _check_token_ids(token_ids: Sequence[int]) -> list[int]:
         if not _is_int(token_id) or not _INT64_MIN <= token_id <= _INT64_MAX:
             raise ValueError(f"token_ids must be ints in int64 range, got {token_id!r}")
     return [int(token_id) for token_id in ids]
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise AllocatorInvariantError(message)

@@ -1,7 +1,8 @@
 """Example tests for the allocator boundaries that public bug reports keep hitting.
 
 Every expected number here is worked out by hand from the scenario (block counts, slots,
-hits), not read back from the allocator.
+hits), not read back from the allocator. ``_prefill`` is what an engine does for a new
+request: allocate the prompt, run the prefill, commit it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from pagedbench.reference.allocator import (
     AllocatorInvariantError,
     AllocatorUsage,
     BlockAllocator,
+    BlockCopy,
+    CopyKind,
     OutOfBlocksError,
     chain_hash,
 )
@@ -22,6 +25,21 @@ BLOCK_SIZE = 4
 
 def _prefix_allocator(num_blocks: int) -> BlockAllocator:
     return BlockAllocator(num_blocks, BLOCK_SIZE, seed=0, enable_prefix_caching=True)
+
+
+def _prefill(allocator: BlockAllocator, seq_id, prompt) -> int:
+    """Admit ``prompt`` and commit it, as after its prefill step; returns the prefix hit."""
+    hit = allocator.add_sequence(seq_id, prompt)
+    allocator.commit(seq_id, len(prompt))
+    return hit
+
+
+def _decode(allocator: BlockAllocator, seq_id, tokens) -> list[int]:
+    """Append ``tokens``, finish any copy-on-write copy and commit, as after a step."""
+    slots = allocator.append_tokens(seq_id, tokens)
+    allocator.copy_done(allocator.pop_copies())
+    allocator.commit(seq_id, allocator.num_tokens(seq_id))
+    return slots
 
 
 @pytest.mark.parametrize("num_full_blocks", [1, 2, 3])
@@ -34,7 +52,7 @@ def test_full_prefix_hit_on_whole_blocks_leaves_one_block_to_compute(num_full_bl
     """
     prompt = list(range(num_full_blocks * BLOCK_SIZE))
     allocator = _prefix_allocator(16)
-    assert allocator.add_sequence("first", prompt) == 0
+    assert _prefill(allocator, "first", prompt) == 0
     first_table = allocator.block_table("first")
     hit = allocator.add_sequence("second", prompt)
     second_table = allocator.block_table("second")
@@ -49,7 +67,7 @@ def test_full_prefix_hit_on_whole_blocks_leaves_one_block_to_compute(num_full_bl
 def test_prompt_one_token_past_cached_blocks_hits_them_all():
     prompt = list(range(2 * BLOCK_SIZE))
     allocator = _prefix_allocator(8)
-    allocator.add_sequence("first", prompt)
+    _prefill(allocator, "first", prompt)
     assert allocator.add_sequence("second", prompt + [99]) == 2 * BLOCK_SIZE
     assert allocator.usage().blocks_used == 3
     allocator.check_invariants()
@@ -101,9 +119,9 @@ def test_referenced_cached_block_survives_pool_pressure():
     """
     prefix = [7, 7, 7, 7]
     allocator = _prefix_allocator(6)
-    allocator.add_sequence("a", prefix + [1])
+    _prefill(allocator, "a", prefix + [1])
     shared = allocator.block_table("a")[0]
-    assert allocator.add_sequence("b", prefix + [2]) == BLOCK_SIZE
+    assert _prefill(allocator, "b", prefix + [2]) == BLOCK_SIZE
     assert allocator.block_table("b")[0] == shared
     allocator.free("a")
     # a's tail block is free again; the shared block stays in use, held by b.
@@ -116,6 +134,7 @@ def test_referenced_cached_block_survives_pool_pressure():
         slots_allocated=8,
         fragmentation_slots=3,
         host_blocks_used=0,
+        blocks_in_flight=0,
     )
     allocator.add_sequence("filler", list(range(100, 100 + 4 * BLOCK_SIZE)))
     assert allocator.num_free_blocks == 0
@@ -129,8 +148,8 @@ def test_referenced_cached_block_survives_pool_pressure():
 def test_unreferenced_cached_blocks_are_evicted_least_recently_freed_first():
     allocator = _prefix_allocator(4)
     old, new = [1, 1, 1, 1], [2, 2, 2, 2]
-    allocator.add_sequence("old", old + [0])
-    allocator.add_sequence("new", new + [0])
+    _prefill(allocator, "old", old + [0])
+    _prefill(allocator, "new", new + [0])
     allocator.free("old")
     allocator.free("new")
     usage = allocator.usage()
@@ -148,7 +167,7 @@ def test_unreferenced_cached_blocks_are_evicted_least_recently_freed_first():
 def test_eviction_removes_the_hash_entry():
     prefix = [5, 6, 7, 8]
     allocator = _prefix_allocator(2)
-    allocator.add_sequence("a", prefix + [0])
+    _prefill(allocator, "a", prefix + [0])
     allocator.free("a")
     assert allocator.usage().blocks_cached == 1
     allocator.add_sequence("filler", list(range(2 * BLOCK_SIZE)))
@@ -160,13 +179,13 @@ def test_eviction_removes_the_hash_entry():
 
 def test_block_is_matchable_only_once_full():
     allocator = _prefix_allocator(8)
-    allocator.add_sequence("writer", [1, 2, 3])
-    assert allocator.add_sequence("early", [1, 2, 3, 4, 9]) == 0
+    _prefill(allocator, "writer", [1, 2, 3])
+    assert _prefill(allocator, "early", [1, 2, 3, 4, 9]) == 0
     allocator.free("early")  # its own copy of the block is cached now: drop it
     allocator.add_sequence("filler")
     allocator.append_tokens("filler", 7 * BLOCK_SIZE)
     allocator.free("filler")
-    allocator.append_tokens("writer", [4])
+    _decode(allocator, "writer", [4])
     assert allocator.add_sequence("late", [1, 2, 3, 4, 9]) == BLOCK_SIZE
     assert allocator.block_table("late")[0] == allocator.block_table("writer")[0]
     allocator.check_invariants()
@@ -182,15 +201,17 @@ def test_tokens_without_ids_are_never_cached():
 
 def test_fork_shares_every_block_and_append_copies_the_partial_last_one():
     allocator = BlockAllocator(8, BLOCK_SIZE, seed=3)
-    allocator.add_sequence("parent", list(range(6)))  # one full block, one with 2 tokens
+    _prefill(allocator, "parent", list(range(6)))  # one full block, one with 2 tokens
     allocator.fork("parent", "child")
     table = allocator.block_table("parent")
     assert allocator.block_table("child") == table
     assert allocator.usage().blocks_used == 2
     slots = allocator.append_tokens("child", [100])
     child_table = allocator.block_table("child")
-    assert allocator.pop_copies() == [(table[1], child_table[1])]
+    copy = BlockCopy(table[1], child_table[1], CopyKind.COPY_ON_WRITE)
+    assert allocator.pop_copies() == [copy]
     assert allocator.pop_copies() == []
+    allocator.copy_done([copy])
     assert child_table[0] == table[0] and child_table[1] != table[1]
     assert slots == [child_table[1] * BLOCK_SIZE + 2]
     # The parent keeps its block, now unshared: its append copies nothing.
@@ -202,7 +223,7 @@ def test_fork_shares_every_block_and_append_copies_the_partial_last_one():
 
 def test_fork_of_full_blocks_needs_no_copy():
     allocator = BlockAllocator(8, BLOCK_SIZE)
-    allocator.add_sequence("parent", list(range(8)))
+    _prefill(allocator, "parent", list(range(8)))
     allocator.fork("parent", "child")
     assert allocator.blocks_needed("child", 1) == 1
     allocator.append_tokens("child", [1])
@@ -212,12 +233,12 @@ def test_fork_of_full_blocks_needs_no_copy():
 
 def test_copy_on_write_counts_toward_the_blocks_needed():
     allocator = BlockAllocator(3, BLOCK_SIZE)
-    allocator.add_sequence("parent", [1, 2, 3])
+    _prefill(allocator, "parent", [1, 2, 3])
     allocator.fork("parent", "child")
     # 3 + 3 tokens: one block copied, one more for the overflow.
     assert allocator.blocks_needed("child", 3) == 2
     allocator.add_sequence("other", [9])
-    with pytest.raises(OutOfBlocksError, match=r"needs 2 new blocks but only 1 .*short by 1"):
+    with pytest.raises(OutOfBlocksError, match=r"needs 2 free blocks but only 1 .*short by 1"):
         allocator.append_tokens("child", [4, 5, 6])
     assert allocator.pop_copies() == []
     allocator.check_invariants()
@@ -267,8 +288,8 @@ def test_usage_counts_fragmentation_by_hand():
 def test_preempt_returns_tokens_to_recompute_and_prefix_cache_serves_the_readmission():
     allocator = _prefix_allocator(8)
     tokens = list(range(10))
-    allocator.add_sequence("a", tokens[:6])
-    allocator.append_tokens("a", tokens[6:])
+    _prefill(allocator, "a", tokens[:6])
+    _decode(allocator, "a", tokens[6:])
     assert allocator.preempt("a") == 10
     assert allocator.sequences() == []
     assert allocator.usage().blocks_cached == 2  # the two full blocks
@@ -278,24 +299,31 @@ def test_preempt_returns_tokens_to_recompute_and_prefix_cache_serves_the_readmis
 
 def test_swap_out_and_in_reports_the_copies():
     allocator = BlockAllocator(6, BLOCK_SIZE, num_host_blocks=4)
-    allocator.add_sequence("a", list(range(6)))
+    _prefill(allocator, "a", list(range(6)))
     table = allocator.block_table("a")
     out = allocator.swap_out("a")
-    assert [device for device, _ in out] == table
+    assert [(c.src, c.kind) for c in out] == [(b, CopyKind.SWAP_OUT) for b in table]
     assert allocator.is_swapped_out("a") and allocator.block_table("a") == []
+    # The device blocks stay pinned until the copies are done.
+    assert allocator.num_free_blocks == 4 and allocator.usage().blocks_in_flight == 2
+    allocator.copy_done(out)
     assert allocator.num_free_blocks == 6 and allocator.usage().host_blocks_used == 2
     with pytest.raises(ValueError, match="swapped out"):
         allocator.append_tokens("a", 1)
     back = allocator.swap_in("a")
-    assert [host for host, _ in back] == [host for _, host in out]
-    assert [device for _, device in back] == allocator.block_table("a")
-    assert allocator.num_tokens("a") == 6 and allocator.usage().host_blocks_used == 0
+    assert [c.src for c in back] == [c.dst for c in out]
+    assert [c.dst for c in back] == allocator.block_table("a")
+    assert {c.kind for c in back} == {CopyKind.SWAP_IN}
+    # The host blocks are read until the copies are done.
+    assert allocator.num_tokens("a") == 6 and allocator.usage().host_blocks_used == 2
+    allocator.copy_done(back)
+    assert allocator.usage().host_blocks_used == 0
     allocator.check_invariants()
 
 
 def test_swap_out_needs_room_in_the_host_pool():
     allocator = BlockAllocator(6, BLOCK_SIZE, num_host_blocks=1)
-    allocator.add_sequence("a", list(range(6)))
+    _prefill(allocator, "a", list(range(6)))
     with pytest.raises(OutOfBlocksError, match="needs 2 host blocks but only 1"):
         allocator.swap_out("a")
     assert not allocator.is_swapped_out("a")
@@ -304,8 +332,8 @@ def test_swap_out_needs_room_in_the_host_pool():
 
 def test_swapped_out_sequence_frees_its_host_blocks():
     allocator = BlockAllocator(6, BLOCK_SIZE)
-    allocator.add_sequence("a", list(range(6)))
-    allocator.swap_out("a")
+    _prefill(allocator, "a", list(range(6)))
+    allocator.copy_done(allocator.swap_out("a"))
     allocator.free("a")
     assert allocator.usage().host_blocks_used == 0
     allocator.check_invariants()
@@ -351,13 +379,16 @@ def test_chain_hash_depends_on_the_whole_prefix():
 @pytest.mark.parametrize(
     ("corrupt", "invariant"),
     [
-        (lambda a, b: a._ref.__setitem__(b, a._ref[b] + 1), "ref count"),
-        (lambda a, b: a._free.__setitem__(b, None), "partition"),
-        (lambda a, b: a._content[b].append(0), "block fill"),
-        (lambda a, b: setattr(a, "_tokens_stored", a._tokens_stored + 1), "accounting"),
+        (lambda a, b: a._pool.ref.__setitem__(b, a._pool.ref[b] + 1), "ref count"),
+        (lambda a, b: a._pool._free.__setitem__(b, None), "partition"),
+        (lambda a, b: a._pool.content[b].append(0), "block fill"),
+        (lambda a, b: setattr(a._pool, "tokens_stored", a._pool.tokens_stored + 1), "accounting"),
         (lambda a, b: a._seqs["x"].blocks.append(b), "holds a block twice"),
+        (lambda a, b: a._pool.pin(b), "pin count"),
+        (lambda a, b: setattr(a._seqs["x"], "num_committed", 3), "commit"),
     ],
-    ids=["ref-count", "free-and-used", "overfilled", "token-count", "duplicate-entry"],
+    ids=["ref-count", "free-and-used", "overfilled", "token-count", "duplicate-entry",
+         "stray-pin", "overcommitted"],
 )
 def test_check_invariants_names_the_broken_invariant(corrupt, invariant):
     """The checker is not vacuous: each corruption of the state is reported by name."""
@@ -371,9 +402,9 @@ def test_check_invariants_names_the_broken_invariant(corrupt, invariant):
 
 def test_check_invariants_catches_a_cache_entry_with_wrong_content():
     allocator = _prefix_allocator(4)
-    allocator.add_sequence("x", [1, 2, 3, 4, 5])
+    _prefill(allocator, "x", [1, 2, 3, 4, 5])
     block = allocator.block_table("x")[0]
-    allocator._content[block][0] = 9
+    allocator._pool.content[block][0] = 9
     with pytest.raises(AllocatorInvariantError, match="hash"):
         allocator.check_invariants()
 
@@ -389,7 +420,7 @@ def test_eviction_takes_uncached_blocks_then_a_finished_request_tail_first():
     """
     head = list(range(12))
     allocator = _prefix_allocator(16)
-    allocator.add_sequence("a", head + [0])
+    _prefill(allocator, "a", head + [0])
     allocator.free("a")
     allocator.add_sequence("filler", [1] * 53)
     allocator.free("filler")

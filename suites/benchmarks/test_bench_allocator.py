@@ -4,13 +4,15 @@ Two operations, each a pytest-benchmark group with one row per allocator:
 
 - ``allocator-appends``: decode. 64 sequences with 100-token prompts each append one token
   per step for 256 steps, block_size 16, no prefix caching. Ours: ``append_tokens(seq,
-  [token_id])`` (slot mapping returned). vLLM: what its scheduler calls per decoded token,
-  ``Request.append_output_token_ids`` then ``KVCacheManager.allocate_slots(request, 1)``.
+  [token_id])`` (slot mapping returned) then ``commit`` (the step ran). vLLM: what its
+  scheduler calls per decoded token, ``Request.append_output_token_ids`` then
+  ``KVCacheManager.allocate_slots(request, 1)``.
 - ``allocator-fork-cow``: parallel sampling. A 100-token parent (last block partial) is
-  forked, the child appends one token (copying the shared last block), and the child is
-  freed; 2,000 times. vLLM v1 has no fork, so its side is the same sequence of block-pool
-  primitives on ``BlockPool``: ``touch`` the parent's blocks, ``get_new_blocks(1)`` for the
-  copy, ``free_blocks`` the shared block, then ``free_blocks`` the child's table.
+  forked, the child appends one token (copying the shared last block, then reporting the
+  copy done), and the child is freed; 2,000 times. vLLM v1 has no fork, so its side is the
+  same sequence of block-pool primitives on ``BlockPool``: ``touch`` the parent's blocks,
+  ``get_new_blocks(1)`` for the copy, ``free_blocks`` the shared block, then
+  ``free_blocks`` the child's table.
 
 ``extra_info["ops"]`` holds the operations per round, so ops per second is
 ``ops / mean``; the ratio of the two rows' means is vLLM's speed relative to ours.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import pytest
 
 from pagedbench.reference.allocator import BlockAllocator
-from pagedbench.suites.allocator.test_allocator_matches_vllm import (  # noqa: F401
+from pagedbench.suites.allocator.vllm_driver import (  # noqa: F401
     VllmDriver,
     vllm_api,  # the fixture that imports vLLM or skips, shared with the cross-check
 )
@@ -47,12 +49,14 @@ def _decode_ours(allocator: BlockAllocator) -> None:
     for step in range(DECODE_STEPS):
         for seq in range(NUM_SEQS):
             allocator.append_tokens(seq, [step])
+            allocator.commit(seq, PROMPT_LEN + step + 1)
 
 
 def _setup_decode_ours():
     allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, seed=0)
     for seq in range(NUM_SEQS):
         allocator.add_sequence(seq, _prompt(seq))
+        allocator.commit(seq, PROMPT_LEN)
     return (allocator,), {}
 
 
@@ -88,13 +92,14 @@ def test_bench_allocator_fork_cow_ours(benchmark) -> None:
     def setup():
         allocator = BlockAllocator(NUM_BLOCKS, BLOCK_SIZE, seed=0)
         allocator.add_sequence("parent", _prompt(0))
+        allocator.commit("parent", PROMPT_LEN)
         return (allocator,), {}
 
     def fork_cow(allocator: BlockAllocator) -> None:
         for _ in range(NUM_FORKS):
             allocator.fork("parent", "child")
             allocator.append_tokens("child", [1])
-            allocator.pop_copies()
+            allocator.copy_done(allocator.pop_copies())
             allocator.free("child")
 
     benchmark.group = "allocator-fork-cow"

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from pagedbench.reference.simulator import (
-    DEFAULT_MAX_CONTEXT,
-    Policy,
-    Request,
-    generate_trace,
-    simulate,
-)
+from pagedbench.harness.traces import generate_trace
+from pagedbench.reference.kv_policies import Policy
+from pagedbench.reference.simulator import simulate
+from pagedbench.reference.workload import DEFAULT_MAX_CONTEXT, Request
 
 pytestmark = pytest.mark.bench
 

@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedbench.reference.simulator import (
-    CapacityError,
-    Policy,
-    Request,
-    compare_policies,
-    simulate,
-)
+from pagedbench.reference.kv_policies import CapacityError, LiveRequest, Policy, make_memory
+from pagedbench.reference.simulator import _decode_step, compare_policies, simulate
+from pagedbench.reference.workload import Request
 
 # Two requests queued at step 0, max_context 32.
 #   A: prompt 5, output 4 -> holds 5, 6, 7, 8, 9 tokens at steps 0..4, freed before step 5.
@@ -182,3 +178,18 @@ def test_budget_too_small_for_one_request_is_a_capacity_error() -> None:
     with pytest.raises(CapacityError, match="block_size=8"):
         simulate([Request(prompt_len=1, output_len=1)], Policy("Paged", 8),
                  kv_budget_tokens=4, max_context=6)
+
+
+def test_decode_step_preempts_newest_first_and_returns_the_preemptions() -> None:
+    # 3 blocks of 4 tokens; A, B, C each hold a 4-token prompt in one block, all blocks used.
+    # A's 5th token needs a block: C (newest) is preempted, its block goes to A. B's 5th
+    # token needs a block: B is now the newest and preempts itself. A alone grew.
+    trace = [Request(prompt_len=4, output_len=4)] * 3
+    memory = make_memory(Policy("Paged", 4), 12, trace, max_context=16, seed=0)
+    running = [LiveRequest(i, request) for i, request in enumerate(trace)]
+    assert all(memory.admit(live) for live in running)
+    a, b, c = running
+    assert _decode_step(running, memory) == [(c, 4), (b, 4)]
+    assert running == [a]
+    assert (a.generated, b.generated, c.generated) == (1, 0, 0)
+    assert memory.sample() == (8, 5, 3)  # A's two blocks: 8 slots, 5 tokens

@@ -12,7 +12,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from pagedbench.reference.simulator import Policy, Request, simulate
+from pagedbench.reference.kv_policies import Policy
+from pagedbench.reference.simulator import simulate
+from pagedbench.reference.workload import Request
 
 MAX_CONTEXT = 64
 #: Block sizes that divide MAX_CONTEXT (so one max-context sequence is whole blocks).

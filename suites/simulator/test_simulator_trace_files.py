@@ -8,14 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.reference.simulator import (
-    Policy,
-    Request,
-    TraceError,
-    generate_trace,
-    read_trace,
-    simulate,
-)
+from pagedbench.harness.traces import generate_trace, read_trace
+from pagedbench.reference.kv_policies import Policy
+from pagedbench.reference.simulator import simulate
+from pagedbench.reference.workload import Request, TraceError
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
