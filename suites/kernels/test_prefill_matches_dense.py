@@ -18,26 +18,13 @@ import torch
 from hypothesis import given, settings
 
 from pagedbench.harness.tolerance import assert_matches_truth
-from pagedbench.reference import PagedCase, PagedInputs, materialize, new_output
+from pagedbench.reference import PagedCase, materialize
 
 pytest.importorskip("triton")
-from pagedbench.kernels.paged_prefill import paged_prefill  # noqa: E402
-
-from .test_split_decode_matches_dense import feature_cases  # noqa: E402
+from pagedbench.suites.kernels.kernel_runs import feature_cases, run_prefill  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = ("float32", "float16", "bfloat16")
 EXAMPLES = {"ci": 5, "dev": 200}
-
-
-def run_prefill(inputs: PagedInputs) -> torch.Tensor:
-    """The kernel on ``inputs`` with every feature of its case, into a NaN buffer."""
-    case = inputs.case
-    return paged_prefill(
-        inputs.q, inputs.kv_cache, inputs.block_tables, inputs.kv_lens, inputs.cu_seqlens_q,
-        inputs.scale, out=new_output(inputs), sliding_window=case.sliding_window,
-        logits_soft_cap=case.logits_soft_cap, alibi_slopes=inputs.alibi_slopes,
-        sinks=inputs.sinks, k_scale=case.k_scale, v_scale=case.v_scale)
 
 
 def _case(kv_lens, q_lens, ratio, block_size, dtype, **features) -> PagedCase:

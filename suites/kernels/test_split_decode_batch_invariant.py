@@ -19,8 +19,7 @@ from pagedbench.reference import PagedCase, materialize
 
 pytest.importorskip("triton")
 from pagedbench.kernels.paged_split_decode import plan_splits  # noqa: E402
-
-from .test_split_decode_matches_dense import run_split  # noqa: E402
+from pagedbench.suites.kernels.kernel_runs import run_split  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: Keys per split: 2 tiles of 64, so the probe (150 keys) has 2 splits and the others 1-3.

@@ -20,25 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedbench.harness.tolerance import assert_matches_truth
-from pagedbench.reference import PagedCase, PagedInputs, materialize, new_output
+from pagedbench.reference import PagedCase, materialize
 
 pytest.importorskip("triton")
-from pagedbench.kernels.paged_split_decode import paged_split_decode  # noqa: E402
+from pagedbench.suites.kernels.kernel_runs import DTYPES, feature_cases, run_split  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = ("float32", "float16", "bfloat16")
 #: Hypothesis examples by profile (suites/conftest.py); each is an interpreted launch.
 EXAMPLES = {"ci": 6, "dev": 200}
-
-
-def run_split(inputs: PagedInputs, **options) -> torch.Tensor:
-    """The kernel on ``inputs`` with every feature of its case, into a NaN buffer."""
-    case = inputs.case
-    return paged_split_decode(
-        inputs.q, inputs.kv_cache, inputs.block_tables, inputs.kv_lens, inputs.scale,
-        out=new_output(inputs), sliding_window=case.sliding_window,
-        logits_soft_cap=case.logits_soft_cap, alibi_slopes=inputs.alibi_slopes,
-        sinks=inputs.sinks, k_scale=case.k_scale, v_scale=case.v_scale, **options)
 
 
 def _case(kv_lens, ratio, block_size, dtype, **features) -> PagedCase:
@@ -80,29 +69,6 @@ def test_split_decode_with_empty_splits_matches_dense(case: PagedCase):
     sequence see no key (a short context, a window) and must weigh nothing."""
     inputs = materialize(case, DEVICE)
     assert_matches_truth(run_split(inputs, num_splits=5), inputs, case.case_id)
-
-
-@st.composite
-def feature_cases(draw, max_kv_len: int = 100, prefill: bool = False) -> PagedCase:
-    """Cases over block sizes 1/16/48, GQA 1/4/7, every feature and fp8 type; with
-    ``prefill``, each sequence's q_len is 1, its kv_len, or up to 12 of it."""
-    block_size = draw(st.sampled_from((1, 16, 48)))
-    boundary = st.sampled_from(sorted({1, block_size, block_size + 1}))
-    kv_lens = draw(st.lists(st.one_of(boundary, st.integers(1, max_kv_len)), min_size=1,
-                            max_size=3))
-    q_lens = None
-    if prefill:
-        q_lens = tuple(draw(st.sampled_from(sorted({1, kv, min(kv, 12)}))) for kv in kv_lens)
-    fp8 = draw(st.sampled_from(("auto", "fp8_e4m3", "fp8_e5m2")))
-    scales = {} if fp8 == "auto" else {"k_scale": 0.5, "v_scale": 2.0}
-    return PagedCase(
-        kv_lens=tuple(kv_lens), q_lens=q_lens, num_q_heads=draw(st.sampled_from((1, 4, 7))),
-        num_kv_heads=1, head_dim=draw(st.sampled_from((64, 80))), block_size=block_size,
-        dtype=draw(st.sampled_from(DTYPES)),
-        sliding_window=draw(st.one_of(st.none(), st.integers(1, max_kv_len))),
-        logits_soft_cap=draw(st.sampled_from((None, 5.0))),
-        alibi=draw(st.booleans()), sinks=draw(st.booleans()),
-        kv_cache_dtype=fp8, **scales, seed=draw(st.integers(0, 2**16)), name="hyp")
 
 
 @settings(max_examples=EXAMPLES[os.environ.get("HYPOTHESIS_PROFILE", "ci")])
