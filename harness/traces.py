@@ -19,8 +19,8 @@ from pagedbench.reference.workload import (
     DEFAULT_MAX_CONTEXT,
     Request,
     TraceError,
-    is_integer,
 )
+from pagedbench.reference.errors import PagedValueError, is_integer
 
 #: Columns a trace file may have; the first two are required.
 TRACE_COLUMNS = ("prompt_len", "output_len", "arrival", "prefix_id", "prefix_len", "n")
@@ -92,29 +92,27 @@ def generate_trace(
 
     Raises
     ------
-    ValueError
+    PagedValueError
         If a parameter is out of range; the message names it and its allowed values.
     """
     if num_requests < 1:
-        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+        raise PagedValueError("num_requests", num_requests, ">= 1")
     if max_context < 2:
-        raise ValueError(f"max_context must be >= 2, got {max_context}")
+        raise PagedValueError("max_context", max_context, ">= 2")
     if arrival_rate is not None and not arrival_rate > 0:
-        raise ValueError(f"arrival_rate must be None or > 0 requests per step, got {arrival_rate}")
+        raise PagedValueError("arrival_rate", arrival_rate, "None or > 0 requests per step")
     if not 0.0 <= prefix_share <= 1.0:
-        raise ValueError(f"prefix_share must be in [0, 1], got {prefix_share}")
+        raise PagedValueError("prefix_share", prefix_share, "in [0, 1]")
     if num_prefixes < 1:
-        raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
+        raise PagedValueError("num_prefixes", num_prefixes, ">= 1")
     if parallel_samples < 1:
-        raise ValueError(f"parallel_samples must be >= 1, got {parallel_samples}")
+        raise PagedValueError("parallel_samples", parallel_samples, ">= 1")
     half = max_context // 2
     if shared_prefix_len is None:
         shared_prefix_len = max(1, max_context // 8)
     if prefix_share > 0 and not 1 <= shared_prefix_len <= half - 1:
-        raise ValueError(
-            f"shared_prefix_len must be in [1, max_context // 2 - 1 = {half - 1}], "
-            f"got {shared_prefix_len}"
-        )
+        raise PagedValueError("shared_prefix_len", shared_prefix_len,
+                              f"in [1, max_context // 2 - 1 = {half - 1}]")
     rng = random.Random(seed)
     clock = 0.0
     trace = []
@@ -164,7 +162,7 @@ def read_trace(path: str | Path, max_context: int) -> list[Request]:
         the file, the line and the column.
     FileNotFoundError
         If ``path`` does not exist.
-    ValueError
+    PagedValueError
         If ``max_context`` < 1.
     """
     path = Path(path)
@@ -176,7 +174,7 @@ def read_trace(path: str | Path, max_context: int) -> list[Request]:
     else:
         raise TraceError(f"{path}: trace files must end in .csv, .jsonl or .ndjson, got {suffix!r}")
     if max_context < 1:
-        raise ValueError(f"max_context must be >= 1, got {max_context}")
+        raise PagedValueError("max_context", max_context, ">= 1")
     trace = []
     for line, row in rows:
         req = _request_from_row(path, line, row)

@@ -31,8 +31,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from numbers import Integral
 
+from .errors import PagedTypeError, PagedValueError, is_integer
 from .block_pool import (
     ROOT_HASH,
     AllocatorInvariantError,
@@ -134,7 +134,7 @@ class BlockAllocator:
 
     Raises
     ------
-    ValueError
+    PagedValueError
         If ``num_blocks`` or ``block_size`` is not an int >= 1, or ``num_host_blocks``
         is not None or an int >= 0.
 
@@ -154,14 +154,12 @@ class BlockAllocator:
         num_host_blocks: int | None = None,
     ) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            if not is_integer(value) or value < 1:
+                raise PagedValueError(name, value, "an int >= 1")
         if num_host_blocks is None:
             num_host_blocks = num_blocks
-        if not _is_int(num_host_blocks) or num_host_blocks < 0:
-            raise ValueError(
-                f"num_host_blocks must be None or an int >= 0, got {num_host_blocks!r}"
-            )
+        if not is_integer(num_host_blocks) or num_host_blocks < 0:
+            raise PagedValueError("num_host_blocks", num_host_blocks, "None or an int >= 0")
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         self.enable_prefix_caching = bool(enable_prefix_caching)
@@ -218,12 +216,12 @@ class BlockAllocator:
 
         Raises
         ------
-        ValueError
+        PagedValueError
             If ``num_new_tokens`` < 0 or the sequence is swapped out.
         """
         seq = self._on_device(seq_id)
-        if not _is_int(num_new_tokens) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be an int >= 0, got {num_new_tokens!r}")
+        if not is_integer(num_new_tokens) or num_new_tokens < 0:
+            raise PagedValueError("num_new_tokens", num_new_tokens, "an int >= 0")
         copy_on_write = num_new_tokens > 0 and self._last_block_shared_partial(seq)
         return self._blocks_needed(seq, num_new_tokens, copy_on_write)
 
@@ -239,7 +237,7 @@ class BlockAllocator:
 
         Raises
         ------
-        ValueError
+        PagedValueError
             If a token id is not an int64.
         """
         return self._plan_prompt(_check_token_ids(token_ids))[1]
@@ -300,15 +298,16 @@ class BlockAllocator:
 
         Raises
         ------
-        ValueError
+        PagedValueError
             If ``seq_id`` is already known, or a token id is not an int64.
-        TypeError
+        PagedTypeError
             If ``token_ids`` is not a sequence.
         OutOfBlocksError
             If the pool cannot hold the prompt; nothing is allocated.
         """
         if seq_id in self._seqs:
-            raise ValueError(f"sequence {seq_id!r} already exists")
+            raise PagedValueError("seq_id", seq_id, "an id not in use",
+                                  f"sequence {seq_id!r} already exists")
         ids = _check_token_ids(token_ids)
         hits, need = self._plan_prompt(ids)
         if need > self._pool.num_free:
@@ -349,17 +348,17 @@ class BlockAllocator:
 
         Raises
         ------
-        ValueError
+        PagedValueError
             If the sequence is swapped out, a count is negative, or an id is not an int64.
-        TypeError
+        PagedTypeError
             If ``tokens`` is neither an integer nor a sequence.
         OutOfBlocksError
             If the append needs more free blocks than there are; the message names the
             shortfall.
         """
-        if _is_int(tokens):
+        if is_integer(tokens):
             if tokens < 0:
-                raise ValueError(f"tokens must be a count >= 0 or a sequence of ids, got {tokens}")
+                raise PagedValueError("tokens", tokens, "a count >= 0 or a sequence of ids")
             ids: list[int | None] = [None] * int(tokens)
         else:
             ids = list(_check_token_ids(tokens))
@@ -389,17 +388,18 @@ class BlockAllocator:
 
         Raises
         ------
-        ValueError
+        PagedValueError
             If the sequence is swapped out, or ``num_tokens`` is not an int between the
             tokens committed so far and the tokens it holds.
         """
         seq = self._on_device(seq_id)
-        if not _is_int(num_tokens) or not seq.num_committed <= num_tokens <= seq.num_tokens:
-            raise ValueError(
+        if not is_integer(num_tokens) or not seq.num_committed <= num_tokens <= seq.num_tokens:
+            raise PagedValueError(
+                "num_tokens", num_tokens,
+                f"an int in [{seq.num_committed}, {seq.num_tokens}] (committed so far, held)",
                 f"commit: num_tokens of sequence {seq_id!r} must be an int in "
                 f"[{seq.num_committed}, {seq.num_tokens}] (committed so far, held), "
-                f"got {num_tokens!r}"
-            )
+                f"got {num_tokens!r}")
         seq.num_committed = int(num_tokens)
         self._register_ready(seq)
 
@@ -412,20 +412,23 @@ class BlockAllocator:
 
         Raises
         ------
-        TypeError
+        PagedTypeError
             If an element is not a :class:`BlockCopy`.
-        ValueError
+        PagedValueError
             If a copy is not pending (never handed out, or already done), or appears twice.
         """
         copies = list(copies)
         for copy in copies:
             if not isinstance(copy, BlockCopy):
-                raise TypeError(f"copy_done takes BlockCopy objects, got {copy!r}")
+                raise PagedTypeError("copies", copy, "BlockCopy objects",
+                                     f"copy_done takes BlockCopy objects, got {copy!r}")
         unknown = [copy for copy in copies if copy not in self._pending]
         if unknown:
-            raise ValueError(f"copy_done: {unknown} are not pending (never handed out, or done)")
+            raise PagedValueError("copies", unknown, "pending copies", f"copy_done: {unknown} are "
+                                  "not pending (never handed out, or done)")
         if len(set(copies)) != len(copies):
-            raise ValueError("copy_done: a copy appears more than once")
+            raise PagedValueError("copies", copies, "distinct copies",
+                                  "copy_done: a copy appears more than once")
         for copy in copies:
             seq_id = self._pending.pop(copy)
             if copy.kind is CopyKind.SWAP_OUT:
@@ -451,13 +454,14 @@ class BlockAllocator:
 
         Raises
         ------
-        ValueError
+        PagedValueError
             If ``child_id`` already exists, the parent is swapped out, or its K/V are not
             all written (uncommitted tokens, or a copy into its blocks pending).
         """
         parent = self._on_device(parent_id)
         if child_id in self._seqs:
-            raise ValueError(f"fork: child sequence {child_id!r} already exists")
+            raise PagedValueError("child_id", child_id, "an id not in use",
+                                  f"fork: child sequence {child_id!r} already exists")
         self._require_written(parent, parent_id, "fork")
         for block in parent.blocks:
             self._pool.acquire(block)
@@ -481,16 +485,18 @@ class BlockAllocator:
 
         Raises
         ------
-        ValueError
+        PagedValueError
             If no id is given, or an id appears more than once in this call.
         KeyError
             If an id is not a known sequence (never added, or already freed).
         """
         if not seq_ids:
-            raise ValueError("free needs at least one seq_id")
+            raise PagedValueError("seq_ids", seq_ids, "at least one seq_id",
+                                  "free needs at least one seq_id")
         repeated = [seq_id for seq_id, n in Counter(seq_ids).items() if n > 1]
         if repeated:
-            raise ValueError(f"free got duplicate seq_ids {repeated}; each may be freed once")
+            raise PagedValueError("seq_ids", seq_ids, "distinct ids", f"free got duplicate "
+                                  f"seq_ids {repeated}; each may be freed once")
         seqs = [self._seq(seq_id) for seq_id in seq_ids]
         for seq_id, seq in zip(seq_ids, seqs):
             for block in reversed(seq.blocks):
@@ -531,7 +537,7 @@ class BlockAllocator:
 
         Raises
         ------
-        ValueError
+        PagedValueError
             If it is already swapped out, or its K/V are not all written.
         OutOfBlocksError
             If the host pool has too few free blocks.
@@ -569,17 +575,19 @@ class BlockAllocator:
 
         Raises
         ------
-        ValueError
+        PagedValueError
             If it is not swapped out, or its swap-out copies are still pending.
         OutOfBlocksError
             If the device pool has too few free blocks.
         """
         seq = self._seq(seq_id)
         if seq.host_blocks is None:
-            raise ValueError(f"swap_in: sequence {seq_id!r} is not swapped out")
+            raise PagedValueError("seq_id", seq_id, "a swapped-out sequence",
+                                  f"swap_in: sequence {seq_id!r} is not swapped out")
         pending = [host for host in seq.host_blocks if host in self._host.filling]
         if pending:
-            raise ValueError(
+            raise PagedValueError(
+                "seq_id", seq_id, "a sequence whose swap-out copies are done",
                 f"swap_in: the swap-out copies of sequence {seq_id!r} into host blocks "
                 f"{pending} are pending; call copy_done first"
             )
@@ -712,7 +720,8 @@ class BlockAllocator:
     def _on_device(self, seq_id: Hashable) -> _SequenceState:
         seq = self._seq(seq_id)
         if seq.host_blocks is not None:
-            raise ValueError(f"sequence {seq_id!r} is swapped out; swap_in it first")
+            raise PagedValueError("seq_id", seq_id, "a sequence on the device",
+                                  f"sequence {seq_id!r} is swapped out; swap_in it first")
         return seq
 
     def _require_written(self, seq: _SequenceState, seq_id: Hashable, action: str) -> None:
@@ -720,7 +729,8 @@ class BlockAllocator:
         uncommitted = seq.num_tokens - seq.num_committed
         filling = [block for block in seq.blocks if block in self._filling]
         if uncommitted or filling:
-            raise ValueError(
+            raise PagedValueError(
+                "seq_id", seq_id, "a sequence whose K/V is all written",
                 f"{action}: sequence {seq_id!r} has {uncommitted} uncommitted tokens and "
                 f"pending copies into blocks {filling}; commit and copy_done them first"
             )
@@ -813,28 +823,22 @@ class BlockAllocator:
         return hits, need
 
 
-def _is_int(value: object) -> bool:
-    """An integer (Python or NumPy), not a bool."""
-    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
-
 
 def _check_token_ids(token_ids: Sequence[int]) -> list[int]:
     """``token_ids`` as a list of Python ints in int64 range.
 
     Raises
     ------
-    TypeError
+    PagedTypeError
         If ``token_ids`` is not iterable.
-    ValueError
+    PagedValueError
         If an element is not an integer in int64 range.
     """
     try:
         ids = list(token_ids)
     except TypeError:
-        raise TypeError(
-            f"token_ids must be a sequence of ints, got {type(token_ids).__name__}"
-        ) from None
+        raise PagedTypeError("token_ids", token_ids, "a sequence of ints") from None
     for token_id in ids:
-        if not _is_int(token_id) or not _INT64_MIN <= token_id <= _INT64_MAX:
-            raise ValueError(f"token_ids must be ints in int64 range, got {token_id!r}")
+        if not is_integer(token_id) or not _INT64_MIN <= token_id <= _INT64_MAX:
+            raise PagedValueError("token_ids", token_id, "ints in int64 range")
     return [int(token_id) for token_id in ids]

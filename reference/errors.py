@@ -1,8 +1,9 @@
 """pagedbench's own input errors: each names the parameter, the value and what is allowed.
 
 Every public entry point (``PagedCase``, ``materialize``, the reference functions, the
-harness and the CLI) raises these for bad input, so a caller can tell a refused input
-(:class:`PagedInputError`) from a fault. They live in the lowest layer so that every
+allocator and the simulator, the harness and the CLI) raises these for bad input, so a
+caller can tell a refused input (:class:`PagedInputError`) from a fault; an unknown
+sequence id stays a ``KeyError``, as in a mapping. They live in the lowest layer so that every
 layer above can raise and catch them.
 
 - :class:`PagedValueError` (a ``ValueError``): a value out of range or inconsistent.
@@ -12,6 +13,8 @@ layer above can raise and catch them.
 """
 
 from __future__ import annotations
+
+from numbers import Integral
 
 #: Longest ``repr`` of a refused value shown in a message (a generated input can be huge).
 MAX_VALUE_REPR = 120
@@ -58,4 +61,9 @@ class PagedTypeError(PagedInputError, TypeError, ValueError):
     """A value of the wrong type."""
 
 
-__all__ = ["PagedInputError", "PagedTypeError", "PagedValueError"]
+def is_integer(value: object) -> bool:
+    """Whether ``value`` is an integer (Python or NumPy), not a bool."""
+    return type(value) is int or (isinstance(value, Integral) and not isinstance(value, bool))
+
+
+__all__ = ["PagedInputError", "PagedTypeError", "PagedValueError", "is_integer"]

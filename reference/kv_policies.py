@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .allocator import BlockAllocator, OutOfBlocksError
-from .workload import Request, is_integer
+from .errors import PagedInputError, PagedValueError, is_integer
+from .workload import Request
 
 #: Block sizes swept by the paged policies (tokens per block; the paper's Fig. 18b and 1).
 PAGED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -44,8 +45,12 @@ CONTIGUOUS_POLICIES = ("Max", "Pow2", "Oracle")
 POLICY_NAMES = (*CONTIGUOUS_POLICIES, "Paged", "Paged+share")
 
 
-class CapacityError(ValueError):
-    """A request can never run under a policy: the KV budget is smaller than it needs."""
+class CapacityError(PagedInputError, ValueError):
+    """A request can never run under a policy: the KV budget is smaller than it needs
+    (``message`` names the request, the policy and both sizes)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("kv_budget", None, "enough for every request alone", message)
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,7 @@ class Policy:
 
     Raises
     ------
-    ValueError
+    PagedValueError
         If ``name`` is unknown, or ``block_size`` is missing for a paged policy or given
         for a contiguous one.
     """
@@ -71,15 +76,14 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.name not in POLICY_NAMES:
-            raise ValueError(f"policy name must be one of {list(POLICY_NAMES)}, got {self.name!r}")
+            raise PagedValueError("policy name", self.name, f"one of {list(POLICY_NAMES)}")
         if self.paged:
             if not is_integer(self.block_size) or self.block_size < 1:
-                raise ValueError(
-                    f"block_size must be an integer >= 1 for policy {self.name}, "
-                    f"got {self.block_size!r}"
-                )
+                raise PagedValueError("block_size", self.block_size,
+                                      f"an integer >= 1 for policy {self.name}")
         elif self.block_size is not None:
-            raise ValueError(f"block_size must be None for contiguous policy {self.name}")
+            raise PagedValueError("block_size", self.block_size,
+                                  f"None for contiguous policy {self.name}")
 
     @property
     def paged(self) -> bool:

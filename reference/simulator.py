@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from .errors import PagedValueError
 from .kv_policies import CapacityError, KVMemory, LiveRequest, Policy, make_memory
 from .workload import DEFAULT_MAX_CONTEXT, Request, validate_trace
 
@@ -160,11 +161,11 @@ def simulate(
     CapacityError
         If some request can never run: it does not fit the budget with nothing else
         running.
-    ValueError
+    PagedValueError
         If ``kv_budget_tokens`` < 1.
     """
     if kv_budget_tokens < 1:
-        raise ValueError(f"kv_budget_tokens must be >= 1, got {kv_budget_tokens}")
+        raise PagedValueError("kv_budget_tokens", kv_budget_tokens, ">= 1")
     validate_trace(trace, max_context)
     memory = make_memory(policy, kv_budget_tokens, trace, max_context, seed)
 
@@ -311,7 +312,7 @@ def compare_policies(
 
     Raises
     ------
-    TraceError, CapacityError, ValueError
+    TraceError, CapacityError, PagedValueError
         As :func:`simulate`.
     """
     results = [simulate(trace, p, kv_budget_tokens, max_context, seed) for p in policies]
@@ -341,16 +342,17 @@ def budget_tokens_from_bytes(kv_budget_bytes: int, kv_bytes_per_token: int) -> i
 
     Raises
     ------
-    ValueError
+    PagedValueError
         If either is < 1, or the budget holds no token.
     """
     if kv_budget_bytes < 1:
-        raise ValueError(f"kv_budget_bytes must be >= 1, got {kv_budget_bytes}")
+        raise PagedValueError("kv_budget_bytes", kv_budget_bytes, ">= 1")
     if kv_bytes_per_token < 1:
-        raise ValueError(f"kv_bytes_per_token must be >= 1, got {kv_bytes_per_token}")
+        raise PagedValueError("kv_bytes_per_token", kv_bytes_per_token, ">= 1")
     tokens = kv_budget_bytes // kv_bytes_per_token
     if tokens < 1:
-        raise ValueError(
+        raise PagedValueError(
+            "kv_budget_bytes", kv_budget_bytes, "at least kv_bytes_per_token",
             f"a kv budget of {kv_budget_bytes} bytes holds no token at "
             f"{kv_bytes_per_token} bytes per token"
         )

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
+
+from .errors import PagedInputError, PagedValueError, is_integer
 
 #: Longest sequence (prompt + output tokens) unless a caller says otherwise.
 DEFAULT_MAX_CONTEXT = 2048
 
 
-class TraceError(ValueError):
-    """A request trace is malformed or inconsistent with ``max_context``."""
+class TraceError(PagedInputError, ValueError):
+    """A request trace is malformed or inconsistent with ``max_context``; ``message``
+    names the file and line (or the request) and what is wrong."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("trace", None, "a well-formed trace", message)
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,11 @@ def validate_trace(trace: Sequence[Request], max_context: int) -> None:
     TraceError
         If the trace is empty, or a request's ``prompt_len + output_len`` exceeds
         ``max_context`` (the message gives the request index and both lengths).
-    ValueError
+    PagedValueError
         If ``max_context`` < 1.
     """
     if max_context < 1:
-        raise ValueError(f"max_context must be >= 1, got {max_context}")
+        raise PagedValueError("max_context", max_context, "an int >= 1")
     if not trace:
         raise TraceError("the trace has no requests")
     for i, req in enumerate(trace):
@@ -106,7 +111,3 @@ def validate_trace(trace: Sequence[Request], max_context: int) -> None:
                 f"= {req.total_len} exceeds max_context={max_context}"
             )
 
-
-def is_integer(value: object) -> bool:
-    """Whether ``value`` is an integer (Python or NumPy), not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy
 import pytest
 
+from pagedbench.reference.errors import PagedTypeError
 from pagedbench.reference.allocator import (
     AllocatorInvariantError,
     AllocatorUsage,
@@ -435,5 +436,5 @@ def test_numpy_integers_are_accepted_and_other_types_named():
     assert allocator.append_tokens("a", numpy.int64(2)) == [
         allocator.block_table("a")[1] * BLOCK_SIZE + offset for offset in (1, 2)
     ]
-    with pytest.raises(TypeError, match="token_ids must be a sequence of ints, got float"):
+    with pytest.raises(PagedTypeError, match="token_ids must be a sequence of ints, got 2.0"):
         allocator.append_tokens("a", 2.0)
