@@ -24,10 +24,7 @@ from __future__ import annotations
 import pytest
 
 from pagedbench.reference.allocator import BlockAllocator
-from pagedbench.suites.allocator.vllm_driver import (  # noqa: F401
-    VllmDriver,
-    vllm_api,  # the fixture that imports vLLM or skips, shared with the cross-check
-)
+from pagedbench.suites.allocator.vllm_driver import VllmDriver
 
 pytestmark = pytest.mark.bench
 
