@@ -20,7 +20,7 @@ from pagedbench.adapters.triton_paged import (  # noqa: E402
     TritonSplitDecode,
 )
 from pagedbench.kernels.paged_prefill import plan_prefill  # noqa: E402
-from pagedbench.kernels.paged_split_decode import plan_splits  # noqa: E402
+from pagedbench.kernels.paged_split_plan import plan_splits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: Interpreted on the CPU, and on CUDA only when Triton's interpreter was switched on.
