@@ -1,12 +1,12 @@
 """One engine's allocator calls, on our allocator and on vLLM v1's ``KVCacheManager``.
 
 Shared by the step-by-step cross-check (``test_allocator_matches_vllm.py``) and the
-allocator benchmark (not collected); each gets vLLM's API from the ``vllm_api`` fixture. vLLM is driven with the calls its scheduler makes
-(``vllm/v1/core/sched/scheduler.py``): ``get_computed_blocks`` then ``allocate_slots`` to
-admit, ``allocate_slots(request, 1)`` per decoded token, ``free``; a swap-in is its
-asynchronous KV-load path (``allocate_slots`` with ``num_external_computed_tokens`` and
-``delay_cache_blocks=True``, then ``cache_blocks`` once the load is done, as
-``_update_waiting_for_remote_kv`` does).
+allocator benchmark (not collected); each gets vLLM's API from a ``vllm_api`` fixture.
+vLLM is driven with the calls its scheduler makes (``vllm/v1/core/sched/scheduler.py``):
+``get_computed_blocks`` then ``allocate_slots`` to admit, ``allocate_slots(request, 1)``
+per decoded token, ``free``; a swap-in is its asynchronous KV-load path
+(``allocate_slots`` with ``num_external_computed_tokens`` and ``delay_cache_blocks=True``,
+then ``cache_blocks`` once the load is done, as ``_update_waiting_for_remote_kv`` does).
 
 Our driver commits each allocation at once: vLLM registers full blocks in its prefix
 cache inside ``allocate_slots``, before the step that writes them runs, so committing at
