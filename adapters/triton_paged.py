@@ -26,7 +26,7 @@ from pagedbench.reference import PagedCase, PagedInputs, new_output
 from .base import Capabilities, Fact, InterpretedWork, InterpreterBudget, Prepared
 from .triton_decode import PagedbenchTritonAdapter
 
-#: Most interpreter steps (:meth:`pagedbench.kernels.paged_split_decode.SplitPlan.steps`:
+#: Most interpreter steps (:meth:`pagedbench.kernels.paged_split_plan.SplitPlan.steps`:
 #: key-loop iterations of both kernels plus one per program, so programs are not charged
 #: again) one interpreted split-decode call may take. Measured with triton 3.9.0 on this
 #: project's 2-core CI machine (AMD EPYC, other jobs beside), process CPU time of one call
@@ -124,13 +124,15 @@ class TritonSplitDecode(_TritonPaged):
 
     def kernel_facts(self, kernel: ModuleType, device: str) -> dict[str, Fact]:
         """``num_sms`` (int): the SM count the split count plans for (on the CPU, the
-        stand-in :data:`~pagedbench.kernels.paged_split_decode.CPU_STAND_IN_SM_COUNT`)."""
-        return {"num_sms": kernel.device_sm_count(torch.device(device))}
+        stand-in :data:`~pagedbench.kernels.paged_split_plan.CPU_STAND_IN_SM_COUNT`)."""
+        from pagedbench.kernels.paged_split_plan import device_sm_count
+
+        return {"num_sms": device_sm_count(torch.device(device))}
 
     def interpreter_work(self, case: PagedCase) -> InterpretedWork:
         """The split and merge programs of the plan for ``case``;
-        :meth:`~pagedbench.kernels.paged_split_decode.SplitPlan.steps` steps."""
-        from pagedbench.kernels.paged_split_decode import plan_splits
+        :meth:`~pagedbench.kernels.paged_split_plan.SplitPlan.steps` steps."""
+        from pagedbench.kernels.paged_split_plan import plan_splits
 
         plan = plan_splits(case.kv_lens, case.num_kv_heads, case.head_dim,
                            _cache_element_size(case), case.sliding_window)

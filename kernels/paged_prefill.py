@@ -160,7 +160,7 @@ class PrefillPlan:
     def steps(self, num_kv_heads: int) -> int:
         """The interpreter's cost unit over all programs: one per program, and
         ``block_m // 16`` per loop iteration (a step over 16 rows costs about what a
-        decode step of :meth:`SplitPlan.steps` costs)."""
+        decode step of :meth:`.paged_split_plan.SplitPlan.steps` costs)."""
         return (sum(self.key_tiles) * (self.block_m // 16) + len(self.work)) * num_kv_heads
 
 

@@ -20,12 +20,8 @@ CASE = PagedCase(kv_lens=(16, 48, 96), num_q_heads=8, num_kv_heads=2, head_dim=6
 
 
 @pytest.fixture(scope="module")
-def prepared():
-    flex = FlexPaged()
-    availability = flex.available("cpu")
-    if not availability.ok:
-        pytest.skip(f"flex-paged unavailable: {availability.reason}")
-    return flex, flex.prepare(materialize(CASE))
+def prepared(flex_paged: FlexPaged):
+    return flex_paged, flex_paged.prepare(materialize(CASE))
 
 
 def test_cuda_is_reported_unavailable_and_unsupported() -> None:

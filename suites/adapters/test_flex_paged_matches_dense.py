@@ -37,18 +37,9 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def adapter() -> FlexPaged:
-    flex = FlexPaged()
-    availability = flex.available("cpu")
-    if not availability.ok:
-        pytest.skip(f"flex-paged unavailable: {availability.reason}")
-    return flex
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.case_id for c in CASES])
-def test_flex_paged_matches_dense(adapter: FlexPaged, case: PagedCase) -> None:
-    assert adapter.why_unsupported(case, "cpu") == []
+def test_flex_paged_matches_dense(flex_paged: FlexPaged, case: PagedCase) -> None:
+    assert flex_paged.why_unsupported(case, "cpu") == []
     inputs = materialize(case)
-    out = adapter.run(adapter.prepare(inputs))
-    assert_matches_truth(out, inputs, f"{adapter.name}:{case.case_id}")
+    out = flex_paged.run(flex_paged.prepare(inputs))
+    assert_matches_truth(out, inputs, f"{flex_paged.name}:{case.case_id}")

@@ -30,15 +30,6 @@ CASE = PagedCase(kv_lens=(5, 48, 90), num_q_heads=8, num_kv_heads=2, head_dim=64
 PARTIAL = [0, 2]
 
 
-@pytest.fixture(scope="module")
-def adapter() -> FlexPaged:
-    flex = FlexPaged()
-    availability = flex.available("cpu")
-    if not availability.ok:
-        pytest.skip(f"flex-paged unavailable: {availability.reason}")
-    return flex
-
-
 def _tail_slots_filled(inputs: PagedInputs, kv_index: int) -> PagedInputs:
     """``inputs`` with the unused slots of each partly filled last block set to 0 in K
     (``kv_index`` 0) or V (1); every other NaN stays."""
@@ -51,23 +42,23 @@ def _tail_slots_filled(inputs: PagedInputs, kv_index: int) -> PagedInputs:
     return replace(inputs, kv_cache=kv_cache)
 
 
-def test_partly_filled_last_block_is_declared_nan_unsafe(adapter: FlexPaged) -> None:
+def test_partly_filled_last_block_is_declared_nan_unsafe(flex_paged: FlexPaged) -> None:
     """The declaration, and what conformance does with it: stale finite values in the
     tails (not NaN) and the output is correct."""
-    caps = adapter.capabilities("cpu")
+    caps = flex_paged.capabilities("cpu")
     assert not caps.nan_safe_tail and tail_poison(caps) == "stale"
-    assert adapter.why_unsupported(CASE, "cpu") == []
+    assert flex_paged.why_unsupported(CASE, "cpu") == []
     inputs = materialize(CASE, tail_poison="stale")
-    out = adapter.run(adapter.prepare(inputs))
+    out = flex_paged.run(flex_paged.prepare(inputs))
     assert_matches_truth(out, inputs, f"{CASE.case_id}:stale")
 
 
 @pytest.mark.parametrize("poisoned", ["k-and-v", "v-only"])
-def test_poisoned_v_tail_reaches_the_output(adapter: FlexPaged, poisoned: str) -> None:
+def test_poisoned_v_tail_reaches_the_output(flex_paged: FlexPaged, poisoned: str) -> None:
     inputs = materialize(CASE)
     if poisoned == "v-only":
         inputs = _tail_slots_filled(inputs, kv_index=0)
-    out = adapter.run(adapter.prepare(inputs))  # decode: row i is sequence i
+    out = flex_paged.run(flex_paged.prepare(inputs))  # decode: row i is sequence i
     nan_rows = [i for i in range(CASE.batch_size) if bool(out[i].isnan().all())]
     assert nan_rows == PARTIAL
     full = [i for i in range(CASE.batch_size) if i not in PARTIAL]
@@ -76,7 +67,7 @@ def test_poisoned_v_tail_reaches_the_output(adapter: FlexPaged, poisoned: str) -
                         CASE.dtype, f"{CASE.case_id}:{poisoned}")
 
 
-def test_poisoned_k_tail_alone_is_masked(adapter: FlexPaged) -> None:
+def test_poisoned_k_tail_alone_is_masked(flex_paged: FlexPaged) -> None:
     inputs = _tail_slots_filled(materialize(CASE), kv_index=1)
-    out = adapter.run(adapter.prepare(inputs))
+    out = flex_paged.run(flex_paged.prepare(inputs))
     assert_matches_truth(out, inputs, f"{CASE.case_id}:k-only")

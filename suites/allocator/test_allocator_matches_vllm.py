@@ -31,11 +31,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedbench.reference.allocator import BlockAllocator
-from pagedbench.suites.allocator.vllm_driver import (  # noqa: F401 (vllm_api: a fixture)
-    OursDriver,
-    VllmDriver,
-    vllm_api,
-)
+from pagedbench.suites.allocator.vllm_driver import OursDriver, VllmDriver
 
 pytestmark = pytest.mark.vllm
 
@@ -72,19 +68,20 @@ OPS = st.one_of(
 )
 
 
-def _run_trace(ops, ours: OursDriver, theirs: VllmDriver) -> int:
-    """Apply ``ops`` to both; compare after every step. Returns the steps checked."""
+def _run_trace(ops, ours: OursDriver, theirs: VllmDriver) -> list[tuple[str, object]]:
+    """Apply ``ops`` to both; compare after every step. Returns the steps checked, as
+    (step, the answer both gave: prefix hit, None for a refusal, or append's success)."""
     trace = Trace()
-    steps = 0
+    checked: list[tuple[str, object]] = []
 
     def check(what: str, mine, vllms) -> None:
-        nonlocal steps
+        steps = len(checked)
         assert mine == vllms, f"step {steps} ({what}): ours {mine}, vLLM {vllms}"
         assert ours.counts() == theirs.counts(), (
             f"step {steps} ({what}): (free, cached) blocks ours {ours.counts()}, "
             f"vLLM {theirs.counts()}"
         )
-        steps += 1
+        checked.append((what, mine))
 
     def preempt(request_id: int) -> None:
         trace.running.remove(request_id)
@@ -156,7 +153,7 @@ def _run_trace(ops, ours: OursDriver, theirs: VllmDriver) -> int:
                 trace.swapped.remove(request_id)
                 trace.running.append(request_id)
         ours.allocator.check_invariants()
-    return steps
+    return checked
 
 
 @pytest.mark.parametrize("caching", [False, True], ids=["no-prefix-caching", "prefix-caching"])
@@ -190,7 +187,14 @@ def test_allocator_matches_vllm_on_a_fixed_trace(vllm_api, caching):
     ]
     ours = OursDriver(12, 4, caching)
     theirs = VllmDriver(vllm_api, 12, 4, caching)
-    assert _run_trace(ops, ours, theirs) > 0
+    checked = dict(_run_trace(ops, ours, theirs))
+    # Request 2's 17 tokens after request 1's 41 (11 of 12 blocks): with prefix caching
+    # it hits the 4 full blocks they share and takes the last free one; without, it
+    # needs 5 and is refused.
+    assert checked["admit 1"] == 0
+    assert checked["admit 2"] == (16 if caching else None)
+    kinds = {what.split()[0] for what in checked}
+    assert kinds == {"admit", "decode", "preempt", "readmit", "finish"}
 
 
 @pytest.mark.parametrize("prompt_len", [10, 8], ids=["partial-last-block", "whole-blocks"])

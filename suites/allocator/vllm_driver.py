@@ -1,12 +1,12 @@
 """One engine's allocator calls, on our allocator and on vLLM v1's ``KVCacheManager``.
 
 Shared by the step-by-step cross-check (``test_allocator_matches_vllm.py``) and the
-allocator benchmark. vLLM is driven with the calls its scheduler makes
-(``vllm/v1/core/sched/scheduler.py``): ``get_computed_blocks`` then ``allocate_slots`` to
-admit, ``allocate_slots(request, 1)`` per decoded token, ``free``; a swap-in is its
-asynchronous KV-load path (``allocate_slots`` with ``num_external_computed_tokens`` and
-``delay_cache_blocks=True``, then ``cache_blocks`` once the load is done, as
-``_update_waiting_for_remote_kv`` does).
+allocator benchmark (not collected); each gets vLLM's API from a ``vllm_api`` fixture.
+vLLM is driven with the calls its scheduler makes (``vllm/v1/core/sched/scheduler.py``):
+``get_computed_blocks`` then ``allocate_slots`` to admit, ``allocate_slots(request, 1)``
+per decoded token, ``free``; a swap-in is its asynchronous KV-load path
+(``allocate_slots`` with ``num_external_computed_tokens`` and ``delay_cache_blocks=True``,
+then ``cache_blocks`` once the load is done, as ``_update_waiting_for_remote_kv`` does).
 
 Our driver commits each allocation at once: vLLM registers full blocks in its prefix
 cache inside ``allocate_slots``, before the step that writes them runs, so committing at
@@ -40,9 +40,9 @@ class VllmApi:
     sha256: object
 
 
-@pytest.fixture(scope="module")
-def vllm_api() -> VllmApi:
-    """vLLM's allocator API, or a skip naming why it does not import."""
+def import_vllm_api() -> VllmApi:
+    """vLLM's allocator API, or a skip naming why it does not import (the ``vllm_api``
+    fixture of ``suites/allocator/conftest.py`` and ``suites/benchmarks/conftest.py``)."""
     try:
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256

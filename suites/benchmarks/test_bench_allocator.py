@@ -24,10 +24,7 @@ from __future__ import annotations
 import pytest
 
 from pagedbench.reference.allocator import BlockAllocator
-from pagedbench.suites.allocator.vllm_driver import (  # noqa: F401
-    VllmDriver,
-    vllm_api,  # the fixture that imports vLLM or skips, shared with the cross-check
-)
+from pagedbench.suites.allocator.vllm_driver import VllmDriver
 
 pytestmark = pytest.mark.bench
 
@@ -39,17 +36,22 @@ NUM_FORKS = 2_000
 #: Room for every sequence's prompt and decoded tokens, and spare.
 NUM_BLOCKS = NUM_SEQS * ((PROMPT_LEN + DECODE_STEPS) // BLOCK_SIZE + 2)
 ROUNDS = 5
+#: Blocks a sequence holds after the decode: 356 tokens in blocks of 16 -> 23; the parent
+#: of the fork benchmark: 100 tokens -> 7.
+BLOCKS_AFTER_DECODE = -(-(PROMPT_LEN + DECODE_STEPS) // BLOCK_SIZE)
+PARENT_BLOCKS = -(-PROMPT_LEN // BLOCK_SIZE)
 
 
 def _prompt(seq: int) -> list[int]:
     return [(seq * 7919 + pos) % 32_000 for pos in range(PROMPT_LEN)]
 
 
-def _decode_ours(allocator: BlockAllocator) -> None:
+def _decode_ours(allocator: BlockAllocator) -> BlockAllocator:
     for step in range(DECODE_STEPS):
         for seq in range(NUM_SEQS):
             allocator.append_tokens(seq, [step])
             allocator.commit(seq, PROMPT_LEN + step + 1)
+    return allocator
 
 
 def _setup_decode_ours():
@@ -63,7 +65,9 @@ def _setup_decode_ours():
 def test_bench_allocator_appends_ours(benchmark) -> None:
     benchmark.group = "allocator-appends"
     benchmark.extra_info["ops"] = NUM_SEQS * DECODE_STEPS
-    benchmark.pedantic(_decode_ours, setup=_setup_decode_ours, rounds=ROUNDS, iterations=1)
+    allocator = benchmark.pedantic(_decode_ours, setup=_setup_decode_ours, rounds=ROUNDS,
+                                   iterations=1)
+    assert allocator.num_free_blocks == NUM_BLOCKS - NUM_SEQS * BLOCKS_AFTER_DECODE
 
 
 @pytest.mark.vllm
@@ -74,7 +78,7 @@ def test_bench_allocator_appends_vllm(benchmark, vllm_api) -> None:
             assert driver.admit(seq, _prompt(seq)) == 0
         return (driver,), {}
 
-    def decode(driver: VllmDriver) -> None:
+    def decode(driver: VllmDriver) -> VllmDriver:
         manager, requests = driver.manager, driver.requests
         for step in range(DECODE_STEPS):
             for seq in range(NUM_SEQS):
@@ -82,10 +86,13 @@ def test_bench_allocator_appends_vllm(benchmark, vllm_api) -> None:
                 request.append_output_token_ids(step)
                 manager.allocate_slots(request, 1)
                 request.num_computed_tokens += 1
+        return driver
 
     benchmark.group = "allocator-appends"
     benchmark.extra_info["ops"] = NUM_SEQS * DECODE_STEPS
-    benchmark.pedantic(decode, setup=setup, rounds=ROUNDS, iterations=1)
+    driver = benchmark.pedantic(decode, setup=setup, rounds=ROUNDS, iterations=1)
+    # Every append got its slot (a refused allocate_slots returns None and allocates none).
+    assert driver.counts()[0] == NUM_BLOCKS - NUM_SEQS * BLOCKS_AFTER_DECODE
 
 
 def test_bench_allocator_fork_cow_ours(benchmark) -> None:
@@ -95,16 +102,21 @@ def test_bench_allocator_fork_cow_ours(benchmark) -> None:
         allocator.commit("parent", PROMPT_LEN)
         return (allocator,), {}
 
-    def fork_cow(allocator: BlockAllocator) -> None:
+    def fork_cow(allocator: BlockAllocator) -> BlockAllocator:
         for _ in range(NUM_FORKS):
             allocator.fork("parent", "child")
             allocator.append_tokens("child", [1])
             allocator.copy_done(allocator.pop_copies())
             allocator.free("child")
+        return allocator
 
     benchmark.group = "allocator-fork-cow"
     benchmark.extra_info["ops"] = NUM_FORKS
-    benchmark.pedantic(fork_cow, setup=setup, rounds=ROUNDS, iterations=1)
+    allocator = benchmark.pedantic(fork_cow, setup=setup, rounds=ROUNDS, iterations=1)
+    # Every copy was reported done and every child freed: the parent's blocks alone held.
+    assert allocator.sequences() == ["parent"]
+    assert allocator.num_free_blocks == NUM_BLOCKS - PARENT_BLOCKS
+    assert allocator.usage().blocks_in_flight == 0
 
 
 @pytest.mark.vllm
@@ -114,7 +126,7 @@ def test_bench_allocator_fork_cow_vllm(benchmark, vllm_api) -> None:
         parent = pool.get_new_blocks(-(-PROMPT_LEN // BLOCK_SIZE))
         return (pool, parent), {}
 
-    def fork_cow(pool, parent) -> None:
+    def fork_cow(pool, parent):
         for _ in range(NUM_FORKS):
             pool.touch(parent)
             child = list(parent)
@@ -122,7 +134,9 @@ def test_bench_allocator_fork_cow_vllm(benchmark, vllm_api) -> None:
             pool.free_blocks([child[-1]])
             child[-1] = copy
             pool.free_blocks(reversed(child))
+        return pool
 
     benchmark.group = "allocator-fork-cow"
     benchmark.extra_info["ops"] = NUM_FORKS
-    benchmark.pedantic(fork_cow, setup=setup, rounds=ROUNDS, iterations=1)
+    pool = benchmark.pedantic(fork_cow, setup=setup, rounds=ROUNDS, iterations=1)
+    assert pool.get_num_free_blocks() == NUM_BLOCKS - PARENT_BLOCKS  # the parent's alone

@@ -18,7 +18,7 @@ from pagedbench.harness.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 
 pytest.importorskip("triton")
-from pagedbench.kernels.paged_split_decode import plan_splits  # noqa: E402
+from pagedbench.kernels.paged_split_plan import plan_splits  # noqa: E402
 from pagedbench.suites.kernels.kernel_runs import run_split  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -14,6 +14,7 @@ from pagedbench.reference import PagedCase, materialize
 
 pytest.importorskip("triton")
 from pagedbench.kernels import paged_split_decode as sd  # noqa: E402
+from pagedbench.kernels import paged_split_plan as sp  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -22,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def test_split_count_follows_flash_attentions_example():
     """hopper/heuristics.h's own example: batch x heads 48 on 108 SMs takes 2 splits
     (efficiency 0.89) rather than 3 (0.67)."""
-    assert sd.split_count_heuristic(48, num_tiles=100, slots=108) == 2
+    assert sp.split_count_heuristic(48, num_tiles=100, slots=108) == 2
 
 
 @pytest.mark.parametrize(("programs", "tiles", "slots", "expected"), [
@@ -33,37 +34,37 @@ def test_split_count_follows_flash_attentions_example():
     (211, 500, 264, 5),  # 0.8 x 264 = 211.2: one program short of it, 5 splits fill 4 waves
 ])
 def test_split_count_pinned_values(programs, tiles, slots, expected):
-    assert sd.split_count_heuristic(programs, tiles, slots) == expected
+    assert sp.split_count_heuristic(programs, tiles, slots) == expected
 
 
 @given(programs=st.integers(1, 600), tiles=st.integers(1, 600), slots=st.integers(1, 600))
 def test_split_count_is_the_smallest_within_85_percent_of_the_best(programs, tiles, slots):
-    n = sd.split_count_heuristic(programs, tiles, slots)
-    assert 1 <= n <= max(1, min(sd.MAX_SPLITS, tiles, slots))
+    n = sp.split_count_heuristic(programs, tiles, slots)
+    assert 1 <= n <= max(1, min(sp.MAX_SPLITS, tiles, slots))
     if programs >= 0.8 * slots or tiles <= 1:
         assert n == 1
         return
     eff = {k: programs * k / slots / math.ceil(programs * k / slots)
-           for k in range(1, min(sd.MAX_SPLITS, tiles, slots) + 1)}
+           for k in range(1, min(sp.MAX_SPLITS, tiles, slots) + 1)}
     assert eff[n] >= 0.85 * max(eff.values())
     assert all(eff[k] < 0.85 * max(eff.values()) for k in range(1, n))
 
 
 def test_plan_uses_the_device_sm_count_and_the_cpu_stand_in():
     lens = [4096]
-    assert sd.device_sm_count(torch.device("cpu")) == sd.CPU_STAND_IN_SM_COUNT == 132
-    wide = sd.plan_splits(lens, 8, 128, 2, num_sms=132)
-    narrow = sd.plan_splits(lens, 8, 128, 2, num_sms=16)
+    assert sp.device_sm_count(torch.device("cpu")) == 132  # an H100 SXM's or H200's SMs
+    wide = sp.plan_splits(lens, 8, 128, 2, num_sms=132)
+    narrow = sp.plan_splits(lens, 8, 128, 2, num_sms=16)
     assert wide.num_splits == 29 and narrow.num_splits == 4
 
 
 def test_batch_invariant_plan_counts_splits_of_fixed_size():
-    plan = sd.plan_splits([1, 129, 700], 2, 64, 2, batch_invariant=True, split_size=128)
+    plan = sp.plan_splits([1, 129, 700], 2, 64, 2, batch_invariant=True, split_size=128)
     assert (plan.tiles_per_split, plan.num_splits) == (2, 6)  # 700 keys: 11 tiles
     with pytest.raises(ValueError, match="split_size must be a positive multiple"):
-        sd.plan_splits([10], 1, 64, 2, batch_invariant=True, split_size=100)
+        sp.plan_splits([10], 1, 64, 2, batch_invariant=True, split_size=100)
     with pytest.raises(ValueError, match="num_splits cannot be forced"):
-        sd.plan_splits([10], 1, 64, 2, batch_invariant=True, num_splits=2)
+        sp.plan_splits([10], 1, 64, 2, batch_invariant=True, num_splits=2)
 
 
 # The interpreter step count ----------------------------------------------------------
@@ -75,7 +76,7 @@ def test_steps_count_what_the_kernels_iterate(kv_lens, num_kv_heads, window, inv
     """Enumerated here program by program, split by split, from the kernel's rules."""
     if invariant:
         num_splits = None
-    plan = sd.plan_splits(kv_lens, num_kv_heads, 64, 2, window, batch_invariant=invariant,
+    plan = sp.plan_splits(kv_lens, num_kv_heads, 64, 2, window, batch_invariant=invariant,
                           split_size=128, num_splits=num_splits)
     tile = plan.config.kv_tile
     expected = 0
