@@ -58,7 +58,8 @@ if [ ${#wheels[@]} -gt 0 ]; then
 fi
 export PYTHONPATH="$build/gpu-shim:$site${PYTHONPATH:+:$PYTHONPATH}"
 "$python" -c "import pagedbench.harness.gpu_lane" || {
-  echo "gpu_lane.sh: pagedbench is not importable through $build/gpu-shim" >&2; exit 2; }
+  echo "gpu_lane.sh: pagedbench is not importable through $build/gpu-shim (a package the" \
+       "image lacks? make gpu-carry builds its wheels into $carry/wheels)" >&2; exit 2; }
 
 exec "$python" -m pagedbench.harness.gpu_lane --out "$out" --device "$device" \
   --git-sha "$git_sha" --dirty "$dirty"

@@ -371,3 +371,10 @@ def test_script_refuses_a_missing_commit(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "--git-sha must be 40 hex digits" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_step_without_budget_is_not_started(tmp_path: Path) -> None:
+    step = gpu_lane.Step("late", [sys.executable, "-c", "open('ran', 'w')"], budget_s=0)
+    gpu_lane.run_step(step, tmp_path)
+    assert step.state == "not run" and not step.ok and "budget was spent" in step.notes[0]
+    assert not (gpu_lane.ROOT / "ran").exists() and not list(tmp_path.iterdir())
