@@ -48,14 +48,15 @@ from .store import GIT_DIRTY_ENV, GIT_SHA_ENV, new_run_id
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"
 DEVICES = ("cuda", "cpu")
-#: Per-step budgets (s), by device; ``truths`` runs beside ``pytest``, off the clock.
+#: Per-step budgets (s), by device; ``truths`` starts with ``pytest`` and runs beside
+#: it, within a budget no longer than pytest's.
 BUDGETS_S = {
     "cuda": {"env": 40, "list": 30, "truths": 140, "pytest": 140, "sweep": 140},
     "cpu": {"env": 60, "list": 60, "truths": 90, "pytest": 90, "sweep": 90},
 }
 #: Cap on the whole lane (s), by device: each step's budget is cut to what is left.
-#: On CUDA: one start (about 2 min) and two lanes fit the 15 minutes of device time a
-#: session gets (/work/.library/device/README.md of this workplace), so a failed
+#: On CUDA: one machine start (about 2 min) and two lanes fit the 15 minutes of device
+#: time the project's GPU machine lends a session (10 minutes a command), so a failed
 #: first try can be run again.
 #: On the CPU (about 40 s of CPU time on 2 cores) the budgets leave room for a host
 #: shared with other jobs.
@@ -480,11 +481,13 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
     tests = Step("pytest", pytest_command(python, device, selection.tests, out / "junit.xml"),
                  left("pytest"))
     run_step(tests, out)
-    # Off the clock only while pytest runs: what is not done then, the sweep's runner
-    # computes itself (the cache's writes are atomic).
-    finish_step(truths, truths_started, 0)
+    # Its budget (at most pytest's) ran beside pytest's; what it has not done by then,
+    # the sweep's runner computes itself (the cache's writes are atomic).
+    spent = time.monotonic() - truths_started[2]
+    finish_step(truths, truths_started,
+                min(truths.budget_s - spent, deadline - time.monotonic()))
     if truths.timed_out:
-        truths.notes.append("stopped when pytest ended; the sweep computes the rest")
+        truths.notes.append("stopped at its budget; the sweep computes the rest")
     command, notes = sweep_command(python, device, impls, selection, work)
     sweep = Step("sweep", command, left("sweep"), notes=notes)
     steps = [env, listing, truths, tests, sweep]

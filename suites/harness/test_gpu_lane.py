@@ -23,7 +23,7 @@ from pagedbench.harness import gpu_carry, gpu_ingest, gpu_lane, store
 from pagedbench.reference import PagedValueError
 
 ROOT = gpu_lane.ROOT
-#: The device machine's limits (this workplace's device README): one command's run,
+#: The limits of the GPU machine the project is lent: one command's run,
 #: a session's device time, and the start of a machine (a minute or two).
 DEVICE_CALL_S = 600
 DEVICE_SESSION_S = 900
@@ -150,6 +150,22 @@ def test_commit_and_driver_come_from_outside(tmp_path: Path,
         store.nvidia_driver_version.cache_clear()
 
 
+def test_nvidia_smi_fields_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One CSV line of the queried fields becomes a dict by field name; a failing
+    nvidia-smi is recorded as an error, not raised."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.03, 143771 MiB, 9.0, 1980 MHz, "
+                   "3201 MHz, 1980 MHz, 3201 MHz, 700.00 W, P0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    found = gpu_lane._nvidia_smi()
+    assert found["name"] == "NVIDIA H200" and found["driver_version"] == "580.159.03"
+    assert found["clocks.max.sm"] == "1980 MHz" and found["pstate"] == "P0"
+    assert list(found) == list(gpu_lane.NVIDIA_SMI_FIELDS)
+    smi.write_text("#!/bin/sh\necho 'no devices' >&2; exit 9\n")
+    assert gpu_lane._nvidia_smi() == {"error": "nvidia-smi exit 9: no devices"}
+
+
 def bare_copy(dest: Path) -> str:
     """What travels to the device machine, copied to ``dest``: ``git archive HEAD`` when
     the tree is clean, else the tracked and untracked-not-ignored files. Returns how."""
@@ -268,7 +284,9 @@ def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     assert suite.get("failures") == "0" and suite.get("errors") == "0"
     with tarfile.open(out / "logs.tar.gz") as archive:
         names = set(archive.getnames())
+        truths = archive.extractfile("truths.log").read().decode()
     assert {"env.log", "list.log", "truths.log", "pytest.log", "sweep.log", "pip.log"} <= names
+    assert truths.splitlines()[-1] == f"2 truths cached under {copy / 'build'}"
     assert (copy / "build" / "gpu-site" / f"{PROBE}.py").read_text() == "CARRIED = True\n"
 
 
