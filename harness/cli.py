@@ -505,8 +505,12 @@ def _selftest_arguments(sub: argparse._SubParsersAction) -> None:
                             help=f"compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
     selftest_p.add_argument("--json", type=Path, metavar="FILE",
                             help="also write the rows as JSON here")
+    selftest_p.add_argument("--first-catch", action="store_true",
+                            help="pinned properties first, and stop checking a fault at "
+                                 "the first property that fails on it (minutes, not tens "
+                                 "of minutes; what make test runs)")
     selftest_p.add_argument("--save-regressions", action="store_true",
-                            help="keep each fault's shrunk case in "
+                            help="keep the case the search found for each fault in "
                                  f"{selftest.REGRESSION_CASES} (replacing its earlier one)")
 
 
@@ -515,7 +519,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         writable_file(args.json, "--json")
     try:
         rows = selftest.run(args.catalogue, args.output_dir, args.cache_dir,
-                            args.hypothesis_profile)
+                            args.hypothesis_profile, first_catch=args.first_catch)
     except RuntimeError as exc:
         print(f"pagedbench selftest: {exc}", file=sys.stderr)
         return int(ExitCode.HARNESS_FAULT)

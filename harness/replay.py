@@ -13,6 +13,7 @@ file, a whole result line, or a regression case; ``pagedbench replay`` runs it t
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -24,6 +25,11 @@ from pagedbench.adapters import Adapter
 from pagedbench.reference import PagedCase, PagedValueError
 
 from . import conformance, tolerance
+from .truth import compute_truth
+
+#: The truth of a case, kept for the rest of the process: the pytest suites check many
+#: implementations on the same pinned and derandomized cases (the runner caches on disk).
+_truth = functools.lru_cache(maxsize=128)(compute_truth)
 
 #: The variable naming the folder failing cases are written to.
 REPLAY_DIR_VARIABLE = "PAGEDBENCH_REPLAY_DIR"
@@ -67,7 +73,8 @@ def hint(case: PagedCase, impl: str, folder: Path | None = None) -> str:
 
 def check(adapter: Adapter, case: PagedCase, device: str, impl: str) -> tolerance.Comparison:
     """:func:`.conformance.assert_conforms` whose failure message ends with the replay
-    command (:func:`hint`); ``impl`` is the name the implementation is selected by.
+    command (:func:`hint`); ``impl`` is the name the implementation is selected by. The
+    truth of each case is computed once per process.
 
     Raises
     ------
@@ -75,7 +82,7 @@ def check(adapter: Adapter, case: PagedCase, device: str, impl: str) -> toleranc
         As ``assert_conforms`` does, chained to what the adapter raised.
     """
     try:
-        return conformance.assert_conforms(adapter, case, device)
+        return conformance.assert_conforms(adapter, case, device, truth=_truth)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{hint(case, impl)}") from exc.__cause__
 

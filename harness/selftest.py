@@ -18,6 +18,11 @@ in a worker like ``pagedbench list`` asks them, so no plug-in is imported here. 
 
 The control (``catalogue-control``) must pass every test: a failure there is the
 suite's fault or the catalogue's, never a catch.
+
+With ``first_catch`` (what ``make test`` runs, to stay within minutes) this module is
+also the run's pytest plug-in: the pinned properties run before the search, and once a
+test failed on an implementation, its remaining tests are skipped; the table then names
+the first property that caught each fault.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from dataclasses import asdict, dataclass, field
 from importlib.metadata import distributions
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from pagedbench.adapters import ENTRY_POINT_GROUP, Entry
 from pagedbench.reference import PagedCase, PagedValueError
@@ -49,6 +56,10 @@ CONTROL = "catalogue-control"
 #: The variable the faults append their name to when they fire (suites/faults/kernel.py).
 FAULT_LOG = "PAGEDBENCH_FAULT_LOG"
 _REPLAY = re.compile(r"pagedbench replay (\S+) --impl (\S+)")
+#: The hypothesis search, which first-catch runs last (the pinned properties are cheaper).
+SEARCH = "test_paged_matches_dense"
+#: Implementations a test has failed on, in a first-catch run (this module as plug-in).
+_caught: set[str] = set()
 
 
 @dataclass
@@ -70,6 +81,9 @@ class FaultRow:
         Its shrunk case (:meth:`PagedCase.to_dict`): the smallest failing case.
     reason : str
         The first line of the failure that named the shrunk case.
+    search_case : dict or None
+        The smallest failing case the hypothesis search found (what
+        :func:`save_regressions` keeps; pinned cases are run on every adapter anyway).
     seconds : float
         Its tests' durations summed (s).
     exercised : bool
@@ -85,6 +99,7 @@ class FaultRow:
     properties: list[str] = field(default_factory=list)
     case: dict[str, Any] | None = None
     reason: str = ""
+    search_case: dict[str, Any] | None = None
     seconds: float = 0.0
     exercised: bool = False
 
@@ -136,11 +151,37 @@ def _registered(site: Path) -> list[Entry]:
             for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
 
 
-def _pytest_command(names: list[str], profile: str, junit: Path) -> list[str]:
+def _pytest_command(names: list[str], profile: str, junit: Path,
+                    first_catch: bool) -> list[str]:
     impls = [arg for name in names for arg in ("--impl", name)]
+    plugin = ["-p", __name__] if first_catch else []
     return [sys.executable, "-m", "pytest", str(CONFORMANCE_SUITE), "-q", "-p",
-            "no:cacheprovider", "--hypothesis-profile", profile, f"--junitxml={junit}",
-            "-o", "junit_family=xunit1", *impls]
+            "no:cacheprovider", *plugin, "--hypothesis-profile", profile,
+            f"--junitxml={junit}", "-o", "junit_family=xunit1", *impls]
+
+
+def _impl_of(item: pytest.Item) -> str | None:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("impl") if callspec else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """First-catch plug-in: the search after every pinned property."""
+    items.sort(key=lambda item: item.originalname == SEARCH)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """First-catch plug-in: skip an implementation a test has already failed on."""
+    if _impl_of(item) in _caught:
+        pytest.skip(f"{_impl_of(item)} already failed a property (first-catch run)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.failed and _impl_of(item) is not None:
+        _caught.add(_impl_of(item))
+    return report
 
 
 def _testcases(junit: Path) -> list[dict[str, Any]]:
@@ -178,10 +219,12 @@ def _smallest_case(failures: list[str]) -> tuple[dict[str, Any] | None, str]:
     return (None, "") if best is None else (best[1], best[2])
 
 
-def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci") -> list[FaultRow]:
+def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci",
+        first_catch: bool = False) -> list[FaultRow]:
     """Run the self-test on the catalogue at ``site``, writing the JUnit report, the
     fault log and the failing cases under ``output_dir``; one row per implementation,
-    the control first. Registers ``site`` in this process (:func:`register_catalogue`:
+    the control first (``first_catch``: see the module docstring). Registers ``site``
+    in this process (:func:`register_catalogue`:
     the worker that asks the faults about themselves imports them from there).
 
     Raises
@@ -203,7 +246,7 @@ def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci") -> l
     listing = {row.name: row for row in runner.list_adapters(found, "cpu", cache_dir)}
     targets = {e.name: e.target for e in found}
     names = sorted(targets, key=lambda n: (n != CONTROL, n))
-    proc = subprocess.run(_pytest_command(names, profile, junit), cwd=CHECKOUT, env=env,
+    proc = subprocess.run(_pytest_command(names, profile, junit, first_catch), cwd=CHECKOUT, env=env,
                           stdin=subprocess.DEVNULL)
     if proc.returncode not in (0, 1) or not junit.is_file():
         raise RuntimeError(f"pytest exited {proc.returncode} without running the suite")
@@ -220,6 +263,8 @@ def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci") -> l
         row.seconds = sum(t["seconds"] for t in mine)
         row.properties = sorted({t["property"] for t in failures})
         row.case, row.reason = _smallest_case([t["failure"] for t in failures])
+        row.search_case = _smallest_case([t["failure"] for t in failures
+                                          if t["property"] == SEARCH])[0]
         if name == CONTROL:
             row.verdict = "failed" if failures or not mine else "passed"
         elif failures:
@@ -232,22 +277,22 @@ def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci") -> l
 
 def save_regressions(rows: list[FaultRow], folder: Path,
                      config: runner.RunConfig) -> list[Path]:
-    """Keep each caught fault's shrunk case in ``folder`` as a regression case, with the
-    status the fault gets when the case alone is replayed in a worker (``fail``, or
-    ``pass`` for a fault only a metamorphic property shows), replacing the fault's
-    earlier ones; the paths."""
+    """Keep the case the search found for each caught fault in ``folder`` as a
+    regression case, with the status the fault gets when the case is replayed alone in
+    a worker, replacing the fault's earlier ones; the paths."""
     env = Environment.model_validate(environment(config.device) | {"threads": config.threads})
     saved = []
     for row in rows:
-        if row.verdict != "caught" or row.case is None:
+        if row.verdict != "caught" or row.search_case is None:
             continue
-        case = PagedCase.from_dict(row.case)
+        case = PagedCase.from_dict(row.search_case)
         records: list[ResultRecord] = []
         runner.run_target(row.name, row.target, [case], config, "selftest", env, records.append)
         for old in folder.glob(f"{row.name}-*.json"):
             old.unlink()
-        saved.append(replay.save_regression(case, row.name, ", ".join(row.properties),
-                                            row.reason, folder, str(records[0].status)))
+        saved.append(replay.save_regression(case, row.name, SEARCH,
+                                            records[0].reason or row.reason, folder,
+                                            str(records[0].status)))
     return saved
 
 

@@ -26,7 +26,7 @@ from hypothesis import settings
 #: Seconds of search per implementation, per profile with a time budget.
 SECONDS = {"ci": 30.0, "nightly": 600.0}
 #: Fewest and most examples per implementation, per profile.
-EXAMPLES = {"ci": (10, 500), "nightly": (100, 20_000)}
+EXAMPLES = {"ci": (8, 500), "nightly": (100, 20_000)}
 #: Seconds per example assumed for an implementation the table does not list: as slow as
 #: the slowest measured kind (an interpreted kernel), so an unmeasured plug-in cannot
 #: blow the budget.

@@ -5,7 +5,7 @@ implementation, and write the table the example budgets are derived from
     python -m pagedbench.suites.conformance.measure [--impl NAME ...] [--examples N]
 
 Each implementation available here runs the search's own case strategy
-(:func:`~.test_paged_matches_dense.case_strategy`) for ``N`` derandomized examples,
+(:func:`~.cases.case_strategy`) for ``N`` derandomized examples,
 timing what one example of the test does: draw, ``why_unsupported`` and the conformance
 check. A failing check is timed like a passing one, so the faults of the catalogue
 (``--catalogue``) are measured too. Implementations not measured keep their old figure;
@@ -26,6 +26,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+# The test session's environment first (caches; the Triton interpreter on a CPU-only
+# host, before any kernel imports Triton), so examples cost here what they cost there.
+from pagedbench.suites import conftest as _session  # noqa: F401  isort: skip
 from pagedbench.adapters import entries, load
 from pagedbench.harness import conformance
 from pagedbench.harness.selftest import register_catalogue
@@ -33,7 +36,7 @@ from pagedbench.harness.store import environment
 from pagedbench.suites.budget import TABLE
 
 from .conftest import DEVICE
-from .test_paged_matches_dense import case_strategy
+from .cases import case_strategy
 
 
 def seconds_per_example(adapter, examples: int) -> float:

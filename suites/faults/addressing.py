@@ -108,7 +108,6 @@ class BlockIds16Bit(PagedKernel):
     name = "fault-block-ids-16-bit"
     imitates = "flashinfer-ai/flashinfer#3130"
     trigger = "a block id >= 32768"
-    needs = "high block ids (issue 7, section 2)"
 
     def block_table(self, inputs: PagedInputs, i: int) -> torch.Tensor:
         table = super().block_table(inputs, i)

@@ -146,7 +146,6 @@ class FiniteMaskSentinel(PagedKernel):
     name = "fault-finite-mask-sentinel"
     imitates = "flashinfer-ai/flashinfer#4450"
     trigger = "a query row whose largest logit is below about -5e4"
-    needs = "logits far from 0 (issue 7, section 2)"
     SENTINEL = -5e4
 
     def state(self, logits, v):

@@ -4,6 +4,7 @@ search's budget follows the profile and the measured speed (``suites/budget.py``
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -62,3 +63,16 @@ def test_examples_for_scales_with_measured_speed(monkeypatch):
     assert budget.examples_for("mid", seconds) == 6000
     monkeypatch.setattr(budget, "profile", lambda: "someone-elses")
     assert budget.examples_for("mid", seconds) is None
+
+
+def test_every_implementation_is_in_the_table():
+    """The table of seconds per example names every registered implementation, measured
+    or unavailable where it was measured, so none falls back to the unmeasured floor
+    unnoticed (re-measure with ``python -m pagedbench.suites.conformance.measure``)."""
+    from pagedbench.adapters import entries
+
+    table = json.loads(budget.TABLE.read_text())
+    listed = set(table["seconds"]) | set(table["unavailable"])
+    missing = [e.name for e in entries() if e.name not in listed]
+    assert not missing, f"not in {budget.TABLE.name}: {missing}"
+    assert set(budget.seconds_per_example()) == set(table["seconds"])
