@@ -7,8 +7,9 @@ implementation, and write the table the example budgets are derived from
 Each implementation available here runs the search's own case strategy
 (:func:`~.cases.case_strategy`) for ``N`` derandomized examples,
 timing what one example of the test does: draw, ``why_unsupported`` and the conformance
-check. A failing check is timed like a passing one, so the faults of the catalogue
-(``--catalogue``) are measured too. Implementations not measured keep their old figure;
+check. With ``--catalogue`` the fault catalogue's control is measured too, and every
+fault gets its figure: the faults run the control's kernel, so separate measurements
+would only record the noise of a shared machine as budgets 8 times apart. Implementations not measured keep their old figure;
 those unavailable here are listed with the reason. The table records the command, the
 host's CPU, torch's thread count and the date; on a shared machine the figures are noisy.
 """
@@ -31,7 +32,8 @@ from hypothesis import strategies as st
 from pagedbench.suites import conftest as _session  # noqa: F401  isort: skip
 from pagedbench.adapters import entries, load
 from pagedbench.harness import conformance
-from pagedbench.harness.selftest import register_catalogue
+from pagedbench.harness.selftest import (CONTROL, DEFAULT_CATALOGUE, catalogue_entries,
+                                          register_catalogue)
 from pagedbench.harness.store import environment
 from pagedbench.suites.budget import TABLE
 
@@ -67,12 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catalogue", action="store_true",
                         help="also measure the fault catalogue (suites/faults)")
     args = parser.parse_args(argv)
+    faults: set[str] = set()
     if args.catalogue:
         register_catalogue()
+        faults = {e.name for e in catalogue_entries(DEFAULT_CATALOGUE)} - {CONTROL}
+        args.impl = args.impl and [*args.impl, CONTROL]
     table = json.loads(TABLE.read_text()) if TABLE.is_file() else {"seconds": {}}
     table.setdefault("unavailable", {})
     for entry in entries():
-        if args.impl and entry.name not in args.impl:
+        if (args.impl and entry.name not in args.impl) or entry.name in faults:
             continue
         adapter = load(entry.target)
         availability = adapter.available(DEVICE)
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         table["unavailable"].pop(entry.name, None)
         table["seconds"][entry.name] = round(seconds_per_example(adapter, args.examples), 4)
         print(f"{entry.name}: {table['seconds'][entry.name]:.4f} s per example", flush=True)
+    if faults and CONTROL in table["seconds"]:
+        table["seconds"] |= {name: table["seconds"][CONTROL] for name in faults}
     table["command"] = " ".join(["python -m pagedbench.suites.conformance.measure",
                                  *(argv if argv is not None else sys.argv[1:])])
     table["host"] = {"cpu": environment(DEVICE)["device"], "machine": platform.machine(),
