@@ -6,6 +6,10 @@
 ``pagedbench report``   the leaderboard of stored result files (Markdown or CSV).
 ``pagedbench schema``   the JSON Schema of a results-file line.
 ``pagedbench simulate`` KV capacity: contiguous reservation vs paged allocation on a trace.
+``pagedbench replay``   re-run one case (a failure's case file, a result line) and show
+                        the verdict and its figures.
+``pagedbench selftest`` run the conformance suite on the fault catalogue: which property
+                        catches each fault.
 
 Implementations are found without importing them and imported only in worker processes
 (:mod:`.runner`), so no plug-in can take a command down. Bad options and input files are
@@ -35,14 +39,15 @@ from pagedbench.adapters import entries
 from pagedbench.reference import (DTYPES, PagedInputError, PagedValueError, check_fits,
                                   resolve_device)
 
-from . import report, runner, simulate
+from . import replay, report, runner, selftest, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
 from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from .environment import apply_environment, cache_environment
-from .record import ListingRow, Plan, ResultRecord, RunRecord, json_schema
+from .record import (COMPARISON_FIELDS, Environment, ListingRow, Plan, ResultRecord,
+                     RunRecord, json_schema)
 from .status import ExitCode, Status, exit_code, exit_codes_help
-from .store import (DEFAULT_RESULTS_DIR, ResultsFile, new_run_id, read_lines, results_of,
-                    run_states)
+from .store import (DEFAULT_RESULTS_DIR, ResultsFile, environment, new_run_id, read_lines,
+                    results_of, run_states)
 
 #: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
 DEFAULT_CACHE_DIR = Path("build")
@@ -151,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("schema", help="JSON Schema of a results-file line (README, Results schema)")
     simulate.add_arguments(sub.add_parser(
         "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
+    _replay_arguments(sub)
+    _selftest_arguments(sub)
     return parser
 
 
@@ -400,6 +407,136 @@ def capability_matrix(rows: list[ListingRow]) -> str:
     return report.escape_frame(table.fillna("?")).to_markdown(index=False)
 
 
+# pagedbench replay -------------------------------------------------------------------
+def _replay_arguments(sub: argparse._SubParsersAction) -> None:
+    replay_p = sub.add_parser(
+        "replay", help="re-run one case through the conformance check, in a worker",
+        description="Re-run one case (what a conformance failure message names, a result "
+                    "line, or a regression case) through the conformance check in a "
+                    "worker, as `pagedbench run` does, and show the verdict and figures.",
+        epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    replay_p.add_argument("case", type=Path, metavar="CASE.json",
+                          help="a PagedCase as JSON, a whole result line, or a regression "
+                               "case (suites/regressions/cases)")
+    replay_p.add_argument("--impl", action="append", default=[], metavar="NAME",
+                          help="implementation to run it on (repeatable; default: the one "
+                               "a result line or regression case names)")
+    replay_p.add_argument("--device", type=_device, default=None,
+                          help="cpu (default), cuda or cuda:N; checked against this machine")
+    replay_p.add_argument("--case-timeout", type=_positive_seconds, default=None,
+                          metavar="SECONDS", help="the implementation's own time for the "
+                          f"case (default: {runner.RunConfig.case_timeout_s:g})")
+    replay_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                          help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
+    replay_p.add_argument("--save", action="store_true",
+                          help="keep the case as a regression case in "
+                               f"{selftest.REGRESSION_CASES} when an implementation fails it")
+
+
+def _replay_lines(record: ResultRecord) -> list[str]:
+    """A verdict and its figures, as ``pagedbench replay`` prints them."""
+    head = f"{record.impl} on {record.case_id} ({record.device}): {record.status}"
+    lines = [head + (f" in {record.step}" if record.step else "")]
+    if record.reason:
+        lines.append(f"  reason: {record.reason}")
+    figures = {name: getattr(record, name) for name in COMPARISON_FIELDS}
+    if figures.get("max_err_ulps") is not None:
+        lines.append("  " + ", ".join(f"{name} {value:.4g}" if isinstance(value, float)
+                                      else f"{name} {value}"
+                                      for name, value in figures.items() if value is not None))
+    if record.impl_details:
+        lines.append(f"  details: {json.dumps(record.impl_details, sort_keys=True)}")
+    return lines
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    found = replay.load(args.case)
+    names = args.impl or ([found.impl] if found.impl else [])
+    selftest.register_catalogue_if_named(names)
+    if not names:
+        raise PagedValueError("--impl", None, "an implementation name",
+                              f"--impl NAME is needed: {args.case} is a bare case and names "
+                              "no implementation")
+    impls = _select(names)
+    device = _checked_device(args.device or "cpu")
+    case = found.case
+    try:
+        check_fits(case, device)
+    except PagedInputError as exc:
+        raise PagedValueError("CASE", str(args.case), exc.allowed, f"CASE {args.case}: {exc}") from None
+    defaults = runner.RunConfig()
+    config = runner.RunConfig(device=device, timing=False, cache_dir=args.cache_dir,
+                              case_timeout_s=args.case_timeout or defaults.case_timeout_s,
+                              suite="replay")
+    env = Environment.model_validate(environment(device) | {"threads": config.threads})
+    print(f"case {case.case_id}: {json.dumps(case.to_dict(), sort_keys=True)}")
+    records: list[ResultRecord] = []
+    run_id = new_run_id()
+    for name, target in impls.items():
+        runner.run_target(name, target, [case], config, run_id, env, records.append)
+    for record in records:
+        print("\n".join(_replay_lines(record)))
+        if args.save and record.status.failing:
+            saved = replay.save_regression(case, record.impl, "pagedbench replay",
+                                           record.reason, selftest.REGRESSION_CASES,
+                                           str(record.status))
+            print(f"  saved: {saved}")
+    return int(exit_code(r.status for r in records))
+
+
+# pagedbench selftest -----------------------------------------------------------------
+def _selftest_arguments(sub: argparse._SubParsersAction) -> None:
+    selftest_p = sub.add_parser(
+        "selftest", help="run the conformance suite on the fault catalogue",
+        description="Run `pytest suites/conformance` on every fault of the catalogue "
+                    "(suites/faults) and on its fault-free control; print which property "
+                    "caught each fault, its shrunk case and the seconds it took. Exit 1 "
+                    "when a fault is missed or the control fails.",
+        epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    selftest_p.add_argument("--hypothesis-profile", default="ci", metavar="NAME",
+                            help="hypothesis profile of the run (default: ci)")
+    selftest_p.add_argument("--catalogue", type=Path, default=selftest.DEFAULT_CATALOGUE,
+                            help="folder of the catalogue's distribution metadata "
+                                 f"(default: {selftest.DEFAULT_CATALOGUE})")
+    selftest_p.add_argument("--output-dir", type=Path, default=DEFAULT_CACHE_DIR / "selftest",
+                            help="JUnit report, fault log and failing cases (default: "
+                                 f"{DEFAULT_CACHE_DIR / 'selftest'})")
+    selftest_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                            help=f"compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
+    selftest_p.add_argument("--json", type=Path, metavar="FILE",
+                            help="also write the rows as JSON here")
+    selftest_p.add_argument("--first-catch", action="store_true",
+                            help="pinned properties first, and stop checking a fault at "
+                                 "the first property that fails on it (minutes, not tens "
+                                 "of minutes; what make test runs)")
+    selftest_p.add_argument("--save-regressions", action="store_true",
+                            help="keep the case the search found for each fault in "
+                                 f"{selftest.REGRESSION_CASES} (replacing its earlier one)")
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    if args.json:
+        writable_file(args.json, "--json")
+    try:
+        rows = selftest.run(args.catalogue, args.output_dir, args.cache_dir,
+                            args.hypothesis_profile, first_catch=args.first_catch)
+    except RuntimeError as exc:
+        print(f"pagedbench selftest: {exc}", file=sys.stderr)
+        return int(ExitCode.HARNESS_FAULT)
+    print(report.escape_frame(pd.DataFrame(selftest.table(rows))).to_markdown(index=False))
+    if args.json:
+        args.json.write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
+    if args.save_regressions:
+        config = runner.RunConfig(timing=False, cache_dir=args.cache_dir, suite="selftest")
+        for path in selftest.save_regressions(rows, selftest.REGRESSION_CASES, config):
+            print(f"saved: {path}")
+    caught = sum(r.verdict == "caught" for r in rows)
+    faults = sum(r.name != selftest.CONTROL for r in rows)
+    print(f"\n{caught} of {faults} faults caught ({args.hypothesis_profile} profile); "
+          f"{sum(r.seconds for r in rows):.0f} s")
+    return int(ExitCode.CLEAN if selftest.passed(rows) else ExitCode.CONFORMANCE_FAILURE)
+
+
 def _writable_outputs(args: argparse.Namespace) -> None:
     """Check every output folder a command was given, before it runs."""
     for dest, option in (("results_dir", "--results-dir"), ("cache_dir", "--cache-dir"),
@@ -413,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     (:class:`~.status.ExitCode`; ``128 + N`` when stopped by signal N)."""
     args = _parser().parse_args(argv)
     commands = {"run": cmd_run, "list": cmd_list, "report": cmd_report, "schema": cmd_schema,
-                "simulate": simulate.run}
+                "simulate": simulate.run, "replay": cmd_replay, "selftest": cmd_selftest}
     try:
         _writable_outputs(args)
         apply_environment(cache_environment(getattr(args, "cache_dir", DEFAULT_CACHE_DIR)))

@@ -215,8 +215,10 @@ def nan_tail_output_finite(adapter: Adapter, case: PagedCase, device: str) -> bo
     return bool(torch.isfinite(out).all())
 
 
-def assert_conforms(adapter: Adapter, case: PagedCase, device: str) -> tolerance.Comparison:
-    """:func:`judge` for pytest: the comparison of a pass.
+def assert_conforms(adapter: Adapter, case: PagedCase, device: str, *,
+                    truth: Callable[..., tolerance.Expected] = compute_truth
+                    ) -> tolerance.Comparison:
+    """:func:`judge` for pytest: the comparison of a pass (``truth`` as for ``judge``).
 
     Raises
     ------
@@ -224,7 +226,7 @@ def assert_conforms(adapter: Adapter, case: PagedCase, device: str) -> tolerance
         For any other verdict, with the adapter, case id, status, step and reason
         (chained to what the adapter raised, so pytest shows its traceback).
     """
-    verdict = judge(adapter, case, device, probe_nan_tail=False)
+    verdict = judge(adapter, case, device, truth=truth, probe_nan_tail=False)
     if verdict.status is not Status.PASS:
         raise AssertionError(
             f"{adapter.name}:{case.case_id}: {verdict.status} in {verdict.step}: "

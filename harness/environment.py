@@ -3,8 +3,9 @@
 - :func:`cache_environment`: compiler caches, matplotlib's cache and the temp folder of
   the CLI, its workers, the test session and the GPU lane's steps, under one folder
   (``build/`` by default), never the home folder or the system temp folder
-  (TorchInductor's precompiled headers follow ``TMPDIR``). A variable the user has
-  already set is kept.
+  (TorchInductor's precompiled headers follow ``TMPDIR``), and the failing cases that
+  conformance failures write for ``pagedbench replay``. A variable the user has already
+  set is kept.
 - :func:`worker_environment`: what a worker process starts with: those caches, the
   Triton interpreter on the CPU, and only the variables of the parent a worker needs
   (:data:`INHERITED`): no credentials, nothing that changes how files are loaded
@@ -29,6 +30,7 @@ CACHE_FOLDERS = {
     "XDG_CACHE_HOME": "xdg-cache",
     "MPLCONFIGDIR": "matplotlib",
     "TMPDIR": "tmp",
+    "PAGEDBENCH_REPLAY_DIR": "replay",  # failing cases (harness/replay.py)
 }
 #: Variables a worker inherits from its parent: exact names, and prefixes ending in
 #: ``_`` (locale, CUDA and ROCm runtimes, thread pools, compilers, the peers' own

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 from pagedbench.adapters import Adapter, Entry, load
 from pagedbench.reference import PagedCase, PagedValueError
 
-from . import conformance
+from . import conformance, replay
 from .environment import worker_environment
 from .record import (SCHEMA_VERSION, Environment, ListingRow, Plan, PlannedImpl, ResultRecord,
                      RunRecord, comparison_figures, now, validation_problem)
@@ -52,6 +52,8 @@ from .worker import Channel, Fault, Supervisor
 
 #: Seconds ``pagedbench list`` gives each implementation to import and answer.
 LIST_TIMEOUT_S = 120.0
+#: Verdicts whose reason ends with the command that replays the case (harness/replay.py).
+REPLAYED = (Status.FAIL, Status.ERROR)
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,8 @@ def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
         else:
             verdict = conformance.judge(adapter, case, config.device, truth=truth,
                                         on_step=partial(channel.step, index))
+            if verdict.status in REPLAYED:
+                verdict = replace(verdict, reason=f"{verdict.reason}; {replay.hint(case, name)}")
             timing = None
             if verdict.status is Status.PASS and config.timing:
                 channel.step(index, conformance.HARNESS, "timing")

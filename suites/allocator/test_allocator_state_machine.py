@@ -15,7 +15,7 @@ asserts that every path was reached at least the stated number of times
 (:data:`MIN_REACH`, met in the ``ci`` profile). ``target()`` steers the search towards
 runs with many copies in flight and many duplicate keys. Sequences are drawn from the
 model's live ids rather than a ``Bundle``: a decode step preempts sequences that another
-rule drew, which a bundle cannot forget. Run longer with ``HYPOTHESIS_PROFILE=dev``.
+rule drew, which a bundle cannot forget. Run longer with ``--hypothesis-profile nightly``.
 (Over 500 lines: the rules and their predicted outcomes belong together; the model is
 ``allocator_model.py``.)
 """

@@ -1,7 +1,12 @@
-"""Fixtures of the conformance suite: which implementations to check, on which device.
+"""Fixtures of the conformance suite: which implementations to check, on which device,
+with how many examples.
 
 Implementations are found without importing them (:func:`pagedbench.adapters.entries`);
-only the ones a test session selects are imported, when their first test runs.
+only the ones a test session selects are imported, when their first test runs. Naming a
+fault of the catalogue (``--impl fault-...``, suites/faults) puts the catalogue's
+distribution on the path first (:func:`~pagedbench.harness.selftest.register_catalogue`),
+so its entry points register it as an out-of-tree kernel is registered. Each test records the implementation it checked as the JUnit property
+``impl`` (``pagedbench selftest`` reads it).
 """
 
 from __future__ import annotations
@@ -12,13 +17,16 @@ import pytest
 import torch
 
 from pagedbench.adapters import Adapter, entries, load
+from pagedbench.harness.selftest import register_catalogue_if_named
+from pagedbench.suites import budget
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _selected(config: pytest.Config) -> list[str]:
-    names = [e.name for e in entries()]
     wanted = config.getoption("--impl")
+    register_catalogue_if_named(wanted)
+    names = [e.name for e in entries()]
     unknown = [n for n in wanted if n not in names]
     if unknown:
         raise pytest.UsageError(f"--impl {unknown} unknown; choose from {names}")
@@ -44,3 +52,17 @@ def adapter(impl: str) -> Adapter:
     if not availability.ok:
         pytest.skip(f"{impl} unavailable on {DEVICE}: {availability.reason}")
     return instance
+
+
+@pytest.fixture
+def example_budget(impl: str) -> dict[str, int]:
+    """``max_examples`` for ``impl``'s conformance search in the profile in force
+    (``suites/budget.py``); empty for a profile without a time budget."""
+    count = budget.examples_for(impl, budget.seconds_per_example())
+    return {} if count is None else {"max_examples": count}
+
+
+@pytest.fixture(autouse=True)
+def _record_impl(request: pytest.FixtureRequest, record_property) -> None:
+    if "impl" in request.fixturenames:
+        record_property("impl", request.getfixturevalue("impl"))

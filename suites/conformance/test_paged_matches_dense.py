@@ -1,12 +1,14 @@
 """Every available implementation agrees with float64 dense attention on every case it
 claims to support (harness/tolerance.py's policy), with NaN-poisoned unused slots and
-shuffled block tables. Run one implementation: ``pytest suites/conformance --impl NAME``.
+shuffled block tables. Run one implementation: ``pytest suites/conformance --impl NAME``;
+a failure ends with the ``pagedbench replay`` command of its case (harness/replay.py).
+
+The search gets each implementation's example budget (``suites/budget.py``): its
+measured seconds per example against the profile's time budget.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -14,76 +16,40 @@ import torch
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
-from pagedbench.harness.conformance import assert_conforms, inputs_for, nan_tail_output_finite
-from pagedbench.harness.strategies import paged_cases
-from pagedbench.reference import PagedCase
+from pagedbench.harness import replay
+from pagedbench.harness.conformance import inputs_for, nan_tail_output_finite
 
+from .cases import case_strategy, pinned_case
 from .conftest import DEVICE
 
-#: Hypothesis examples per implementation, by profile (suites/conftest.py): in ``ci``,
-#: implementations that compile per shape (FlexAttention) or run interpreted cost seconds
-#: per example, so the budget is smaller than the profile's default.
-EXAMPLES = {"ci": 8, "dev": 200}
 
+def test_paged_matches_dense(adapter, impl, example_budget) -> None:
+    strategy = case_strategy(adapter)
 
-@settings(max_examples=EXAMPLES[os.environ.get("HYPOTHESIS_PROFILE", "ci")],
-          suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_paged_matches_dense(adapter, data) -> None:
-    caps = adapter.capabilities(DEVICE)
-    interpreted = adapter.is_interpreted(DEVICE)
-    case = data.draw(paged_cases(
-        caps,
-        max_batch=3 if interpreted else 4,
-        max_kv_len=80 if interpreted else 300,
-        max_kv_heads=1 if interpreted else 2,
-    ))
-    reasons = adapter.why_unsupported(case, DEVICE)
-    note(f"case {case.case_id}: {case.to_dict()}; unsupported: {reasons}")
-    assume(not reasons)
-    assert_conforms(adapter, case, DEVICE)
+    @settings(suppress_health_check=list(HealthCheck), **example_budget)
+    @given(data=st.data())
+    def search(data) -> None:
+        case = data.draw(strategy)
+        reasons = adapter.why_unsupported(case, DEVICE)
+        note(f"case {case.case_id}: {case.to_dict()}; unsupported: {reasons}")
+        assume(not reasons)
+        replay.check(adapter, case, DEVICE, impl)
 
-
-def _probe(caps, block_size: int = 16, head_dim: int = 64) -> PagedCase:
-    dtype = sorted(caps.dtypes)[0]
-    return PagedCase(kv_lens=(1,), num_q_heads=1, num_kv_heads=1, head_dim=head_dim,
-                     block_size=block_size, dtype=dtype, name="probe")
-
-
-def pinned_case(adapter, kv_lens: Callable[[int], tuple[int, ...]], num_q_heads: int,
-                num_kv_heads: int, name: str) -> PagedCase:
-    """A pinned case at the first block size (16, 32, 64, 128, 8, 2, 1, 48) and head dim
-    (64, 128, 96, 80, 256) the adapter declares, in fp16 (else bf16, else fp32), with
-    ``kv_lens(block_size)``; skips the test when the adapter cannot run it."""
-    caps = adapter.capabilities(DEVICE)
-    block_size = next((b for b in (16, 32, 64, 128, 8, 2, 1, 48)
-                       if not caps.why_unsupported(_probe(caps, block_size=b), DEVICE)), None)
-    head_dim = next((d for d in (64, 128, 96, 80, 256)
-                     if not caps.why_unsupported(_probe(caps, head_dim=d), DEVICE)), None)
-    if block_size is None or head_dim is None:
-        pytest.skip(f"{adapter.name} declares none of the pinned block sizes/head dims")
-    dtype = next(d for d in ("float16", "bfloat16", "float32") if d in caps.dtypes)
-    case = PagedCase(kv_lens=kv_lens(block_size), num_q_heads=num_q_heads,
-                     num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                     dtype=dtype, name=name)
-    reasons = adapter.why_unsupported(case, DEVICE)
-    if reasons:
-        pytest.skip(f"{adapter.name}: {'; '.join(reasons)}")
-    return case
+    search()
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (4, 1), (8, 2)],
                          ids=["mha", "mqa", "gqa4"])
-def test_boundary_lengths(adapter, num_q_heads, num_kv_heads) -> None:
+def test_boundary_lengths(adapter, impl, num_q_heads, num_kv_heads) -> None:
     """Pinned: one batch holding kv_len 1, block_size - 1, block_size, block_size + 1 and
     2 * block_size + 3, at the smallest block size and head dim the implementation takes."""
     case = pinned_case(
         adapter, lambda bs: tuple(sorted({1, max(1, bs - 1), bs, bs + 1, 2 * bs + 3})),
         num_q_heads, num_kv_heads, "boundary")
-    assert_conforms(adapter, case, DEVICE)
+    replay.check(adapter, case, DEVICE, impl)
 
 
-def test_block_placement_does_not_change_output(adapter) -> None:
+def test_block_placement_does_not_change_output(adapter, impl) -> None:
     """Metamorphic (xformers' block-swap test): the same logical K/V scattered over
     different physical blocks gives the same output, bit for bit."""
     case = pinned_case(adapter, lambda bs: (3 * bs + 5, bs + 1), 4, 2, "placement")
@@ -94,7 +60,8 @@ def test_block_placement_does_not_change_output(adapter) -> None:
     out_b = adapter.run(adapter.prepare(moved))
     assert torch.equal(out_a, out_b), (
         f"{adapter.name}: output depends on physical block placement "
-        f"(max diff {(out_a.double() - out_b.double()).abs().max():.3g})"
+        f"(max diff {(out_a.double() - out_b.double()).abs().max():.3g}); "
+        f"{replay.hint(case, impl)}"
     )
 
 
@@ -113,7 +80,7 @@ def _permute_blocks(inputs):
                    padding_block=int(new_of_old[inputs.padding_block]))
 
 
-def test_nan_safe_tail_declaration_is_true(adapter) -> None:
+def test_nan_safe_tail_declaration_is_true(adapter, impl) -> None:
     """With NaN in the unused slots of partly filled last blocks, an adapter declaring
     ``nan_safe_tail=True`` stays finite (and correct: see the tests above), and one
     declaring False does produce non-finite output; when a library fixes that, this test
@@ -124,5 +91,6 @@ def test_nan_safe_tail_declaration_is_true(adapter) -> None:
     assert finite is caps.nan_safe_tail, (
         f"{adapter.name} declares nan_safe_tail={caps.nan_safe_tail} but its output with "
         f"NaN in the last blocks' tails is "
-        f"{ {True: 'finite', False: 'not finite', None: 'an exception'}[finite] }"
+        f"{ {True: 'finite', False: 'not finite', None: 'an exception'}[finite] }; "
+        f"{replay.hint(case, impl)}"
     )

@@ -11,7 +11,6 @@ bfloat16 (interpreted via the float32 upcast); hypothesis draws the rest.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -19,12 +18,13 @@ from hypothesis import given, settings
 
 from pagedbench.harness.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
+from pagedbench.suites.budget import by_profile
 
 pytest.importorskip("triton")
 from pagedbench.suites.kernels.kernel_runs import feature_cases, run_prefill  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-EXAMPLES = {"ci": 5, "dev": 200}
+EXAMPLES = {"ci": 5, "nightly": 200}
 
 
 def _case(kv_lens, q_lens, ratio, block_size, dtype, **features) -> PagedCase:
@@ -59,7 +59,7 @@ def test_prefill_pinned_cases_match_dense(case: PagedCase):
     assert_matches_truth(run_prefill(inputs), inputs, case.case_id)
 
 
-@settings(max_examples=EXAMPLES[os.environ.get("HYPOTHESIS_PROFILE", "ci")])
+@settings(max_examples=by_profile(EXAMPLES))
 @given(case=feature_cases(max_kv_len=60, prefill=True))
 def test_prefill_matches_dense(case: PagedCase):
     inputs = materialize(case, DEVICE)

@@ -12,7 +12,6 @@ included. Interpreted cases are kept to a few tiles (about 10 ms per loop step).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -21,13 +20,14 @@ from hypothesis import strategies as st
 
 from pagedbench.harness.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
+from pagedbench.suites.budget import by_profile
 
 pytest.importorskip("triton")
 from pagedbench.suites.kernels.kernel_runs import DTYPES, feature_cases, run_split  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 #: Hypothesis examples by profile (suites/conftest.py); each is an interpreted launch.
-EXAMPLES = {"ci": 6, "dev": 200}
+EXAMPLES = {"ci": 6, "nightly": 200}
 
 
 def _case(kv_lens, ratio, block_size, dtype, **features) -> PagedCase:
@@ -71,7 +71,7 @@ def test_split_decode_with_empty_splits_matches_dense(case: PagedCase):
     assert_matches_truth(run_split(inputs, num_splits=5), inputs, case.case_id)
 
 
-@settings(max_examples=EXAMPLES[os.environ.get("HYPOTHESIS_PROFILE", "ci")])
+@settings(max_examples=by_profile(EXAMPLES))
 @given(case=feature_cases(), num_splits=st.sampled_from((None, 1, 3)))
 def test_split_decode_matches_dense(case: PagedCase, num_splits):
     inputs = materialize(case, DEVICE)

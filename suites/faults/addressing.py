@@ -1,0 +1,185 @@
+"""Faults in how a kernel finds its keys: which slots it reads, how it walks the block
+table, which KV head a query head reads, and how it reads its query rows.
+
+Each class is :class:`~.kernel.PagedKernel` with one step replaced by the faulty one of
+the public report its docstring cites; everywhere else it is the fault-free kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedbench.reference import PagedInputs
+
+from .kernel import PagedKernel, round_up
+
+
+class NanTailTimesZero(PagedKernel):
+    """Reads whole blocks and masks the slots past ``kv_len`` only in the logits, so the
+    zero probabilities still multiply the tail's V: ``0 * NaN = NaN`` when the tail holds
+    NaN (stale or never-written memory), while it declares ``nan_safe_tail=True``.
+    Imitates vllm-project/vllm#641 (fixed by zeroing V past the context in #936)."""
+
+    name = "fault-nan-tail-times-zero"
+    imitates = "vllm-project/vllm#641"
+    trigger = "a partly filled last block whose unused V slots hold NaN"
+
+    def positions(self, kv_len: int, block_size: int, q_len: int) -> torch.Tensor:
+        if kv_len % block_size:
+            self.fired()
+        return torch.arange(round_up(kv_len, block_size))
+
+
+class LastBlockUnmasked(PagedKernel):
+    """A decode row attends to every slot of the blocks it reads: no upper mask at
+    ``kv_len``, so the unused slots of a partly filled last block join the softmax
+    (prefill rows are still masked causally). Imitates pytorch/pytorch#160861
+    (FlexAttention's paged decode applied no ``kv_len`` mask, fixes #159247)."""
+
+    name = "fault-last-block-unmasked"
+    imitates = "pytorch/pytorch#160861"
+    trigger = "a decode sequence whose kv_len is not a multiple of block_size"
+
+    def positions(self, kv_len: int, block_size: int, q_len: int) -> torch.Tensor:
+        if q_len == 1 and kv_len % block_size:
+            self.fired()
+        return torch.arange(round_up(kv_len, block_size))
+
+    def visible(self, pos_q, pos_k, kv_len, case):
+        if pos_q.numel() == 1:  # decode: every slot read is taken
+            return torch.ones(1, pos_k.numel(), dtype=torch.bool)
+        return super().visible(pos_q, pos_k, kv_len, case)
+
+
+class ShortSequenceZeros(PagedKernel):
+    """A sequence after the first whose whole context fits in one partly filled block
+    comes out all zeros (its work item is scheduled from the previous sequence's page
+    count). Imitates flashinfer-ai/flashinfer#725 ("the second output state is all
+    zeros" for sequences shorter than a page)."""
+
+    name = "fault-short-sequence-zeros"
+    imitates = "flashinfer-ai/flashinfer#725"
+    trigger = "a sequence other than the first with kv_len < block_size"
+
+    def sequence(self, inputs: PagedInputs, i: int, q: torch.Tensor,
+                 kv_len: int) -> torch.Tensor:
+        if i > 0 and 0 < kv_len < inputs.case.block_size:
+            self.fired()
+            return torch.zeros_like(q)
+        return super().sequence(inputs, i, q, kv_len)
+
+
+class BlockSizeAssumed16(PagedKernel):
+    """Computes a token's slot as ``table[t // 16] * block_size + t % 16`` whatever the
+    block size, i.e. a launcher specialised for 16-token blocks that accepts others.
+    Imitates vllm-project/vllm#57614 (ROCm Navi paged attention silently accepts
+    block_size 32 and is wrong from the 17th token on)."""
+
+    name = "fault-block-size-assumed-16"
+    imitates = "vllm-project/vllm#57614"
+    trigger = "block_size != 16 with more tokens than min(block_size, 16)"
+    ASSUMED = 16
+
+    def gather(self, inputs, i, pos_k, q_len):
+        case = inputs.case
+        bs = case.block_size
+        if bs == self.ASSUMED:
+            return super().gather(inputs, i, pos_k, q_len)
+        if pos_k.numel() > min(bs, self.ASSUMED):
+            self.fired()
+        table = self.block_table(inputs, i)
+        index = (pos_k // self.ASSUMED).clamp(max=table.numel() - 1)
+        slot = table[index] * bs + pos_k % self.ASSUMED  # [n], over the flat pool
+        slot = slot.clamp(0, inputs.kv_cache.shape[0] * bs - 1)
+        flat = inputs.kv_cache.transpose(1, 2).reshape(-1, 2, case.num_kv_heads,
+                                                       case.head_dim)  # [nb * bs, 2, hkv, d]
+        k, v = flat[slot, 0], flat[slot, 1]
+        return (self.dequantize(k, case.k_scale, case, q_len),
+                self.dequantize(v, case.v_scale, case, q_len))
+
+
+class BlockIds16Bit(PagedKernel):
+    """Holds block ids in 16 bits: an id of 32768 or more wraps negative and reads a
+    block counted from the end of the pool. Imitates the narrow page-index arithmetic of
+    flashinfer-ai/flashinfer#3130 (MLA decode returns zeros once page ids are large: the
+    page offset was computed in 32 bits, fixed in #3136), at the width a CPU test can
+    reach."""
+
+    name = "fault-block-ids-16-bit"
+    imitates = "flashinfer-ai/flashinfer#3130"
+    trigger = "a block id >= 32768"
+
+    def block_table(self, inputs: PagedInputs, i: int) -> torch.Tensor:
+        table = super().block_table(inputs, i)
+        if bool((table >= 2**15).any()):
+            self.fired()
+        return table.to(torch.int16).long()
+
+
+class StaleBlockTable(PagedKernel):
+    """Plans once per case and keeps the block table it saw then: a second call on the
+    same case after its blocks moved (a swap-in, a prefix-cache hit on other blocks)
+    reads the old physical blocks. Imitates flashinfer-ai/flashinfer#3509 (the wrapper's
+    ``run()`` silently replaces what the call is given with the state saved at plan
+    time)."""
+
+    name = "fault-stale-block-table"
+    imitates = "flashinfer-ai/flashinfer#3509"
+    trigger = "the same case run again with its blocks at other physical places"
+
+    def __init__(self) -> None:
+        self._plans: dict[object, torch.Tensor] = {}
+
+    def block_table(self, inputs: PagedInputs, i: int) -> torch.Tensor:
+        planned = self._plans.setdefault(inputs.case, inputs.block_tables.clone())
+        if not torch.equal(planned, inputs.block_tables):
+            self.fired()
+        return planned[i].long()
+
+
+class GqaHeadTileBleed(PagedKernel):
+    """Processes query heads in tiles of 4 and gives each tile the KV head of its first
+    head; when the group size exceeds the tile and is not a multiple of it, a tile spans
+    two groups and its later heads read the wrong KV head. Imitates the head mapping
+    flagged in vllm-project/vllm#40792 (review: CTAs "bleed" across KV-head boundaries
+    when the group size exceeds BLOCK_H and is not a multiple of it)."""
+
+    name = "fault-gqa-head-tile-bleed"
+    imitates = "vllm-project/vllm#40792"
+    trigger = "a GQA group size > 4 that is not a multiple of 4, with >= 2 KV heads"
+    TILE = 4
+
+    def kv_heads(self, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
+        group = num_q_heads // num_kv_heads
+        tile = self.TILE if group > self.TILE else group
+        first = torch.arange(num_q_heads) // tile * tile  # first head of each head's tile
+        heads = first // group
+        if not torch.equal(heads, super().kv_heads(num_q_heads, num_kv_heads)):
+            self.fired()
+        return heads
+
+
+class NonContiguousQuery(PagedKernel):
+    """Reads the query rows as if ``q`` were contiguous (row stride ``num_q_heads *
+    head_dim``), ignoring the strides of a view such as a slice of a fused QKV
+    projection. Imitates Dao-AILab/flash-attention#2670 (a forward kernel hardcoded
+    contiguous strides and scrambled non-contiguous inputs)."""
+
+    name = "fault-non-contiguous-query"
+    imitates = "Dao-AILab/flash-attention#2670"
+    trigger = "q given as a non-contiguous view"
+    needs = "non-contiguous inputs (issue 7, section 2)"
+
+    def queries(self, inputs: PagedInputs, start: int, stop: int) -> torch.Tensor:
+        q = inputs.q
+        if q.is_contiguous():
+            return q[start:stop]
+        self.fired()
+        _, hq, d = q.shape
+        dense = torch.as_strided(q, q.shape, (hq * d, d, 1), q.storage_offset())
+        return dense[start:stop]
+
+
+__all__ = ["BlockIds16Bit", "BlockSizeAssumed16", "GqaHeadTileBleed", "LastBlockUnmasked",
+           "NanTailTimesZero", "NonContiguousQuery", "ShortSequenceZeros",
+           "StaleBlockTable"]
