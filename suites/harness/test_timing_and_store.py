@@ -9,7 +9,7 @@ import pytest
 
 from pagedbench.harness import report
 from pagedbench.harness.store import ResultsFile, read_lines
-from pagedbench.harness.timing import bytes_moved, flops, time_cpu
+from pagedbench.harness.timing import Timing, bytes_moved, flops, time_cpu
 from pagedbench.reference import PagedCase
 
 from .conftest import result
@@ -18,17 +18,41 @@ from .conftest import result
 def test_time_cpu_measures_a_known_sleep() -> None:
     import time
 
-    timing = time_cpu(lambda: time.sleep(0.01), warmup=1, repetitions=5)
-    assert timing.n == 5
+    timing = time_cpu(lambda: time.sleep(0.01), threads=1, warmup=1, min_samples=5,
+                      min_run_time_s=0.05, max_run_time_s=1.0)
+    assert timing.method == "torch_timer" and timing.n >= 2
+    assert len(timing.samples_ms) == timing.n
     assert 10.0 <= timing.median_ms < 30.0
     assert timing.p10_ms <= timing.median_ms <= timing.p90_ms
+    assert timing.to_dict()["samples"] == list(timing.samples_ms)
 
 
-def test_time_cpu_stops_at_its_budget() -> None:
+def test_time_cpu_stops_at_its_limit() -> None:
     import time
 
-    timing = time_cpu(lambda: time.sleep(0.02), warmup=0, repetitions=1000, budget_s=0.1)
-    assert 1 <= timing.n <= 8
+    start = time.perf_counter()
+    timing = time_cpu(lambda: time.sleep(0.02), threads=1, warmup=0, min_samples=1000,
+                      min_run_time_s=0.1, max_run_time_s=0.3)
+    # 1000 samples of 20 ms would take 20 s; the limit cuts it to about 0.3 s of blocks.
+    assert time.perf_counter() - start < 3.0
+    assert 1 <= timing.n <= 20
+
+
+def test_timing_statistics_match_numpy_percentiles() -> None:
+    samples = (5.0, 1.0, 2.0, 4.0, 3.0, 10.0)
+    timing = Timing(samples, "torch_timer")
+    # numpy's linear percentiles by hand: sorted 1 2 3 4 5 10, position q/100 * 5.
+    assert timing.median_ms == pytest.approx(3.5)
+    assert timing.p10_ms == pytest.approx(1.5)
+    assert timing.p90_ms == pytest.approx(7.5)
+    assert timing.iqr_ms == pytest.approx(4.75 - 2.25)
+    assert timing.noisy  # 2.5 / 3.5 > 0.1
+    assert not Timing((1.0, 1.01, 0.99, 1.0), "torch_timer").noisy
+    assert timing.samples_ms == samples  # kept in order
+    with pytest.raises(ValueError, match="finite and > 0"):
+        Timing((1.0, float("nan")), "torch_timer")
+    with pytest.raises(ValueError, match="method"):
+        Timing((1.0,), "stopwatch")
 
 
 def test_bytes_and_flops_from_actual_lengths() -> None:
@@ -76,6 +100,16 @@ def test_non_finite_figures_are_written_as_null(tmp_path) -> None:
     assert "NaN" not in line and "Infinity" not in line
 
 
+def test_cells_show_the_spread_samples_and_the_noise_flag() -> None:
+    from pagedbench.harness.timing import Timing
+
+    record = result("a", "c1", "pass", 1.0)
+    noisy = Timing((1.0, 1.0, 2.0, 3.0, 9.0), "torch_timer")  # IQR 2 > 10% of median 2
+    record = record.model_copy(update={"time_ms": record.time_ms.model_validate(
+        noisy.to_dict()), "time_ms_median": noisy.median_ms})
+    assert report.cell_text(record) == "pass 2 ms [1-6.6] n=5 noisy"
+
+
 def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted() -> None:
     records = [
         result("a", "c1", "pass", 2.0), result("b", "c1", "pass", 1.0),
@@ -87,8 +121,8 @@ def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted()
     c1, c2 = records[0].case_id, records[3].case_id
     df = report.frame(records)
     table = report.leaderboard(df)
-    assert table.loc[c1, "b"] == "**pass 1 ms**"
-    assert table.loc[c1, "a"] == "pass 2 ms"
+    assert table.loc[c1, "b"] == "**pass 1 ms [1-1] n=3**"
+    assert table.loc[c1, "a"] == "pass 2 ms [2-2] n=3"
     assert table.loc[c1, "interp"] == "pass (interp.)"
     assert table.loc[c2, "a"] == "fail" and table.loc[c2, "interp"] == "pass (interp.)"
     assert list(table.columns) == ["a", "b", "interp"]  # never-available: no column
@@ -113,6 +147,7 @@ def test_cells_mark_stale_tails_and_declared_case_dtype_logits() -> None:
     stale = result("s", "c1", "pass", 2.0, tail_poison="stale")
     case_logits = result("l", "c1", "pass", 2.0, logits_precision="case")
     both = result("b", "c1", "pass", 2.0, tail_poison="stale", logits_precision="case")
+    spread = "2 ms [2-2] n=3"
     assert [report.cell_text(r) for r in (plain, stale, case_logits, both)] == [
-        "pass 2 ms", "pass† 2 ms", "pass‡ 2 ms", "pass†‡ 2 ms"]
+        f"pass {spread}", f"pass† {spread}", f"pass‡ {spread}", f"pass†‡ {spread}"]
     assert "`‡`: the implementation declares" in report.markdown([plain, case_logits])
