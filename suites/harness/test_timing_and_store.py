@@ -6,6 +6,7 @@ import json
 import threading
 
 import pytest
+import torch
 
 from pagedbench.harness import report
 from pagedbench.harness.store import ResultsFile, read_lines
@@ -151,3 +152,49 @@ def test_cells_mark_stale_tails_and_declared_case_dtype_logits() -> None:
     assert [report.cell_text(r) for r in (plain, stale, case_logits, both)] == [
         f"pass {spread}", f"pass† {spread}", f"pass‡ {spread}", f"pass†‡ {spread}"]
     assert "`‡`: the implementation declares" in report.markdown([plain, case_logits])
+
+
+def _fake_do_bench(cold_ms, graph_ms, calls):
+    """Stand-ins for triton.testing's do_bench and do_bench_cudagraph that record how they
+    were called and return the given per-repetition times (ms)."""
+    def do_bench(fn, warmup, rep, return_mode):
+        calls.append(("do_bench", warmup, rep, return_mode))
+        return list(cold_ms)
+
+    def do_bench_cudagraph(fn, rep, return_mode):
+        calls.append(("do_bench_cudagraph", rep, return_mode))
+        if isinstance(graph_ms, Exception):
+            raise graph_ms
+        return list(graph_ms)
+
+    return lambda: (do_bench, do_bench_cudagraph)
+
+
+@pytest.mark.parametrize("cold, graph, method, median", [
+    ((0.5, 0.4, 0.6), (0.01,), "cuda_events", 0.5),   # slow enough: cold L2 stands
+    ((0.02, 0.03, 0.02), (0.011, 0.009, 0.01), "cuda_graph", 0.01),  # replayed
+    ((0.02, 0.03, 0.02), RuntimeError("capture failed"), "cuda_events", 0.02),
+])
+def test_time_cuda_picks_cold_l2_or_graph_replay(monkeypatch, cold, graph, method,
+                                                 median) -> None:
+    """The CPU-side logic of the GPU timer (no GPU here: the timers are stand-ins)."""
+    from pagedbench.harness import timing
+
+    calls: list = []
+    monkeypatch.setattr(timing, "_do_bench", _fake_do_bench(cold, graph, calls))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    result_timing = timing.time_cuda(lambda: None)
+    assert result_timing.method == method
+    assert result_timing.median_ms == pytest.approx(median)
+    assert calls[0] == ("do_bench", 25, 100, "all")
+    assert len(calls) == (1 if cold[0] >= timing.CUDA_GRAPH_BELOW_MS else 2)
+
+
+def test_roofline_floor_is_the_slower_of_bytes_and_flops() -> None:
+    from pagedbench.harness.timing import DevicePeaks, roofline_floor_ms
+
+    peaks = DevicePeaks(copy_gbps=100.0, bf16_tflops=2.0, method="torch_timer")
+    # 1e9 bytes at 100 GB/s: 10 ms; 1e12 FLOPs at 2 TFLOP/s: 500 ms.
+    assert roofline_floor_ms(10**9, 10**12, peaks) == pytest.approx(500.0)
+    assert roofline_floor_ms(10**9, 10**9, peaks) == pytest.approx(10.0)
