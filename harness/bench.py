@@ -165,18 +165,19 @@ class Sweep:
 
 
 #: The CPU default: about 5 minutes on 2 quiet cores with :data:`CPU_IMPLS` (README,
-#: "Benchmarks"): every mode and layout around a 4 x 512-token decode, one preset's heads.
+#: "Benchmarks"): every mode and layout around a 4 x 256-token bf16 decode, one preset's
+#: heads.
 CPU_SWEEP = Sweep(
     modes=("decode", "prefill", "chunked", "mixed"),
     layouts=("gqa4", "mha", "gqa8", "mqa"),
     batch_sizes=(4, 1, 16),
-    contexts=(512, 128, 2048),
+    contexts=(256, 1024),
     block_sizes=(16, 32, 64),
     dtypes=("bfloat16",),
     grid="axes",
     presets=("llama3.1-70b-tp8",),
     preset_batch_size=8,
-    preset_max_kv_len=1024,
+    preset_max_kv_len=512,
     max_flops=2**34,
 )
 #: The GPU default: the full grid, every preset.
@@ -201,6 +202,11 @@ QUICK_SWEEP = Sweep(
     dtypes=("float32",),
     grid="axes",
 )
+#: CPU timing of a sweep (``RunConfig`` fields): ``quick`` and the default sweep's.
+CPU_TIMING = {
+    "quick": {"repetitions": 5, "time_budget_s": 0.05, "time_limit_s": 0.5},
+    "default": {"repetitions": 5, "time_budget_s": 0.2, "time_limit_s": 2.0},
+}
 #: Implementations a CPU sweep runs by default: those that run natively on the CPU and
 #: compile nothing per shape (flex-paged compiles each shape family for 5-30 s on the CPU,
 #: adapters/flex_paged.py; Triton kernels run interpreted there and are never ranked).
@@ -215,5 +221,5 @@ def default_sweep(device: str, quick: bool = False) -> Sweep:
     return CPU_SWEEP if device == "cpu" else GPU_SWEEP
 
 
-__all__ = ["CPU_IMPLS", "CPU_SWEEP", "GPU_SWEEP", "GRIDS", "QUICK_SWEEP", "Sweep",
+__all__ = ["CPU_IMPLS", "CPU_TIMING", "CPU_SWEEP", "GPU_SWEEP", "GRIDS", "QUICK_SWEEP", "Sweep",
            "default_sweep"]

@@ -229,7 +229,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads per worker (default: all cores)")
     p.add_argument("--min-time", type=_positive_seconds, default=None, metavar="SECONDS",
                    help="CPU: measure each point for at least this long (default: "
-                        f"{runner.RunConfig.time_budget_s:g})")
+                        f"{bench.CPU_TIMING['default']['time_budget_s']:g})")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
                    help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
@@ -357,6 +357,14 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
     return starts[-1].plan, config, results
 
 
+def _interrupted(exc: runner.Interrupted, console: Console, run_id: str, results: ResultsFile,
+                 results_dir: Path) -> int:
+    """Say how to finish an interrupted run; its exit code (128 + the signal)."""
+    console.print(f"[yellow]{exc}: the results so far are in {results.path}; finish the "
+                  f"run with: pagedbench run --resume {run_id} --results-dir {results_dir}[/]")
+    return 128 + exc.signum
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     writable_folder(args.results_dir, "--results-dir")
     console = Console(highlight=False, soft_wrap=True)
@@ -397,10 +405,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
                              on_record=lambda r: console.print(_progress_line(r)))
     except runner.Interrupted as exc:
-        console.print(f"[yellow]{exc}: the results so far are in {results.path}; finish the "
-                      f"run with: pagedbench run --resume {run_id} --results-dir "
-                      f"{args.results_dir}[/]")
-        return 128 + exc.signum
+        return _interrupted(exc, console, run_id, results, args.results_dir)
     lines = [line for line in results.lines() if line.run_id == run_id]
     return _finish(records, lines, results, console, config.device)
 
@@ -471,14 +476,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise PagedValueError("--context", exc.value, exc.allowed,
                                   f"{case.case_id}: {exc}") from None
     defaults = runner.RunConfig()
-    quick = dict(repetitions=5, time_budget_s=0.05, time_limit_s=0.5) if args.quick else {}
+    timing = bench.CPU_TIMING["quick" if args.quick else "default"] if device == "cpu" else {}
     config = runner.RunConfig(
         device=device, suite=BENCH_SUITE, cache_dir=args.cache_dir,
         threads=args.threads or defaults.threads,
         case_timeout_s=args.case_timeout or defaults.case_timeout_s,
-        **({**quick, "time_budget_s": args.min_time,
+        **({**timing, "time_budget_s": args.min_time,
             "time_limit_s": max(args.min_time, defaults.time_limit_s)} if args.min_time
-           else quick))
+           else timing))
     plan = runner.make_plan(impls, cases)
     run_id = new_run_id()
     results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
@@ -509,10 +514,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             records = runner.run(plan, config, results, run_id, on_record=on_record,
                                  peaks=peaks)
         except runner.Interrupted as exc:
-            console.print(f"[yellow]{exc}: the results so far are in {results.path}; finish "
-                          f"them with: pagedbench run --resume {run_id} --results-dir "
-                          f"{args.results_dir}[/]")
-            return 128 + exc.signum
+            return _interrupted(exc, console, run_id, results, args.results_dir)
     lines = [line for line in results.lines() if line.run_id == run_id]
     md_path = results.path.with_suffix(".md")
     md_path.write_text(report.markdown(lines, title=f"pagedbench bench ({device})",

@@ -1,26 +1,31 @@
-"""Reports: the leaderboard table and per-implementation summary, from result records.
+"""Reports: leaderboards, summaries and bench tables from result records (md, csv, html).
 
-Rows are cases, columns are implementations (in the order they first appear), each cell
-the verdict and, for a pass, the median time. The fastest ranked pass in a row is bold,
-compared only among results of the same device (a CPU and a GPU time are never ranked
-against each other). Interpreted timings (Triton's interpreter on the CPU) are shown as
-``(interp.)`` and never ranked; speed is shown only for ``pass`` (STYLE.md, "Results").
-The device and conditions are stated above the table; a run that has not recorded its
-end is named as unfinished; failure and unsupported reasons are listed under it. Every
-cell is escaped for Markdown (``|``, newlines), since case ids and reasons come from
-user input and from implementations.
+Results are grouped by environment: device name and library versions
+(:func:`~.record.environment_key`); two devices, or two sets of versions, never share a
+table, and the conditions (device, versions, threads, commit, measured peaks) stand above
+every table. In the leaderboard rows are cases, columns implementations (in the order
+they first appear), each cell the verdict and, for a pass, the median time with its
+spread [p10-p90], sample count and noise flag; the fastest ranked pass of a row is bold.
+Interpreted timings (Triton's interpreter on the CPU) are shown as ``(interp.)`` and never
+ranked; speed is shown only for ``pass`` (STYLE.md, "Results"). Bench results add paging
+overhead and GB/s vs block size, latency vs batch size, workload-group scores and fast_p
+(:mod:`.derived`); the HTML page embeds the plots of :mod:`.plots`. A run that has not
+recorded its end is named as unfinished; failure and unsupported reasons are listed.
+Every Markdown cell is escaped (``|``, newlines) and every HTML text escaped, since case
+ids and reasons come from user input and from implementations.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import pandas as pd
 
 from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
-from .record import ResultRecord, RunRecord, environment_key, result_key
 from .derived import DEFAULT_BASELINE, bench_frame, fast_p, group_scores
+from .record import ResultRecord, RunRecord, environment_key, result_key
 from .status import Status
 from .store import results_of, run_states
 
@@ -373,7 +378,8 @@ def html(lines: list[ResultRecord | RunRecord], title: str = "pagedbench leaderb
                          f"{h(section['conditions'])}</p>")
             if note:
                 parts.append(f"<p class='note'>{h(note)}</p>")
-            parts.append(table.to_html(escape=True, border=0, classes="board"))
+            parts.append(re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>",
+                                table.to_html(escape=True, border=0, classes="board")))
         for name, figure in plots.figures(section["bench"], section["scores"]).items():
             parts.append(f"<h3>{h(plots.TITLES[name])}</h3><p class='cond'>"
                          f"{h(section['conditions'])}</p>"

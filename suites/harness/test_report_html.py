@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from pagedbench.harness import report
 from pagedbench.harness.cli import main
 from pagedbench.harness.store import ResultsFile
 from pagedbench.harness.workloads import BENCH_SUITE, CONTIGUOUS_TAG, grid_workload
@@ -41,13 +40,22 @@ def _has_colour(pixels: np.ndarray, colour: np.ndarray, at_least: int) -> bool:
     return int(close.sum()) >= at_least
 
 
-def test_html_is_standalone_with_tables_and_every_plot(tmp_path) -> None:
-    store = ResultsFile(tmp_path / "r.jsonl")
+@pytest.fixture(scope="module")
+def board(tmp_path_factory):
+    """``pagedbench report --format html --plots-dir`` of :func:`_records`, rendered once:
+    (the page's path, the plots folder)."""
+    folder = tmp_path_factory.mktemp("board")
+    store = ResultsFile(folder / "r.jsonl")
     for record in _records():
         store.append(record)
-    out = tmp_path / "board.html"
-    assert main(["report", str(tmp_path / "r.jsonl"), "--format", "html", "--baseline", "base",
-                 "--output", str(out), "--plots-dir", str(tmp_path / "plots")]) == 0
+    out = folder / "board.html"
+    assert main(["report", str(folder / "r.jsonl"), "--format", "html", "--baseline", "base",
+                 "--output", str(out), "--plots-dir", str(folder / "plots")]) == 0
+    return out, folder / "plots"
+
+
+def test_html_is_standalone_with_tables_and_every_plot(board) -> None:
+    out, plots = board
     page = out.read_text()
     assert "<table" in page and "Paging overhead vs block size" in page
     assert not re.search(r"(src|href)=['\"]https?:", page)  # nothing fetched
@@ -56,7 +64,7 @@ def test_html_is_standalone_with_tables_and_every_plot(tmp_path) -> None:
     for data in images:  # each plot draws both implementations' lines
         pixels = imread(io.BytesIO(base64.b64decode(data)), format="png")
         assert _has_colour(pixels, C0, 50) and _has_colour(pixels, C1, 50)
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+    assert sorted(p.name for p in plots.iterdir()) == [
         "fast_p.png", "gbps_vs_block_size.png", "latency_vs_batch.png",
         "overhead_vs_block_size.png"]
     # base takes the same time at every block size: no paging overhead; fast takes
@@ -67,9 +75,8 @@ def test_html_is_standalone_with_tables_and_every_plot(tmp_path) -> None:
 @pytest.mark.skipif(shutil.which("chromium") is None,
                     reason="Debian's chromium is not installed (apt-get install chromium; "
                            ".ci/run installs it when it can)")
-def test_headless_chromium_shows_the_table_and_the_plots(tmp_path) -> None:
-    page = tmp_path / "board.html"
-    page.write_text(report.html(_records(), baseline="base"))
+def test_headless_chromium_shows_the_table_and_the_plots(board, tmp_path) -> None:
+    page, _ = board
     shot = tmp_path / "shot.png"
     done = subprocess.run(
         ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
