@@ -13,8 +13,8 @@ point is checked for conformance first, and the truth is computed on the host), 
 grid combinations a mode cannot take (``mixed`` needs two sequences, a chunk needs a
 context of 8); :meth:`Sweep.left_out` counts them.
 
-Defaults (:func:`default_sweep`): on the CPU about 5 minutes on 2 quiet cores with the
-CPU implementations of this repository; on a GPU the full grid.
+Defaults (:func:`default_sweep`): on the CPU a one-axis-at-a-time sweep sized for about
+5 minutes on 2 quiet cores (:data:`CPU_SWEEP`); on a GPU the full grid.
 """
 
 from __future__ import annotations
@@ -164,9 +164,9 @@ class Sweep:
         return replace(self, **changes, _left_out=[])
 
 
-#: The CPU default: about 5 minutes on 2 quiet cores with :data:`CPU_IMPLS` (README,
-#: "Benchmarks"): every mode and layout around a 4 x 256-token bf16 decode, one preset's
-#: heads.
+#: The CPU default, sized for about 5 minutes on 2 quiet cores with :data:`CPU_IMPLS`
+#: (README, "Benchmarks", has the time it took here): every mode and layout around a
+#: 4 x 256-token bf16 decode, and one preset's heads.
 CPU_SWEEP = Sweep(
     modes=("decode", "prefill", "chunked", "mixed"),
     layouts=("gqa4", "mha", "gqa8", "mqa"),

@@ -121,9 +121,10 @@ def _parser() -> argparse.ArgumentParser:
     run_p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
                        help="torch threads per worker (default: all cores)")
     run_p.add_argument("--repetitions", type=_int_in(1, 100_000), default=None,
-                       help=f"timed calls per case on the CPU, at most "
-                            f"{runner.RunConfig.time_budget_s:g} s of them "
-                            f"(default: {runner.RunConfig.repetitions})")
+                       help="CPU timing samples per case, as the time limit of "
+                            f"{runner.RunConfig.time_limit_s:g} s allows (at least "
+                            f"{runner.RunConfig.time_budget_s:g} s of blocks of calls; "
+                            f"default: {runner.RunConfig.repetitions})")
     run_p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
                        help="the implementation's own time per case (import and available, "
                             "then prepare, run, describe); past it: 'timeout' (default: "
