@@ -1,10 +1,10 @@
 """Timing: how long one ``run()`` takes, what it moves, and what the device can do.
 
-- CPU: ``torch.utils.benchmark.Timer.blocked_autorange`` with the thread count fixed
-  (``num_threads``) after warm-up calls; each sample is the mean time per call of one
-  block of calls (blocks long enough that the timer's overhead is below 0.01%). The run
-  lasts at least ``min_run_time_s``, longer when needed for ``min_samples`` samples of a
-  slow call, never longer than ``max_run_time_s``.
+- CPU: ``torch.utils.benchmark.Timer`` (``timeit`` of blocks of calls, as its
+  ``blocked_autorange`` does) with the thread count fixed (``num_threads``) after warm-up
+  calls; each sample is the mean time per call of one block, blocks sized so that
+  ``min_samples`` of them fit in the run, which lasts at least ``min_run_time_s`` (longer
+  for ``min_samples`` samples of a slow call) and never much longer than ``max_run_time_s``.
 - CUDA: ``triton.testing.do_bench``, CUDA events with the L2 cache cleared before every
   call (cold-L2 timing, as FlashInfer's ``bench_gpu_time`` defaults to); a call faster
   than :data:`CUDA_GRAPH_BELOW_MS` is timed again by replaying a CUDA graph of many calls
@@ -129,7 +129,13 @@ def time_cpu(
     min_run_time_s: float = 0.2,
     max_run_time_s: float = 2.0,
 ) -> Timing:
-    """Time ``fn()`` on the CPU with ``torch.utils.benchmark.Timer.blocked_autorange``.
+    """Time ``fn()`` on the CPU with ``torch.utils.benchmark.Timer.timeit`` blocks.
+
+    The run lasts ``run_time = clamp(max(min_run_time_s, min_samples * one call),
+    max_run_time_s)``; each block runs ``max(1, run_time / min_samples / one call)`` calls,
+    so that ``min_samples`` blocks fit in it, and blocks repeat until there are
+    ``min_samples`` of them and ``min_run_time_s`` has passed, or ``max_run_time_s`` has.
+    Each sample is one block's mean time per call.
 
     Parameters
     ----------
@@ -141,8 +147,7 @@ def time_cpu(
         Untimed calls first (caches, lazy initialisation); one more call, also untimed
         by the Timer, estimates the call's duration.
     min_samples, min_run_time_s, max_run_time_s : int, float
-        Measure for ``clamp(max(min_run_time_s, min_samples * one call), max_run_time_s)``
-        seconds (at least one block).
+        As above (samples; seconds).
 
     Raises
     ------
@@ -167,9 +172,18 @@ def time_cpu(
     finally:
         torch.set_num_threads(previous)
     run_time_s = min(max(min_run_time_s, min_samples * one_s), max_run_time_s)
+    calls = max(1, int(run_time_s / min_samples / one_s))
     timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
-    measurement = timer.blocked_autorange(min_run_time=run_time_s)
-    return Timing(tuple(t * 1e3 for t in measurement.times), "torch_timer")
+    samples_ms: list[float] = []
+    spent_s = 0.0
+    while True:
+        per_call_s = timer.timeit(calls).mean
+        samples_ms.append(per_call_s * 1e3)
+        spent_s += per_call_s * calls
+        if spent_s >= max_run_time_s or (len(samples_ms) >= min_samples
+                                         and spent_s >= min_run_time_s):
+            break
+    return Timing(tuple(samples_ms), "torch_timer")
 
 
 def _do_bench():

@@ -21,7 +21,7 @@ def test_time_cpu_measures_a_known_sleep() -> None:
 
     timing = time_cpu(lambda: time.sleep(0.01), threads=1, warmup=1, min_samples=5,
                       min_run_time_s=0.05, max_run_time_s=1.0)
-    assert timing.method == "torch_timer" and timing.n >= 2
+    assert timing.method == "torch_timer" and timing.n >= 5
     assert len(timing.samples_ms) == timing.n
     assert 10.0 <= timing.median_ms < 30.0
     assert timing.p10_ms <= timing.median_ms <= timing.p90_ms
