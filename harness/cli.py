@@ -467,9 +467,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       f"({', '.join(impls)})")
         return 0
     if not cases:
-        raise PagedValueError("--workload", list(sweep.workload_patterns), "filters that "
-                              "keep at least one point", "the options leave no point to time "
-                              "(see --dry-run)")
+        raise PagedValueError("bench options", "no point", "options that keep at least one "
+                              "point", "the options leave no point to time (--workload "
+                              f"{list(sweep.workload_patterns)}, --grid {sweep.grid}; see "
+                              "--dry-run)")
     for case in cases:
         try:
             check_fits(case, device)
