@@ -83,11 +83,14 @@ REDUCED_BATCH_SIZE = 4
 REDUCED_MAX_KV_LEN = 160
 
 
-def draw_kv_lens(batch_size: int, max_kv_len: int, block_size: int, seed: int) -> tuple[int, ...]:
+def draw_kv_lens(batch_size: int, max_kv_len: int, block_size: int | None,
+                 seed: int) -> tuple[int, ...]:
     """Ragged context lengths, ``[batch_size]``: boundary values plus log-uniform draws.
 
     The first entries are ``1, block_size, block_size + 1, max_kv_len`` (those that fit
-    under ``max_kv_len`` and the batch size); the rest are ``round(exp(U(0, ln max)))``.
+    under ``max_kv_len`` and the batch size; ``1, max_kv_len`` when ``block_size`` is None,
+    so that the lengths do not depend on any block size); the rest are
+    ``round(exp(U(0, ln max)))``.
 
     Raises
     ------
@@ -98,7 +101,9 @@ def draw_kv_lens(batch_size: int, max_kv_len: int, block_size: int, seed: int) -
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if max_kv_len < 1:
         raise ValueError(f"max_kv_len must be >= 1, got {max_kv_len}")
-    boundary = [n for n in (1, block_size, block_size + 1, max_kv_len) if n <= max_kv_len]
+    edges = (1, max_kv_len) if block_size is None else (1, block_size, block_size + 1,
+                                                           max_kv_len)
+    boundary = [n for n in edges if n <= max_kv_len]
     lens = list(dict.fromkeys(boundary))[:batch_size]
     rng = random.Random(seed)
     while len(lens) < batch_size:

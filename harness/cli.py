@@ -2,8 +2,10 @@
 
 ``pagedbench run``      check and time implementations on cases (``--resume RUN_ID``
                         finishes an interrupted run).
+``pagedbench bench``    the benchmark sweep: workloads x block sizes x dtypes, each point
+                        checked, then timed (``harness.bench``).
 ``pagedbench list``     implementations, their availability (with reasons) and capabilities.
-``pagedbench report``   the leaderboard of stored result files (Markdown or CSV).
+``pagedbench report``   the leaderboard of stored result files (Markdown, CSV or HTML).
 ``pagedbench schema``   the JSON Schema of a results-file line.
 ``pagedbench simulate`` KV capacity: contiguous reservation vs paged allocation on a trace.
 ``pagedbench replay``   re-run one case (a failure's case file, a result line) and show
@@ -39,15 +41,17 @@ from pagedbench.adapters import entries
 from pagedbench.reference import (DTYPES, PagedInputError, PagedValueError, check_fits,
                                   resolve_device)
 
-from . import replay, report, runner, selftest, simulate
+from . import bench, plots, replay, report, runner, selftest, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
+from .derived import DEFAULT_BASELINE
+from .workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
 from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from .environment import apply_environment, cache_environment
 from .record import (COMPARISON_FIELDS, Environment, ListingRow, Plan, ResultRecord,
                      RunRecord, json_schema)
 from .status import ExitCode, Status, exit_code, exit_codes_help
 from .store import (DEFAULT_RESULTS_DIR, ResultsFile, environment, new_run_id, read_lines,
-                    results_of, run_states)
+                    run_states)
 
 #: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
 DEFAULT_CACHE_DIR = Path("build")
@@ -122,9 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     run_p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
                        help="torch threads per worker (default: all cores)")
     run_p.add_argument("--repetitions", type=_int_in(1, 100_000), default=None,
-                       help=f"timed calls per case on the CPU, at most "
-                            f"{runner.RunConfig.time_budget_s:g} s of them "
-                            f"(default: {runner.RunConfig.repetitions})")
+                       help="CPU timing samples per case, as the time limit of "
+                            f"{runner.RunConfig.time_limit_s:g} s allows (at least "
+                            f"{runner.RunConfig.time_budget_s:g} s of blocks of calls; "
+                            f"default: {runner.RunConfig.repetitions})")
     run_p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
                        help="the implementation's own time per case (import and available, "
                             "then prepare, run, describe); past it: 'timeout' (default: "
@@ -140,6 +145,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="finish the interrupted run RUN_ID of --results-dir with its "
                             "recorded selection, skipping the results it already has")
 
+    _bench_arguments(sub.add_parser(
+        "bench", help="benchmark sweep: block size x batch x GQA layout x context x mode x dtype",
+        description=bench.__doc__.split("\n\n")[0], epilog=exit_codes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+
     list_p = sub.add_parser("list", help="implementations, availability and capabilities")
     list_p.add_argument("--device", type=_device, default="cpu",
                         help="device to check availability on: cpu, cuda or cuda:N")
@@ -150,15 +160,91 @@ def _parser() -> argparse.ArgumentParser:
     report_p = sub.add_parser("report", help="leaderboard from stored result files")
     report_p.add_argument("paths", nargs="+", type=Path,
                           help=".jsonl result files or folders of them (merged in order)")
-    report_p.add_argument("--format", choices=["md", "csv"], default="md",
-                          help="md: leaderboard + summary; csv: one row per result")
+    report_p.add_argument("--format", choices=["md", "csv", "html"], default="md",
+                          help="md: leaderboard + summary (+ bench tables); csv: one row per "
+                               "result with derived figures; html: one standalone page of "
+                               "tables and plots")
+    report_p.add_argument("--baseline", default=DEFAULT_BASELINE, metavar="NAME",
+                          help="implementation speedups are measured against (default: "
+                               f"{DEFAULT_BASELINE})")
     report_p.add_argument("--output", type=Path, help="write here instead of stdout")
+    report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
+                          help="also write the bench plots there as PNG files")
     sub.add_parser("schema", help="JSON Schema of a results-file line (README, Results schema)")
     simulate.add_arguments(sub.add_parser(
         "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
     _replay_arguments(sub)
     _selftest_arguments(sub)
     return parser
+
+
+def _batch_spec(text: str) -> str:
+    try:
+        parse_batch_spec(text)
+    except PagedInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    cpu, gpu = bench.CPU_SWEEP, bench.GPU_SWEEP
+
+    def axis(flag: str, dest: str, help: str, **kw: Any) -> None:
+        p.add_argument(flag, dest=dest, action="append", default=[], help=help, **kw)
+
+    def show(values: tuple) -> str:
+        return " ".join(map(str, values))
+
+    p.add_argument("--impl", action="append", default=[], metavar="NAME",
+                   help="implementation to time (repeatable; default on the CPU: "
+                        f"{', '.join(bench.CPU_IMPLS)}; on a GPU: all)")
+    p.add_argument("--baseline", default=DEFAULT_BASELINE, metavar="NAME",
+                   help=f"speedups are against it; run too if not chosen (default: "
+                        f"{DEFAULT_BASELINE})")
+    p.add_argument("--device", type=_device, default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--quick", action="store_true",
+                   help="a seconds-long sweep (2 workloads, 2 block sizes, float32) with short "
+                        "timings, for smoke tests; the axis options still apply")
+    axis("--mode", "modes", f"grid mode (repeatable; default CPU: {show(cpu.modes)})",
+         choices=list(MODES))
+    axis("--layout", "layouts", "GQA layout or preset heads (repeatable; default CPU: "
+         f"{show(cpu.layouts)})", choices=[*LAYOUT_RATIOS, *MODEL_PRESETS], metavar="LAYOUT")
+    axis("--batch-size", "batch_sizes", f"sequences per batch (repeatable; default CPU: "
+         f"{show(cpu.batch_sizes)}, GPU: {show(gpu.batch_sizes)})", type=_positive_int)
+    axis("--context", "contexts", f"KV tokens per sequence (repeatable; default CPU: "
+         f"{show(cpu.contexts)}, GPU: {show(gpu.contexts)})", type=_positive_int)
+    axis("--block-size", "block_sizes", f"block size (repeatable; default CPU: "
+         f"{show(cpu.block_sizes)}, GPU: {show(gpu.block_sizes)})", type=_positive_int)
+    axis("--dtype", "dtypes", f"dtype (repeatable; default CPU: {show(cpu.dtypes)}, GPU: "
+         f"{show(gpu.dtypes)})", choices=list(DTYPES))
+    axis("--batch-spec", "batch_specs", "a vLLM batch-spec workload such as 8q1s1k or "
+         "2q2k_32q1s1k, with every --layout (repeatable); alone (no --mode, --batch-size or "
+         "--context) it replaces the grid", type=_batch_spec, metavar="SPEC")
+    axis("--preset", "presets", "a ragged decode batch with a model preset's heads "
+         "(repeatable); alone it replaces the grid", choices=list(MODEL_PRESETS),
+         metavar="NAME")
+    axis("--workload", "workload_patterns", "keep workloads whose name matches this shell "
+         "pattern, e.g. 'decode-*' or '*-mqa-*' (repeatable)", metavar="PATTERN")
+    p.add_argument("--grid", choices=list(bench.GRIDS), default=None,
+                   help="full: every combination of the grid axes; axes: one axis at a time "
+                        "around the first values (CPU default); none: no grid workloads")
+    p.add_argument("--no-contiguous", action="store_true",
+                   help="skip each workload's contiguous point (no paging overhead then)")
+    p.add_argument("--no-peaks", action="store_true",
+                   help="do not measure the device's copy bandwidth and bf16 throughput")
+    p.add_argument("--dry-run", action="store_true", help="print the points and exit")
+    p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
+                   help="torch threads per worker (default: all cores)")
+    p.add_argument("--min-time", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help="CPU: measure each point for at least this long (default: "
+                        f"{bench.CPU_TIMING['default']['time_budget_s']:g})")
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
+                   help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
+                   help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
+    p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help="the implementation's own time per point (default: "
+                        f"{runner.RunConfig.case_timeout_s:g})")
 
 
 def writable_folder(path: Path, option: str) -> None:
@@ -279,6 +365,14 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
     return starts[-1].plan, config, results
 
 
+def _interrupted(exc: runner.Interrupted, console: Console, run_id: str, results: ResultsFile,
+                 results_dir: Path) -> int:
+    """Say how to finish an interrupted run; its exit code (128 + the signal)."""
+    console.print(f"[yellow]{exc}: the results so far are in {results.path}; finish the "
+                  f"run with: pagedbench run --resume {run_id} --results-dir {results_dir}[/]")
+    return 128 + exc.signum
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     writable_folder(args.results_dir, "--results-dir")
     console = Console(highlight=False, soft_wrap=True)
@@ -319,12 +413,131 @@ def cmd_run(args: argparse.Namespace) -> int:
         records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
                              on_record=lambda r: console.print(_progress_line(r)))
     except runner.Interrupted as exc:
-        console.print(f"[yellow]{exc}: the results so far are in {results.path}; finish the "
-                      f"run with: pagedbench run --resume {run_id} --results-dir "
-                      f"{args.results_dir}[/]")
-        return 128 + exc.signum
+        return _interrupted(exc, console, run_id, results, args.results_dir)
     lines = [line for line in results.lines() if line.run_id == run_id]
     return _finish(records, lines, results, console, config.device)
+
+
+def bench_sweep(args: argparse.Namespace) -> bench.Sweep:
+    """The sweep of ``pagedbench bench``'s options: the device's default (or ``--quick``'s)
+    with each axis given replaced; ``--batch-spec``/``--preset`` without a grid axis option
+    replace the grid (raises ``PagedValueError`` naming the option of a bad value)."""
+    sweep = bench.default_sweep(args.device, args.quick)
+    changes: dict[str, Any] = {}
+    for dest in ("modes", "layouts", "batch_sizes", "contexts", "block_sizes", "dtypes",
+                 "batch_specs", "presets", "workload_patterns"):
+        if getattr(args, dest):
+            changes[dest] = tuple(dict.fromkeys(getattr(args, dest)))
+    grid_given = any(getattr(args, d) for d in ("modes", "batch_sizes", "contexts"))
+    if args.grid:
+        changes["grid"] = args.grid
+    elif (args.batch_specs or args.presets) and not grid_given:
+        changes["grid"] = "none"
+    if (args.batch_specs or args.grid == "none") and not args.presets:
+        changes.setdefault("presets", ())
+    if args.no_contiguous:
+        changes["contiguous"] = False
+    return sweep.with_(**changes)
+
+
+def _bench_impls(args: argparse.Namespace) -> dict[str, str]:
+    known = {e.name: e.target for e in entries()}
+    if args.baseline not in known:
+        raise PagedValueError("--baseline", args.baseline, f"among {list(known)}")
+    if args.impl:
+        chosen = _select(args.impl)
+    elif args.device == "cpu":
+        chosen = {n: t for n, t in known.items() if n in bench.CPU_IMPLS}
+    else:
+        chosen = known
+    return {args.baseline: known[args.baseline], **chosen}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn, TimeRemainingColumn)
+
+    writable_folder(args.results_dir, "--results-dir")
+    device = _checked_device(args.device)
+    sweep = bench_sweep(args)
+    cases = sweep.cases()
+    impls = _bench_impls(args)
+    console = Console(highlight=False, soft_wrap=True, stderr=False)
+    if args.dry_run:
+        for case in cases:
+            print(case.case_id)
+        for note in sweep.left_out():
+            print(f"left out: {note}")
+        console.print(f"{len(cases)} points x {len(impls)} implementations "
+                      f"({', '.join(impls)})")
+        return 0
+    if not cases:
+        raise PagedValueError("bench options", "no point", "options that keep at least one "
+                              "point", "the options leave no point to time (--workload "
+                              f"{list(sweep.workload_patterns)}, --grid {sweep.grid}; see "
+                              "--dry-run)")
+    for case in cases:
+        try:
+            check_fits(case, device)
+        except PagedInputError as exc:
+            raise PagedValueError("--context", exc.value, exc.allowed,
+                                  f"{case.case_id}: {exc}") from None
+    defaults = runner.RunConfig()
+    timing = bench.CPU_TIMING["quick" if args.quick else "default"] if device == "cpu" else {}
+    config = runner.RunConfig(
+        device=device, suite=BENCH_SUITE, cache_dir=args.cache_dir,
+        threads=args.threads or defaults.threads,
+        case_timeout_s=args.case_timeout or defaults.case_timeout_s,
+        **({**timing, "time_budget_s": args.min_time,
+            "time_limit_s": max(args.min_time, defaults.time_limit_s)} if args.min_time
+           else timing))
+    plan = runner.make_plan(impls, cases)
+    run_id = new_run_id()
+    results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
+                  f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
+    peaks = None
+    if not args.no_peaks:
+        peaks, why = runner.device_peaks(config)
+        console.print(f"device peaks: {peaks.copy_gbps:.1f} GB/s copy, "
+                      f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul" if peaks
+                      else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
+    order = [(i.name, c.case_id) for i in plan.impls for c in cases]
+    done: set[tuple[str, str]] = set()
+    start = time.monotonic()
+    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
+                  console=console, transient=False) as progress:
+        task = progress.add_task(f"{order[0][0]} {order[0][1]}", total=len(order))
+
+        def on_record(record: ResultRecord) -> None:
+            done.add((record.impl, record.case_id))
+            following = next((f"{i} {c}" for i, c in order if (i, c) not in done), "")
+            if record.status is not Status.PASS:
+                progress.console.print(_progress_line(record))
+            progress.update(task, advance=1, description=rich_escape(following))
+
+        try:
+            records = runner.run(plan, config, results, run_id, on_record=on_record,
+                                 peaks=peaks)
+        except runner.Interrupted as exc:
+            return _interrupted(exc, console, run_id, results, args.results_dir)
+    lines = [line for line in results.lines() if line.run_id == run_id]
+    md_path = results.path.with_suffix(".md")
+    md_path.write_text(report.markdown(lines, title=f"pagedbench bench ({device})",
+                                       baseline=args.baseline))
+    counts = {str(s): n for s in Status
+              if (n := sum(r.status is s for r in records))}
+    timed = [r for r in records if r.time_ms is not None and r.status is Status.PASS]
+    noisy = sum(bool(r.time_ms.noisy) for r in timed)
+    code = exit_code(r.status for r in records)
+    console.print(
+        f"bench {run_id}: {len(records)} results ({', '.join(f'{n} {s}' for s, n in counts.items())}), "
+        f"{len(timed)} timed ({noisy} noisy) in {time.monotonic() - start:.0f} s; exit "
+        f"{int(code)}; results {results.path}, report {md_path}")
+    return int(code)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -347,13 +560,21 @@ def cmd_report(args: argparse.Namespace) -> int:
         writable_file(args.output, "--output")
     lines = list(read_lines(args.paths))
     if args.format == "csv":
-        text = report.frame(results_of(lines)).drop(columns=["cell"]).to_csv(index=False)
+        text = report.csv_text(lines, args.baseline)
+    elif args.format == "html":
+        text = report.html(lines, baseline=args.baseline)
     else:
-        text = report.markdown(lines)
+        text = report.markdown(lines, baseline=args.baseline)
     if args.output:
         args.output.write_text(text)
     else:
         print(text)
+    if args.plots_dir:
+        for section in report.sections(lines, args.baseline):
+            prefix = "" if len(report.sections(lines, args.baseline)) == 1 else (
+                re.sub(r"[^A-Za-z0-9]+", "-", section["title"]).strip("-")[:60] + "-")
+            for path in plots.save(section["bench"], section["scores"], args.plots_dir, prefix):
+                print(f"plot: {path}", file=sys.stderr)
     return 0
 
 
@@ -540,7 +761,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
 def _writable_outputs(args: argparse.Namespace) -> None:
     """Check every output folder a command was given, before it runs."""
     for dest, option in (("results_dir", "--results-dir"), ("cache_dir", "--cache-dir"),
-                         ("output_dir", "--output-dir")):
+                         ("output_dir", "--output-dir"), ("plots_dir", "--plots-dir")):
         if getattr(args, dest, None) is not None:
             writable_folder(getattr(args, dest), option)
 
@@ -549,8 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedbench`` console script; returns the exit code
     (:class:`~.status.ExitCode`; ``128 + N`` when stopped by signal N)."""
     args = _parser().parse_args(argv)
-    commands = {"run": cmd_run, "list": cmd_list, "report": cmd_report, "schema": cmd_schema,
-                "simulate": simulate.run, "replay": cmd_replay, "selftest": cmd_selftest}
+    commands = {"run": cmd_run, "bench": cmd_bench, "list": cmd_list, "report": cmd_report,
+                "schema": cmd_schema, "simulate": simulate.run, "replay": cmd_replay,
+                "selftest": cmd_selftest}
     try:
         _writable_outputs(args)
         apply_environment(cache_environment(getattr(args, "cache_dir", DEFAULT_CACHE_DIR)))

@@ -37,8 +37,9 @@ from pagedbench.reference import PagedCase, PagedInputError, PagedTypeError, Pag
 
 from . import tolerance
 from .status import Status
+from .timing import METHODS
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).
 MAX_DETAILS_BYTES = 64 * 1024
 #: Deepest nesting accepted in adapter metadata (a self-referencing dict would recurse).
@@ -108,13 +109,28 @@ class _Strict(BaseModel):
 
 
 class TimingStats(_Strict):
-    """Latency of one implementation on one case, ms per call (``harness.timing.Timing``)."""
+    """Latency of one implementation on one case, ms per call (``harness.timing.Timing``):
+    the raw ``samples`` in order and their statistics; ``noisy`` when IQR / median exceeds
+    ``harness.timing.NOISE_THRESHOLD``. Lines written before schema 3 have no samples
+    (``[]``), and ``iqr`` and ``noisy`` are null."""
 
     median: float
     p10: float
     p90: float
+    iqr: Optional[float]
     n: int
-    method: str
+    method: Literal[METHODS]
+    samples: list[float]
+    noisy: Optional[bool]
+
+
+class DevicePeaks(_Strict):
+    """What the device sustained when the run measured it (``harness.timing.measure_peaks``):
+    copy bandwidth (GB/s) and bf16 matmul throughput (TFLOP/s)."""
+
+    copy_gbps: float
+    bf16_tflops: float
+    method: Literal[METHODS]
 
 
 class Environment(_Strict):
@@ -152,7 +168,7 @@ class _ResultFields(_Strict):
     """The fields of a result line other than the comparison's figures."""
 
     kind: Literal["result"]
-    schema_version: Literal[2]
+    schema_version: Literal[3]
     run_id: str
     suite: str
     impl: str
@@ -161,6 +177,10 @@ class _ResultFields(_Strict):
     impl_details: dict[str, JsonValue]
     case_id: str
     case: dict[str, JsonValue]
+    workload: Optional[str] = Field(description="the benchmark workload (pagedbench bench; "
+                                    "its name leads case_id); null for pagedbench run")
+    bench_mode: Optional[Literal["decode", "prefill", "chunked", "mixed"]]
+    batch_spec: Optional[str]
     device: str
     status: Status
     reason: str
@@ -179,6 +199,12 @@ class _ResultFields(_Strict):
     flops: int
     bandwidth_gbps: Figure
     tflops: Figure
+    arithmetic_intensity: Figure
+    peaks: Optional[DevicePeaks]
+    frac_of_peak_bandwidth: Figure
+    frac_of_peak_tflops: Figure
+    roofline_floor_ms: Figure
+    frac_of_roofline: Figure
     env: Environment
     timestamp: AwareDatetime
 
@@ -278,12 +304,15 @@ class RunRecord(_Strict):
     ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
 
     kind: Literal["run"]
-    schema_version: Literal[2]
+    schema_version: Literal[3]
     run_id: str
     event: Literal["started", "resumed", "interrupted", "finished"]
     timestamp: AwareDatetime
     plan: Optional[Plan]
     config: Optional[dict[str, JsonValue]]
+    device_peaks: Optional[DevicePeaks] = Field(
+        default=None, description="measured when the run started or resumed (pagedbench "
+        "bench); null otherwise")
     exit_code: Optional[int]
     counts: Optional[dict[Status, int]]
 
@@ -311,6 +340,36 @@ class ListingRow(_Strict):
     @classmethod
     def _as_json(cls, value: object, info: Any) -> object:
         return None if value is None else to_json_data(value, info.field_name)
+
+
+#: Library versions that key a result (with the implementation's own version).
+VERSION_FIELDS = ("torch", "triton", "vllm", "flashinfer", "flash_attn", "xformers")
+
+
+def library_versions(env: Environment) -> str:
+    """The library versions of an environment, as one string:
+    ``torch <v>; triton <v>; ...`` (``-`` when absent)."""
+    return "; ".join(f"{name} {getattr(env, name) or '-'}" for name in VERSION_FIELDS)
+
+
+def versions_key(record: ResultRecord) -> str:
+    """The versions a result was measured with: ``impl <impl_version>; torch <v>; ...``."""
+    return f"impl {record.impl_version or '-'}; {library_versions(record.env)}"
+
+
+def environment_key(record: ResultRecord) -> tuple[str, str]:
+    """``(device name, library versions)``: results with the same key share a table in
+    reports (the implementations' own versions may differ)."""
+    return record.env.device, library_versions(record.env)
+
+
+def result_key(record: ResultRecord) -> tuple[str, str, str, str]:
+    """What results are matched by, in reports and in the gate: ``(impl, device name,
+    versions, case id)`` with the versions of :func:`versions_key`. The device name is
+    the CPU model or GPU name of the environment (never the device type), so two CPUs, or
+    an H100 and an H200, never merge; the case id identifies the point (a bench
+    workload's name leads it)."""
+    return record.impl, record.env.device, versions_key(record), record.case_id
 
 
 def validation_problem(exc: ValidationError) -> str:
@@ -343,6 +402,8 @@ __all__ = [
     "COMPARISON_FIELDS",
     "LINE",
     "SCHEMA_VERSION",
+    "VERSION_FIELDS",
+    "DevicePeaks",
     "Environment",
     "ListingRow",
     "Plan",
@@ -351,8 +412,12 @@ __all__ = [
     "RunRecord",
     "TimingStats",
     "comparison_figures",
+    "environment_key",
     "json_schema",
+    "library_versions",
     "now",
+    "result_key",
     "to_json_data",
     "validation_problem",
+    "versions_key",
 ]

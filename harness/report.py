@@ -1,25 +1,31 @@
-"""Reports: the leaderboard table and per-implementation summary, from result records.
+"""Reports: leaderboards, summaries and bench tables from result records (md, csv, html).
 
-Rows are cases, columns are implementations (in the order they first appear), each cell
-the verdict and, for a pass, the median time. The fastest ranked pass in a row is bold,
-compared only among results of the same device (a CPU and a GPU time are never ranked
-against each other). Interpreted timings (Triton's interpreter on the CPU) are shown as
-``(interp.)`` and never ranked; speed is shown only for ``pass`` (STYLE.md, "Results").
-The device and conditions are stated above the table; a run that has not recorded its
-end is named as unfinished; failure and unsupported reasons are listed under it. Every
-cell is escaped for Markdown (``|``, newlines), since case ids and reasons come from
-user input and from implementations.
+Results are grouped by environment: device name and library versions
+(:func:`~.record.environment_key`); two devices, or two sets of versions, never share a
+table, and the conditions (device, versions, threads, commit, measured peaks) stand above
+every table. In the leaderboard rows are cases, columns implementations (in the order
+they first appear), each cell the verdict and, for a pass, the median time with its
+spread [p10-p90], sample count and noise flag; the fastest ranked pass of a row is bold.
+Interpreted timings (Triton's interpreter on the CPU) are shown as ``(interp.)`` and never
+ranked; speed is shown only for ``pass`` (STYLE.md, "Results"). Bench results add paging
+overhead and GB/s vs block size, latency vs batch size, workload-group scores and fast_p
+(:mod:`.derived`); the HTML page embeds the plots of :mod:`.plots`. A run that has not
+recorded its end is named as unfinished; failure and unsupported reasons are listed.
+Every Markdown cell is escaped (``|``, newlines) and every HTML text escaped, since case
+ids and reasons come from user input and from implementations.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
 import pandas as pd
 
 from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
-from .record import ResultRecord, RunRecord
+from .derived import DEFAULT_BASELINE, bench_frame, fast_p, group_scores
+from .record import ResultRecord, RunRecord, environment_key, result_key
 from .status import Status
 from .store import results_of, run_states
 
@@ -44,7 +50,8 @@ def escape_frame(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def cell_text(record: ResultRecord) -> str:
-    """The leaderboard cell of one record: its status, then for a pass its median time."""
+    """The leaderboard cell of one record: its status, then for a pass its median time,
+    its spread ``[p10-p90]``, the number of samples and ``noisy`` when flagged."""
     status = record.status
     if status is not Status.PASS:
         return str(status)
@@ -52,31 +59,39 @@ def cell_text(record: ResultRecord) -> str:
         CASE_LOGITS_MARK if record.logits_precision == "case" else "")
     if record.interpreted:
         return f"{mark} (interp.)"
-    if record.time_ms_median is None:
+    if record.time_ms_median is None or record.time_ms is None:
         return mark
-    return f"{mark} {record.time_ms_median:.3g} ms"
+    t = record.time_ms
+    return (f"{mark} {t.median:.3g} ms [{t.p10:.3g}-{t.p90:.3g}] n={t.n}"
+            + (" noisy" if t.noisy else ""))
 
 
-COLUMNS = ["case_id", "impl", "device", "status", "reason", "time_ms_median", "timing_method",
-           "max_abs_err", "max_err_ulps", "mean_err_ulps", "err_ratio_vs_naive",
-           "bandwidth_gbps", "cell"]
+COLUMNS = ["case_id", "impl", "device", "device_name", "versions", "status", "reason",
+           "time_ms_median", "time_ms_p10", "time_ms_p90", "samples", "noisy",
+           "timing_method", "max_abs_err", "max_err_ulps", "mean_err_ulps",
+           "err_ratio_vs_naive", "bandwidth_gbps", "cell"]
 
 
 def frame(records: Iterable[ResultRecord]) -> pd.DataFrame:
-    """One row per record with the columns reports need. The last record of each
-    (impl, device, case_id) wins, so re-runs appended to a file replace earlier lines;
-    when the records span several devices, implementations are labelled ``impl@device``
-    so a CPU and a GPU result never replace each other."""
-    records = list(records)
-    several_devices = len({r.device for r in records}) > 1
+    """One row per result with the columns reports need. The last record of each
+    :func:`~.record.result_key` (implementation, device name, versions, case) wins, so
+    re-runs appended to a file replace earlier lines and results of two devices (by name:
+    two CPU models, an H100 and an H200) or two library versions never replace each other."""
+    latest = {result_key(r): r for r in records}
     rows = [
         {
             "case_id": r.case_id,
-            "impl": f"{r.impl}@{r.device}" if several_devices else r.impl,
+            "impl": r.impl,
             "device": r.device,
+            "device_name": environment_key(r)[0],
+            "versions": environment_key(r)[1],
             "status": str(r.status),
             "reason": r.reason,
             "time_ms_median": r.time_ms_median,
+            "time_ms_p10": r.time_ms.p10 if r.time_ms else None,
+            "time_ms_p90": r.time_ms.p90 if r.time_ms else None,
+            "samples": r.time_ms.n if r.time_ms else None,
+            "noisy": r.time_ms.noisy if r.time_ms else None,
             "timing_method": r.timing_method,
             "max_abs_err": r.max_abs_err,
             "max_err_ulps": r.max_err_ulps,
@@ -85,10 +100,14 @@ def frame(records: Iterable[ResultRecord]) -> pd.DataFrame:
             "bandwidth_gbps": r.bandwidth_gbps,
             "cell": cell_text(r),
         }
-        for r in records
+        for r in latest.values()
     ]
-    df = pd.DataFrame(rows, columns=COLUMNS)
-    return df.drop_duplicates(["case_id", "impl"], keep="last").reset_index(drop=True)
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def environments(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """The ``(device name, library versions)`` pairs of ``df``, in order of appearance."""
+    return list(dict.fromkeys(zip(df["device_name"], df["versions"])))
 
 
 def unavailable_everywhere(df: pd.DataFrame) -> list[str]:
@@ -100,17 +119,26 @@ def unavailable_everywhere(df: pd.DataFrame) -> list[str]:
 
 def leaderboard(df: pd.DataFrame) -> pd.DataFrame:
     """Cases x implementations table of cells; in each row the fastest ranked pass of
-    each device in bold (when that device has more than one). Implementations unavailable
-    on every case get no column (the summary lists them). Not escaped: see
+    each environment in bold (when it has more than one). Implementations unavailable
+    on every case get no column (the summary lists them). When ``df`` spans several
+    environments (:func:`environments`), columns are ``impl@device name`` (plus ``#k``
+    for the k-th set of versions of one device), so none merge. Not escaped: see
     :func:`escape_frame`."""
-    df = df[~df["impl"].isin(unavailable_everywhere(df))]
+    df = df[~df["impl"].isin(unavailable_everywhere(df))].copy()
+    envs = environments(df)
+    if len(envs) > 1:
+        names = [name for name, _ in envs]
+        label = {env: env[0] if names.count(env[0]) == 1 else f"{env[0]}#{k}"
+                 for k, env in enumerate(envs, 1)}
+        df["impl"] = [f"{impl}@{label[env]}" for impl, env in
+                      zip(df["impl"], zip(df["device_name"], df["versions"]))]
     impls = list(dict.fromkeys(df["impl"]))
     cases = list(dict.fromkeys(df["case_id"]))
     table = df.pivot(index="case_id", columns="impl", values="cell")
     table = table.reindex(index=cases, columns=impls)
     ranked = df[(df["status"] == str(Status.PASS)) & df["time_ms_median"].notna()
                 & (df["timing_method"] != "interpreted")]
-    for _, group in ranked.groupby(["case_id", "device"], sort=False):
+    for _, group in ranked.groupby(["case_id", "device_name", "versions"], sort=False):
         if len(group) > 1:
             fastest = group.loc[group["time_ms_median"].idxmin()]
             table.loc[fastest["case_id"], fastest["impl"]] = f"**{fastest['cell']}**"
@@ -167,35 +195,205 @@ def unfinished(lines: list[ResultRecord | RunRecord]) -> list[str]:
     return notes
 
 
-def markdown(lines: list[ResultRecord | RunRecord], title: str = "pagedbench leaderboard") -> str:
-    """The full Markdown report of a results file's lines: the conditions of every
-    environment the results come from, a warning per unfinished run, the leaderboard, the
-    summary, the reasons."""
+_LEGEND = (
+    "Cells: verdict against the float64 truth, then the median time per call, its "
+    "spread [p10-p90] and the number of samples; `noisy`: IQR above 10% of the median. "
+    "Bold: fastest passing implementation of the row in its environment. `(interp.)`: ran "
+    "under an interpreter, checked for correctness, never ranked. "
+    f"`{STALE_TAIL_MARK}`: the implementation "
+    "declares that it multiplies the unused slots of a partly filled last block by "
+    "zero (NaN there would reach its output), so it was checked with finite stale V "
+    "values in those slots instead of NaN (K there stays NaN). "
+    f"`{CASE_LOGITS_MARK}`: the implementation declares that it computes its logits in "
+    "the case dtype, and was judged against a naive yardstick that does the same "
+    "(README, \"Tolerance\").")
+
+
+def _spread(value: float, low: float, high: float, fmt: str) -> str:
+    if pd.isna(value):
+        return ""
+    return f"{value:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
+
+
+def _by_block_size(bdf: pd.DataFrame, cell) -> pd.DataFrame:
+    """Rows ``workload (dtype)``, columns ``impl bsN`` (paged points only), cells
+    ``cell(row)`` of the timed points."""
+    paged = bdf[bdf["timed"] & ~bdf["contiguous"]].sort_values("block_size", kind="stable")
+    if paged.empty:
+        return pd.DataFrame()
+    paged = paged.assign(row=paged["workload"] + " (" + paged["dtype"] + ")",
+                         column=paged["impl"] + " bs" + paged["block_size"].astype(str),
+                         cell=[cell(r) for r in paged.itertuples()])
+    table = paged.pivot_table(index="row", columns="column", values="cell", aggfunc="first",
+                              sort=False)
+    table.index.name = "workload (dtype)"
+    return table.fillna("")
+
+
+def bench_tables(bdf: pd.DataFrame, scores: pd.DataFrame, fastp: pd.DataFrame
+                 ) -> list[tuple[str, str, pd.DataFrame]]:
+    """The bench tables of one environment, ``(title, note, table)``: paging overhead and
+    GB/s vs block size, latency vs batch size, workload-group scores and fast_p
+    (:mod:`.derived`). Not escaped."""
+    out: list[tuple[str, str, pd.DataFrame]] = []
+    overhead = _by_block_size(bdf, lambda r: "" if pd.isna(r.paging_overhead) else (
+        f"{r.paging_overhead:+.0%} [{r.overhead_low:+.0%}, {r.overhead_high:+.0%}]"
+        + ("" if r.overhead_vs == r.impl else f" vs {r.overhead_vs}")))
+    if not overhead.empty:
+        out.append(("Paging overhead vs block size", "Median time over the contiguous run's "
+                    "(same implementation, or the named one) minus 1; [p10/p90, p90/p10].",
+                    overhead))
+    gbps = _by_block_size(bdf, lambda r: _spread(
+        r.bandwidth_gbps, r.bandwidth_gbps * r.median_ms / r.p90_ms,
+        r.bandwidth_gbps * r.median_ms / r.p10_ms, ".3g"))
+    if not gbps.empty:
+        out.append(("GB/s vs block size", "Bytes a kernel must move (Q, attended K and V, "
+                    "O, block tables) per median time; [at p90 time, at p10 time].", gbps))
+    timed = bdf[bdf["timed"] & ~bdf["contiguous"]]
+    for (mode, heads, context, dtype), group in timed.groupby(
+            ["mode", "heads", "context", "dtype"], sort=False):
+        smallest = group[group["block_size"] == group["block_size"].min()]
+        if smallest["batch_size"].nunique() < 2 or not mode:
+            continue
+        smallest = smallest.sort_values("batch_size").assign(cell=[
+            _spread(r.median_ms, r.p10_ms, r.p90_ms, ".3g") for r in smallest.itertuples()])
+        table = smallest.pivot_table(index="batch_size", columns="impl", values="cell",
+                                     aggfunc="first", sort=False).fillna("")
+        table.index.name = "batch size"
+        out.append((f"Latency (ms) vs batch size: {mode}, heads {heads}, context {context}, "
+                    f"{dtype}, block size {smallest['block_size'].iloc[0]}",
+                    "Median [p10, p90] per call.", table))
+    if not scores.empty:
+        cells = scores.assign(cell=[
+            "0 (fails)" if not r.correct else "-" if pd.isna(r.score) else f"{r.score:.2f}x"
+            for r in scores.itertuples()])
+        table = cells.pivot_table(index="workload", columns="impl", values="cell",
+                                  aggfunc="first", sort=False).fillna("-")
+        out.append(("Workload groups", "Geometric-mean speedup over the baseline across the "
+                    "group's points; an implementation failing any case of the group scores 0 "
+                    "(flashinfer-bench's rule).", table))
+    if not fastp.empty:
+        table = fastp.drop(columns=["device_name", "versions"]).set_index("impl")
+        table.columns = [f"p={p:g}" for p in table.columns]
+        out.append(("fast_p", "Share of workload groups on which the implementation is "
+                    "correct and more than p times as fast as the baseline (KernelBench).",
+                    table.map(lambda v: f"{v:.0%}")))
+    return out
+
+
+def _environment_note(env_records: list[ResultRecord], peaks: dict) -> str:
+    first = env_records[0]
+    runs = sorted({r.run_id for r in env_records})
+    text = _conditions(first).removesuffix(f"run {first.run_id}.") + f"runs {', '.join(runs)}."
+    seen = peaks.get(first.env.device)
+    if seen is not None:
+        text += (f" Measured peaks: {seen.copy_gbps:.3g} GB/s copy, {seen.bf16_tflops:.3g} "
+                 "TFLOP/s bf16 matmul.")
+    return text
+
+
+def sections(lines: list[ResultRecord | RunRecord], baseline: str = DEFAULT_BASELINE
+             ) -> list[dict]:
+    """One section per environment (device name + library versions) of ``lines``:
+    ``{"title", "conditions", "tables": [(title, note, frame)], "reasons", "bench",
+    "scores"}``; tables not escaped."""
     records = results_of(lines)
     df = frame(records)
+    bdf = bench_frame(records, baseline)
+    peaks = {r.env.device: r.peaks for r in records if r.peaks is not None}
+    out = []
+    for device_name, versions in environments(df):
+        mine = df[(df["device_name"] == device_name) & (df["versions"] == versions)]
+        env_records = [r for r in records if environment_key(r) == (device_name, versions)]
+        benv = bdf[(bdf["device_name"] == device_name) & (bdf["versions"] == versions)]
+        scores = group_scores(benv)
+        tables = [("Leaderboard", _LEGEND, leaderboard(mine)),
+                  ("Summary", "", summary(mine)),
+                  *bench_tables(benv, scores, fast_p(scores))]
+        out.append({"title": f"{device_name} ({versions})",
+                    "conditions": _environment_note(env_records, peaks),
+                    "tables": tables, "reasons": reasons(mine), "bench": benv,
+                    "scores": scores})
+    return out
+
+
+def markdown(lines: list[ResultRecord | RunRecord], title: str = "pagedbench leaderboard",
+             baseline: str = DEFAULT_BASELINE) -> str:
+    """The full Markdown report of results-file lines: a warning per unfinished run, then
+    per environment (device name + library versions; never merged) its conditions above
+    every table, the leaderboard, the summary, the bench tables and the reasons."""
     head = [f"# {escape(title)}", ""]
     for note in unfinished(lines):
         head += [f"**{escape(note)}**", ""]
-    if df.empty:
+    found = sections(lines, baseline)
+    if not found:
         return "\n".join([*head, "No results.", ""])
-    environments = {r.env.model_dump_json(): r for r in records}
-    for record in environments.values():
-        head += [escape(_conditions(record)), ""]
-    body = [
-        "Cells: verdict against the float64 truth, then the median time per call. "
-        "Bold: fastest passing implementation of the row on its device. `(interp.)`: ran "
-        "under an interpreter, checked for correctness, never ranked. "
-        f"`{STALE_TAIL_MARK}`: the implementation "
-        "declares that it multiplies the unused slots of a partly filled last block by "
-        "zero (NaN there would reach its output), so it was checked with finite stale V "
-        "values in those slots instead of NaN (K there stays NaN). "
-        f"`{CASE_LOGITS_MARK}`: the implementation declares that it computes its logits in "
-        "the case dtype, and was judged against a naive yardstick that does the same "
-        "(README, \"Tolerance\").", "",
-        escape_frame(leaderboard(df)).to_markdown(), "", "## Summary", "",
-        escape_frame(summary(df)).to_markdown(), "",
-    ]
-    notes = reasons(df)
-    if notes:
-        body += ["## Reasons", "", *[f"- {escape(n)}" for n in notes], ""]
+    body: list[str] = []
+    for section in found:
+        body += [f"## {escape(section['title'])}", ""]
+        for table_title, note, table in section["tables"]:
+            body += [f"### {escape(table_title)}", "", escape(section["conditions"]), ""]
+            if note:
+                body += [escape(note), ""]
+            body += [escape_frame(table).to_markdown(), ""]
+        if section["reasons"]:
+            body += ["### Reasons", "", *[f"- {escape(n)}" for n in section["reasons"]], ""]
     return "\n".join(head + body)
+
+
+def csv_text(lines: list[ResultRecord | RunRecord], baseline: str = DEFAULT_BASELINE) -> str:
+    """One CSV row per result (the last of each result key), with the bench results'
+    derived figures (paging overhead, speedup over ``baseline``) where they apply."""
+    records = results_of(lines)
+    df = frame(records).drop(columns=["cell"])
+    bdf = bench_frame(records, baseline)
+    if not bdf.empty:
+        derived = bdf[["impl", "device_name", "versions", "case_id", "workload", "mode",
+                       "block_size", "batch_size", "context", "paging_overhead",
+                       "overhead_vs", "speedup"]]
+        df = df.merge(derived, on=["impl", "device_name", "versions", "case_id"], how="left")
+    return df.to_csv(index=False)
+
+
+def html(lines: list[ResultRecord | RunRecord], title: str = "pagedbench leaderboard",
+         baseline: str = DEFAULT_BASELINE) -> str:
+    """A standalone HTML page (no external resource): per environment its conditions
+    above every table, the tables of :func:`markdown`, and the plots of :mod:`.plots`
+    embedded as base64 PNG."""
+    from html import escape as h
+
+    from . import plots
+
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{h(title)}</title>"
+             f"<style>{_CSS}</style></head><body><h1>{h(title)}</h1>"]
+    for note in unfinished(lines):
+        parts.append(f"<p class='warn'>{h(note)}</p>")
+    found = sections(lines, baseline)
+    if not found:
+        parts.append("<p>No results.</p>")
+    for section in found:
+        parts.append(f"<h2>{h(section['title'])}</h2>")
+        for table_title, note, table in section["tables"]:
+            parts.append(f"<h3>{h(table_title)}</h3><p class='cond'>"
+                         f"{h(section['conditions'])}</p>")
+            if note:
+                parts.append(f"<p class='note'>{h(note)}</p>")
+            parts.append(re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>",
+                                table.to_html(escape=True, border=0, classes="board")))
+        for name, figure in plots.figures(section["bench"], section["scores"]).items():
+            parts.append(f"<h3>{h(plots.TITLES[name])}</h3><p class='cond'>"
+                         f"{h(section['conditions'])}</p>"
+                         f"<img alt='{h(name)}' src='data:image/png;base64,"
+                         f"{plots.png_base64(figure)}'>")
+        if section["reasons"]:
+            parts.append("<h3>Reasons</h3><ul>" + "".join(
+                f"<li>{h(n)}</li>" for n in section["reasons"]) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+_CSS = ("body{font-family:sans-serif;margin:2em;color:#222;background:#fff}"
+        "table.board{border-collapse:collapse;font-size:13px;margin:0.5em 0 1.5em}"
+        "table.board th,table.board td{border:1px solid #999;padding:3px 6px;text-align:left}"
+        "table.board th{background:#dde6f0}p.cond{color:#444;font-size:12px}"
+        "p.warn{color:#a00;font-weight:bold}img{max-width:100%;border:1px solid #ccc}")

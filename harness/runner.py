@@ -42,13 +42,15 @@ from pagedbench.reference import PagedCase, PagedValueError
 
 from . import conformance, replay
 from .environment import worker_environment
-from .record import (SCHEMA_VERSION, Environment, ListingRow, Plan, PlannedImpl, ResultRecord,
-                     RunRecord, comparison_figures, now, validation_problem)
+from .record import (SCHEMA_VERSION, DevicePeaks, Environment, ListingRow, Plan, PlannedImpl,
+                     ResultRecord, RunRecord, comparison_figures, now, validation_problem)
 from .status import Status, exit_code
 from .store import ResultsFile, environment, results_of
-from .timing import Timing, bytes_moved, flops, time_cpu, time_cuda
+from .timing import (Timing, bytes_moved, flops, measure_peaks, roofline_floor_ms, time_cpu,
+                     time_cuda, time_once)
 from .truth import truth_for
 from .worker import Channel, Fault, Supervisor
+from .workloads import workload_fields
 
 #: Seconds ``pagedbench list`` gives each implementation to import and answer.
 LIST_TIMEOUT_S = 120.0
@@ -67,9 +69,10 @@ class RunConfig:
     timing : bool
         Time implementations whose output passed.
     warmup, repetitions : int
-        CPU timing: untimed calls, then at most this many timed calls.
-    time_budget_s : float
-        CPU timing: stop repeating after this many seconds of timed calls (s).
+        CPU timing: untimed calls, then at least this many samples (time permitting).
+    time_budget_s, time_limit_s : float
+        CPU timing: measure for at least ``time_budget_s``, longer when ``repetitions``
+        samples of a slow call need it, never longer than ``time_limit_s`` (s).
     threads : int
         ``torch.set_num_threads`` in every worker (fixed, recorded in ``env.threads``).
     case_timeout_s : float
@@ -81,7 +84,8 @@ class RunConfig:
     cache_dir : Path
         Where float64 truths are cached between workers and runs.
     suite : str
-        Recorded in each result (``"default"``, ``"gpu-lane"``, ...).
+        Recorded in each result (``"default"``, ``"gpu-lane"``, ``"bench"``, ...); in a
+        ``"bench"`` run each result also names its workload (:func:`~.workloads.workload_fields`).
 
     Raises
     ------
@@ -92,8 +96,9 @@ class RunConfig:
     device: str = "cpu"
     timing: bool = True
     warmup: int = 1
-    repetitions: int = 30
-    time_budget_s: float = 1.0
+    repetitions: int = 10
+    time_budget_s: float = 0.5
+    time_limit_s: float = 5.0
     threads: int = os.cpu_count() or 1
     case_timeout_s: float = 300.0
     harness_timeout_s: float = 600.0
@@ -109,10 +114,13 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise PagedValueError(name, value, f"an int >= {low}")
-        for name in ("time_budget_s", "case_timeout_s", "harness_timeout_s"):
+        for name in ("time_budget_s", "time_limit_s", "case_timeout_s", "harness_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise PagedValueError(name, value, "a finite number of seconds > 0")
+        if self.time_limit_s < self.time_budget_s:
+            raise PagedValueError("time_limit_s", self.time_limit_s,
+                                  f">= time_budget_s ({self.time_budget_s})")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir))
 
     def to_dict(self) -> dict[str, Any]:
@@ -178,10 +186,11 @@ def result_record(
     *, run_id: str, env: Environment, config: RunConfig, name: str, target: str,
     case: PagedCase, status: Status, reason: str = "", step: str | None = None,
     row: ListingRow | None = None, verdict: conformance.Verdict | None = None,
-    timing: Timing | None = None,
+    timing: Timing | None = None, peaks: DevicePeaks | None = None,
 ) -> ResultRecord:
     """The result line of ``name`` on ``case``; ``row`` is what the implementation said
-    when it loaded (version, details, interpreted), ``verdict`` its check.
+    when it loaded (version, details, interpreted), ``verdict`` its check, ``peaks``
+    what the device sustained (for fractions of peak and the roofline floor).
 
     Raises
     ------
@@ -190,13 +199,17 @@ def result_record(
     """
     seconds = timing.median_ms / 1e3 if timing else 0.0
     moved, work = bytes_moved(case), flops(case)
+    gbps = moved / seconds / 1e9 if seconds > 0 else None
+    tflops = work / seconds / 1e12 if seconds > 0 else None
+    floor_ms = roofline_floor_ms(moved, work, peaks) if peaks else None
     details = dict(row.details) if row else {}
     if verdict is not None:
         details |= verdict.details
     return ResultRecord(
         kind="result", schema_version=SCHEMA_VERSION, run_id=run_id, suite=config.suite,
         impl=name, impl_target=target, impl_version=row.version if row else "",
-        impl_details=details, case_id=case.case_id, case=case.to_dict(), device=config.device,
+        impl_details=details, case_id=case.case_id, case=case.to_dict(),
+        **workload_fields(case, config.suite), device=config.device,
         status=status, reason=reason, step=step,
         **comparison_figures(verdict.comparison if verdict else None),
         time_ms=timing.to_dict() if timing else None,
@@ -206,9 +219,12 @@ def result_record(
         tail_poison=verdict.tail_poison if verdict else None,
         logits_precision=verdict.logits_precision if verdict else None,
         nan_tail_output_finite=verdict.nan_tail_output_finite if verdict else None,
-        bytes_moved=moved, flops=work,
-        bandwidth_gbps=moved / seconds / 1e9 if seconds > 0 else None,
-        tflops=work / seconds / 1e12 if seconds > 0 else None,
+        bytes_moved=moved, flops=work, bandwidth_gbps=gbps, tflops=tflops,
+        arithmetic_intensity=work / moved, peaks=peaks,
+        frac_of_peak_bandwidth=gbps / peaks.copy_gbps if peaks and gbps else None,
+        frac_of_peak_tflops=tflops / peaks.bf16_tflops if peaks and tflops else None,
+        roofline_floor_ms=floor_ms,
+        frac_of_roofline=floor_ms / timing.median_ms if floor_ms and timing else None,
         env=env, timestamp=now(),
     )
 
@@ -273,17 +289,20 @@ def _load_listing(name: str, target: str, device: str, channel: Channel,
 def _time(adapter: Adapter, prepared: Any, config: RunConfig, interpreted: bool) -> Timing:
     call = lambda: adapter.run(prepared)  # noqa: E731
     if interpreted:
-        return time_cpu(call, warmup=0, repetitions=1, method="interpreted")
+        return time_once(call)
     if torch.device(config.device).type == "cuda":
-        return time_cuda(call)
-    return time_cpu(call, warmup=config.warmup, repetitions=config.repetitions,
-                    budget_s=config.time_budget_s)
+        with torch.cuda.device(torch.device(config.device)):
+            return time_cuda(call)
+    return time_cpu(call, threads=config.threads, warmup=config.warmup,
+                    min_samples=config.repetitions, min_run_time_s=config.time_budget_s,
+                    max_run_time_s=config.time_limit_s)
 
 
 def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
     config = RunConfig.from_dict(job["config"], Path(job["cache_dir"]))
     torch.set_num_threads(config.threads)
     env = Environment.model_validate_json(job["env"])
+    peaks = DevicePeaks.model_validate_json(job["peaks"]) if job.get("peaks") else None
     name, target = job["name"], job["target"]
     adapter, row, step = _load_listing(name, target, config.device, channel, None)
     if adapter is None:
@@ -296,7 +315,7 @@ def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
         channel.step(index, conformance.HARNESS, "case")
         case = PagedCase.from_dict(job["cases"][index])
         fields = dict(run_id=job["run_id"], env=env, config=config, name=name, target=target,
-                      case=case, row=row)
+                      case=case, row=row, peaks=peaks)
         if not row.available:
             record = result_record(**fields, status=Status.UNAVAILABLE, reason=row.reason,
                                    step="available")
@@ -331,10 +350,19 @@ def _list_job(job: dict[str, Any], channel: Channel) -> None:
         channel.send({"kind": "output", "item": index, "data": row.model_dump_json()})
 
 
+def _peaks_job(job: dict[str, Any], channel: Channel) -> None:
+    channel.step(0, conformance.HARNESS, "device peaks")
+    peaks = measure_peaks(job["device"], job["threads"])
+    channel.send({"kind": "output", "item": 0,
+                  "data": DevicePeaks.model_validate(peaks.to_dict()).model_dump_json()})
+
+
 def work(job: dict[str, Any], channel: Channel) -> None:
     """The body of a worker process (:func:`~.worker.main`): an ``evaluate`` job (one
-    implementation on cases) or a ``list`` job (implementations' availability)."""
-    {"evaluate": _evaluate_job, "list": _list_job}[job["kind"]](job, channel)
+    implementation on cases), a ``list`` job (implementations' availability) or a
+    ``peaks`` job (the device's copy bandwidth and bf16 throughput)."""
+    {"evaluate": _evaluate_job, "list": _list_job, "peaks": _peaks_job}[job["kind"]](
+        job, channel)
 
 
 # The parent's side ----------------------------------------------------------------------
@@ -342,22 +370,49 @@ class _Refused(Exception):
     """A worker's message the parent cannot accept."""
 
 
+def device_peaks(config: RunConfig) -> tuple[DevicePeaks | None, str]:
+    """Measure the copy bandwidth and bf16 throughput of ``config.device`` in a worker
+    (:func:`~.timing.measure_peaks`, with ``config.threads``): the peaks, or None and why
+    the measurement failed (a run goes on without them)."""
+    worker_env = worker_environment(config.device, config.cache_dir)
+    job = {"kind": "peaks", "device": config.device, "threads": config.threads}
+    found: list[DevicePeaks] = []
+
+    def on_message(message: dict[str, Any]) -> None:
+        found.append(DevicePeaks.model_validate_json(message["data"]))
+
+    supervisor = Supervisor(job, worker_env, {conformance.IMPL: config.harness_timeout_s,
+                                              conformance.HARNESS: config.harness_timeout_s},
+                            Path(worker_env["TMPDIR"]))
+    try:
+        fault = supervisor.run(on_message)
+    except (ValidationError, KeyError) as exc:
+        return None, f"the worker sent invalid peaks ({exc})"
+    if found:
+        return found[0], ""
+    return None, f"{fault.step}: {fault.detail}" if fault else "the worker sent no peaks"
+
+
 def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig,
-               run_id: str, env: Environment, emit: Callable[[ResultRecord], None]) -> None:
+               run_id: str, env: Environment, emit: Callable[[ResultRecord], None],
+               peaks: DevicePeaks | None = None) -> None:
     """Evaluate ``cases`` with the adapter ``target`` in worker processes, calling
-    ``emit`` with each record as it arrives; faults become records too."""
+    ``emit`` with each record as it arrives; faults become records too. ``peaks`` (the
+    device's, measured once per run) go into every record."""
     worker_env = worker_environment(config.device, config.cache_dir)
     budgets = {conformance.IMPL: config.case_timeout_s,
                conformance.HARNESS: config.harness_timeout_s}
     job = {"kind": "evaluate", "name": name, "target": target, "run_id": run_id,
            "cases": [c.to_dict() for c in cases], "config": config.to_dict(),
-           "cache_dir": str(Path(config.cache_dir).resolve()), "env": env.model_dump_json()}
+           "cache_dir": str(Path(config.cache_dir).resolve()), "env": env.model_dump_json(),
+           "peaks": peaks.model_dump_json() if peaks else None}
     row: ListingRow | None = None
     start = 0
 
     def record(index: int, status: Status, reason: str, step: str | None) -> ResultRecord:
         return result_record(run_id=run_id, env=env, config=config, name=name, target=target,
-                             case=cases[index], status=status, reason=reason, step=step, row=row)
+                             case=cases[index], status=status, reason=reason, step=step, row=row,
+                             peaks=peaks)
 
     def on_message(message: dict[str, Any]) -> None:
         nonlocal row, start
@@ -406,15 +461,23 @@ def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig
         start = fault.item + 1
 
 
+def pending(plan: Plan, results: ResultsFile, run_id: str) -> int:
+    """How many (implementation, case) pairs of ``plan`` ``results`` lacks for ``run_id``
+    (what ``run(..., resume=True)`` still has to do)."""
+    done = {(r.impl, r.case_id) for r in results_of(results.lines()) if r.run_id == run_id}
+    return sum((i.name, c.case_id) not in done for i in plan.impls for c in plan.paged_cases())
+
+
 def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
         on_record: Callable[[ResultRecord], None] | None = None, *,
-        resume: bool = False) -> list[ResultRecord]:
+        resume: bool = False, peaks: DevicePeaks | None = None) -> list[ResultRecord]:
     """Evaluate every implementation of ``plan`` on every case, appending each record to
     ``results`` as it arrives (and passing it to ``on_record``, for progress).
 
     With ``resume=True``, the pairs ``results`` already holds for ``run_id`` are kept and
-    only the others are run. Records ``started`` (with the plan) or ``resumed`` first and
-    ``finished`` (with the exit code) last. Returns every result of the run.
+    only the others are run. Records ``started`` (with the plan) or ``resumed`` first
+    (with ``peaks``, the device's, measured by :func:`device_peaks`) and ``finished``
+    (with the exit code) last. Returns every result of the run.
 
     Raises
     ------
@@ -428,7 +491,7 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     results.append(RunRecord(
         kind="run", schema_version=SCHEMA_VERSION, run_id=run_id, timestamp=now(),
         event="resumed" if resume else "started", plan=None if resume else plan,
-        config=config.to_dict(), exit_code=None, counts=None))
+        config=config.to_dict(), exit_code=None, counts=None, device_peaks=peaks))
 
     def emit(record: ResultRecord) -> None:
         results.append(record)
@@ -440,9 +503,9 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     with _interruptible():
         try:
             for impl in plan.impls:
-                pending = [c for c in cases if (impl.name, c.case_id) not in done]
-                if pending:
-                    run_target(impl.name, impl.target, pending, config, run_id, env, emit)
+                todo = [c for c in cases if (impl.name, c.case_id) not in done]
+                if todo:
+                    run_target(impl.name, impl.target, todo, config, run_id, env, emit, peaks)
         except Interrupted as exc:
             results.append(RunRecord(
                 kind="run", schema_version=SCHEMA_VERSION, run_id=run_id, timestamp=now(),
@@ -491,5 +554,5 @@ def list_adapters(found: list[Entry], device: str, cache_dir: Path,
     return rows
 
 
-__all__ = ["Interrupted", "RunConfig", "list_adapters", "make_plan", "result_record", "run",
-           "run_target", "work"]
+__all__ = ["Interrupted", "RunConfig", "device_peaks", "list_adapters", "make_plan", "pending",
+           "result_record", "run", "run_target", "work"]

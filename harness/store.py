@@ -10,7 +10,8 @@ refused (:class:`ResultsFileError`): bad JSON, a newer ``schema_version``, an un
 status, a missing or mistyped field. A torn line (a write cut off by a kill: the last line
 of a file without its newline, or such a fragment glued to the next record when files
 were concatenated) is skipped with a warning naming the file; the rest is read.
-Version 1 lines (before the typed record) are read as version 2 with the new fields empty.
+Version 1 lines (before the typed record) and version 2 lines (before bench and timing
+samples) are read as version 3 with the new fields empty.
 """
 
 from __future__ import annotations
@@ -185,13 +186,27 @@ class ResultsFile:
         return list(read_lines([self.path])) if self.path.exists() else []
 
 
-def _upgrade(data: dict[str, Any]) -> dict[str, Any]:
-    """A version-1 result line as version 2: ``kind``, ``step`` and the comparison
-    figures version 1 did not have are empty."""
-    data = {"kind": "result", **data, "schema_version": SCHEMA_VERSION}
-    data.setdefault("step", None)
-    for name in COMPARISON_FIELDS:
-        data.setdefault(name, None)
+#: Result fields added by schema 3 (bench workloads, roofline figures), empty when upgraded.
+_ADDED_IN_3 = ("workload", "bench_mode", "batch_spec", "arithmetic_intensity", "peaks",
+               "frac_of_peak_bandwidth", "frac_of_peak_tflops", "roofline_floor_ms",
+               "frac_of_roofline")
+
+
+def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
+    """A version-1 or version-2 line as the current version. Version 1 had no ``kind``,
+    ``step`` or comparison figures; versions 1 and 2 had no bench fields, and their
+    timings no samples (``[]``), IQR or noise flag (null)."""
+    data = {**data, "schema_version": SCHEMA_VERSION}
+    if found == 1:
+        data = {"kind": "result", **data}
+        data.setdefault("step", None)
+        for name in COMPARISON_FIELDS:
+            data.setdefault(name, None)
+    if data.get("kind") == "result":
+        for name in _ADDED_IN_3:
+            data.setdefault(name, None)
+        if isinstance(data.get("time_ms"), dict):
+            data["time_ms"] = {"iqr": None, "samples": [], "noisy": None, **data["time_ms"]}
     return data
 
 
@@ -216,8 +231,8 @@ def parse_line(data: object, file: Path, number: int) -> ResultRecord | RunRecor
     if found < 1:
         raise ResultsFileError(file, number, f"schema_version {found} is not a pagedbench "
                                f"schema (1 to {SCHEMA_VERSION})")
-    if found == 1:
-        data = _upgrade(data)
+    if found < SCHEMA_VERSION:
+        data = _upgrade(data, found)
     try:
         return LINE.validate_json(json.dumps(data))
     except ValidationError as exc:

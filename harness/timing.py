@@ -1,110 +1,202 @@
-"""Timing: how long one ``run()`` takes, and what it moves.
+"""Timing: how long one ``run()`` takes, what it moves, and what the device can do.
 
-- CPU: ``time.perf_counter_ns`` around each call, after warm-up, with the thread count
-  fixed by the caller (``torch.set_num_threads``); median and p10/p90 over the repetitions.
-- CUDA: ``triton.testing.do_bench``, which times with CUDA events and clears the L2 cache
-  before every repetition (cold-L2 timing, as FlashInfer's ``bench_gpu_time`` in
-  ``flashinfer/testing/utils.py`` defaults to); median and p10/p90.
+- CPU: ``torch.utils.benchmark.Timer`` (``timeit`` of blocks of calls, as its
+  ``blocked_autorange`` does) with the thread count fixed (``num_threads``) after warm-up
+  calls; each sample is the mean time per call of one block, blocks sized so that
+  ``min_samples`` of them fit in the run, which lasts at least ``min_run_time_s`` (longer
+  for ``min_samples`` samples of a slow call) and never much longer than ``max_run_time_s``.
+- CUDA: ``triton.testing.do_bench``, CUDA events with the L2 cache cleared before every
+  call (cold-L2 timing, as FlashInfer's ``bench_gpu_time`` defaults to); a call faster
+  than :data:`CUDA_GRAPH_BELOW_MS` is timed again by replaying a CUDA graph of many calls
+  (``triton.testing.do_bench_cudagraph``: launch overhead amortised, warm L2).
+
+Every :class:`Timing` keeps its raw samples (ms, in order: the regression gate tests on
+them), and derives median, p10/p90 and the IQR (numpy's linear percentiles); it is
+``noisy`` when IQR / median exceeds :data:`NOISE_THRESHOLD`, the threshold of
+``Timer.adaptive_autorange``.
 
 Derived bandwidth counts the bytes a case must move at least once (FlashInfer's
 ``attention_tb_per_sec_with_actual_seq_lens`` and tritonbench's ``decoding_attention``
 count from the actual sequence lengths): Q, the K and V of every attended token, O, and
-the block tables. GB/s uses GB = 1e9 bytes.
+the block tables; FLOPs count the two matmuls. :func:`measure_peaks` measures the
+device's copy bandwidth and bf16 matmul throughput with the same timers, so each point
+has a roofline position: the floor ``max(bytes / bandwidth, flops / throughput)``.
+GB = 1e9 bytes, TFLOP = 1e12 FLOPs.
 """
 
 from __future__ import annotations
 
-import statistics
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pagedbench.reference import PagedCase
+from pagedbench.reference import PagedCase, resolve_device
+
+#: IQR / median above which a timing is flagged noisy (``Timer.adaptive_autorange``'s
+#: default ``threshold``).
+NOISE_THRESHOLD = 0.1
+#: A CUDA call with a cold-L2 median below this (ms) is timed again by CUDA-graph replay.
+CUDA_GRAPH_BELOW_MS = 0.1
+#: Methods a timing may carry; only the first three are ever ranked.
+METHODS = ("torch_timer", "cuda_events", "cuda_graph", "interpreted", "perf_counter")
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Latency statistics of one implementation on one case.
+    """Latency samples of one implementation on one case, with their statistics.
 
     Attributes
     ----------
-    median_ms, p10_ms, p90_ms : float
-        Milliseconds per call.
-    n : int
-        Timed repetitions.
+    samples_ms : tuple[float, ...]
+        Milliseconds per call, one per repetition (a block of calls on the CPU, one call
+        with ``cuda_events``, one graph replay with ``cuda_graph``), in order.
     method : str
-        ``"perf_counter"`` (CPU wall clock), ``"cuda_events"`` (``do_bench``, cold L2),
-        or ``"interpreted"`` (wall clock of an interpreter: never ranked).
+        One of :data:`METHODS`: ``torch_timer`` (CPU), ``cuda_events`` (``do_bench``,
+        cold L2), ``cuda_graph`` (``do_bench_cudagraph``, warm L2), ``interpreted``
+        (one wall-clock call of an interpreter: never ranked) or ``perf_counter``
+        (records written before schema 3).
+
+    Raises
+    ------
+    ValueError
+        If there is no sample, a sample is not finite and > 0, or the method is unknown.
     """
 
-    median_ms: float
-    p10_ms: float
-    p90_ms: float
-    n: int
+    samples_ms: tuple[float, ...]
     method: str
 
-    def to_dict(self) -> dict[str, float | int | str]:
+    def __post_init__(self) -> None:
+        samples = tuple(float(s) for s in self.samples_ms)
+        if not samples or not all(math.isfinite(s) and s > 0 for s in samples):
+            raise ValueError(f"timing samples must be finite and > 0 ms, got {samples[:5]}")
+        if self.method not in METHODS:
+            raise ValueError(f"timing method {self.method!r} not in {METHODS}")
+        object.__setattr__(self, "samples_ms", samples)
+
+    def _percentile(self, q: float) -> float:
+        return float(np.percentile(self.samples_ms, q))
+
+    @property
+    def n(self) -> int:
+        return len(self.samples_ms)
+
+    @property
+    def median_ms(self) -> float:
+        return self._percentile(50)
+
+    @property
+    def p10_ms(self) -> float:
+        return self._percentile(10)
+
+    @property
+    def p90_ms(self) -> float:
+        return self._percentile(90)
+
+    @property
+    def iqr_ms(self) -> float:
+        """p75 - p25 (ms)."""
+        return self._percentile(75) - self._percentile(25)
+
+    @property
+    def noisy(self) -> bool:
+        """IQR / median > :data:`NOISE_THRESHOLD`."""
+        return self.iqr_ms / self.median_ms > NOISE_THRESHOLD
+
+    def to_dict(self) -> dict[str, object]:
+        """The record's ``time_ms`` (:class:`~.record.TimingStats`)."""
         return {"median": self.median_ms, "p10": self.p10_ms, "p90": self.p90_ms,
-                "n": self.n, "method": self.method}
+                "iqr": self.iqr_ms, "n": self.n, "method": self.method,
+                "samples": list(self.samples_ms), "noisy": self.noisy}
 
 
-def _quantiles(samples_ms: list[float], method: str) -> Timing:
-    if len(samples_ms) == 1:
-        (only,) = samples_ms
-        return Timing(only, only, only, 1, method)
-    deciles = statistics.quantiles(samples_ms, n=10, method="inclusive")
-    return Timing(statistics.median(samples_ms), deciles[0], deciles[-1], len(samples_ms), method)
+def time_once(fn: Callable[[], object], method: str = "interpreted") -> Timing:
+    """One wall-clock call (``time.perf_counter``), for an interpreter."""
+    start = time.perf_counter()
+    fn()
+    return Timing(((time.perf_counter() - start) * 1e3,), method)
 
 
 def time_cpu(
     fn: Callable[[], object],
     *,
-    warmup: int = 3,
-    repetitions: int = 30,
-    budget_s: float = 10.0,
-    method: str = "perf_counter",
+    threads: int,
+    warmup: int = 1,
+    min_samples: int = 10,
+    min_run_time_s: float = 0.2,
+    max_run_time_s: float = 2.0,
 ) -> Timing:
-    """Time ``fn()`` on the CPU with ``time.perf_counter_ns``.
+    """Time ``fn()`` on the CPU with ``torch.utils.benchmark.Timer.timeit`` blocks.
+
+    The run lasts ``run_time = clamp(max(min_run_time_s, min_samples * one call),
+    max_run_time_s)``; each block runs ``max(1, run_time / min_samples / one call)`` calls,
+    so that ``min_samples`` blocks fit in it, and blocks repeat until there are
+    ``min_samples`` of them and ``min_run_time_s`` has passed, or ``max_run_time_s`` has.
+    Each sample is one block's mean time per call.
 
     Parameters
     ----------
     fn : callable
         One complete call of the implementation (no arguments).
+    threads : int
+        torch threads while timing (``Timer(num_threads=...)``).
     warmup : int
-        Untimed calls first (caches, lazy initialisation).
-    repetitions : int
-        Timed calls at most; fewer when ``budget_s`` runs out (at least one).
-    budget_s : float
-        Seconds of timed calls after which repetition stops.
-    method : str
-        Recorded in :attr:`Timing.method` (pass ``"interpreted"`` for interpreters).
+        Untimed calls first (caches, lazy initialisation); one more call, also untimed
+        by the Timer, estimates the call's duration.
+    min_samples, min_run_time_s, max_run_time_s : int, float
+        As above (samples; seconds).
 
     Raises
     ------
     ValueError
-        If ``warmup`` < 0 or ``repetitions`` < 1.
+        If ``warmup`` < 0, ``min_samples`` < 1, ``threads`` < 1 or the times are not
+        positive and ordered.
     """
-    if warmup < 0 or repetitions < 1:
-        raise ValueError(f"need warmup >= 0 and repetitions >= 1, got {warmup}, {repetitions}")
-    for _ in range(warmup):
-        fn()
+    if warmup < 0 or min_samples < 1 or threads < 1:
+        raise ValueError(f"need warmup >= 0, min_samples >= 1 and threads >= 1, got "
+                         f"{warmup}, {min_samples}, {threads}")
+    if not 0 < min_run_time_s <= max_run_time_s:
+        raise ValueError(f"need 0 < min_run_time_s <= max_run_time_s, got {min_run_time_s}, "
+                         f"{max_run_time_s}")
+    from torch.utils.benchmark import Timer
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(warmup):
+            fn()
+        one_s = time_once(fn, "perf_counter").median_ms / 1e3
+    finally:
+        torch.set_num_threads(previous)
+    run_time_s = min(max(min_run_time_s, min_samples * one_s), max_run_time_s)
+    calls = max(1, int(run_time_s / min_samples / one_s))
+    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
     samples_ms: list[float] = []
-    deadline = time.perf_counter_ns() + int(budget_s * 1e9)
-    for _ in range(repetitions):
-        start = time.perf_counter_ns()
-        fn()
-        end = time.perf_counter_ns()
-        samples_ms.append((end - start) / 1e6)
-        if end > deadline:
+    spent_s = 0.0
+    while True:
+        per_call_s = timer.timeit(calls).mean
+        samples_ms.append(per_call_s * 1e3)
+        spent_s += per_call_s * calls
+        if spent_s >= max_run_time_s or (len(samples_ms) >= min_samples
+                                         and spent_s >= min_run_time_s):
             break
-    return _quantiles(samples_ms, method)
+    return Timing(tuple(samples_ms), "torch_timer")
 
 
-def time_cuda(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> Timing:
-    """Time ``fn()`` on the current CUDA device with ``triton.testing.do_bench`` (CUDA
-    events, L2 cleared before each repetition).
+def _do_bench():
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    return do_bench, do_bench_cudagraph
+
+
+def time_cuda(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
+              graph_below_ms: float = CUDA_GRAPH_BELOW_MS) -> Timing:
+    """Time ``fn()`` on the current CUDA device: ``do_bench`` (cold L2), and, when its
+    median is below ``graph_below_ms``, CUDA-graph replay instead (if ``fn`` can be
+    captured; otherwise the cold-L2 timing stands).
 
     ``warmup_ms``/``rep_ms`` are do_bench's budgets in milliseconds (its defaults).
 
@@ -115,10 +207,75 @@ def time_cuda(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float 
     """
     if not torch.cuda.is_available():
         raise RuntimeError("time_cuda needs a CUDA device; none is visible to torch")
-    from triton.testing import do_bench
+    do_bench, do_bench_cudagraph = _do_bench()
+    cold = Timing(tuple(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")),
+                  "cuda_events")
+    if cold.median_ms >= graph_below_ms:
+        return cold
+    try:
+        replayed = do_bench_cudagraph(fn, rep=rep_ms, return_mode="all")
+    except RuntimeError:  # not capturable (a host sync, an allocation on another stream)
+        torch.cuda.synchronize()
+        return cold
+    return Timing(tuple(replayed), "cuda_graph")
 
-    times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
-    return _quantiles([float(t) for t in times], "cuda_events")
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    """What the device sustained when measured, for fractions of peak and rooflines.
+
+    Attributes
+    ----------
+    copy_gbps : float
+        ``dst.copy_(src)`` of :data:`COPY_BYTES`, counting its read and its write (GB/s).
+    bf16_tflops : float
+        A square bf16 matmul (``2 n^3`` FLOPs) at its median time (TFLOP/s).
+    method : str
+        The timing method (``torch_timer`` or ``cuda_events``).
+    """
+
+    copy_gbps: float
+    bf16_tflops: float
+    method: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"copy_gbps": self.copy_gbps, "bf16_tflops": self.bf16_tflops,
+                "method": self.method}
+
+
+#: Bytes of the copy that measures bandwidth (far beyond any cache: 256 MiB on the CPU,
+#: 1 GiB on a GPU), and the matmul size that measures bf16 throughput.
+COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2**30}
+MATMUL_N = {"cpu": 512, "cuda": 8192}
+
+
+def measure_peaks(device: str, threads: int) -> DevicePeaks:
+    """Measure ``device``'s copy bandwidth and bf16 matmul throughput (medians).
+
+    Raises
+    ------
+    PagedValueError
+        If ``device`` is not a device of this machine.
+    """
+    resolved = resolve_device(device)
+    kind = resolved.type
+    src = torch.ones(COPY_BYTES[kind] // 2, dtype=torch.bfloat16, device=resolved)
+    dst = torch.empty_like(src)
+    n = MATMUL_N[kind]
+    a = torch.randn(n, n, device=resolved).to(torch.bfloat16)
+    b = torch.randn(n, n, device=resolved).to(torch.bfloat16)
+    c = torch.empty(n, n, dtype=torch.bfloat16, device=resolved)
+    copy = lambda: dst.copy_(src)  # noqa: E731
+    matmul = lambda: torch.mm(a, b, out=c)  # noqa: E731
+    if kind == "cuda":
+        with torch.cuda.device(resolved):
+            copy_t, mm_t = time_cuda(copy, graph_below_ms=0), time_cuda(matmul, graph_below_ms=0)
+    else:
+        copy_t = time_cpu(copy, threads=threads, min_samples=5, min_run_time_s=0.2)
+        mm_t = time_cpu(matmul, threads=threads, min_samples=5, min_run_time_s=0.2)
+    return DevicePeaks(copy_gbps=2 * src.nbytes / (copy_t.median_ms / 1e3) / 1e9,
+                       bf16_tflops=2 * n**3 / (mm_t.median_ms / 1e3) / 1e12,
+                       method=copy_t.method)
 
 
 def bytes_moved(case: PagedCase) -> int:
@@ -146,8 +303,22 @@ def flops(case: PagedCase) -> int:
     per visible (query, key) pair (FlashInfer's ``attention_flops_with_actual_seq_lens``)."""
     pairs = 0
     for kv, q in zip(case.kv_lens, case.q_lens_or_decode):
-        for i in range(q):
-            pos = kv - q + i
-            lo = max(0, pos - case.sliding_window + 1) if case.sliding_window else 0
-            pairs += pos - lo + 1
+        first = kv - q  # position of the first query token
+        if case.sliding_window:
+            for pos in range(first, kv):
+                pairs += pos - max(0, pos - case.sliding_window + 1) + 1
+        else:  # sum of (pos + 1) for pos in [first, kv)
+            pairs += (kv * (kv + 1) - first * (first + 1)) // 2
     return 4 * case.head_dim * case.num_q_heads * pairs
+
+
+def roofline_floor_ms(moved: int, work: int, peaks: DevicePeaks) -> float:
+    """The least time a call can take on a device with ``peaks``: the longer of moving
+    ``moved`` bytes at the copy bandwidth and doing ``work`` FLOPs at the bf16 throughput
+    (ms)."""
+    return max(moved / (peaks.copy_gbps * 1e9), work / (peaks.bf16_tflops * 1e12)) * 1e3
+
+
+__all__ = ["CUDA_GRAPH_BELOW_MS", "DevicePeaks", "METHODS", "NOISE_THRESHOLD", "Timing",
+           "bytes_moved", "flops", "measure_peaks", "roofline_floor_ms", "time_cpu",
+           "time_cuda", "time_once"]

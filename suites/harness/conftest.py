@@ -102,7 +102,7 @@ def result(impl: str, case_id_or_case="c1", status: str = "pass", ms: float | No
     case = case_id_or_case if isinstance(case_id_or_case, PagedCase) else PagedCase(
         kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
         dtype="float32", name=case_id_or_case)
-    timing = None if ms is None else Timing(ms, ms, ms, 3, method)
+    timing = None if ms is None else Timing((ms, ms, ms), method)
     record = result_record(
         run_id=run_id, env=Environment.model_validate(env or ENV),
         config=RunConfig(device=device, timing=True), name=impl, target="t:T", case=case,

@@ -16,7 +16,7 @@ from pagedbench.harness.record import SCHEMA_VERSION, RunRecord, now
 from pagedbench.harness.store import ResultsFile, ResultsFileError, read_lines
 from pagedbench.reference import PagedCase
 
-from .conftest import result
+from .conftest import ENV, result
 
 
 def _line(record) -> str:
@@ -109,7 +109,7 @@ def test_markdown_cells_are_escaped() -> None:
                result("z", case, "pass", 1.0)]
     text = report.markdown(records)
     (row,) = [line for line in text.splitlines() if line.startswith("| a")]
-    assert _cells(row) == [r"a\|b<br>c-fp32-d8-bs4-h2x1-b1-kv3", "fail", "pass 1 ms"]
+    assert _cells(row) == [r"a\|b<br>c-fp32-d8-bs4-h2x1-b1-kv3", "fail", "pass 1 ms [1-1] n=3"]
     header = next(line for line in text.splitlines() if line.startswith("| case"))
     assert _cells(header) == ["case", r"x\|y", "z"]
     assert r"- x\|y: fail: bad \| worse<br>worst (every case)" in text
@@ -121,13 +121,15 @@ def _cells(row: str) -> list[str]:
 
 
 def test_fastest_is_never_bolded_across_cpu_and_gpu() -> None:
+    h200 = ENV | {"device": "NVIDIA H200", "device_type": "cuda"}
     records = [result("k", "c1", "pass", 9.0, device="cpu"),
-               result("k", "c1", "pass", 0.05, device="cuda"),
+               result("k", "c1", "pass", 0.05, device="cuda", env=h200),
                result("j", "c1", "pass", 4.0, device="cpu")]
     table = report.leaderboard(report.frame(records))
     row = table.loc[records[0].case_id]
-    assert row.to_dict() == {"k@cpu": "pass 9 ms", "k@cuda": "pass 0.05 ms",
-                             "j@cpu": "**pass 4 ms**"}
+    assert row.to_dict() == {"k@cpu0": "pass 9 ms [9-9] n=3",
+                             "k@NVIDIA H200": "pass 0.05 ms [0.05-0.05] n=3",
+                             "j@cpu0": "**pass 4 ms [4-4] n=3**"}
 
 
 def test_a_report_of_an_unfinished_run_says_so(tmp_path) -> None:
@@ -166,4 +168,4 @@ def test_report_merges_files_and_later_lines_win(tmp_path, capsys) -> None:
         ("x", "pass", "3.0"), ("y", "pass", "1.5")]
     out = tmp_path / "board.md"
     assert main(["report", str(tmp_path / "b.jsonl"), "--output", str(out)]) == 0
-    assert "**pass 1.5 ms**" in out.read_text()
+    assert "**pass 1.5 ms [1.5-1.5] n=3**" in out.read_text()

@@ -6,10 +6,11 @@ import json
 import threading
 
 import pytest
+import torch
 
 from pagedbench.harness import report
 from pagedbench.harness.store import ResultsFile, read_lines
-from pagedbench.harness.timing import bytes_moved, flops, time_cpu
+from pagedbench.harness.timing import Timing, bytes_moved, flops, time_cpu
 from pagedbench.reference import PagedCase
 
 from .conftest import result
@@ -18,17 +19,41 @@ from .conftest import result
 def test_time_cpu_measures_a_known_sleep() -> None:
     import time
 
-    timing = time_cpu(lambda: time.sleep(0.01), warmup=1, repetitions=5)
-    assert timing.n == 5
+    timing = time_cpu(lambda: time.sleep(0.01), threads=1, warmup=1, min_samples=5,
+                      min_run_time_s=0.05, max_run_time_s=1.0)
+    assert timing.method == "torch_timer" and timing.n >= 5
+    assert len(timing.samples_ms) == timing.n
     assert 10.0 <= timing.median_ms < 30.0
     assert timing.p10_ms <= timing.median_ms <= timing.p90_ms
+    assert timing.to_dict()["samples"] == list(timing.samples_ms)
 
 
-def test_time_cpu_stops_at_its_budget() -> None:
+def test_time_cpu_stops_at_its_limit() -> None:
     import time
 
-    timing = time_cpu(lambda: time.sleep(0.02), warmup=0, repetitions=1000, budget_s=0.1)
-    assert 1 <= timing.n <= 8
+    start = time.perf_counter()
+    timing = time_cpu(lambda: time.sleep(0.02), threads=1, warmup=0, min_samples=1000,
+                      min_run_time_s=0.1, max_run_time_s=0.3)
+    # 1000 samples of 20 ms would take 20 s; the limit cuts it to about 0.3 s of blocks.
+    assert time.perf_counter() - start < 3.0
+    assert 1 <= timing.n <= 20
+
+
+def test_timing_statistics_match_numpy_percentiles() -> None:
+    samples = (5.0, 1.0, 2.0, 4.0, 3.0, 10.0)
+    timing = Timing(samples, "torch_timer")
+    # numpy's linear percentiles by hand: sorted 1 2 3 4 5 10, position q/100 * 5.
+    assert timing.median_ms == pytest.approx(3.5)
+    assert timing.p10_ms == pytest.approx(1.5)
+    assert timing.p90_ms == pytest.approx(7.5)
+    assert timing.iqr_ms == pytest.approx(4.75 - 2.25)
+    assert timing.noisy  # 2.5 / 3.5 > 0.1
+    assert not Timing((1.0, 1.01, 0.99, 1.0), "torch_timer").noisy
+    assert timing.samples_ms == samples  # kept in order
+    with pytest.raises(ValueError, match="finite and > 0"):
+        Timing((1.0, float("nan")), "torch_timer")
+    with pytest.raises(ValueError, match="method"):
+        Timing((1.0,), "stopwatch")
 
 
 def test_bytes_and_flops_from_actual_lengths() -> None:
@@ -76,6 +101,16 @@ def test_non_finite_figures_are_written_as_null(tmp_path) -> None:
     assert "NaN" not in line and "Infinity" not in line
 
 
+def test_cells_show_the_spread_samples_and_the_noise_flag() -> None:
+    from pagedbench.harness.timing import Timing
+
+    record = result("a", "c1", "pass", 1.0)
+    noisy = Timing((1.0, 1.0, 2.0, 3.0, 9.0), "torch_timer")  # IQR 2 > 10% of median 2
+    record = record.model_copy(update={"time_ms": record.time_ms.model_validate(
+        noisy.to_dict()), "time_ms_median": noisy.median_ms})
+    assert report.cell_text(record) == "pass 2 ms [1-6.6] n=5 noisy"
+
+
 def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted() -> None:
     records = [
         result("a", "c1", "pass", 2.0), result("b", "c1", "pass", 1.0),
@@ -87,8 +122,8 @@ def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted()
     c1, c2 = records[0].case_id, records[3].case_id
     df = report.frame(records)
     table = report.leaderboard(df)
-    assert table.loc[c1, "b"] == "**pass 1 ms**"
-    assert table.loc[c1, "a"] == "pass 2 ms"
+    assert table.loc[c1, "b"] == "**pass 1 ms [1-1] n=3**"
+    assert table.loc[c1, "a"] == "pass 2 ms [2-2] n=3"
     assert table.loc[c1, "interp"] == "pass (interp.)"
     assert table.loc[c2, "a"] == "fail" and table.loc[c2, "interp"] == "pass (interp.)"
     assert list(table.columns) == ["a", "b", "interp"]  # never-available: no column
@@ -113,6 +148,53 @@ def test_cells_mark_stale_tails_and_declared_case_dtype_logits() -> None:
     stale = result("s", "c1", "pass", 2.0, tail_poison="stale")
     case_logits = result("l", "c1", "pass", 2.0, logits_precision="case")
     both = result("b", "c1", "pass", 2.0, tail_poison="stale", logits_precision="case")
+    spread = "2 ms [2-2] n=3"
     assert [report.cell_text(r) for r in (plain, stale, case_logits, both)] == [
-        "pass 2 ms", "pass† 2 ms", "pass‡ 2 ms", "pass†‡ 2 ms"]
+        f"pass {spread}", f"pass† {spread}", f"pass‡ {spread}", f"pass†‡ {spread}"]
     assert "`‡`: the implementation declares" in report.markdown([plain, case_logits])
+
+
+def _fake_do_bench(cold_ms, graph_ms, calls):
+    """Stand-ins for triton.testing's do_bench and do_bench_cudagraph that record how they
+    were called and return the given per-repetition times (ms)."""
+    def do_bench(fn, warmup, rep, return_mode):
+        calls.append(("do_bench", warmup, rep, return_mode))
+        return list(cold_ms)
+
+    def do_bench_cudagraph(fn, rep, return_mode):
+        calls.append(("do_bench_cudagraph", rep, return_mode))
+        if isinstance(graph_ms, Exception):
+            raise graph_ms
+        return list(graph_ms)
+
+    return lambda: (do_bench, do_bench_cudagraph)
+
+
+@pytest.mark.parametrize("cold, graph, method, median", [
+    ((0.5, 0.4, 0.6), (0.01,), "cuda_events", 0.5),   # slow enough: cold L2 stands
+    ((0.02, 0.03, 0.02), (0.011, 0.009, 0.01), "cuda_graph", 0.01),  # replayed
+    ((0.02, 0.03, 0.02), RuntimeError("capture failed"), "cuda_events", 0.02),
+])
+def test_time_cuda_picks_cold_l2_or_graph_replay(monkeypatch, cold, graph, method,
+                                                 median) -> None:
+    """The CPU-side logic of the GPU timer (no GPU here: the timers are stand-ins)."""
+    from pagedbench.harness import timing
+
+    calls: list = []
+    monkeypatch.setattr(timing, "_do_bench", _fake_do_bench(cold, graph, calls))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    result_timing = timing.time_cuda(lambda: None)
+    assert result_timing.method == method
+    assert result_timing.median_ms == pytest.approx(median)
+    assert calls[0] == ("do_bench", 25, 100, "all")
+    assert len(calls) == (1 if cold[0] >= timing.CUDA_GRAPH_BELOW_MS else 2)
+
+
+def test_roofline_floor_is_the_slower_of_bytes_and_flops() -> None:
+    from pagedbench.harness.timing import DevicePeaks, roofline_floor_ms
+
+    peaks = DevicePeaks(copy_gbps=100.0, bf16_tflops=2.0, method="torch_timer")
+    # 1e9 bytes at 100 GB/s: 10 ms; 1e12 FLOPs at 2 TFLOP/s: 500 ms.
+    assert roofline_floor_ms(10**9, 10**12, peaks) == pytest.approx(500.0)
+    assert roofline_floor_ms(10**9, 10**9, peaks) == pytest.approx(10.0)
