@@ -18,6 +18,8 @@ A run records its plan when it starts and ``finished`` when it ends, so that
 (implementation, case) pairs already in its file. SIGTERM, SIGINT and SIGHUP stop the
 run cleanly (the worker's process group is killed, ``interrupted`` is recorded) and raise
 :class:`Interrupted`.
+(Over 500 lines: the parent's side of the run, plan, budgets, resume and signals
+together, since each depends on the others' state; the worker's side is :mod:`.worker`.)
 """
 
 from __future__ import annotations
