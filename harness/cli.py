@@ -247,6 +247,10 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the points and exit")
     p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
                    help="torch threads per worker (default: all cores)")
+    p.add_argument("--repetitions", type=_int_in(1, 100_000), default=None, metavar="N",
+                   help="CPU timing samples per point, as the time limit allows (default: "
+                        f"{bench.CPU_TIMING['default']['repetitions']}; pagedbench gate "
+                        "judges points with at least --min-samples of them)")
     p.add_argument("--min-time", type=_positive_seconds, default=None, metavar="SECONDS",
                    help="CPU: measure each point for at least this long (default: "
                         f"{bench.CPU_TIMING['default']['time_budget_s']:g})")
@@ -549,6 +553,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                   f"{case.case_id}: {exc}") from None
     defaults = runner.RunConfig()
     timing = bench.CPU_TIMING["quick" if args.quick else "default"] if device == "cpu" else {}
+    if args.repetitions:
+        timing = {**timing, "repetitions": args.repetitions}
     config = runner.RunConfig(
         device=device, suite=BENCH_SUITE, cache_dir=args.cache_dir,
         threads=args.threads or defaults.threads,
