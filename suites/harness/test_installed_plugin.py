@@ -6,6 +6,7 @@ files (caches and hypothesis's database go under the working directory's ``build
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,12 +42,18 @@ def test_conformance_runs_from_an_installed_wheel_and_writes_nothing_there(tmp_p
                               "print(p.__file__)"], env=env, cwd=work, capture_output=True,
                              text=True, check=True)
     assert Path(located.stdout.strip()).is_relative_to(site)  # not the checkout's
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "pagedbench.suites.conformance",
-         "--impl", "torch-gather", "--pagedbench-device", "cpu", "-q"], env=env, cwd=work, capture_output=True, text=True,
-        timeout=300)
+    selection = ["--impl", "torch-gather", "--pagedbench-device", "cpu", "-q"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--pyargs",
+                           "pagedbench.suites.conformance", *selection],
+                          env=env, cwd=work, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "6 passed" in proc.stdout, proc.stdout[-2000:]
+    # Every test the checkout's suite has for this selection ran and passed.
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-p",
+                                "no:cacheprovider", "suites/conformance", *selection],
+                               cwd=ROOT, capture_output=True, text=True, timeout=120)
+    count = re.search(r"(\d+) tests? collected", collected.stdout)
+    assert count, collected.stdout[-2000:] + collected.stderr[-2000:]
+    assert f"{count.group(1)} passed in" in proc.stdout, proc.stdout[-2000:]
     assert _tree(site) == before, "the run wrote into the installed package"
     # Whatever the run wrote in its working directory is under build/ (no .pytest_cache,
     # no .hypothesis, no __pycache__).
