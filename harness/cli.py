@@ -6,6 +6,8 @@
                         checked, then timed (``harness.bench``).
 ``pagedbench list``     implementations, their availability (with reasons) and capabilities.
 ``pagedbench report``   the leaderboard of stored result files (Markdown, CSV or HTML).
+``pagedbench gate``     current results against a baseline: exit 1 on a conformance
+                        regression or a slowdown beyond noise (:mod:`.gate`).
 ``pagedbench schema``   the JSON Schema of a results-file line.
 ``pagedbench simulate`` KV capacity: contiguous reservation vs paged allocation on a trace.
 ``pagedbench replay``   re-run one case (a failure's case file, a result line) and show
@@ -41,17 +43,19 @@ from pagedbench.adapters import entries
 from pagedbench.reference import (DTYPES, PagedInputError, PagedValueError, check_fits,
                                   resolve_device)
 
-from . import bench, plots, replay, report, runner, selftest, simulate
+from . import bench, gate, plots, replay, report, runner, selftest, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
 from .derived import DEFAULT_BASELINE
 from .workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
 from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from .environment import apply_environment, cache_environment
+from .junit import write_junit_xml
 from .record import (COMPARISON_FIELDS, Environment, ListingRow, Plan, ResultRecord,
                      RunRecord, json_schema)
-from .status import ExitCode, Status, exit_code, exit_codes_help
+from .speed import Thresholds
+from .status import GATE_EXIT_MEANING, ExitCode, Status, exit_code, exit_codes_help
 from .store import (DEFAULT_RESULTS_DIR, ResultsFile, environment, new_run_id, read_lines,
-                    run_states)
+                    results_of, run_states)
 
 #: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
 DEFAULT_CACHE_DIR = Path("build")
@@ -144,6 +148,9 @@ def _parser() -> argparse.ArgumentParser:
     run_p.add_argument("--resume", type=_run_id, metavar="RUN_ID",
                        help="finish the interrupted run RUN_ID of --results-dir with its "
                             "recorded selection, skipping the results it already has")
+    run_p.add_argument("--junit-xml", type=Path, metavar="FILE",
+                       help="also write the verdicts as JUnit XML, one testcase per "
+                            "(implementation, case), for CI test reports")
 
     _bench_arguments(sub.add_parser(
         "bench", help="benchmark sweep: block size x batch x GQA layout x context x mode x dtype",
@@ -171,6 +178,11 @@ def _parser() -> argparse.ArgumentParser:
     report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
                           help="also write the bench plots there as PNG files")
     sub.add_parser("schema", help="JSON Schema of a results-file line (README, Results schema)")
+    _gate_arguments(sub.add_parser(
+        "gate", help="current results against a baseline: exit 1 on a conformance "
+        "regression or a slowdown", description=gate.__doc__.split("\n\n")[0],
+        epilog=exit_codes_help(GATE_EXIT_MEANING),
+        formatter_class=argparse.RawDescriptionHelpFormatter))
     simulate.add_arguments(sub.add_parser(
         "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
     _replay_arguments(sub)
@@ -235,16 +247,60 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="print the points and exit")
     p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
                    help="torch threads per worker (default: all cores)")
+    p.add_argument("--repetitions", type=_int_in(1, 100_000), default=None, metavar="N",
+                   help="CPU timing samples per point, as the time limit allows (default: "
+                        f"{bench.CPU_TIMING['default']['repetitions']}; pagedbench gate "
+                        "judges points with at least --min-samples of them)")
     p.add_argument("--min-time", type=_positive_seconds, default=None, metavar="SECONDS",
                    help="CPU: measure each point for at least this long (default: "
                         f"{bench.CPU_TIMING['default']['time_budget_s']:g})")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
                    help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
+    p.add_argument("--junit-xml", type=Path, metavar="FILE",
+                   help="also write the verdicts as JUnit XML, one testcase per "
+                        "(implementation, point), for CI test reports")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
     p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
                    help="the implementation's own time per point (default: "
                         f"{runner.RunConfig.case_timeout_s:g})")
+
+
+def _fraction(low_open: float, high_open: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and low_open < value < high_open):
+            raise argparse.ArgumentTypeError(f"must be a number > {low_open:g} and < "
+                                             f"{high_open:g}, got {text!r}")
+        return value
+    return parse
+
+
+def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
+    defaults = Thresholds()
+    gate_p.add_argument("--baseline", type=Path, required=True, metavar="FILE_OR_DIR",
+                        help="the golden: a .jsonl file, a folder of them, or a folder of "
+                             f"device folders such as {gate.BASELINES_DIR} (the folder of "
+                             "each current device is read)")
+    gate_p.add_argument("--current", type=Path, required=True, metavar="FILE_OR_DIR",
+                        help="the results to judge: a .jsonl file or a folder of them")
+    gate_p.add_argument("--alpha", type=_fraction(0, 1), default=defaults.alpha,
+                        help="family-wise significance level of the U tests "
+                             f"(default: {defaults.alpha:g})")
+    gate_p.add_argument("--min-effect", type=_fraction(0, math.inf),
+                        default=defaults.min_effect, metavar="FRACTION",
+                        help="smallest change of the median that counts, e.g. 0.1 for 10%% "
+                             f"(default: {defaults.min_effect:g})")
+    gate_p.add_argument("--min-samples", type=_int_in(2, 2**31), default=defaults.min_samples,
+                        metavar="N", help="fewest samples on either side that are judged "
+                        f"(default: {defaults.min_samples})")
+    gate_p.add_argument("--update-baseline", action="store_true",
+                        help="after comparing, write the current results as the new golden "
+                             "(--baseline's file, or <folder>/<device>/"
+                             f"{gate.BASELINE_FILE}) and exit 0")
 
 
 def writable_folder(path: Path, option: str) -> None:
@@ -347,7 +403,8 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
                                       ("--case-timeout", args.case_timeout),
                                       ("--harness-timeout", args.harness_timeout)) if value]
     if given:
-        raise PagedValueError("--resume", given, "only --results-dir and --cache-dir beside it",
+        raise PagedValueError("--resume", given,
+                              "only --results-dir, --cache-dir and --junit-xml beside it",
                               f"--resume finishes the run with its recorded selection and "
                               f"settings; drop {', '.join(given)}")
     results = ResultsFile(args.results_dir / f"{args.resume}.jsonl")
@@ -375,6 +432,8 @@ def _interrupted(exc: runner.Interrupted, console: Console, run_id: str, results
 
 def cmd_run(args: argparse.Namespace) -> int:
     writable_folder(args.results_dir, "--results-dir")
+    if args.junit_xml is not None:
+        writable_file(args.junit_xml, "--junit-xml")
     console = Console(highlight=False, soft_wrap=True)
     if args.resume:
         plan, config, results = _resume_target(args)
@@ -413,8 +472,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
                              on_record=lambda r: console.print(_progress_line(r)))
     except runner.Interrupted as exc:
+        if args.junit_xml is not None:
+            write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
+                            f"pagedbench run {run_id} (interrupted)")
         return _interrupted(exc, console, run_id, results, args.results_dir)
     lines = [line for line in results.lines() if line.run_id == run_id]
+    if args.junit_xml is not None:
+        write_junit_xml(records, args.junit_xml, f"pagedbench run {run_id}")
+        console.print(f"JUnit XML: {args.junit_xml}")
     return _finish(records, lines, results, console, config.device)
 
 
@@ -460,6 +525,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                TimeElapsedColumn, TimeRemainingColumn)
 
     writable_folder(args.results_dir, "--results-dir")
+    if args.junit_xml is not None:
+        writable_file(args.junit_xml, "--junit-xml")
     device = _checked_device(args.device)
     sweep = bench_sweep(args)
     cases = sweep.cases()
@@ -486,6 +553,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                   f"{case.case_id}: {exc}") from None
     defaults = runner.RunConfig()
     timing = bench.CPU_TIMING["quick" if args.quick else "default"] if device == "cpu" else {}
+    if args.repetitions:
+        timing = {**timing, "repetitions": args.repetitions}
     config = runner.RunConfig(
         device=device, suite=BENCH_SUITE, cache_dir=args.cache_dir,
         threads=args.threads or defaults.threads,
@@ -523,7 +592,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             records = runner.run(plan, config, results, run_id, on_record=on_record,
                                  peaks=peaks)
         except runner.Interrupted as exc:
+            if args.junit_xml is not None:
+                write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
+                                f"pagedbench bench {run_id} (interrupted)")
             return _interrupted(exc, console, run_id, results, args.results_dir)
+    if args.junit_xml is not None:
+        write_junit_xml(records, args.junit_xml, f"pagedbench bench {run_id}")
+        console.print(f"JUnit XML: {args.junit_xml}")
     lines = [line for line in results.lines() if line.run_id == run_id]
     md_path = results.path.with_suffix(".md")
     md_path.write_text(report.markdown(lines, title=f"pagedbench bench ({device})",
@@ -538,6 +613,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"{len(timed)} timed ({noisy} noisy) in {time.monotonic() - start:.0f} s; exit "
         f"{int(code)}; results {results.path}, report {md_path}")
     return int(code)
+
+
+def _results_of_run(results: ResultsFile, run_id: str) -> list[ResultRecord]:
+    return [r for r in results_of(results.lines()) if r.run_id == run_id]
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    thresholds = Thresholds(alpha=args.alpha, min_effect=args.min_effect,
+                            min_samples=args.min_samples)
+    if not args.current.exists():
+        raise PagedValueError("--current", str(args.current), "an existing file or folder",
+                              f"--current {args.current}: no such file or folder")
+    if not args.baseline.exists() and not args.update_baseline:
+        raise PagedValueError("--baseline", str(args.baseline), "an existing file or folder",
+                              f"--baseline {args.baseline}: no such file or folder (create "
+                              "the golden with --update-baseline)")
+    current = gate.read_results([args.current])
+    sources = gate.baseline_paths(args.baseline, {r.env.device for r in current})
+    result = gate.compare(gate.read_results(sources), current, thresholds)
+    print(result.markdown())
+    if args.update_baseline:
+        for path in gate.write_baseline(current, args.baseline):
+            print(f"baseline written: {path}")
+        return int(ExitCode.CLEAN)
+    if result.exit_code is ExitCode.NOTHING_COMPARABLE:
+        read = ", ".join(map(str, sources)) or f"none for these devices under {args.baseline}"
+        print(f"read: baseline {read}; current {args.current}", file=sys.stderr)
+    return int(result.exit_code)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -772,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"run": cmd_run, "bench": cmd_bench, "list": cmd_list, "report": cmd_report,
                 "schema": cmd_schema, "simulate": simulate.run, "replay": cmd_replay,
-                "selftest": cmd_selftest}
+                "selftest": cmd_selftest, "gate": cmd_gate}
     try:
         _writable_outputs(args)
         apply_environment(cache_environment(getattr(args, "cache_dir", DEFAULT_CACHE_DIR)))

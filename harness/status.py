@@ -6,7 +6,8 @@ An implementation is to blame for ``fail``, ``error``, ``crash`` and ``timeout``
 (:attr:`Status.failing`); ``harness-error`` is pagedbench's own fault (computing the
 truth, building the inputs, timing) and never the implementation's; ``unsupported`` and
 ``unavailable`` are no verdict at all. :func:`exit_code` turns a run's statuses into the
-CLI's exit code (:class:`ExitCode`, README "Exit codes").
+CLI's exit code (:class:`ExitCode`, README "Exit codes"); ``pagedbench gate`` has its
+own outcomes (:mod:`.gate`) and exits 0, 1, 2 or :attr:`ExitCode.NOTHING_COMPARABLE`.
 """
 
 from __future__ import annotations
@@ -66,13 +67,16 @@ _MEANING = {
 
 
 class ExitCode(enum.IntEnum):
-    """Exit codes of ``pagedbench run`` (and of every command: 2 is any usage error)."""
+    """Exit codes of ``pagedbench run`` and ``gate`` (and of every command: 2 is any usage
+    error). ``REGRESSION`` is another name of 1."""
 
     CLEAN = 0
     CONFORMANCE_FAILURE = 1
+    REGRESSION = 1
     USAGE_ERROR = 2
     NOTHING_RAN = 3
     HARNESS_FAULT = 4
+    NOTHING_COMPARABLE = 5
 
     @property
     def meaning(self) -> str:
@@ -86,6 +90,8 @@ _EXIT_MEANING = {
     ExitCode.USAGE_ERROR: "bad command line or input file (nothing was run)",
     ExitCode.NOTHING_RAN: "nothing was checked: every case unavailable or unsupported",
     ExitCode.HARNESS_FAULT: "pagedbench itself failed (harness-error, or an internal fault)",
+    ExitCode.NOTHING_COMPARABLE: "gate: no point in common with the baseline (another "
+                                 "device or thread count, or other cases)",
 }
 
 
@@ -103,9 +109,22 @@ def exit_code(statuses: Iterable[Status | str]) -> ExitCode:
     return ExitCode.CLEAN
 
 
-def exit_codes_help() -> str:
-    """The exit-code table for ``--help``."""
-    return "exit codes:\n" + "\n".join(f"  {int(c)}  {c.meaning}" for c in ExitCode)
+#: What the exit codes of ``pagedbench gate`` mean.
+GATE_EXIT_MEANING = {
+    ExitCode.CLEAN: "no point broke or slowed down (points too noisy to judge are listed)",
+    ExitCode.REGRESSION: "a point broke (pass -> anything else, or a new fail, error, crash "
+                         "or timeout) or got slower beyond noise and --min-effect",
+    ExitCode.USAGE_ERROR: "bad command line or results file (nothing was compared)",
+    ExitCode.HARNESS_FAULT: "pagedbench itself failed (an internal fault)",
+    ExitCode.NOTHING_COMPARABLE: _EXIT_MEANING[ExitCode.NOTHING_COMPARABLE],
+}
 
 
-__all__ = ["ExitCode", "Status", "exit_code", "exit_codes_help"]
+def exit_codes_help(meanings: dict[ExitCode, str] | None = None) -> str:
+    """The exit-code table for ``--help``: every code (``run`` and the others), or the
+    codes and ``meanings`` given (``gate``: :data:`GATE_EXIT_MEANING`)."""
+    meanings = meanings or {c: c.meaning for c in ExitCode}
+    return "exit codes:\n" + "\n".join(f"  {int(c)}  {m}" for c, m in meanings.items())
+
+
+__all__ = ["GATE_EXIT_MEANING", "ExitCode", "Status", "exit_code", "exit_codes_help"]

@@ -1,12 +1,14 @@
-"""Fixtures of the conformance suite: which implementations to check, on which device,
+"""Fixtures of the conformance suite: which implementations to check (``--impl``), on
+which device (``--pagedbench-device``; both registered by :mod:`pagedbench.suites.plugin`),
 with how many examples.
 
 Implementations are found without importing them (:func:`pagedbench.adapters.entries`);
 only the ones a test session selects are imported, when their first test runs. Naming a
 fault of the catalogue (``--impl fault-...``, suites/faults) puts the catalogue's
 distribution on the path first (:func:`~pagedbench.harness.selftest.register_catalogue`),
-so its entry points register it as an out-of-tree kernel is registered. Each test records the implementation it checked as the JUnit property
-``impl`` (``pagedbench selftest`` reads it).
+so its entry points register it as an out-of-tree kernel is registered. Each test
+records the implementation it checked as the JUnit property ``impl`` (``pagedbench
+selftest`` reads it).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 from pagedbench.adapters import Adapter, entries, load
 from pagedbench.harness.selftest import register_catalogue_if_named
-from pagedbench.suites import budget
+from pagedbench.suites import budget, plugin
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+#: The device the suite checks on (``--pagedbench-device``), fixed when this is imported.
+DEVICE = plugin.early_device()
 
 
 def _selected(config: pytest.Config) -> list[str]:
@@ -42,6 +44,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def _load(impl: str) -> Adapter:
     target = next(e.target for e in entries() if e.name == impl)
     return load(target)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if plugin.device(config) != DEVICE:  # imported before the plugin parsed the option
+        raise pytest.UsageError(f"--pagedbench-device {plugin.device(config)}: this conftest "
+                                f"was imported with {DEVICE}; load the plugin with -p "
+                                "pagedbench")
 
 
 @pytest.fixture

@@ -3,12 +3,11 @@ would, and finding the worker processes of a parent."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from pagedbench.adapters import ENTRY_POINT_GROUP
+from pagedbench.harness.gate_calibration import plugin_environment
 
 PLUGINS = "pagedbench.suites.harness.plugins"
 BROKEN = "pagedbench.suites.conformance.broken_adapters"
@@ -47,15 +46,7 @@ class RunsCode:
 def register(site: Path, entries: dict[str, str]) -> dict[str, str]:
     """Write a minimal installed distribution under ``site`` whose entry points register
     ``entries``; return this process's environment with ``site`` on ``PYTHONPATH``."""
-    dist = site / "pagedbench_test_plugins-0.0.dist-info"
-    dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: pagedbench-test-plugins\nVersion: 0.0\n")
-    lines = "".join(f"{name} = {target}\n" for name, target in entries.items())
-    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{lines}")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
-    return env
+    return plugin_environment(site, entries)
 
 
 @pytest.fixture

@@ -1,0 +1,378 @@
+"""The regression gate: a run's results against a stored baseline, point by point.
+
+A point is one implementation on one case at one dtype, measured on one device with one
+thread count (:func:`point_key`); results of another device or thread count are never
+compared. For each point present in both:
+
+- conformance: a ``pass`` that became anything else, or a new failure (``fail``,
+  ``error``, ``crash``, ``timeout`` where the baseline had none) is ``broken``;
+- speed, when both passed and were timed by the same, not interpreted, method: the
+  two-sided Mann-Whitney U test on the raw samples of both runs
+  (``scipy.stats.mannwhitneyu``, the test of Go's benchstat and Google Benchmark's
+  ``tools/compare.py``, both at alpha 0.05), its p-values adjusted over every judged point
+  by Holm's step-down method (Holm 1979, so that alpha bounds the chance of any false
+  alarm in a gate), the ratio of medians current / baseline and its percentile bootstrap
+  interval (``scipy.stats.bootstrap``, confidence 1 - alpha): ``slower`` when the
+  adjusted p < alpha and the ratio >= 1 + ``min_effect``, ``faster`` when p < alpha and
+  the ratio <= 1 / (1 + ``min_effect``) (benchstat's rule); ``too noisy`` when neither
+  and the interval reaches 1 + ``min_effect`` (a slowdown that counts can be neither
+  shown nor ruled out), or with fewer than ``min_samples`` samples on either side;
+  ``same`` otherwise.
+
+The gate fails (exit 1) on any ``broken`` or ``slower`` point; with no point in common it
+says "nothing comparable" (exit 5, :class:`~.status.ExitCode`). Baselines live under
+``results/baselines/<device>/`` (:func:`device_folder`), written by
+:func:`write_baseline` (``pagedbench gate --update-baseline``). The false-alarm and
+detection rates of the defaults are measured by :mod:`.gate_calibration`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from pagedbench.reference import PagedValueError
+
+from .record import ResultRecord
+from .report import escape, escape_frame
+from .speed import Outcome, Thresholds, compare_samples, decide, holm
+from .status import ExitCode, Status
+from .store import read_lines, results_of
+
+#: Where ``pagedbench gate`` and ``make`` keep the golden results, one folder per device.
+BASELINES_DIR = Path("results/baselines")
+#: The file a device folder's golden is written to.
+BASELINE_FILE = "baseline.jsonl"
+
+
+# Points --------------------------------------------------------------------------------
+@dataclass(frozen=True, order=True)
+class PointKey:
+    """What makes two results comparable: the device (``env.device``, a CPU model or GPU
+    name), the thread count, the implementation, the case id and the dtype."""
+
+    device: str
+    threads: int
+    impl: str
+    case_id: str
+    dtype: str
+
+
+def point_key(record: ResultRecord) -> PointKey:
+    """The :class:`PointKey` of a result."""
+    return PointKey(record.env.device, record.env.threads, record.impl, record.case_id,
+                    str(record.case.get("dtype")))
+
+
+def points(records: Iterable[ResultRecord]) -> dict[PointKey, ResultRecord]:
+    """Results by point; of several results of one point the last one wins (re-runs
+    appended to a file, or folders read in run-id order)."""
+    out: dict[PointKey, ResultRecord] = {}
+    for record in records:
+        key = point_key(record)
+        out.pop(key, None)
+        out[key] = record
+    return out
+
+
+def _samples(record: ResultRecord) -> list[float]:
+    return list(record.time_ms.samples or []) if record.time_ms is not None else []
+
+
+@dataclass(frozen=True)
+class PointResult:
+    """One point of the gate: its outcome and the figures behind it (ms; ``ratio`` is
+    current / baseline, ``interval`` its bootstrap interval; ``p_value`` Holm-adjusted)."""
+
+    key: PointKey
+    outcome: Outcome
+    baseline: ResultRecord
+    current: ResultRecord
+    ratio: float = math.nan
+    interval: tuple[float, float] | None = None
+    p_value: float | None = None
+    reason: str = ""
+
+    @property
+    def baseline_ms(self) -> float | None:
+        return self.baseline.time_ms.median if self.baseline.time_ms else None
+
+    @property
+    def current_ms(self) -> float | None:
+        return self.current.time_ms.median if self.current.time_ms else None
+
+
+def _conformance(baseline: Status, current: Status) -> Outcome | None:
+    """The outcome when the verdicts alone decide (not both ``pass``), else None."""
+    if baseline is Status.PASS and current is Status.PASS:
+        return None
+    if baseline is Status.PASS or (current.failing and not baseline.failing):
+        return Outcome.BROKEN
+    if current is Status.PASS:
+        return Outcome.FIXED
+    return Outcome.STILL_FAILING if current.failing else Outcome.NO_VERDICT
+
+
+def _untimed_reason(baseline: ResultRecord, current: ResultRecord) -> str:
+    """Why two passes cannot be compared for speed, or "" when they can."""
+    for side, record in (("baseline", baseline), ("current", current)):
+        if record.time_ms is None:
+            return f"{side} not timed (--no-timing)"
+        if record.interpreted or record.time_ms.method == "interpreted":
+            return f"{side} ran under an interpreter (never ranked)"
+    if baseline.time_ms.method != current.time_ms.method:
+        return (f"timed by {baseline.time_ms.method} in the baseline, "
+                f"{current.time_ms.method} now")
+    return ""
+
+
+@dataclass(frozen=True)
+class GateReport:
+    """Every point of a gate and what was left out, with the thresholds used."""
+
+    points: list[PointResult]
+    only_baseline: list[PointKey]
+    only_current: list[PointKey]
+    thresholds: Thresholds
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, outcome: Outcome) -> int:
+        return sum(p.outcome is outcome for p in self.points)
+
+    @property
+    def exit_code(self) -> ExitCode:
+        """1 on a broken or slower point, 5 when no point was in both, else 0."""
+        if not self.points:
+            return ExitCode.NOTHING_COMPARABLE
+        if any(p.outcome.fails_gate for p in self.points):
+            return ExitCode.REGRESSION
+        return ExitCode.CLEAN
+
+    def summary(self) -> str:
+        """One line: counts per outcome and of the points left out."""
+        counts = ", ".join(f"{self.count(o)} {o}" for o in Outcome if self.count(o))
+        verdict = {ExitCode.CLEAN: "pass", ExitCode.REGRESSION: "FAIL",
+                   ExitCode.NOTHING_COMPARABLE: "nothing comparable"}[self.exit_code]
+        return (f"gate: {verdict}: {len(self.points)} points compared"
+                f"{': ' + counts if counts else ''}; {len(self.only_baseline)} only in the "
+                f"baseline, {len(self.only_current)} only in the current results")
+
+    def markdown(self) -> str:
+        """The report: conditions, what moved (broken, slower, faster, fixed; each by
+        effect, ``|log ratio|``), what was too noisy to judge, then the summary line."""
+        t = self.thresholds
+        out = ["# pagedbench gate", "",
+               f"Speed: two-sided Mann-Whitney U test on the raw samples, Holm-adjusted over "
+               f"the judged points, alpha {t.alpha:g}; a change counts from "
+               f"{t.min_effect:.0%} of the median; too noisy when the {1 - t.alpha:.0%} "
+               f"bootstrap interval of the ratio of medians reaches +{t.min_effect:.0%} "
+               f"without a significant change, or with fewer than {t.min_samples} samples.",
+               ""]
+        out += [f"- {escape(note)}" for note in self.notes]
+        if self.notes:
+            out.append("")
+        moved = [p for p in self.points if p.outcome in
+                 (Outcome.BROKEN, Outcome.SLOWER, Outcome.FASTER, Outcome.FIXED)]
+        rank = {Outcome.BROKEN: 0, Outcome.SLOWER: 1, Outcome.FASTER: 2, Outcome.FIXED: 3}
+        moved.sort(key=lambda p: (rank[p.outcome], -_effect(p)))
+        if moved:
+            out += ["## What moved", "", escape_frame(_table(moved)).to_markdown(index=False), ""]
+        noisy = [p for p in self.points if p.outcome is Outcome.NOISY]
+        if noisy:
+            out += ["## Too noisy to judge (neither passed nor failed)", "",
+                    escape_frame(_table(noisy)).to_markdown(index=False), ""]
+        if self.only_baseline:
+            out += [f"Only in the baseline (not run now): "
+                    f"{escape(_keys(self.only_baseline))}", ""]
+        out += [escape(self.summary()), ""]
+        return "\n".join(out)
+
+
+def _effect(point: PointResult) -> float:
+    """|log ratio|: a halving and a doubling move as much; 0 without a ratio."""
+    return abs(math.log(point.ratio)) if math.isfinite(point.ratio) and point.ratio > 0 else 0.0
+
+
+def _keys(keys: list[PointKey], limit: int = 10) -> str:
+    names = [f"{k.impl}:{k.case_id}" for k in keys[:limit]]
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(names) + more
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+def _table(rows: list[PointResult]) -> pd.DataFrame:
+    def change(p: PointResult) -> str:
+        return f"{p.ratio - 1:+.1%}" if math.isfinite(p.ratio) else ""
+
+    return pd.DataFrame([{
+        "outcome": str(p.outcome),
+        "implementation": p.key.impl,
+        "case": p.key.case_id,
+        "baseline ms": _ms(p.baseline_ms),
+        "current ms": _ms(p.current_ms),
+        "change": change(p),
+        "interval": "" if p.interval is None else
+                    f"{p.interval[0] - 1:+.1%}..{p.interval[1] - 1:+.1%}",
+        "p (Holm)": "" if p.p_value is None else f"{p.p_value:.2g}",
+        "n": f"{len(_samples(p.baseline))}/{len(_samples(p.current))}",
+        "why": p.reason,
+    } for p in rows])
+
+
+def _environment_notes(baseline: dict[PointKey, ResultRecord],
+                       current: dict[PointKey, ResultRecord]) -> list[str]:
+    """One line per device compared: the library versions and commits of both sides,
+    naming what differs."""
+    notes = []
+    for device in sorted({k.device for k in current} & {k.device for k in baseline}):
+        b = next(r.env for k, r in baseline.items() if k.device == device)
+        c = next(r.env for k, r in current.items() if k.device == device)
+        changed = [f"{name} {getattr(b, name)} -> {getattr(c, name)}"
+                   for name in ("torch", "triton", "vllm", "flashinfer", "flash_attn",
+                                "xformers", "python") if getattr(b, name) != getattr(c, name)]
+        notes.append(f"{device}: baseline commit {(b.git_sha or '?')[:12]}, current "
+                     f"{(c.git_sha or '?')[:12]}{' (dirty)' if c.dirty else ''}; "
+                     + ("versions differ: " + ", ".join(changed) if changed
+                        else "same library versions"))
+    return notes
+
+
+def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
+            thresholds: Thresholds = Thresholds()) -> GateReport:
+    """The gate of ``current`` against ``baseline`` (see the module docstring)."""
+    base, now = points(baseline), points(current)
+    common = [k for k in now if k in base]
+    judged: list[tuple[PointKey, Speed]] = []
+    results: dict[PointKey, PointResult] = {}
+    for key in common:
+        b, c = base[key], now[key]
+        outcome = _conformance(b.status, c.status)
+        if outcome is not None:
+            results[key] = PointResult(key, outcome, b, c, reason=c.reason)
+            continue
+        why = _untimed_reason(b, c)
+        if why:
+            results[key] = PointResult(key, Outcome.UNTIMED, b, c, reason=why)
+            continue
+        speed = compare_samples(_samples(b), _samples(c), thresholds)
+        if speed.p_value is None:
+            results[key] = PointResult(key, speed.outcome, b, c, speed.ratio,
+                                       reason=speed.reason)
+        else:
+            judged.append((key, speed))
+    for (key, speed), p_value in zip(judged, holm([s.p_value for _, s in judged])):
+        outcome, reason = decide(speed.ratio, p_value, speed.interval, thresholds)
+        results[key] = PointResult(key, outcome, base[key], now[key], speed.ratio,
+                                   speed.interval, p_value, reason)
+    order = {o: i for i, o in enumerate(Outcome)}
+    ordered = sorted((results[k] for k in common), key=lambda p: order[p.outcome])
+    notes = _environment_notes(base, now)
+    if not common:
+        notes.append(_nothing_comparable(base, now))
+    return GateReport(ordered, [k for k in base if k not in now],
+                      [k for k in now if k not in base], thresholds, notes)
+
+
+def _nothing_comparable(base: dict[PointKey, ResultRecord],
+                        now: dict[PointKey, ResultRecord]) -> str:
+    def conditions(keys: Iterable[PointKey]) -> str:
+        found = sorted({f"{k.device} with {k.threads} threads" for k in keys})
+        return "; ".join(found) or "no results"
+
+    return (f"nothing comparable: the baseline holds {conditions(base)}, the current results "
+            f"{conditions(now)} (points are compared only on the same device, thread count, "
+            "implementation, case and dtype)")
+
+
+# Baselines on disk ---------------------------------------------------------------------
+def device_folder(device: str) -> str:
+    """The folder name of a device under :data:`BASELINES_DIR`: its name in lower case,
+    every run of other characters than letters and digits one ``-``
+    (``"NVIDIA H200"`` -> ``nvidia-h200``)."""
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-") or "unknown-device"
+
+
+def _is_root(path: Path) -> bool:
+    """Whether ``path`` is a folder of device folders (or will be one): a folder without
+    ``.jsonl`` files of its own, or a path that does not exist and is not a ``.jsonl``."""
+    if path.is_dir():
+        return not any(path.glob("*.jsonl"))
+    return not path.exists() and path.suffix != ".jsonl"
+
+
+def baseline_paths(path: Path, devices: Iterable[str]) -> list[Path]:
+    """The baseline files or folders to read for results of ``devices``: ``path`` itself
+    when it is a ``.jsonl`` file or a folder of them, else its device folders
+    (:func:`device_folder`) that exist.
+
+    Raises
+    ------
+    PagedValueError
+        If ``path`` is a file that is not ``.jsonl``.
+    """
+    if path.is_file() and path.suffix != ".jsonl":
+        raise PagedValueError("--baseline", str(path), "a .jsonl file or a folder")
+    if not _is_root(path):
+        return [path]
+    return [path / name for name in sorted({device_folder(d) for d in devices})
+            if (path / name).is_dir()]
+
+
+def read_results(paths: Iterable[Path]) -> list[ResultRecord]:
+    """The result lines of ``paths`` (files or folders of ``.jsonl``), validated
+    (:func:`~.store.read_lines`; raises :class:`~.store.ResultsFileError`)."""
+    return results_of(read_lines(paths))
+
+
+def write_baseline(records: Iterable[ResultRecord], path: Path) -> list[Path]:
+    """Write ``records`` (one per point, the last of each) as the new golden: to ``path``
+    when it is a ``.jsonl`` file, to ``path/baseline.jsonl`` when it is a folder of them,
+    else to ``path/<device>/baseline.jsonl`` per device. Each file is replaced atomically
+    (written beside it, then renamed). Returns the files written.
+
+    Raises
+    ------
+    PagedValueError
+        If there is no record to write.
+    """
+    by_point = points(records)
+    if not by_point:
+        raise PagedValueError("--current", "no results", "at least one result to write")
+    if not _is_root(path):
+        groups = {path if path.suffix == ".jsonl" else path / BASELINE_FILE: by_point}
+    else:
+        groups = {}
+        for key, record in by_point.items():
+            target = path / device_folder(key.device) / BASELINE_FILE
+            groups.setdefault(target, {})[key] = record
+    for target, group in groups.items():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text("".join(r.model_dump_json() + "\n" for r in group.values()))
+        os.replace(tmp, target)
+    return list(groups)
+
+
+__all__ = [
+    "BASELINES_DIR",
+    "BASELINE_FILE",
+    "GateReport",
+    "PointKey",
+    "PointResult",
+    "baseline_paths",
+    "compare",
+    "device_folder",
+    "point_key",
+    "points",
+    "read_results",
+    "write_baseline",
+]

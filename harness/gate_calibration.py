@@ -1,0 +1,178 @@
+"""False alarms and power of the regression gate, measured by rerunning real runs.
+
+``python -m pagedbench.harness.gate_calibration --tries 20`` runs ``pagedbench run`` 20
+times; each run times three implementations one after another on the same cases:
+``sdpa-contiguous`` (A), the same code under another name (B, an unchanged rerun) and
+the same code slowed by 25% (C, a busy wait of a quarter of each call's own duration;
+``suites/harness/plugins/slowed.py``, registered as entry points for these runs only).
+Each is gated under A's name (:func:`pagedbench.harness.gate.compare`), two ways:
+
+- ``fresh``: try i's B and C against try i's A (a baseline measured just before);
+- ``stored``: try i's B and C against try 0's A (a golden recorded once, as in CI).
+
+An unchanged rerun must pass (exit 0) in at least 19 of 20 tries and the slowed one must
+fail (exit 1) in at least 19 of 20 (issue 8); the command exits 0 when both hold for both
+ways, else 1. ``--samples FILE`` keeps every try's raw samples (the recorded noise a
+test in ``make test`` replays); ``--from-runs DIR`` judges runs made before. Runs, caches and the plug-ins' metadata go under
+``--work-dir``. Timings on a loaded machine are noisy: say what machine ran it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from pagedbench.adapters import ENTRY_POINT_GROUP
+
+from .gate import compare
+from .record import ResultRecord
+from .speed import Thresholds
+from .status import ExitCode
+from .store import read_lines, results_of
+
+PLUGINS = "pagedbench.suites.harness.plugins.slowed"
+#: The implementations of every try: baseline, unchanged rerun, slowed by 25%.
+BASELINE, RERUN, SLOWED = "sdpa-contiguous", "sdpa-rerun", "sdpa-slowed-25pct"
+ENTRIES = {RERUN: f"{PLUGINS}:Rerun", SLOWED: f"{PLUGINS}:Slowed",
+           "sdpa-slowed-3x": f"{PLUGINS}:SlowedThreeTimes"}
+#: Tries an unchanged rerun must pass, and a slowed one fail, out of 20 (issue 8).
+REQUIRED_OF_20 = 19
+
+
+def plugin_environment(site: Path, entries: dict[str, str] = ENTRIES) -> dict[str, str]:
+    """This process's environment with a minimal distribution under ``site`` whose entry
+    points register ``entries`` (name -> ``"module:Class"``; default: the calibration's
+    adapters), as an installed out-of-tree package would."""
+    dist = site / "pagedbench_test_plugins-0.0.dist-info"
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pagedbench-test-plugins\nVersion: 0.0\n")
+    lines = "".join(f"{name} = {target}\n" for name, target in entries.items())
+    (dist / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{lines}")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_once(work_dir: Path, run_args: list[str], impls: tuple[str, ...]) -> Path:
+    """One ``pagedbench run`` of ``impls`` with ``run_args``; returns its results file.
+
+    Raises
+    ------
+    RuntimeError
+        If the run does not exit 0 (its output is in the message).
+    """
+    results = work_dir / "runs"
+    before = set(results.glob("*.jsonl"))
+    argv = [sys.executable, "-m", "pagedbench.harness.cli", "run", *run_args,
+            *(a for impl in impls for a in ("--impl", impl)),
+            "--results-dir", str(results), "--cache-dir", str(work_dir / "cache")]
+    proc = subprocess.run(argv, env=plugin_environment(work_dir / "site"),
+                          capture_output=True, text=True)
+    if proc.returncode != ExitCode.CLEAN:
+        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n"
+                           f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    (new,) = set(results.glob("*.jsonl")) - before
+    return new
+
+
+def as_baseline(records: list[ResultRecord], impl: str) -> list[ResultRecord]:
+    """``impl``'s records renamed to :data:`BASELINE`, so the gate pairs them with its."""
+    return [r.model_copy(update={"impl": BASELINE}) for r in records if r.impl == impl]
+
+
+def judge(tries: list[list[ResultRecord]], thresholds: Thresholds) -> dict[str, dict]:
+    """Exit codes and outcome counts of every gate of :data:`RERUN` and :data:`SLOWED`
+    against :data:`BASELINE`, ``fresh`` and ``stored`` (module docstring)."""
+    out: dict[str, dict] = {}
+    for way in ("fresh", "stored"):
+        for impl in (RERUN, SLOWED):
+            codes, outcomes = [], Counter()
+            for records in tries:
+                baseline = as_baseline(tries[0] if way == "stored" else records, BASELINE)
+                report = compare(baseline, as_baseline(records, impl), thresholds)
+                codes.append(int(report.exit_code))
+                outcomes.update(str(p.outcome) for p in report.points)
+            out[f"{way} {impl}"] = {"exit_codes": codes, "outcomes": dict(outcomes)}
+    return out
+
+
+def verdict(judged: dict[str, dict]) -> tuple[bool, list[str]]:
+    """Whether every rate meets :data:`REQUIRED_OF_20` (scaled to the tries), with one
+    line per gate: ``passed k / n`` or ``failed k / n``."""
+    lines, ok = [], True
+    for name, data in judged.items():
+        codes = data["exit_codes"]
+        wanted = ExitCode.REGRESSION if name.endswith(SLOWED) else ExitCode.CLEAN
+        hits = sum(code == wanted for code in codes)
+        needed = -(-REQUIRED_OF_20 * len(codes) // 20)  # ceil(19 n / 20)
+        ok &= hits >= needed
+        word = "failed (exit 1)" if wanted == ExitCode.REGRESSION else "passed (exit 0)"
+        lines.append(f"{name}: {word} in {hits} / {len(codes)} (needed {needed}); "
+                     f"outcomes {data['outcomes']}")
+    return ok, lines
+
+
+def samples_of(tries: list[list[ResultRecord]]) -> list[dict[str, dict[str, list[float]]]]:
+    """Every try's raw samples (ms) by implementation, then case id."""
+    out = []
+    for records in tries:
+        by_impl: dict[str, dict[str, list[float]]] = {}
+        for r in records:
+            if r.time_ms is not None and r.time_ms.samples:
+                by_impl.setdefault(r.impl, {})[r.case_id] = list(r.time_ms.samples)
+        out.append(by_impl)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagedbench.harness.gate_calibration",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tries", type=int, default=20, help="runs (default: 20)")
+    parser.add_argument("--preset", default="phi3-mini", help="model preset of the cases")
+    parser.add_argument("--block-size", default="16")
+    parser.add_argument("--threads", default="1", help="torch threads per worker")
+    parser.add_argument("--min-effect", type=float, default=Thresholds.min_effect)
+    parser.add_argument("--work-dir", type=Path, default=Path("build/gate-calibration"))
+    parser.add_argument("--samples", type=Path, help="write every try's raw samples here")
+    parser.add_argument("--output", type=Path, help="write the rates here as JSON")
+    parser.add_argument("--from-runs", type=Path, metavar="DIR",
+                        help="judge the runs already in DIR (one try per .jsonl, in name "
+                             "order) instead of running new ones")
+    args = parser.parse_args(argv)
+    if args.tries < 1:
+        parser.error(f"--tries must be >= 1, got {args.tries}")
+    thresholds = Thresholds(min_effect=args.min_effect)
+    run_args = ["--preset", args.preset, "--block-size", args.block_size,
+                "--threads", args.threads]
+    tries = []
+    if args.from_runs is not None:
+        tries = [results_of(read_lines([p])) for p in sorted(args.from_runs.glob("*.jsonl"))]
+    for i in range(args.tries if args.from_runs is None else 0):
+        path = run_once(args.work_dir, run_args, (BASELINE, RERUN, SLOWED))
+        tries.append(results_of(read_lines([path])))
+        print(f"try {i + 1}/{args.tries}: {path}", flush=True)
+    if not tries:
+        parser.error(f"--from-runs {args.from_runs}: no .jsonl results there")
+    judged = judge(tries, thresholds)
+    ok, lines = verdict(judged)
+    device = tries[0][0].env.device if tries[0] else "?"
+    print(f"device {device}, {args.threads} thread(s), preset {args.preset}, block size "
+          f"{args.block_size}, min effect {thresholds.min_effect:g}")
+    print("\n".join(lines))
+    if args.samples is not None:
+        args.samples.write_text(json.dumps(samples_of(tries)) + "\n")
+    if args.output is not None:
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.output.write_text(json.dumps({"device": device, "args": settings,
+                                           "gates": judged}, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""``pagedbench gate``: a conformance regression or a slowdown beyond noise exits 1, a
+point too noisy to judge is listed as such, other devices are never compared (exit 5),
+``--update-baseline`` writes the golden under ``<folder>/<device>/`` (issue 8, "The gate")."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagedbench.harness import gate
+from pagedbench.harness.cli import main
+from pagedbench.harness.record import TimingStats
+from pagedbench.harness.speed import Outcome, Thresholds, compare_samples, holm
+from pagedbench.harness.status import ExitCode
+
+from .conftest import ENV, result
+
+RNG = np.random.default_rng(8)
+
+
+def lognormal(median_ms: float, n: int = 30, sigma: float = 0.05) -> list[float]:
+    """``n`` samples around ``median_ms`` with a multiplicative spread ``sigma``."""
+    return list(median_ms * np.exp(RNG.normal(0, sigma, n)))
+
+
+def timed(impl: str, case: str, samples: list[float] | None, status: str = "pass",
+          device: str = "cpu0", **changes):
+    """A result of ``impl`` on ``case`` with these raw samples (ms) on ``device``."""
+    record = result(impl, case, status, None if samples is None else 1.0,
+                    env={**ENV, "device": device}, **changes)
+    if samples is None:
+        return record
+    q10, q25, q50, q75, q90 = np.percentile(samples, [10, 25, 50, 75, 90])
+    stats = TimingStats(median=q50, p10=q10, p90=q90, iqr=q75 - q25, n=len(samples),
+                        method="perf_counter", samples=samples, noisy=None)
+    return record.model_copy(update={"time_ms": stats, "time_ms_median": q50})
+
+
+def write(path, records) -> str:
+    path.write_text("".join(r.model_dump_json() + "\n" for r in records))
+    return str(path)
+
+
+def test_holm_adjusts_as_the_step_down_procedure() -> None:
+    # By hand: sorted 0.01, 0.03, 0.04 -> 3 x 0.01, max(0.03, 2 x 0.03), max(0.06, 0.04).
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+    assert holm([0.5, 0.9]) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("factor, outcome", [(1.0, Outcome.SAME), (1.25, Outcome.SLOWER),
+                                             (0.75, Outcome.FASTER), (1.05, Outcome.SAME)])
+def test_a_shift_is_judged_by_the_u_test_and_the_minimum_effect(factor, outcome) -> None:
+    baseline = lognormal(10.0)
+    speed = compare_samples(baseline, [s * factor for s in lognormal(10.0)])
+    assert speed.outcome is outcome, speed
+    assert speed.ratio == pytest.approx(factor, rel=0.05)
+    low, high = speed.interval
+    assert low < speed.ratio < high
+
+
+def test_too_few_or_too_spread_samples_are_too_noisy_never_same() -> None:
+    few = compare_samples(lognormal(10.0, n=5), lognormal(10.0, n=30))
+    assert few.outcome is Outcome.NOISY and "baseline has 5 samples" in few.reason
+    # The same 30 values spread over e^-1..e on both sides: p = 1, but +10% cannot be
+    # excluded.
+    spread = list(10 * np.exp(np.linspace(-1, 1, 30)))
+    wide = compare_samples(spread, spread[::-1])
+    assert wide.p_value == pytest.approx(1.0) and wide.ratio == 1.0
+    assert wide.outcome is Outcome.NOISY and "can be neither shown nor ruled out" in wide.reason
+
+
+def test_thresholds_refuse_bad_values_naming_the_option() -> None:
+    with pytest.raises(ValueError, match="--min-effect"):
+        Thresholds(min_effect=0)
+    with pytest.raises(ValueError, match="--min-samples"):
+        Thresholds(min_samples=1)
+
+
+def test_conformance_regressions_fail_the_gate_whatever_the_speed() -> None:
+    base = [timed("a", "c1", lognormal(5)), timed("a", "c2", None, "fail"),
+            timed("b", "c1", lognormal(5)), timed("b", "c2", None, "unsupported")]
+    now = [timed("a", "c1", None, "crash"), timed("a", "c2", lognormal(5)),
+           timed("b", "c1", lognormal(5)), timed("b", "c2", None, "timeout")]
+    report = gate.compare(base, now)
+    outcomes = {(p.key.impl, p.key.case_id.split("-")[0]): p.outcome for p in report.points}
+    assert outcomes == {("a", "c1"): Outcome.BROKEN, ("a", "c2"): Outcome.FIXED,
+                        ("b", "c1"): Outcome.SAME, ("b", "c2"): Outcome.BROKEN}
+    assert report.exit_code is ExitCode.REGRESSION
+
+
+def test_other_devices_are_never_compared() -> None:
+    report = gate.compare([timed("a", "c1", lognormal(5), device="NVIDIA H100")],
+                          [timed("a", "c1", lognormal(50), device="NVIDIA H200")])
+    assert report.points == [] and report.exit_code is ExitCode.NOTHING_COMPARABLE
+    assert "NVIDIA H100" in report.markdown() and "NVIDIA H200" in report.markdown()
+
+
+def test_the_table_lists_what_moved_by_effect_then_what_was_too_noisy(tmp_path, capsys) -> None:
+    base = [timed("a", f"c{i}", lognormal(10)) for i in range(4)]
+    base.append(timed("a", "c4", lognormal(10, n=4)))
+    now = [timed("a", "c0", lognormal(13)), timed("a", "c1", lognormal(30)),
+           timed("a", "c2", lognormal(5)), timed("a", "c3", lognormal(10)),
+           timed("a", "c4", lognormal(10, n=4))]
+    code = main(["gate", "--baseline", write(tmp_path / "b.jsonl", base),
+                 "--current", write(tmp_path / "c.jsonl", now)])
+    out = capsys.readouterr().out
+    assert code == ExitCode.REGRESSION
+    moved = out.split("## What moved", 1)[1].split("## Too noisy", 1)[0]
+    rows = [line.split("|")[3].strip().split("-")[0] for line in moved.splitlines()
+            if "| a " in line]
+    assert rows == ["c1", "c0", "c2"]  # slower x3, slower x1.3, then faster x0.5
+    noisy = out.split("## Too noisy to judge", 1)[1]
+    assert "c4" in noisy and "fewer than 9" in noisy
+    assert "5 points compared: 2 slower, 1 faster, 1 too noisy, 1 same" in out
+
+
+def test_update_baseline_writes_per_device_and_the_next_gate_reads_it(tmp_path,
+                                                                       capsys) -> None:
+    records = [timed("a", "c1", lognormal(5), device="AMD EPYC 7763"),
+               timed("a", "c1", lognormal(5), device="NVIDIA H200")]
+    baselines = tmp_path / "results" / "baselines"
+    current = write(tmp_path / "run.jsonl", records)
+    assert main(["gate", "--baseline", str(baselines), "--current", current,
+                 "--update-baseline"]) == ExitCode.CLEAN
+    written = sorted(p.relative_to(baselines).as_posix() for p in baselines.rglob("*.jsonl"))
+    assert written == ["amd-epyc-7763/baseline.jsonl", "nvidia-h200/baseline.jsonl"]
+    lines = (baselines / "nvidia-h200" / "baseline.jsonl").read_text().splitlines()
+    assert [json.loads(line)["env"]["device"] for line in lines] == ["NVIDIA H200"]
+    assert main(["gate", "--baseline", str(baselines), "--current", current]) == ExitCode.CLEAN
+    other = write(tmp_path / "other.jsonl", [timed("a", "c1", lognormal(5), device="M3")])
+    assert main(["gate", "--baseline", str(baselines), "--current", other]) \
+        == ExitCode.NOTHING_COMPARABLE
+    assert "nothing comparable" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["gate", "--current", "x.jsonl"], "--baseline"),
+    (["gate", "--baseline", "b", "--current", "c", "--min-effect", "0"], "must be a number > 0"),
+    (["gate", "--baseline", "b", "--current", "c", "--alpha", "1"], "must be a number > 0 and < 1"),
+])
+def test_bad_gate_options_are_usage_errors(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == ExitCode.USAGE_ERROR
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_or_malformed_file_is_a_usage_error(tmp_path, capsys) -> None:
+    current = write(tmp_path / "c.jsonl", [timed("a", "c1", lognormal(5))])
+    assert main(["gate", "--baseline", str(tmp_path / "none.jsonl"), "--current", current]) \
+        == ExitCode.USAGE_ERROR
+    assert "--update-baseline" in capsys.readouterr().err
+    (tmp_path / "bad.jsonl").write_text('{"kind": "result"}\n')
+    assert main(["gate", "--baseline", str(tmp_path / "bad.jsonl"), "--current", current]) \
+        == ExitCode.USAGE_ERROR
+    assert "bad.jsonl" in capsys.readouterr().err

