@@ -19,6 +19,8 @@ Implementations are found without importing them and imported only in worker pro
 (:mod:`.runner`), so no plug-in can take a command down. Bad options and input files are
 refused with the option, the value and what is allowed (exit 2); exit codes are those of
 :class:`~.status.ExitCode`.
+(Over 500 lines: one parser and one handler per command, kept together so that every
+option's name, check and help are read in one place; the work is in the modules named.)
 """
 
 from __future__ import annotations
