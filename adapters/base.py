@@ -358,6 +358,10 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def available(self, device: str = "cpu") -> Availability: ...
 
+    #: True when ``prepare`` compiles for each new shape (seconds per case: FlexAttention
+    #: under ``torch.compile``); the ``ci`` profile then runs only the core edge probes.
+    compiles_per_shape: ClassVar[bool] = False
+
     def is_interpreted(self, device: str) -> bool:
         """True when ``run`` on ``device`` executes under an interpreter (Triton's on the
         CPU): its timing is then recorded as "interpreted" and never ranked."""
@@ -464,8 +468,10 @@ class TritonAdapter(Adapter):
                 "TRITON_INTERPRET=1 before starting Python")
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        """Capability reasons plus, when interpreted, the :attr:`interpreter_budget`'s."""
+        """Capability reasons or, when there are none and the kernel runs interpreted, the
+        :attr:`interpreter_budget`'s (the work of a case outside the capabilities, a
+        degenerate one say, is not estimated)."""
         reasons = super().why_unsupported(case, device)
-        if self.is_interpreted(device) and self.kernel_interpreted() is not None:
+        if not reasons and self.is_interpreted(device) and self.kernel_interpreted() is not None:
             reasons += self.interpreter_budget.why_over(self.interpreter_work(case))
         return reasons

