@@ -56,7 +56,12 @@ CAPABILITIES = Capabilities(
     devices=frozenset({"cpu"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     modes=frozenset({"decode", "prefill"}),
-    features=frozenset({"sliding_window", "logits_soft_cap"}),
+    features=frozenset({"sliding_window", "logits_soft_cap", "empty_kv", "empty_q",
+                        "unseen_rows"}),
+    # prepare() permutes the cache into PagedAttention's pool (a copy), so views of
+    # larger allocations are taken; it returns its own output (no buffer to stride).
+    layouts=frozenset({"contiguous", "fused_qkv", "layer_pool", "every_other_block",
+                       "layer_in_block"}),
     nan_safe_tail=False,
 )
 

@@ -46,6 +46,12 @@ V_MAGNITUDES = (1.0, 1e3, 2e4)
 LOGIT_OFFSETS = (0.0, 50.0, -50.0, 1e3, -1e3)
 #: ``min_block_id`` values past which 16-bit table entries wrap (signed, unsigned).
 HIGH_BLOCK_IDS = (32768, 65536)
+#: Features that are edges of the input space rather than attention options: drawn only
+#: with ``edges=True`` (and where declared).
+EDGE_FEATURES = frozenset({"empty_kv", "empty_q", "unseen_rows", "head_dim_v"})
+#: The everyday box ``edges=False`` keeps to: scales and caps in the range models use.
+EVERYDAY_SM_SCALES = (0.0625, 0.03, 0.2, 0.5)
+EVERYDAY_SOFT_CAPS = (30.0, 5.0, 50.0)
 
 
 def _allowed(values: tuple[int, ...], allowed: frozenset | None) -> list[int]:
@@ -67,6 +73,7 @@ def paged_cases(
     max_kv_heads: int = 2,
     dtypes: tuple[str, ...] = DTYPES,
     high_block_ids: bool = False,
+    edges: bool = False,
 ) -> PagedCase:
     """A random :class:`PagedCase` within ``capabilities`` (all axes when ``None``).
 
@@ -75,9 +82,12 @@ def paged_cases(
     declared. Prefill (q_len > 1), q_len 0 and q_len > kv_len, the optional features,
     fp8 KV caches (with non-unit scales, as vLLM's tests use), a V head dim of its own and
     the non-contiguous layouts appear only when the capabilities declare them; the logit
-    range (scale, magnitudes, offsets) is drawn for every implementation. With
-    ``high_block_ids`` the batch is placed past block id 32767 or 65535 half of the time
-    (a pool of ``min_block_id`` blocks or more: keep the case small).
+    range (scale, magnitudes, offsets) and the poison are drawn for every implementation.
+    All of these edges only with ``edges=True`` (the conformance search); without it,
+    unit-normal values, NaN poison, contiguous tensors and the scales and caps models use
+    (for tests of a layout conversion). With ``high_block_ids`` the batch is placed past
+    block id 32767 or 65535 half of the time (a pool of ``min_block_id`` blocks or more:
+    keep the case small).
 
     Raises
     ------
@@ -94,6 +104,8 @@ def paged_cases(
         if not values:
             raise ValueError(f"capabilities leave no {axis} to draw from")
     features = caps.features if caps else FEATURES
+    if not edges:
+        features = features - EDGE_FEATURES
     block_size = draw(st.sampled_from(block_sizes))
     num_kv_heads = draw(st.integers(1, max_kv_heads))
     ratio = draw(st.sampled_from(ratios))
@@ -121,7 +133,7 @@ def paged_cases(
             st.integers(1, max_kv_len)))
     soft_cap = None
     if "logits_soft_cap" in features and draw(st.booleans()):
-        soft_cap = draw(st.sampled_from(SOFT_CAPS))
+        soft_cap = draw(st.sampled_from(SOFT_CAPS if edges else EVERYDAY_SOFT_CAPS))
     alibi = "alibi" in features and draw(st.booleans())
     sinks = "sinks" in features and draw(st.booleans())
     kv_cache_dtypes = sorted(caps.kv_cache_dtypes if caps else KV_CACHE_DTYPES)
@@ -139,6 +151,16 @@ def paged_cases(
     if high_block_ids and draw(st.booleans()):
         placement["min_block_id"] = draw(st.sampled_from(HIGH_BLOCK_IDS)) - draw(
             st.integers(0, 2))
+    values = {"sm_scale": draw(st.one_of(st.none(), st.sampled_from(EVERYDAY_SM_SCALES)))}
+    if edges:
+        values = {
+            "sm_scale": draw(st.one_of(st.none(), st.sampled_from(SM_SCALES))),
+            "qk_magnitude": draw(st.sampled_from(QK_MAGNITUDES)),
+            "v_magnitude": draw(st.sampled_from(V_MAGNITUDES)),
+            "logit_offset": draw(st.sampled_from(LOGIT_OFFSETS)),
+            "layout": draw(st.sampled_from(layouts or ["contiguous"])),
+            "poison": draw(st.sampled_from(POISONS)),
+        }
     return PagedCase(
         kv_lens=kv_lens,
         q_lens=q_lens,
@@ -148,18 +170,13 @@ def paged_cases(
         head_dim_v=head_dim_v,
         block_size=block_size,
         dtype=draw(st.sampled_from(dtype_choices)),
-        sm_scale=draw(st.one_of(st.none(), st.sampled_from(SM_SCALES))),
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,
         alibi=alibi,
         sinks=sinks,
         kv_cache_dtype=kv_cache_dtype,
         **scales,
-        qk_magnitude=draw(st.sampled_from(QK_MAGNITUDES)),
-        v_magnitude=draw(st.sampled_from(V_MAGNITUDES)),
-        logit_offset=draw(st.sampled_from(LOGIT_OFFSETS)),
-        layout=draw(st.sampled_from(layouts or ["contiguous"])),
-        poison=draw(st.sampled_from(POISONS)),
+        **values,
         **placement,
         seed=draw(st.integers(0, 2**16)),
         name="hyp",

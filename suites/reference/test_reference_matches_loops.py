@@ -16,7 +16,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
 
+from pagedbench.harness.strategies import paged_cases
 from pagedbench.reference import PagedCase, materialize, naive_attention, reference_attention
 
 
@@ -116,6 +118,23 @@ def test_reference_features_match_per_query_loops(case: PagedCase) -> None:
     worst = max(abs(a - b) for t, e in zip(truth, expected) for th, eh in zip(t, e)
                 for a, b in zip(th, eh))
     assert worst < 1e-12
+
+
+@settings(max_examples=15)
+@given(paged_cases(max_batch=3, max_kv_len=12, max_kv_heads=1, dtypes=("float32",),
+                   edges=True))
+def test_reference_matches_per_query_loops_at_the_edges(case: PagedCase) -> None:
+    """Degenerate rows, a V head dim of its own, layouts, poisons and the logit range, as
+    the search draws them (small, so the loops stay quick), relative to the output's
+    scale (float64 logits of magnitude up to ~1e8 round at ~1e-8)."""
+    case = case.with_(head_dim=8, head_dim_v=None if case.head_dim_v is None else 12)
+    inputs = materialize(case)
+    truth = reference_attention(inputs).tolist()
+    expected = loop_attention(inputs)
+    flat = [(a, b) for t, e in zip(truth, expected) for th, eh in zip(t, e)
+            for a, b in zip(th, eh)]
+    scale = max([abs(b) for _, b in flat] + [1.0])
+    assert max([abs(a - b) for a, b in flat] + [0.0]) <= 1e-9 * scale
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
