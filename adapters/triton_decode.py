@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
+from pagedbench.reference.case import LAYOUTS
 
 from .base import (
     Availability,
@@ -53,7 +54,8 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     head_dims=frozenset({64, 80, 96, 128, 256}),
     modes=frozenset({"decode"}),
-    features=frozenset({"sliding_window", "logits_soft_cap"}),
+    features=frozenset({"sliding_window", "logits_soft_cap", "empty_kv"}),
+    layouts=frozenset(LAYOUTS),  # the launcher passes every tensor's strides
 )
 
 

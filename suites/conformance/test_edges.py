@@ -34,9 +34,9 @@ PROBES = {
     "unseen-rows": (lambda bs: (3, bs + 1), 4, 2, {"q_lens": (7, 2)}),
     "all-degenerate": (lambda bs: (0, 5, 3, 0), 4, 2, {"q_lens": (2, 0, 6, 0)}),
     # Blocks placed past the ids where a 16-bit table entry wraps, with a poison each.
-    "block-id-32767": (lambda bs: (3 * bs + 1, 2), 4, 2,
+    "block-id-32767": (lambda bs: (3 * bs + 1, 2), 2, 1,
                        {"min_block_id": 32766, "poison": "inf"}),
-    "block-id-65535": (lambda bs: (3 * bs + 1, 2), 4, 2,
+    "block-id-65535": (lambda bs: (3 * bs + 1, 2), 2, 1,
                        {"min_block_id": 65534, "poison": "-inf"}),
     **{f"poison-{p}": (lambda bs: (bs + 1, 2 * bs - 1, 3), 4, 2, {"poison": p})
        for p in POISONS},
@@ -84,12 +84,26 @@ PROBES = {
 
 
 #: The probes every implementation gets in every profile: one per kind of edge.
-CORE = ("empty-kv", "empty-q", "unseen-rows", "block-id-65535", "poison-huge", "offset-1e4",
-        "window-1", "layout-every_other_block", "gqa-7")
+CORE = ("empty-kv", "empty-q", "unseen-rows", "block-id-65535", "offset-1e4", "window-1",
+        "layout-every_other_block")
+
+
+#: Faults found by these probes in peers, pinned: the probe must fail there (a strict
+#: xfail), so that a fix upstream shows and the entry can go.
+KNOWN_FAULTS = {
+    ("vllm-chunked-prefill", f"window-{window}"): (
+        "decode rows mask the keys outside the sliding window with -10000, not -inf "
+        "(kernel_paged_attention_2d in vllm/v1/attention/ops/chunked_prefill_paged_decode.py)"
+        ": with logits near -1e4 those keys get weight")
+    for window in ("1", "2", "bs-1", "bs+1")
+}
 
 
 @pytest.mark.parametrize("probe", list(PROBES))
-def test_edge_probe_matches_dense(adapter, probe) -> None:
+def test_edge_probe_matches_dense(adapter, probe, request) -> None:
+    if (adapter.name, probe) in KNOWN_FAULTS:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_FAULTS[adapter.name, probe],
+                                              raises=AssertionError, strict=True))
     slow = adapter.is_interpreted(DEVICE) or adapter.compiles_per_shape
     if slow and probe not in CORE and settings.get_current_profile_name() == "ci":
         pytest.skip(f"{adapter.name} runs interpreted or compiles per shape: core probes "
