@@ -22,8 +22,8 @@ from pagedbench.harness.conformance import assert_conforms, inputs_for
 from pagedbench.reference import naive_attention
 from pagedbench.reference.case import LAYOUTS, POISONS
 
+from .cases import pinned_case
 from .conftest import DEVICE
-from .test_paged_matches_dense import pinned_case
 
 #: name -> (kv_lens(block_size), num_q_heads, num_kv_heads, other fields). Lengths and
 #: fields may depend on the block size the implementation takes (callables of it).
