@@ -24,7 +24,6 @@ from typing import ClassVar
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
-from pagedbench.reference.case import LAYOUTS
 
 from .base import (
     Availability,
@@ -55,7 +54,6 @@ CAPABILITIES = Capabilities(
     head_dims=frozenset({64, 80, 96, 128, 256}),
     modes=frozenset({"decode"}),
     features=frozenset({"sliding_window", "logits_soft_cap", "empty_kv"}),
-    layouts=frozenset(LAYOUTS),  # the launcher passes every tensor's strides
 )
 
 

@@ -22,7 +22,6 @@ from typing import Any, ClassVar
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
-from pagedbench.reference.case import LAYOUTS
 
 from .base import Capabilities, Fact, InterpretedWork, InterpreterBudget, Prepared
 from .triton_decode import PagedbenchTritonAdapter
@@ -57,7 +56,6 @@ _COMMON = dict(
     features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks"}),
     kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
     min_compute_capability=(8, 0),
-    layouts=frozenset(LAYOUTS),  # the launchers pass every tensor's strides
 )
 SPLIT_CAPABILITIES = Capabilities(
     modes=frozenset({"decode"}), **_COMMON | {"features": _COMMON["features"] | {"empty_kv"}})

@@ -33,7 +33,6 @@ from typing import ClassVar
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
-from pagedbench.reference.case import LAYOUTS
 
 from . import vllm_triton_launch as launch
 from .base import (
@@ -193,7 +192,6 @@ class VllmUnified(_VllmTritonAdapter):
         # Not empty_kv, unseen_rows: a row that sees no key comes out NaN, not 0.
         features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks",
                             "empty_q"}),
-        layouts=frozenset(LAYOUTS),
     )
 
     @staticmethod
@@ -282,7 +280,6 @@ class VllmDecode(_VllmTritonAdapter):
         modes=frozenset({"decode"}),
         features=frozenset({"logits_soft_cap"}),  # not empty_kv: kv_len 0 comes out NaN
         logits_precision="case",
-        layouts=frozenset(LAYOUTS),
     )
 
     @staticmethod
@@ -350,7 +347,6 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
         # Not unseen_rows: a row that sees no key comes out NaN, not 0; not empty_q: a
         # batch with a q_len 0 entry aborts the interpreted process (free(): invalid pointer).
         features=frozenset({"sliding_window", "alibi", "sinks", "empty_kv"}),
-        layouts=frozenset(LAYOUTS),
     )
 
     @staticmethod

@@ -22,7 +22,7 @@ def _is_poison(x: torch.Tensor, poison: str, dtype: torch.dtype | None = None) -
     return x.isnan() if poison == "nan" else x == value
 
 
-@given(paged_cases(max_batch=4, max_kv_len=100, edges=True))
+@given(paged_cases(max_batch=4, max_kv_len=100, edges=True, logit_range=True))
 def test_materialize_poisons_every_slot_without_a_live_token(case: PagedCase) -> None:
     poison = case.poison
     inputs = materialize(case)
@@ -120,7 +120,7 @@ def test_inputs_keep_their_layout_when_moved() -> None:
     assert copied.storage_offset() == inputs.kv_cache.storage_offset()
 
 
-@given(paged_cases(max_batch=3, max_kv_len=70, edges=True))
+@given(paged_cases(max_batch=3, max_kv_len=70, edges=True, logit_range=True))
 def test_stale_tail_poison_fills_only_the_v_tails_of_last_blocks(case: PagedCase) -> None:
     strict, stale = materialize(case), materialize(case, tail_poison="stale")
     bs = case.block_size

@@ -122,7 +122,7 @@ def test_reference_features_match_per_query_loops(case: PagedCase) -> None:
 
 @settings(max_examples=15)
 @given(paged_cases(max_batch=3, max_kv_len=12, max_kv_heads=1, dtypes=("float32",),
-                   edges=True))
+                   edges=True, logit_range=True))
 def test_reference_matches_per_query_loops_at_the_edges(case: PagedCase) -> None:
     """Degenerate rows, a V head dim of its own, layouts, poisons and the logit range, as
     the search draws them (small, so the loops stay quick), relative to the output's
