@@ -26,7 +26,6 @@ def case_strategy(adapter: Adapter) -> st.SearchStrategy[PagedCase]:
         max_batch=3 if interpreted else 4,
         max_kv_len=80 if interpreted else 300,
         max_kv_heads=1 if interpreted else 2,
-        edges=True,
     )
 
 
