@@ -1,24 +1,26 @@
 """Pinned probes at the edges of the input space (issue 7), for every implementation:
-degenerate rows, high block ids and every poison, long contexts and the split thresholds,
-the logit range, non-contiguous layouts, unusual shapes, and the metamorphic properties
-(batch invariance, q = 0, a single visible key). Random search rarely lands on these, so
-each is placed. A probe an implementation does not declare (a feature, a layout, a shape,
+degenerate rows, high block ids and every poison, more than 64 blocks, the logit range,
+sliding windows of 1, 2 and block_size +- 1, non-contiguous layouts, unusual shapes, and
+the metamorphic properties (batch invariance, q = 0, a single visible key); long 16-bit
+contexts and the split thresholds are in ``test_pinned_probes``. Random search rarely
+lands on these, so each is placed. A probe an implementation does not declare (a feature, a layout, a shape,
 its interpreter budget) is skipped with the ``unsupported`` reason, never failed.
-Implementations that run interpreted or compile per shape get the :data:`CORE` probes in
-the ``ci`` profile (seconds to minutes per case), every probe in the others.
+Implementations that run interpreted or compile per shape get only the :data:`CORE` probes
+in the ``ci`` profile (seconds to minutes per case), every probe and property in the others.
 Run one implementation: ``pytest suites/conformance/test_edges.py --impl NAME``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
 import torch
 from hypothesis import settings
 
-from pagedbench.harness import tolerance
-from pagedbench.harness.conformance import assert_conforms, inputs_for
+from pagedbench.harness import replay, tolerance
+from pagedbench.harness.conformance import inputs_for
 from pagedbench.reference import naive_attention
 from pagedbench.reference.case import LAYOUTS, POISONS
 
@@ -40,12 +42,9 @@ PROBES = {
                        {"min_block_id": 65534, "poison": "-inf"}),
     **{f"poison-{p}": (lambda bs: (bs + 1, 2 * bs - 1, 3), 4, 2, {"poison": p})
        for p in POISONS},
-    # Long contexts: low-precision accumulation shows at kv_len >= 4096; > 64 blocks;
-    # the lengths just around the split thresholds kernels use.
-    "long-4096-fp16": (lambda bs: (4099, 37), 4, 2, {"dtype": "float16"}),
-    "long-4096-bf16": (lambda bs: (4099, 37), 4, 2, {"dtype": "bfloat16"}),
+    # More than 64 blocks per sequence (long 16-bit contexts and the split thresholds:
+    # test_pinned_probes).
     "many-blocks": (lambda bs: (65 * bs + 1,), 4, 2, {}),
-    "split-thresholds": (lambda bs: (127, 129, 253, 259, 510, 514, 1021, 1027), 2, 1, {}),
     # The logit range (offsets of +-1e4: past that float32 logits decide more than the
     # kernel does; see MAX_LOGIT_OFFSET).
     "sm-scale-1e-3": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"sm_scale": 1e-3}),
@@ -100,34 +99,54 @@ KNOWN_FAULTS = {
 
 
 @pytest.mark.parametrize("probe", list(PROBES))
-def test_edge_probe_matches_dense(adapter, probe, request) -> None:
+def test_edge_probe_matches_dense(adapter, impl, probe, request) -> None:
     if (adapter.name, probe) in KNOWN_FAULTS:
         request.applymarker(pytest.mark.xfail(reason=KNOWN_FAULTS[adapter.name, probe],
                                               raises=AssertionError, strict=True))
-    slow = adapter.is_interpreted(DEVICE) or adapter.compiles_per_shape
-    if slow and probe not in CORE and settings.get_current_profile_name() == "ci":
-        pytest.skip(f"{adapter.name} runs interpreted or compiles per shape: core probes "
-                    "only in the ci profile")
+    if probe not in CORE:
+        _skip_if_slow_in_ci(adapter)
     kv_lens, num_q_heads, num_kv_heads, fields = PROBES[probe]
     case = pinned_case(adapter, kv_lens, num_q_heads, num_kv_heads, probe, **fields)
-    assert_conforms(adapter, case, DEVICE)
+    replay.check(adapter, case, DEVICE, impl)
 
 
-def test_batch_invariance(adapter) -> None:
+def _skip_if_slow_in_ci(adapter) -> None:
+    """Skip unless the ``ci`` profile is off or ``adapter`` runs compiled once (not
+    interpreted, not compiled per shape): seconds to minutes per case otherwise."""
+    slow = adapter.is_interpreted(DEVICE) or adapter.compiles_per_shape
+    if slow and settings.get_current_profile_name() == "ci":
+        pytest.skip(f"{adapter.name} runs interpreted or compiles per shape: core probes "
+                    "only in the ci profile")
+
+
+@contextlib.contextmanager
+def _replay_hint(case, impl: str):
+    """Append the replay command of ``case`` (:func:`replay.hint`) to an assertion's
+    message, as every conformance failure ends."""
+    try:
+        yield
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{replay.hint(case, impl)}") from exc
+
+
+def test_batch_invariance(adapter, impl) -> None:
     """A sequence's output does not change when others join its batch: bit for bit for
     an implementation that declares ``batch_invariant``, within the tolerance of its own
     truth for the others."""
+    _skip_if_slow_in_ci(adapter)
     case = pinned_case(adapter, lambda bs: (2 * bs + 5, 7 * bs + 1, 1, 3 * bs), 4, 2,
                        "batch-invariance")
     batched_inputs = inputs_for(adapter, case, DEVICE)
     alone_inputs = _first_sequence(batched_inputs)
     batched = adapter.run(adapter.prepare(batched_inputs))[: alone_inputs.case.total_q]
     single = adapter.run(adapter.prepare(alone_inputs))
-    if adapter.capabilities(DEVICE).batch_invariant:
-        assert torch.equal(batched, single), (
-            f"{adapter.name} declares batch_invariant but sequence 0 changes when others "
-            f"join (max diff {(batched.double() - single.double()).abs().max():.3g})")
-    tolerance.assert_matches_truth(batched, alone_inputs.to("cpu"), f"{adapter.name}:batched")
+    with _replay_hint(case, impl):
+        if adapter.capabilities(DEVICE).batch_invariant:
+            assert torch.equal(batched, single), (
+                f"{adapter.name} declares batch_invariant but sequence 0 changes when "
+                f"others join (max diff {(batched.double() - single.double()).abs().max():.3g})")
+        tolerance.assert_matches_truth(batched, alone_inputs.to("cpu"),
+                                       f"{adapter.name}:batched")
 
 
 def _first_sequence(inputs):
@@ -180,9 +199,10 @@ def _expected_from_rows(inputs, keys_of) -> tolerance.Expected:
     return tolerance.Expected(truth, naive_attention(inputs.to("cpu")))
 
 
-def test_zero_query_gives_the_mean_of_the_visible_values(adapter) -> None:
+def test_zero_query_gives_the_mean_of_the_visible_values(adapter, impl) -> None:
     """q = 0 makes every visible logit 0: each row is the plain mean of the V rows it
     sees (causal rows see a growing prefix)."""
+    _skip_if_slow_in_ci(adapter)
     prefill = "prefill" in adapter.capabilities(DEVICE).modes
     case = pinned_case(adapter, lambda bs: (bs + 3, 2 * bs, 1), 4, 2, "zero-q",
                        q_lens=(3, 2, 1) if prefill else None)
@@ -191,13 +211,15 @@ def test_zero_query_gives_the_mean_of_the_visible_values(adapter) -> None:
     out = adapter.run(adapter.prepare(inputs))
     expected = _expected_from_rows(
         inputs, lambda q_len, kv_len, j: _visible_positions(q_len, kv_len, j, None))
-    tolerance.assert_close_report(out, expected, case.dtype, f"{adapter.name}:{case.case_id}",
-                                  inputs.cu_seqlens_q.cpu())
+    with _replay_hint(case, impl):
+        tolerance.assert_close_report(out, expected, case.dtype,
+                                      f"{adapter.name}:{case.case_id}", inputs.cu_seqlens_q.cpu())
 
 
-def test_single_visible_key_gives_its_value(adapter) -> None:
+def test_single_visible_key_gives_its_value(adapter, impl) -> None:
     """A row that sees one key outputs that key's V: sliding window 1 (every row sees
     only its own position) where declared, else sequences of one token."""
+    _skip_if_slow_in_ci(adapter)
     window = "sliding_window" in adapter.capabilities(DEVICE).features
     case = pinned_case(adapter, (lambda bs: (1, bs + 1, 2 * bs)) if window else
                        (lambda bs: (1, 1, 1)), 4, 2, "one-key",
@@ -205,5 +227,6 @@ def test_single_visible_key_gives_its_value(adapter) -> None:
     inputs = inputs_for(adapter, case, DEVICE)
     out = adapter.run(adapter.prepare(inputs))
     expected = _expected_from_rows(inputs, lambda q_len, kv_len, j: [kv_len - q_len + j])
-    tolerance.assert_close_report(out, expected, case.dtype, f"{adapter.name}:{case.case_id}",
-                                  inputs.cu_seqlens_q.cpu())
+    with _replay_hint(case, impl):
+        tolerance.assert_close_report(out, expected, case.dtype,
+                                      f"{adapter.name}:{case.case_id}", inputs.cu_seqlens_q.cpu())
