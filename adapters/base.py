@@ -23,11 +23,16 @@ from typing import Any, ClassVar, Union
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
-from pagedbench.reference.case import KV_CACHE_DTYPES
+from pagedbench.reference.case import KV_CACHE_DTYPES, LAYOUTS
 from pagedbench.reference.dense import LOGITS_PRECISIONS
 
-#: Optional features a case may use, as :attr:`PagedCase.features` names them.
-FEATURES = frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks"})
+#: Optional features a case may use, as :attr:`PagedCase.features` names them: the
+#: attention features, a V head dim other than the Q/K one (``"head_dim_v"``, MLA), and
+#: the degenerate entries serving engines pad batches with: a sequence with ``kv_len`` 0
+#: (``"empty_kv"``), one with ``q_len`` 0 (``"empty_q"``), and query rows that see no key
+#: because ``q_len > kv_len > 0`` (``"unseen_rows"``). Rows that see no key output 0.
+FEATURES = frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks", "head_dim_v",
+                      "empty_kv", "empty_q", "unseen_rows"})
 MODES = frozenset({"decode", "prefill"})
 
 #: What :attr:`Availability.details` and :attr:`Prepared.facts` may hold: JSON scalars.
@@ -94,17 +99,32 @@ class Capabilities:
     dtypes : frozenset[str]
         Q/K/V/O dtypes by :data:`~pagedbench.reference.DTYPES` names.
     head_dims, block_sizes, gqa_ratios : frozenset[int | MultipleOf | AtLeast] or None
-        Allowed values; ``MultipleOf(16)`` admits 16, 32, 48, ..., ``AtLeast(32)`` 32, 33, ...
+        Allowed values; ``MultipleOf(16)`` admits 16, 32, 48, ..., ``AtLeast(32)`` 32,
+        33, ... ``head_dims`` holds for the V head dim too (``head_dim_v``), which also
+        needs the feature ``"head_dim_v"``.
     modes : frozenset[str]
         ``"decode"`` (one query token per sequence) and/or ``"prefill"`` (several,
         causal bottom-right, also mixed with decodes).
     features : frozenset[str]
-        Optional features from :data:`FEATURES` the implementation handles.
+        Optional features from :data:`FEATURES` the implementation handles (the
+        degenerate rows among them).
     kv_cache_dtypes : frozenset[str]
         KV-cache storage types from :data:`~pagedbench.reference.case.KV_CACHE_DTYPES`;
         ``"auto"`` means the KV cache has the case dtype.
     min_compute_capability : tuple[int, int] or None
         Lowest CUDA compute capability; :meth:`why_unsupported` reads the device's.
+    layouts : frozenset[str]
+        Memory layouts of the inputs (:data:`~pagedbench.reference.case.LAYOUTS`) the
+        adapter takes as they are: strided ``q``, a cache that is a view into a larger
+        allocation, a strided output buffer. ``{"contiguous"}`` by default.
+    max_num_blocks : int or None
+        Largest pool (``num_blocks``, so block ids below it) the implementation takes;
+        ``None``: any.
+    batch_invariant : bool
+        True when a sequence's output is bitwise the same whatever other sequences share
+        its batch (one program per sequence, or a fixed split size: FlashInfer's
+        ``fixed_split_size``, vLLM's ``VLLM_BATCH_INVARIANT``); the metamorphic suite
+        then checks equality bit for bit, otherwise within the tolerance.
     nan_safe_tail : bool
         True (the default, and what pagedbench's own kernels guarantee) when the result
         cannot depend on the unused slots at the end of a sequence's partly filled last
@@ -130,7 +150,8 @@ class Capabilities:
     ------
     ValueError
         If ``features`` names something outside :data:`FEATURES`, ``kv_cache_dtypes``
-        something outside ``KV_CACHE_DTYPES``, or ``notes`` an unknown attribute.
+        something outside ``KV_CACHE_DTYPES``, ``layouts`` something outside ``LAYOUTS``,
+        or ``notes`` an unknown attribute.
     """
 
     devices: frozenset[str]
@@ -144,6 +165,9 @@ class Capabilities:
     min_compute_capability: tuple[int, int] | None = None
     nan_safe_tail: bool = True
     logits_precision: str = "float32"
+    layouts: frozenset[str] = frozenset({"contiguous"})
+    max_num_blocks: int | None = None
+    batch_invariant: bool = False
     notes: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -158,6 +182,9 @@ class Capabilities:
         if self.logits_precision not in LOGITS_PRECISIONS:
             raise ValueError(f"logits_precision must be one of {LOGITS_PRECISIONS}, got "
                              f"{self.logits_precision!r}")
+        unknown = sorted(self.layouts - set(LAYOUTS))
+        if unknown:
+            raise ValueError(f"layouts {unknown} unknown; choose from {list(LAYOUTS)}")
         axes = {f.name for f in fields(self)} - {"notes"}
         unknown = sorted(set(self.notes) - axes)
         if unknown:
@@ -187,6 +214,8 @@ class Capabilities:
             ("block_sizes", "block_size", case.block_size),
             ("gqa_ratios", "gqa ratio", case.gqa_ratio),
         ]
+        if case.head_dim_v is not None:
+            checks.insert(1, ("head_dims", "head_dim_v", case.head_dim_v))
         for attribute, axis, value in checks:
             allowed = getattr(self, attribute)
             if not allows(allowed, value):
@@ -200,6 +229,13 @@ class Capabilities:
             reasons.append(self._noted(
                 "kv_cache_dtypes",
                 f"kv_cache_dtype {case.kv_cache_dtype!r} not in {sorted(self.kv_cache_dtypes)}"))
+        if case.layout not in self.layouts:
+            reasons.append(self._noted(
+                "layouts", f"layout {case.layout!r} not in {sorted(self.layouts)}"))
+        if self.max_num_blocks is not None and case.pool_blocks > self.max_num_blocks:
+            reasons.append(self._noted(
+                "max_num_blocks", f"num_blocks {case.pool_blocks} not supported "
+                                  f"(supported: <= {self.max_num_blocks})"))
         if device_type == "cuda" and self.min_compute_capability is not None:
             reasons += self._compute_capability_reasons(torch.device(device).index)
         return reasons
@@ -238,6 +274,9 @@ class Capabilities:
             "min_compute_capability": self.min_compute_capability,
             "nan_safe_tail": self.nan_safe_tail,
             "logits_precision": self.logits_precision,
+            "layouts": [layout for layout in LAYOUTS if layout in self.layouts],
+            "max_num_blocks": self.max_num_blocks,
+            "batch_invariant": self.batch_invariant,
             "notes": dict(self.notes),
         }
 
@@ -318,6 +357,10 @@ class Adapter(abc.ABC):
 
     @abc.abstractmethod
     def available(self, device: str = "cpu") -> Availability: ...
+
+    #: True when ``prepare`` compiles for each new shape (seconds per case: FlexAttention
+    #: under ``torch.compile``); the ``ci`` profile then runs only the core edge probes.
+    compiles_per_shape: ClassVar[bool] = False
 
     def is_interpreted(self, device: str) -> bool:
         """True when ``run`` on ``device`` executes under an interpreter (Triton's on the
@@ -425,8 +468,10 @@ class TritonAdapter(Adapter):
                 "TRITON_INTERPRET=1 before starting Python")
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        """Capability reasons plus, when interpreted, the :attr:`interpreter_budget`'s."""
+        """Capability reasons or, when there are none and the kernel runs interpreted, the
+        :attr:`interpreter_budget`'s (the work of a case outside the capabilities, a
+        degenerate one say, is not estimated)."""
         reasons = super().why_unsupported(case, device)
-        if self.is_interpreted(device) and self.kernel_interpreted() is not None:
+        if not reasons and self.is_interpreted(device) and self.kernel_interpreted() is not None:
             reasons += self.interpreter_budget.why_over(self.interpreter_work(case))
         return reasons

@@ -56,7 +56,12 @@ CAPABILITIES = Capabilities(
     devices=frozenset({"cpu"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     modes=frozenset({"decode", "prefill"}),
-    features=frozenset({"sliding_window", "logits_soft_cap"}),
+    features=frozenset({"sliding_window", "logits_soft_cap", "empty_kv", "empty_q",
+                        "unseen_rows"}),
+    # prepare() permutes the cache into PagedAttention's pool (a copy), so views of
+    # larger allocations are taken; it returns its own output (no buffer to stride).
+    layouts=frozenset({"contiguous", "fused_qkv", "layer_pool", "every_other_block",
+                       "layer_in_block"}),
     nan_safe_tail=False,
 )
 
@@ -116,6 +121,8 @@ def to_flex_layout(inputs: PagedInputs) -> FlexPagedLayout:
     paged = PagedAttention(num_blocks, block_size, case.batch_size, device=device)
     owned = torch.zeros(num_blocks, dtype=torch.bool, device=device)
     for i, n in enumerate(case.blocks_per_seq):
+        if n == 0:  # kv_len 0: no page to map
+            continue
         blocks = inputs.block_tables[i, :n].to(torch.int64)  # [n] live blocks, logical order
         if int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks:
             raise ValueError(
@@ -160,6 +167,8 @@ class FlexPaged(Adapter):
     name = "flex-paged"
     description = ("PyTorch FlexAttention over its PagedAttention page table and converted "
                    "block mask, torch.compile'd")
+
+    compiles_per_shape = True
 
     def __init__(self) -> None:
         self._attend: Callable[..., torch.Tensor] | None = None

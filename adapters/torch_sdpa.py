@@ -18,14 +18,24 @@ import torch
 import torch.nn.functional as F
 
 from pagedbench.reference import PagedInputs
+from pagedbench.reference.case import LAYOUTS
 
 from .base import Adapter, Availability, Capabilities, Prepared
 
+#: Degenerate rows hold because SDPA returns 0 for a query row whose boolean mask is all
+#: False and for zero keys (torch 2.5 and later; measured on 2.13.0, pinned by
+#: suites/conformance/test_edges.py). One SDPA call per sequence: nothing a sequence
+#: computes depends on the others, so its output is bitwise batch invariant. It reads q
+#: and the cache through their strides; it returns its own output (no buffer to stride).
 CAPABILITIES = Capabilities(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     modes=frozenset({"decode", "prefill"}),
-    features=frozenset({"sliding_window"}),
+    features=frozenset({"sliding_window", "head_dim_v", "empty_kv", "empty_q",
+                        "unseen_rows"}),
+    layouts=frozenset(LAYOUTS) - {"strided_out"},
+    batch_invariant=True,
+    notes={"layouts": "returns its own output tensor"},
 )
 
 
@@ -74,10 +84,11 @@ def _sdpa(seq: _SdpaSequence, k: torch.Tensor, v: torch.Tensor, scale: float) ->
 
 
 def _gather(inputs: PagedInputs, seq: _SdpaSequence) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one sequence read through its block table, ``[1, hkv, kv_len, d]``
-    each (only its live tokens: no slot past ``kv_len`` is touched)."""
-    k = inputs.kv_cache[seq.blocks, 0, seq.offsets]  # [kv_len, hkv, d]
-    v = inputs.kv_cache[seq.blocks, 1, seq.offsets]
+    """K and V of one sequence read through its block table, ``[1, hkv, kv_len, d]`` and
+    ``[1, hkv, kv_len, v_head_dim]`` (only its live tokens: no slot past ``kv_len`` is
+    touched)."""
+    k = inputs.k_cache[seq.blocks, seq.offsets]  # [kv_len, hkv, d]
+    v = inputs.v_cache[seq.blocks, seq.offsets]  # [kv_len, hkv, dv]
     return k.transpose(0, 1)[None], v.transpose(0, 1)[None]
 
 

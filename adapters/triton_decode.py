@@ -53,7 +53,7 @@ CAPABILITIES = Capabilities(
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     head_dims=frozenset({64, 80, 96, 128, 256}),
     modes=frozenset({"decode"}),
-    features=frozenset({"sliding_window", "logits_soft_cap"}),
+    features=frozenset({"sliding_window", "logits_soft_cap", "empty_kv"}),
 )
 
 

@@ -57,8 +57,12 @@ _COMMON = dict(
     kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
     min_compute_capability=(8, 0),
 )
-SPLIT_CAPABILITIES = Capabilities(modes=frozenset({"decode"}), **_COMMON)
-PREFILL_CAPABILITIES = Capabilities(modes=frozenset({"decode", "prefill"}), **_COMMON)
+SPLIT_CAPABILITIES = Capabilities(
+    modes=frozenset({"decode"}), **_COMMON | {"features": _COMMON["features"] | {"empty_kv"}})
+# Not empty_kv, unseen_rows: the prefill planner refuses q_len > kv_len.
+PREFILL_CAPABILITIES = Capabilities(
+    modes=frozenset({"decode", "prefill"}),
+    **_COMMON | {"features": _COMMON["features"] | {"empty_q"}})
 #: Triton converts fp8 E4M3 ("fp8e4nv") only from compute capability 8.9 (its error on
 #: sm_80: "type fp8e4nv not supported in this architecture").
 FP8_E4M3_MIN_CAPABILITY = (8, 9)

@@ -189,7 +189,9 @@ class VllmUnified(_VllmTritonAdapter):
         head_dims=_HEAD_DIMS,
         block_sizes=frozenset({MultipleOf(16)}),
         modes=frozenset({"decode", "prefill"}),
-        features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks"}),
+        # Not empty_kv, unseen_rows: a row that sees no key comes out NaN, not 0.
+        features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks",
+                            "empty_q"}),
     )
 
     @staticmethod
@@ -276,7 +278,7 @@ class VllmDecode(_VllmTritonAdapter):
         dtypes=frozenset({"float32", "float16", "bfloat16"}),
         head_dims=_HEAD_DIMS,
         modes=frozenset({"decode"}),
-        features=frozenset({"logits_soft_cap"}),
+        features=frozenset({"logits_soft_cap"}),  # not empty_kv: kv_len 0 comes out NaN
         logits_precision="case",
     )
 
@@ -342,7 +344,9 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
         head_dims=_HEAD_DIMS,
         block_sizes=frozenset({MultipleOf(16)}),
         modes=frozenset({"decode", "prefill"}),
-        features=frozenset({"sliding_window", "alibi", "sinks"}),
+        # Not unseen_rows: a row that sees no key comes out NaN, not 0; not empty_q: a
+        # batch with a q_len 0 entry aborts the interpreted process (free(): invalid pointer).
+        features=frozenset({"sliding_window", "alibi", "sinks", "empty_kv"}),
     )
 
     @staticmethod

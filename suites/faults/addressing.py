@@ -168,7 +168,6 @@ class NonContiguousQuery(PagedKernel):
     name = "fault-non-contiguous-query"
     imitates = "Dao-AILab/flash-attention#2670"
     trigger = "q given as a non-contiguous view"
-    needs = "non-contiguous inputs (issue 7, section 2)"
 
     def queries(self, inputs: PagedInputs, start: int, stop: int) -> torch.Tensor:
         q = inputs.q

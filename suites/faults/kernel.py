@@ -26,14 +26,23 @@ import torch
 from pagedbench.adapters.base import (FEATURES, Adapter, Availability, Capabilities,
                                       Prepared)
 from pagedbench.reference import PagedCase, PagedInputs
-from pagedbench.reference.case import KV_CACHE_DTYPES
+from pagedbench.reference.case import KV_CACHE_DTYPES, LAYOUTS
 
+#: Every feature but a V head dim of its own (the steps read K and V at ``head_dim``;
+#: no fault of the catalogue is about MLA), the degenerate rows included (kv_len 0,
+#: q_len 0 and rows that see no key give 0: :meth:`PagedKernel.state`). It indexes q and
+#: the cache through their strides, so every input layout; it returns its own output,
+#: so no output buffer to stride. One sequence at a time in float32: batch invariant.
 CAPABILITIES = Capabilities(
     devices=frozenset({"cpu", "cuda"}),
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
     modes=frozenset({"decode", "prefill"}),
-    features=FEATURES,
+    features=FEATURES - {"head_dim_v"},
     kv_cache_dtypes=frozenset(KV_CACHE_DTYPES),
+    layouts=frozenset(LAYOUTS) - {"strided_out"},
+    batch_invariant=True,
+    notes={"features": "reads K and V at head_dim (no head_dim_v)",
+           "layouts": "returns its own output tensor"},
 )
 #: Environment variable naming the file a fault appends its name to when it first fires.
 FAULT_LOG = "PAGEDBENCH_FAULT_LOG"

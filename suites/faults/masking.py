@@ -172,7 +172,6 @@ class FullyMaskedRowAverages(PagedKernel):
     name = "fault-fully-masked-row-averages"
     imitates = "flashinfer-ai/flashinfer#4452"
     trigger = "a query row that sees no key (causal, q_len > kv_len)"
-    needs = "query rows that see no key (issue 7, section 2)"
     masked_logit = -1e30
 
     def state(self, logits, v):

@@ -135,7 +135,6 @@ class KvLenZeroNan(PagedKernel):
     name = "fault-kv-len-zero-nan"
     imitates = "vllm-project/vllm#57017"
     trigger = "a sequence with kv_len 0"
-    needs = "kv_len 0 in a batch (issue 7, section 2)"
 
     def normalize(self, acc, total):
         if bool((total == 0).any()):

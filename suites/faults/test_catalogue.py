@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import ast
 import json
-from dataclasses import fields
 import subprocess
 import sys
+from collections.abc import Callable
 from importlib.metadata import distributions
 from pathlib import Path
 
 import pytest
 import torch
 
-from pagedbench.adapters import ENTRY_POINT_GROUP, Capabilities, load
+from pagedbench.adapters import ENTRY_POINT_GROUP, load
 from pagedbench.harness import conformance, selftest
-from pagedbench.reference import PagedCase, PagedInputError
+from pagedbench.reference import PagedCase
 
 from pagedbench.suites.faults import SITE
 from pagedbench.suites.faults.kernel import FAULT_LOG, PagedKernel
@@ -42,25 +42,13 @@ MAX_SHRUNK_BATCH, MAX_SHRUNK_ID = 8, 80
 MAX_SECONDS = 60.0
 
 
-def _refused(**fields_) -> bool:
-    """Whether the reference refuses a case with ``fields_``."""
-    try:
-        PagedCase(num_q_heads=1, num_kv_heads=1, head_dim=32, block_size=16,
-                  dtype="float32", **({"kv_lens": (1,)} | fields_))
-    except PagedInputError:
-        return True
-    return False
-
-
 #: Faults whose trigger needs an edge of the input space (issue 7, section 2) that this
-#: checkout cannot express, each with the check that says so. When a check turns False
-#: the edge exists: declare it in the catalogue's capabilities, drop the fault's
-#: ``needs``, and the catch is asserted like every other.
-UNREACHABLE = {
-    "fault-kv-len-zero-nan": lambda: _refused(kv_lens=(0, 5)),
-    "fault-fully-masked-row-averages": lambda: _refused(kv_lens=(2,), q_lens=(3,)),
-    "fault-non-contiguous-query": lambda: "layouts" not in {f.name for f in fields(Capabilities)},
-}
+#: checkout cannot express, each with the check that says so (a callable, True while
+#: the edge is missing). When a check turns False the edge exists: declare it in the
+#: catalogue's capabilities, drop the fault's ``needs``, and the catch is asserted like
+#: every other. Empty since kv_len 0, rows that see no key and layouts (Capabilities.
+#: layouts) exist.
+UNREACHABLE: dict[str, Callable[[], bool]] = {}
 
 
 def test_every_kernel_class_is_registered_once() -> None:

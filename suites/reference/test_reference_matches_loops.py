@@ -6,7 +6,9 @@
 - ALiBi (Press et al., ICLR 2022): logit ``s(i, j) - slope[h] * (i - j)``, added after the
   soft cap (vLLM's CPU test reference);
 - sinks (gpt-oss, vLLM's ``s_aux``): ``exp(sink[h])`` joins the softmax denominator only;
-- fp8 KV: attention on ``stored * k_scale`` and ``stored * v_scale``.
+- fp8 KV: attention on ``stored * k_scale`` and ``stored * v_scale``;
+- a row that sees no key (kv_len 0, or a position below 0 when q_len > kv_len) is 0;
+  a V head dim of its own (MLA) shapes the output.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
 
+from pagedbench.harness.strategies import paged_cases
 from pagedbench.reference import PagedCase, materialize, naive_attention, reference_attention
 
 
@@ -43,19 +47,24 @@ def loop_attention(inputs) -> list:
                         and (case.sliding_window is None or t > pos - case.sliding_window)]
                 scores = []
                 for t in keys:
-                    k = [x * case.k_scale for x in cache[tables[i][t // bs]][0][t % bs][g]]
+                    k = [x * case.k_scale
+                         for x in cache[tables[i][t // bs]][0][t % bs][g][: case.head_dim]]
                     s = case.scale * sum(a * b for a, b in zip(q, k))
                     if case.logits_soft_cap is not None:
                         s = case.logits_soft_cap * math.tanh(s / case.logits_soft_cap)
                     if slopes is not None:
                         s -= slopes[h] * (pos - t)
                     scores.append(s)
+                acc = [0.0] * case.v_head_dim
+                if not keys:  # no key to see: the output stays 0
+                    row.append(acc)
+                    continue
                 top = max(scores + ([sinks[h]] if sinks else []))
                 weights = [math.exp(s - top) for s in scores]
                 total = sum(weights) + (math.exp(sinks[h] - top) if sinks else 0.0)
-                acc = [0.0] * case.head_dim
                 for w, t in zip(weights, keys):
-                    v = [x * case.v_scale for x in cache[tables[i][t // bs]][1][t % bs][g]]
+                    v = [x * case.v_scale
+                         for x in cache[tables[i][t // bs]][1][t % bs][g][: case.v_head_dim]]
                     acc = [a + w / total * x for a, x in zip(acc, v)]
                 row.append(acc)
             out.append(row)
@@ -86,6 +95,18 @@ CASES = [
     PagedCase(kv_lens=(9,), q_lens=(4,), num_q_heads=2, num_kv_heads=1, head_dim=16,
               block_size=4, dtype="float16", kv_cache_dtype="fp8_e5m2", k_scale=0.3,
               v_scale=2.0, alibi=True, sinks=True, name="fp8e5m2-alibi-sinks"),
+    PagedCase(kv_lens=(0, 6, 3, 0), q_lens=(2, 0, 5, 0), num_q_heads=4, num_kv_heads=2,
+              head_dim=16, block_size=4, dtype="float16", sinks=True, alibi=True,
+              sliding_window=2, name="degenerate-rows"),
+    PagedCase(kv_lens=(0, 7), num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=4,
+              dtype="float32", name="decode-kv0"),
+    PagedCase(kv_lens=(5, 12), q_lens=(2, 3), num_q_heads=4, num_kv_heads=1, head_dim=24,
+              head_dim_v=16, block_size=4, dtype="bfloat16", logits_soft_cap=4.0,
+              name="head-dim-v"),
+    PagedCase(kv_lens=(9, 4), q_lens=(3, 1), num_q_heads=2, num_kv_heads=2, head_dim=16,
+              block_size=4, dtype="float32", qk_magnitude=30.0, v_magnitude=1e3,
+              logit_offset=-1e4, min_block_id=40, layout="layer_in_block",
+              name="magnitudes-offset-high-blocks"),
 ]
 
 
@@ -97,6 +118,23 @@ def test_reference_features_match_per_query_loops(case: PagedCase) -> None:
     worst = max(abs(a - b) for t, e in zip(truth, expected) for th, eh in zip(t, e)
                 for a, b in zip(th, eh))
     assert worst < 1e-12
+
+
+@settings(max_examples=15)
+@given(paged_cases(max_batch=3, max_kv_len=12, max_kv_heads=1, dtypes=("float32",),
+                   edges=True, logit_range=True))
+def test_reference_matches_per_query_loops_at_the_edges(case: PagedCase) -> None:
+    """Degenerate rows, a V head dim of its own, layouts, poisons and the logit range, as
+    the search draws them (small, so the loops stay quick), relative to the output's
+    scale (float64 logits of magnitude up to ~1e8 round at ~1e-8)."""
+    case = case.with_(head_dim=8, head_dim_v=None if case.head_dim_v is None else 12)
+    inputs = materialize(case)
+    truth = reference_attention(inputs).tolist()
+    expected = loop_attention(inputs)
+    flat = [(a, b) for t, e in zip(truth, expected) for th, eh in zip(t, e)
+            for a, b in zip(th, eh)]
+    scale = max([abs(b) for _, b in flat] + [1.0])
+    assert max([abs(a - b) for a, b in flat] + [0.0]) <= 1e-9 * scale
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

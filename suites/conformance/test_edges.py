@@ -1,0 +1,232 @@
+"""Pinned probes at the edges of the input space (issue 7), for every implementation:
+degenerate rows, high block ids and every poison, more than 64 blocks, the logit range,
+sliding windows of 1, 2 and block_size +- 1, non-contiguous layouts, unusual shapes, and
+the metamorphic properties (batch invariance, q = 0, a single visible key); long 16-bit
+contexts and the split thresholds are in ``test_pinned_probes``. Random search rarely
+lands on these, so each is placed. A probe an implementation does not declare (a feature, a layout, a shape,
+its interpreter budget) is skipped with the ``unsupported`` reason, never failed.
+Implementations that run interpreted or compile per shape get only the :data:`CORE` probes
+in the ``ci`` profile (seconds to minutes per case), every probe and property in the others.
+Run one implementation: ``pytest suites/conformance/test_edges.py --impl NAME``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import settings
+
+from pagedbench.harness import replay, tolerance
+from pagedbench.harness.conformance import inputs_for
+from pagedbench.reference import naive_attention
+from pagedbench.reference.case import LAYOUTS, POISONS
+
+from .cases import pinned_case
+from .conftest import DEVICE
+
+#: name -> (kv_lens(block_size), num_q_heads, num_kv_heads, other fields). Lengths and
+#: fields may depend on the block size the implementation takes (callables of it).
+PROBES = {
+    # Degenerate rows (serving engines pad CUDA-graph batches with them): output 0.
+    "empty-kv": (lambda bs: (0, bs + 1, 0, 3), 4, 2, {}),
+    "empty-q": (lambda bs: (bs + 1, 5, 2 * bs), 4, 2, {"q_lens": (0, 3, 0)}),
+    "unseen-rows": (lambda bs: (3, bs + 1), 4, 2, {"q_lens": (7, 2)}),
+    "all-degenerate": (lambda bs: (0, 5, 3, 0), 4, 2, {"q_lens": (2, 0, 6, 0)}),
+    # Blocks placed past the ids where a 16-bit table entry wraps, with a poison each.
+    "block-id-32767": (lambda bs: (3 * bs + 1, 2), 2, 1,
+                       {"min_block_id": 32766, "poison": "inf"}),
+    "block-id-65535": (lambda bs: (3 * bs + 1, 2), 2, 1,
+                       {"min_block_id": 65534, "poison": "-inf"}),
+    **{f"poison-{p}": (lambda bs: (bs + 1, 2 * bs - 1, 3), 4, 2, {"poison": p})
+       for p in POISONS},
+    # More than 64 blocks per sequence (long 16-bit contexts and the split thresholds:
+    # test_pinned_probes).
+    "many-blocks": (lambda bs: (65 * bs + 1,), 4, 2, {}),
+    # The logit range (offsets of +-1e4: past that float32 logits decide more than the
+    # kernel does; see MAX_LOGIT_OFFSET).
+    "sm-scale-1e-3": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"sm_scale": 1e-3}),
+    "sm-scale-1e3": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"sm_scale": 1e3}),
+    "logits-far-from-0": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"qk_magnitude": 300.0}),
+    "offset+1e4": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"logit_offset": 1e4}),
+    "offset-1e4": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"logit_offset": -1e4}),
+    "soft-cap-below-logits": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2,
+                              {"logits_soft_cap": 0.05, "qk_magnitude": 30.0}),
+    "soft-cap-above-logits": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2,
+                              {"logits_soft_cap": 1e4}),
+    "fp16-near-65504": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2,
+                        {"dtype": "float16", "v_magnitude": 2e4}),
+    **{f"window-{name}": (lambda bs: (3 * bs + 2, bs + 1), 4, 2,
+                          {"sliding_window": window, "qk_magnitude": 30.0,
+                           "logit_offset": -1e4})
+       for name, window in (("1", 1), ("2", 2), ("bs-1", lambda bs: max(1, bs - 1)),
+                            ("bs+1", lambda bs: bs + 1))},
+    # Non-contiguous inputs.
+    **{f"layout-{layout}": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"layout": layout})
+       for layout in LAYOUTS if layout != "contiguous"},
+    # Shapes.
+    "head-dim-112": (lambda bs: (bs + 1, 3), 4, 2, {"head_dim": 112}),
+    "head-dim-192": (lambda bs: (bs + 1, 3), 4, 2, {"head_dim": 192}),
+    "head-dim-odd-33": (lambda bs: (bs + 1, 3), 4, 2, {"head_dim": 33}),
+    **{f"gqa-{ratio}": (lambda bs: (bs + 1, 2 * bs - 1), ratio, 1, {})
+       for ratio in (3, 6, 7, 16)},
+    "block-size-512": (lambda bs: (513, 7), 4, 2, {"block_size": 512}),
+    "block-size-48": (lambda bs: (49, 95, 3), 4, 2, {"block_size": 48}),
+    "block-size-80": (lambda bs: (81, 159, 3), 4, 2, {"block_size": 80}),
+    "batch-7": (lambda bs: (1, bs - 1 or 2, bs, bs + 1, 2 * bs + 3, 3, 5 * bs - 1), 4, 2, {}),
+    "batch-13": (lambda bs: tuple(range(1, 4 * 13, 4)), 2, 1, {}),
+    "mla-576-512": (lambda bs: (bs + 3, 2 * bs), 16, 1,
+                    {"head_dim": 576, "head_dim_v": 512, "dtype": "bfloat16"}),
+}
+
+
+#: The probes every implementation gets in every profile: one per kind of edge.
+CORE = ("empty-kv", "empty-q", "unseen-rows", "block-id-65535", "offset-1e4", "window-1",
+        "layout-every_other_block")
+
+
+#: Faults found by these probes in peers, pinned: the probe must fail there (a strict
+#: xfail), so that a fix upstream shows and the entry can go.
+KNOWN_FAULTS = {
+    ("vllm-chunked-prefill", f"window-{window}"): (
+        "decode rows mask the keys outside the sliding window with -10000, not -inf "
+        "(kernel_paged_attention_2d in vllm/v1/attention/ops/chunked_prefill_paged_decode.py)"
+        ": with logits near -1e4 those keys get weight")
+    for window in ("1", "2", "bs-1", "bs+1")
+}
+
+
+@pytest.mark.parametrize("probe", list(PROBES))
+def test_edge_probe_matches_dense(adapter, impl, probe, request) -> None:
+    if (adapter.name, probe) in KNOWN_FAULTS:
+        request.applymarker(pytest.mark.xfail(reason=KNOWN_FAULTS[adapter.name, probe],
+                                              raises=AssertionError, strict=True))
+    if probe not in CORE:
+        _skip_if_slow_in_ci(adapter)
+    kv_lens, num_q_heads, num_kv_heads, fields = PROBES[probe]
+    case = pinned_case(adapter, kv_lens, num_q_heads, num_kv_heads, probe, **fields)
+    replay.check(adapter, case, DEVICE, impl)
+
+
+def _skip_if_slow_in_ci(adapter) -> None:
+    """Skip unless the ``ci`` profile is off or ``adapter`` runs compiled once (not
+    interpreted, not compiled per shape): seconds to minutes per case otherwise."""
+    slow = adapter.is_interpreted(DEVICE) or adapter.compiles_per_shape
+    if slow and settings.get_current_profile_name() == "ci":
+        pytest.skip(f"{adapter.name} runs interpreted or compiles per shape: core probes "
+                    "only in the ci profile")
+
+
+@contextlib.contextmanager
+def _replay_hint(case, impl: str):
+    """Append the replay command of ``case`` (:func:`replay.hint`) to an assertion's
+    message, as every conformance failure ends."""
+    try:
+        yield
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{replay.hint(case, impl)}") from exc
+
+
+def test_batch_invariance(adapter, impl) -> None:
+    """A sequence's output does not change when others join its batch: bit for bit for
+    an implementation that declares ``batch_invariant``, within the tolerance of its own
+    truth for the others."""
+    _skip_if_slow_in_ci(adapter)
+    case = pinned_case(adapter, lambda bs: (2 * bs + 5, 7 * bs + 1, 1, 3 * bs), 4, 2,
+                       "batch-invariance")
+    batched_inputs = inputs_for(adapter, case, DEVICE)
+    alone_inputs = _first_sequence(batched_inputs)
+    batched = adapter.run(adapter.prepare(batched_inputs))[: alone_inputs.case.total_q]
+    single = adapter.run(adapter.prepare(alone_inputs))
+    with _replay_hint(case, impl):
+        if adapter.capabilities(DEVICE).batch_invariant:
+            assert torch.equal(batched, single), (
+                f"{adapter.name} declares batch_invariant but sequence 0 changes when "
+                f"others join (max diff {(batched.double() - single.double()).abs().max():.3g})")
+        tolerance.assert_matches_truth(batched, alone_inputs.to("cpu"),
+                                       f"{adapter.name}:batched")
+
+
+def _first_sequence(inputs):
+    """The same tensors with only sequence 0 left in the batch (its rows of ``q``, its
+    table row; the cache, the other sequences' blocks included, untouched)."""
+    case = inputs.case
+    alone = case.with_(kv_lens=case.kv_lens[:1],
+                       q_lens=None if case.q_lens is None else case.q_lens[:1],
+                       num_blocks=inputs.kv_cache.shape[0])
+    rows, kv_len = alone.total_q, alone.kv_lens[0]
+    return replace(inputs, case=alone, q=inputs.q[:rows],
+                   block_tables=inputs.block_tables[:1, : alone.max_blocks_per_seq],
+                   kv_lens=inputs.kv_lens[:1], cu_seqlens_q=inputs.cu_seqlens_q[:2],
+                   slot_mapping=inputs.slot_mapping[:kv_len])
+
+
+def _visible_positions(q_len: int, kv_len: int, row: int, window: int | None) -> list[int]:
+    """Key positions query ``row`` of a sequence sees (bottom-right causal, window)."""
+    pos = kv_len - q_len + row
+    return [t for t in range(kv_len) if t <= pos and (window is None or t > pos - window)]
+
+
+def _values_by_slot(inputs) -> list[torch.Tensor]:
+    """Each sequence's V rows ``[kv_len, num_kv_heads, v_head_dim]`` float64, read through
+    ``slot_mapping`` (not the block tables the implementation reads)."""
+    case, bs, dv = inputs.case, inputs.case.block_size, inputs.case.v_head_dim
+    cache = inputs.kv_cache.cpu()
+    slots, out, start = inputs.slot_mapping.cpu(), [], 0
+    for kv_len in case.kv_lens:
+        s = slots[start : start + kv_len]
+        out.append(cache[s // bs, 1, s % bs, :, :dv].double())  # [kv_len, hkv, dv]
+        start += kv_len
+    return out
+
+
+def _expected_from_rows(inputs, keys_of) -> tolerance.Expected:
+    """The truth built from V rows alone: row ``j`` of sequence ``i`` is the mean of the V
+    rows ``keys_of(i, q_len, kv_len, j)`` (0 for none), beside the naive yardstick."""
+    case = inputs.case
+    values, cu = _values_by_slot(inputs), inputs.cu_seqlens_q.tolist()
+    ratio = case.gqa_ratio
+    truth = torch.zeros(case.total_q, case.num_q_heads, case.v_head_dim, dtype=torch.float64)
+    for i, kv_len in enumerate(case.kv_lens):
+        q_len = cu[i + 1] - cu[i]
+        for j in range(q_len):
+            keys = keys_of(q_len, kv_len, j)
+            if keys:
+                mean = values[i][keys].mean(dim=0)  # [hkv, dv]
+                truth[cu[i] + j] = mean.repeat_interleave(ratio, dim=0)
+    return tolerance.Expected(truth, naive_attention(inputs.to("cpu")))
+
+
+def test_zero_query_gives_the_mean_of_the_visible_values(adapter, impl) -> None:
+    """q = 0 makes every visible logit 0: each row is the plain mean of the V rows it
+    sees (causal rows see a growing prefix)."""
+    _skip_if_slow_in_ci(adapter)
+    prefill = "prefill" in adapter.capabilities(DEVICE).modes
+    case = pinned_case(adapter, lambda bs: (bs + 3, 2 * bs, 1), 4, 2, "zero-q",
+                       q_lens=(3, 2, 1) if prefill else None)
+    inputs = inputs_for(adapter, case, DEVICE)
+    inputs.q.zero_()
+    out = adapter.run(adapter.prepare(inputs))
+    expected = _expected_from_rows(
+        inputs, lambda q_len, kv_len, j: _visible_positions(q_len, kv_len, j, None))
+    with _replay_hint(case, impl):
+        tolerance.assert_close_report(out, expected, case.dtype,
+                                      f"{adapter.name}:{case.case_id}", inputs.cu_seqlens_q.cpu())
+
+
+def test_single_visible_key_gives_its_value(adapter, impl) -> None:
+    """A row that sees one key outputs that key's V: sliding window 1 (every row sees
+    only its own position) where declared, else sequences of one token."""
+    _skip_if_slow_in_ci(adapter)
+    window = "sliding_window" in adapter.capabilities(DEVICE).features
+    case = pinned_case(adapter, (lambda bs: (1, bs + 1, 2 * bs)) if window else
+                       (lambda bs: (1, 1, 1)), 4, 2, "one-key",
+                       sliding_window=1 if window else None)
+    inputs = inputs_for(adapter, case, DEVICE)
+    out = adapter.run(adapter.prepare(inputs))
+    expected = _expected_from_rows(inputs, lambda q_len, kv_len, j: [kv_len - q_len + j])
+    with _replay_hint(case, impl):
+        tolerance.assert_close_report(out, expected, case.dtype,
+                                      f"{adapter.name}:{case.case_id}", inputs.cu_seqlens_q.cpu())
