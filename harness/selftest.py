@@ -12,8 +12,6 @@ in a worker like ``pagedbench list`` asks them, so no plug-in is imported here. 
 - ``caught`` when a test failed on it: the tests are the properties that caught it, its
   shrunk case is the smallest case the failures' replay commands name, and its seconds
   are its tests' durations summed;
-- ``pending`` when nothing failed and its faulty branch never ran while it declares an
-  edge of the input space the suite may lack (``needs``);
 - ``missed`` otherwise: a gap in the suite.
 
 The control (``catalogue-control``) must pass every test: a failure there is the
@@ -70,10 +68,10 @@ class FaultRow:
     ----------
     name, target : str
         The implementation's entry-point name and ``"module:Class"``.
-    imitates, trigger, needs : str
+    imitates, trigger : str
         From its ``available()`` details.
     verdict : str
-        ``caught``, ``pending`` or ``missed`` for a fault; ``passed`` or ``failed`` for
+        ``caught`` or ``missed`` for a fault; ``passed`` or ``failed`` for
         the control.
     properties : list[str]
         The tests that failed on it, as ``test[parameters]`` without the implementation.
@@ -94,7 +92,6 @@ class FaultRow:
     target: str
     imitates: str
     trigger: str
-    needs: str
     verdict: str = "missed"
     properties: list[str] = field(default_factory=list)
     case: dict[str, Any] | None = None
@@ -256,8 +253,7 @@ def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci",
     for name in names:
         details = listing[name].details if name in listing else {}
         row = FaultRow(name, targets[name], str(details.get("imitates", "")),
-                       str(details.get("trigger", "")), str(details.get("needs", "")),
-                       exercised=name in fired)
+                       str(details.get("trigger", "")), exercised=name in fired)
         mine = [t for t in tests if t["impl"] == name]
         failures = [t for t in mine if t["failure"] is not None]
         row.seconds = sum(t["seconds"] for t in mine)
@@ -269,8 +265,6 @@ def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci",
             row.verdict = "failed" if failures or not mine else "passed"
         elif failures:
             row.verdict = "caught"
-        elif row.needs and not row.exercised:
-            row.verdict = "pending"
         rows.append(row)
     return rows
 
@@ -305,8 +299,6 @@ def table(rows: list[FaultRow]) -> list[dict[str, str]]:
     """The rows as the printed table has them: fault, the report it imitates, caught by,
     shrunk case, seconds."""
     def caught_by(row: FaultRow) -> str:
-        if row.verdict == "pending":
-            return f"pending: needs {row.needs}"
         if row.verdict == "missed":
             return "MISSED" + ("" if row.exercised else " (never triggered)")
         if row.name == CONTROL:

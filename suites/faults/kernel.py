@@ -75,15 +75,13 @@ class PagedKernel(Adapter):
     """Correct paged attention, every step overridable (see the module docstring).
 
     Class attributes describe a fault for ``pagedbench selftest``: ``imitates`` (the
-    public report, ``owner/repo#N``), ``trigger`` (the inputs on which it is wrong) and
-    ``needs`` (the edge of the input space its trigger needs, when the suite may lack it).
+    public report, ``owner/repo#N``), and ``trigger`` (the inputs on which it is wrong).
     """
 
     name = "catalogue-control"
     description = "the fault catalogue's correct kernel (float32 math, rounded once)"
     imitates: ClassVar[str] = ""
     trigger: ClassVar[str] = ""
-    needs: ClassVar[str] = ""
     #: Logit given to a masked key.
     masked_logit: ClassVar[float] = NEG_INF
 
@@ -92,7 +90,7 @@ class PagedKernel(Adapter):
 
     def available(self, device: str = "cpu") -> Availability:
         return Availability(True, version="catalogue", details={
-            "imitates": self.imitates, "trigger": self.trigger, "needs": self.needs})
+            "imitates": self.imitates, "trigger": self.trigger})
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         return Prepared(functools.partial(self.attend, inputs))

@@ -2,8 +2,7 @@
 everyday inputs, and every fault caught by the conformance suite in the ``ci`` profile
 (``pagedbench selftest --first-catch``: pinned properties first, each fault checked
 until its first catch, a few minutes in all), each within 60 s with a shrunk case small
-enough to read. A fault whose trigger this checkout cannot express yet is ``pending``
-only while that stays true (:data:`UNREACHABLE`)."""
+enough to read."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import ast
 import json
 import subprocess
 import sys
-from collections.abc import Callable
 from importlib.metadata import distributions
 from pathlib import Path
 
@@ -42,13 +40,6 @@ MAX_SHRUNK_BATCH, MAX_SHRUNK_ID = 8, 80
 MAX_SECONDS = 60.0
 
 
-#: Faults whose trigger needs an edge of the input space (issue 7, section 2) that this
-#: checkout cannot express, each with the check that says so (a callable, True while
-#: the edge is missing). When a check turns False the edge exists: declare it in the
-#: catalogue's capabilities, drop the fault's ``needs``, and the catch is asserted like
-#: every other. Empty since kv_len 0, rows that see no key and layouts (Capabilities.
-#: layouts) exist.
-UNREACHABLE: dict[str, Callable[[], bool]] = {}
 
 
 def test_every_kernel_class_is_registered_once() -> None:
@@ -112,11 +103,6 @@ def test_selftest_control_passes(selftest_rows) -> None:
 @pytest.mark.parametrize("fault", FAULTS)
 def test_selftest_catches_fault(selftest_rows, fault) -> None:
     row = selftest_rows[fault]
-    assert bool(row["needs"]) == (fault in UNREACHABLE), row
-    if fault in UNREACHABLE:
-        assert UNREACHABLE[fault](), f"{fault}'s trigger is expressible now: assert its catch"
-        assert row["verdict"] == "pending", row
-        pytest.skip(f"{fault} needs {row['needs']}, which this checkout cannot express")
     assert row["verdict"] == "caught", row
     assert row["seconds"] < MAX_SECONDS, row
     case = PagedCase.from_dict(row["case"])
