@@ -299,6 +299,9 @@ def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
     gate_p.add_argument("--min-samples", type=_int_in(2, 2**31), default=defaults.min_samples,
                         metavar="N", help="fewest samples on either side that are judged "
                         f"(default: {defaults.min_samples})")
+    gate_p.add_argument("--raw", action="store_true",
+                        help="judge raw ms, not each CPU sample divided by the drift probe "
+                             "timed after it (which cancels a shared machine's drift)")
     gate_p.add_argument("--update-baseline", action="store_true",
                         help="after comparing, write the current results as the new golden "
                              "(--baseline's file, or <folder>/<device>/"
@@ -623,7 +626,7 @@ def _results_of_run(results: ResultsFile, run_id: str) -> list[ResultRecord]:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     thresholds = Thresholds(alpha=args.alpha, min_effect=args.min_effect,
-                            min_samples=args.min_samples)
+                            min_samples=args.min_samples, probe=not args.raw)
     if not args.current.exists():
         raise PagedValueError("--current", str(args.current), "an existing file or folder",
                               f"--current {args.current}: no such file or folder")

@@ -7,7 +7,7 @@ compared. For each point present in both:
 - conformance: a ``pass`` that became anything else, or a new failure (``fail``,
   ``error``, ``crash``, ``timeout`` where the baseline had none) is ``broken``;
 - speed, when both passed and were timed by the same, not interpreted, method: the
-  two-sided Mann-Whitney U test on the raw samples of both runs
+  two-sided Mann-Whitney U test on the samples of both runs
   (``scipy.stats.mannwhitneyu``, the test of Go's benchstat and Google Benchmark's
   ``tools/compare.py``, both at alpha 0.05), its p-values adjusted over every judged point
   by Holm's step-down method (Holm 1979, so that alpha bounds the chance of any false
@@ -18,6 +18,15 @@ compared. For each point present in both:
   and the interval reaches 1 + ``min_effect`` (a slowdown that counts can be neither
   shown nor ruled out), or with fewer than ``min_samples`` samples on either side;
   ``same`` otherwise.
+
+The samples judged: on the CPU every sample divided by the drift probe block timed right
+after it (:class:`~.timing.DriftProbe`, a fixed matmul), when both sides recorded one.
+Another process's load or a clock change slows both about alike at that moment, so the
+ratio cancels a shared machine's drift between runs and within one, which raw times on a
+busy runner cannot do (the false-alarm and detection rates of both are measured by
+:mod:`.gate_calibration`); the table also shows the drift probe's own change, the machine's.
+Raw milliseconds are judged where a side has no drift probe (GPU timings, lines before
+schema 4) or with ``Thresholds(probe=False)`` (``--raw``).
 
 The gate fails (exit 1) on any ``broken`` or ``slower`` point; with no point in common it
 says "nothing comparable" (exit 5, :class:`~.status.ExitCode`). Baselines live under
@@ -35,13 +44,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from pagedbench.reference import PagedValueError
 
 from .record import ResultRecord
 from .report import escape, escape_frame
-from .speed import Outcome, Thresholds, compare_samples, decide, holm
+from .speed import Outcome, Speed, Thresholds, compare_samples, decide, holm
 from .status import ExitCode, Status
 from .store import read_lines, results_of
 
@@ -85,10 +95,33 @@ def _samples(record: ResultRecord) -> list[float]:
     return list(record.time_ms.samples or []) if record.time_ms is not None else []
 
 
+def _drift_probe(record: ResultRecord) -> list[float]:
+    """The record's drift probe blocks, when there is one per sample."""
+    timing = record.time_ms
+    if timing is None or not timing.probe or len(timing.probe) != len(timing.samples):
+        return []
+    return list(timing.probe)
+
+
+def judged_samples(baseline: ResultRecord, current: ResultRecord,
+                   thresholds: Thresholds) -> tuple[list[float], list[float], float]:
+    """The samples the U test compares, and the drift probe's change (median current /
+    median baseline, nan without one): sample / drift probe per block when
+    ``thresholds.probe`` and both sides have drift probes, else the raw ms."""
+    probe_b, probe_c = _drift_probe(baseline), _drift_probe(current)
+    if not (thresholds.probe and probe_b and probe_c):
+        return _samples(baseline), _samples(current), math.nan
+    drift = float(np.median(probe_c) / np.median(probe_b))
+    return ([s / y for s, y in zip(_samples(baseline), probe_b)],
+            [s / y for s, y in zip(_samples(current), probe_c)], drift)
+
+
 @dataclass(frozen=True)
 class PointResult:
-    """One point of the gate: its outcome and the figures behind it (ms; ``ratio`` is
-    current / baseline, ``interval`` its bootstrap interval; ``p_value`` Holm-adjusted)."""
+    """One point of the gate: its outcome and the figures behind it (``ratio``: median
+    current / median baseline of the judged samples (:func:`judged_samples`), ``interval``
+    its bootstrap interval, ``p_value`` Holm-adjusted, ``drift`` the drift probe's own
+    ratio, nan when raw ms were judged)."""
 
     key: PointKey
     outcome: Outcome
@@ -98,6 +131,7 @@ class PointResult:
     interval: tuple[float, float] | None = None
     p_value: float | None = None
     reason: str = ""
+    drift: float = math.nan
 
     @property
     def baseline_ms(self) -> float | None:
@@ -167,15 +201,19 @@ class GateReport:
         """The report: conditions, what moved (broken, slower, faster, fixed; each by
         effect, ``|log ratio|``), what was too noisy to judge, then the summary line."""
         t = self.thresholds
+        basis = ("each divided by the drift probe timed after it where both sides have one"
+                 if t.probe else "raw ms, --raw")
         out = ["# pagedbench gate", "",
-               f"Speed: two-sided Mann-Whitney U test on the raw samples, Holm-adjusted over "
+               f"Speed: two-sided Mann-Whitney U test on the samples ({basis}), "
+               f"Holm-adjusted over "
                f"the judged points, alpha {t.alpha:g}; a change counts from "
                f"{t.min_effect:.0%} of the median; too noisy when the {1 - t.alpha:.0%} "
                f"bootstrap interval of the ratio of medians reaches +{t.min_effect:.0%} "
                f"without a significant change, or with fewer than {t.min_samples} samples.",
                ""]
-        out += [f"- {escape(note)}" for note in self.notes]
-        if self.notes:
+        notes = [*self.notes, *self._drift_note()]
+        out += [f"- {escape(note)}" for note in notes]
+        if notes:
             out.append("")
         moved = [p for p in self.points if p.outcome in
                  (Outcome.BROKEN, Outcome.SLOWER, Outcome.FASTER, Outcome.FIXED)]
@@ -192,6 +230,16 @@ class GateReport:
                     f"{escape(_keys(self.only_baseline))}", ""]
         out += [escape(self.summary()), ""]
         return "\n".join(out)
+
+
+    def _drift_note(self) -> list[str]:
+        """How much the drift probe (the machine) moved over the points judged with it."""
+        drifts = [p.drift for p in self.points if math.isfinite(p.drift)]
+        if not drifts:
+            return []
+        return [f"the drift probe (the machine's own speed) moved {np.median(drifts) - 1:+.0%} "
+                f"between the runs (median of {len(drifts)} points, {min(drifts) - 1:+.0%} "
+                f"to {max(drifts) - 1:+.0%}); those points are judged relative to it"]
 
 
 def _effect(point: PointResult) -> float:
@@ -220,6 +268,7 @@ def _table(rows: list[PointResult]) -> pd.DataFrame:
         "baseline ms": _ms(p.baseline_ms),
         "current ms": _ms(p.current_ms),
         "change": change(p),
+        "drift probe": f"{p.drift - 1:+.1%}" if math.isfinite(p.drift) else "",
         "interval": "" if p.interval is None else
                     f"{p.interval[0] - 1:+.1%}..{p.interval[1] - 1:+.1%}",
         "p (Holm)": "" if p.p_value is None else f"{p.p_value:.2g}",
@@ -251,7 +300,7 @@ def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
     """The gate of ``current`` against ``baseline`` (see the module docstring)."""
     base, now = points(baseline), points(current)
     common = [k for k in now if k in base]
-    judged: list[tuple[PointKey, Speed]] = []
+    judged: list[tuple[PointKey, Speed, float]] = []
     results: dict[PointKey, PointResult] = {}
     for key in common:
         b, c = base[key], now[key]
@@ -263,16 +312,17 @@ def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
         if why:
             results[key] = PointResult(key, Outcome.UNTIMED, b, c, reason=why)
             continue
-        speed = compare_samples(_samples(b), _samples(c), thresholds)
+        base_samples, current_samples, drift = judged_samples(b, c, thresholds)
+        speed = compare_samples(base_samples, current_samples, thresholds)
         if speed.p_value is None:
             results[key] = PointResult(key, speed.outcome, b, c, speed.ratio,
-                                       reason=speed.reason)
+                                       reason=speed.reason, drift=drift)
         else:
-            judged.append((key, speed))
-    for (key, speed), p_value in zip(judged, holm([s.p_value for _, s in judged])):
+            judged.append((key, speed, drift))
+    for (key, speed, drift), p_value in zip(judged, holm([s.p_value for _, s, _ in judged])):
         outcome, reason = decide(speed.ratio, p_value, speed.interval, thresholds)
         results[key] = PointResult(key, outcome, base[key], now[key], speed.ratio,
-                                   speed.interval, p_value, reason)
+                                   speed.interval, p_value, reason, drift)
     order = {o: i for i, o in enumerate(Outcome)}
     ordered = sorted((results[k] for k in common), key=lambda p: order[p.outcome])
     notes = _environment_notes(base, now)
@@ -371,6 +421,7 @@ __all__ = [
     "baseline_paths",
     "compare",
     "device_folder",
+    "judged_samples",
     "point_key",
     "points",
     "read_results",

@@ -39,7 +39,7 @@ from . import tolerance
 from .status import Status
 from .timing import METHODS
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).
 MAX_DETAILS_BYTES = 64 * 1024
 #: Deepest nesting accepted in adapter metadata (a self-referencing dict would recurse).
@@ -111,8 +111,10 @@ class _Strict(BaseModel):
 class TimingStats(_Strict):
     """Latency of one implementation on one case, ms per call (``harness.timing.Timing``):
     the raw ``samples`` in order and their statistics; ``noisy`` when IQR / median exceeds
-    ``harness.timing.NOISE_THRESHOLD``. Lines written before schema 3 have no samples
-    (``[]``), and ``iqr`` and ``noisy`` are null."""
+    ``harness.timing.NOISE_THRESHOLD``; ``probe``: ms per call of the fixed work timed
+    after each sample (``harness.timing.DriftProbe``, CPU only, else ``[]``). Lines written
+    before schema 3 have no samples (``[]``), and ``iqr`` and ``noisy`` are null; before
+    schema 4 no drift probe (``[]``)."""
 
     median: float
     p10: float
@@ -122,6 +124,7 @@ class TimingStats(_Strict):
     method: Literal[METHODS]
     samples: list[float]
     noisy: Optional[bool]
+    probe: list[float]
 
 
 class DevicePeaks(_Strict):
@@ -168,7 +171,7 @@ class _ResultFields(_Strict):
     """The fields of a result line other than the comparison's figures."""
 
     kind: Literal["result"]
-    schema_version: Literal[3]
+    schema_version: Literal[4]
     run_id: str
     suite: str
     impl: str
@@ -304,7 +307,7 @@ class RunRecord(_Strict):
     ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
 
     kind: Literal["run"]
-    schema_version: Literal[3]
+    schema_version: Literal[4]
     run_id: str
     event: Literal["started", "resumed", "interrupted", "finished"]
     timestamp: AwareDatetime

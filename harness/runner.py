@@ -32,7 +32,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +48,8 @@ from .record import (SCHEMA_VERSION, DevicePeaks, Environment, ListingRow, Plan,
                      ResultRecord, RunRecord, comparison_figures, now, validation_problem)
 from .status import Status, exit_code
 from .store import ResultsFile, environment, results_of
-from .timing import (Timing, bytes_moved, flops, measure_peaks, roofline_floor_ms, time_cpu,
-                     time_cuda, time_once)
+from .timing import (Timing, DriftProbe, bytes_moved, flops, measure_peaks, roofline_floor_ms,
+                     time_cpu, time_cuda, time_once)
 from .truth import truth_for
 from .worker import Channel, Fault, Supervisor
 from .workloads import workload_fields
@@ -297,7 +297,13 @@ def _time(adapter: Adapter, prepared: Any, config: RunConfig, interpreted: bool)
             return time_cuda(call)
     return time_cpu(call, threads=config.threads, warmup=config.warmup,
                     min_samples=config.repetitions, min_run_time_s=config.time_budget_s,
-                    max_run_time_s=config.time_limit_s)
+                    max_run_time_s=config.time_limit_s, probe=_drift_probe())
+
+
+@cache
+def _drift_probe() -> DriftProbe:
+    """This worker's probe, made once."""
+    return DriftProbe()
 
 
 def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:

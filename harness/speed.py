@@ -36,6 +36,9 @@ class Thresholds:
         Fewest samples on either side that are judged (compare.py warns below 9).
     resamples : int
         Bootstrap resamples per point.
+    probe : bool
+        Judge each sample divided by the drift probe block timed right after it, where both
+        sides have one (:mod:`.gate`); False judges the raw milliseconds.
 
     Raises
     ------
@@ -49,6 +52,7 @@ class Thresholds:
     min_effect: float = 0.10
     min_samples: int = 9
     resamples: int = 2000
+    probe: bool = True
 
     def __post_init__(self) -> None:
         if not (isinstance(self.alpha, (int, float)) and 0 < self.alpha < 1):

@@ -193,9 +193,10 @@ _ADDED_IN_3 = ("workload", "bench_mode", "batch_spec", "arithmetic_intensity", "
 
 
 def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
-    """A version-1 or version-2 line as the current version. Version 1 had no ``kind``,
+    """A line of an older version as the current version. Version 1 had no ``kind``,
     ``step`` or comparison figures; versions 1 and 2 had no bench fields, and their
-    timings no samples (``[]``), IQR or noise flag (null)."""
+    timings no samples (``[]``), IQR or noise flag (null); versions 1 to 3 no drift probe
+    (``[]``)."""
     data = {**data, "schema_version": SCHEMA_VERSION}
     if found == 1:
         data = {"kind": "result", **data}
@@ -203,10 +204,12 @@ def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
         for name in COMPARISON_FIELDS:
             data.setdefault(name, None)
     if data.get("kind") == "result":
-        for name in _ADDED_IN_3:
-            data.setdefault(name, None)
+        if found < 3:
+            for name in _ADDED_IN_3:
+                data.setdefault(name, None)
         if isinstance(data.get("time_ms"), dict):
-            data["time_ms"] = {"iqr": None, "samples": [], "noisy": None, **data["time_ms"]}
+            older = {"iqr": None, "samples": [], "noisy": None} if found < 3 else {}
+            data["time_ms"] = {**older, "probe": [], **data["time_ms"]}
     return data
 
 

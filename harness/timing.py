@@ -13,7 +13,10 @@
 Every :class:`Timing` keeps its raw samples (ms, in order: the regression gate tests on
 them), and derives median, p10/p90 and the IQR (numpy's linear percentiles); it is
 ``noisy`` when IQR / median exceeds :data:`NOISE_THRESHOLD`, the threshold of
-``Timer.adaptive_autorange``.
+``Timer.adaptive_autorange``. On the CPU each block is followed by a block of the
+:class:`DriftProbe` (a fixed matmul): what another process's load does to both is near the
+same at that moment, so the gate can judge sample / drift probe and cancel a shared
+machine's drift between and within runs (:mod:`.gate`).
 
 Derived bandwidth counts the bytes a case must move at least once (FlashInfer's
 ``attention_tb_per_sec_with_actual_seq_lens`` and tritonbench's ``decoding_attention``
@@ -54,6 +57,9 @@ class Timing:
     samples_ms : tuple[float, ...]
         Milliseconds per call, one per repetition (a block of calls on the CPU, one call
         with ``cuda_events``, one graph replay with ``cuda_graph``), in order.
+    probe_ms : tuple[float, ...]
+        Milliseconds per :class:`DriftProbe` call of the block timed right after each
+        sample (CPU only; empty otherwise).
     method : str
         One of :data:`METHODS`: ``torch_timer`` (CPU), ``cuda_events`` (``do_bench``,
         cold L2), ``cuda_graph`` (``do_bench_cudagraph``, warm L2), ``interpreted``
@@ -63,19 +69,29 @@ class Timing:
     Raises
     ------
     ValueError
-        If there is no sample, a sample is not finite and > 0, or the method is unknown.
+        If there is no sample, a sample is not finite and > 0, the drift probe has not one
+        block per sample, or the method is unknown.
     """
 
     samples_ms: tuple[float, ...]
     method: str
+    probe_ms: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         samples = tuple(float(s) for s in self.samples_ms)
-        if not samples or not all(math.isfinite(s) and s > 0 for s in samples):
-            raise ValueError(f"timing samples must be finite and > 0 ms, got {samples[:5]}")
+        probe = tuple(float(s) for s in self.probe_ms)
+        for name, values in (("samples", samples), ("probe", probe)):
+            if not all(math.isfinite(s) and s > 0 for s in values):
+                raise ValueError(f"timing {name} must be finite and > 0 ms, got {values[:5]}")
+        if not samples:
+            raise ValueError("a timing needs at least one sample")
+        if probe and len(probe) != len(samples):
+            raise ValueError(f"one drift probe block per sample: {len(probe)} for "
+                             f"{len(samples)} samples")
         if self.method not in METHODS:
             raise ValueError(f"timing method {self.method!r} not in {METHODS}")
         object.__setattr__(self, "samples_ms", samples)
+        object.__setattr__(self, "probe_ms", probe)
 
     def _percentile(self, q: float) -> float:
         return float(np.percentile(self.samples_ms, q))
@@ -110,7 +126,8 @@ class Timing:
         """The record's ``time_ms`` (:class:`~.record.TimingStats`)."""
         return {"median": self.median_ms, "p10": self.p10_ms, "p90": self.p90_ms,
                 "iqr": self.iqr_ms, "n": self.n, "method": self.method,
-                "samples": list(self.samples_ms), "noisy": self.noisy}
+                "samples": list(self.samples_ms), "noisy": self.noisy,
+                "probe": list(self.probe_ms)}
 
 
 def time_once(fn: Callable[[], object], method: str = "interpreted") -> Timing:
@@ -118,6 +135,33 @@ def time_once(fn: Callable[[], object], method: str = "interpreted") -> Timing:
     start = time.perf_counter()
     fn()
     return Timing(((time.perf_counter() - start) * 1e3,), method)
+
+
+class DriftProbe:
+    """The fixed CPU work timed after every block of a CPU timing: ``torch.mm`` of two
+    float32 ``n x n`` matrices (:data:`PROBE_N`; ``2 n^3`` FLOPs, a fraction of a
+    millisecond on one core), on tensors made once per process.
+
+    Its time per call moves with what the machine gives this process at that moment
+    (other processes' load, clock changes), not with the implementation measured: the
+    gate's drift-cancelling ratio (:mod:`.gate`).
+    """
+
+    def __init__(self, n: int | None = None) -> None:
+        self.n = PROBE_N if n is None else n
+        generator = torch.Generator().manual_seed(0)
+        self._a = torch.randn(self.n, self.n, generator=generator)
+        self._b = torch.randn(self.n, self.n, generator=generator)
+        self._c = torch.empty(self.n, self.n)
+
+    def __call__(self) -> None:
+        torch.mm(self._a, self._b, out=self._c)
+
+
+#: Side of the drift probe's matmul.
+PROBE_N = 128
+#: A drift probe block lasts about this share of the block of calls it follows.
+PROBE_SHARE = 0.5
 
 
 def time_cpu(
@@ -128,6 +172,7 @@ def time_cpu(
     min_samples: int = 10,
     min_run_time_s: float = 0.2,
     max_run_time_s: float = 2.0,
+    probe: Callable[[], object] | None = None,
 ) -> Timing:
     """Time ``fn()`` on the CPU with ``torch.utils.benchmark.Timer.timeit`` blocks.
 
@@ -135,7 +180,10 @@ def time_cpu(
     max_run_time_s)``; each block runs ``max(1, run_time / min_samples / one call)`` calls,
     so that ``min_samples`` blocks fit in it, and blocks repeat until there are
     ``min_samples`` of them and ``min_run_time_s`` has passed, or ``max_run_time_s`` has.
-    Each sample is one block's mean time per call.
+    Each sample is one block's mean time per call. With a ``probe``, each block is
+    followed by a block of drift probe calls lasting about :data:`PROBE_SHARE` of it
+    (its call count fixed after warm-up), recorded as ``probe_ms``; its time counts
+    towards neither limit.
 
     Parameters
     ----------
@@ -148,6 +196,8 @@ def time_cpu(
         by the Timer, estimates the call's duration.
     min_samples, min_run_time_s, max_run_time_s : int, float
         As above (samples; seconds).
+    probe : callable, optional
+        Fixed work timed after every block (:class:`DriftProbe`).
 
     Raises
     ------
@@ -169,21 +219,30 @@ def time_cpu(
         for _ in range(warmup):
             fn()
         one_s = time_once(fn, "perf_counter").median_ms / 1e3
+        if probe is not None:
+            probe()
+            probe_one_s = time_once(probe, "perf_counter").median_ms / 1e3
     finally:
         torch.set_num_threads(previous)
     run_time_s = min(max(min_run_time_s, min_samples * one_s), max_run_time_s)
     calls = max(1, int(run_time_s / min_samples / one_s))
     timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+    if probe is not None:
+        probe_calls = max(1, round(PROBE_SHARE * calls * one_s / probe_one_s))
+        probe_timer = Timer(stmt="fn()", globals={"fn": probe}, num_threads=threads)
     samples_ms: list[float] = []
+    probe_ms: list[float] = []
     spent_s = 0.0
     while True:
         per_call_s = timer.timeit(calls).mean
         samples_ms.append(per_call_s * 1e3)
+        if probe is not None:
+            probe_ms.append(probe_timer.timeit(probe_calls).mean * 1e3)
         spent_s += per_call_s * calls
         if spent_s >= max_run_time_s or (len(samples_ms) >= min_samples
                                          and spent_s >= min_run_time_s):
             break
-    return Timing(tuple(samples_ms), "torch_timer")
+    return Timing(tuple(samples_ms), "torch_timer", tuple(probe_ms))
 
 
 def _do_bench():
@@ -320,5 +379,6 @@ def roofline_floor_ms(moved: int, work: int, peaks: DevicePeaks) -> float:
 
 
 __all__ = ["CUDA_GRAPH_BELOW_MS", "DevicePeaks", "METHODS", "NOISE_THRESHOLD", "Timing",
+           "PROBE_N", "PROBE_SHARE", "DriftProbe",
            "bytes_moved", "flops", "measure_peaks", "roofline_floor_ms", "time_cpu",
            "time_cuda", "time_once"]

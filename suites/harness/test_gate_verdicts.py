@@ -5,6 +5,7 @@ point too noisy to judge is listed as such, other devices are never compared (ex
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -26,15 +27,17 @@ def lognormal(median_ms: float, n: int = 30, sigma: float = 0.05) -> list[float]
 
 
 def timed(impl: str, case: str, samples: list[float] | None, status: str = "pass",
-          device: str = "cpu0", **changes):
-    """A result of ``impl`` on ``case`` with these raw samples (ms) on ``device``."""
+          device: str = "cpu0", probe: list[float] | None = None, **changes):
+    """A result of ``impl`` on ``case`` with these raw samples (ms) on ``device``, and the
+    drift probe blocks timed after them (none by default)."""
     record = result(impl, case, status, None if samples is None else 1.0,
                     env={**ENV, "device": device}, **changes)
     if samples is None:
         return record
     q10, q25, q50, q75, q90 = np.percentile(samples, [10, 25, 50, 75, 90])
     stats = TimingStats(median=q50, p10=q10, p90=q90, iqr=q75 - q25, n=len(samples),
-                        method="perf_counter", samples=samples, noisy=None)
+                        method="perf_counter", samples=samples, noisy=None,
+                        probe=probe or [])
     return record.model_copy(update={"time_ms": stats, "time_ms_median": q50})
 
 
@@ -69,6 +72,56 @@ def test_too_few_or_too_spread_samples_are_too_noisy_never_same() -> None:
     wide = compare_samples(spread, spread[::-1])
     assert wide.p_value == pytest.approx(1.0) and wide.ratio == 1.0
     assert wide.outcome is Outcome.NOISY and "can be neither shown nor ruled out" in wide.reason
+
+
+def busy(work_ms: float, load: tuple[float, float], n: int = 30):
+    """``n`` samples of ``work_ms`` and of a 1 ms probe, each pair slowed alike by a
+    machine load drawn per block from ``load`` (a factor range), each with its own 3%
+    noise: what a shared runner does to both at the same moment."""
+    factor = RNG.uniform(*load, n)
+    samples = list(work_ms * factor * np.exp(RNG.normal(0, 0.03, n)))
+    return samples, list(factor * np.exp(RNG.normal(0, 0.03, n)))
+
+
+def timed_busy(impl: str, case: str, work_ms: float, load: tuple[float, float]):
+    """:func:`timed` with samples and drift probe from :func:`busy`."""
+    samples, probe = busy(work_ms, load)
+    return timed(impl, case, samples, probe=probe)
+
+
+def test_the_drift_probe_cancels_the_machines_drift_and_keeps_a_real_slowdown() -> None:
+    base = [timed_busy("a", f"c{i}", 10.0, (1.0, 1.2)) for i in range(3)]
+    # The same code on a machine 40-120% busier, block by block: raw ms say slower.
+    drifted = [timed_busy("a", f"c{i}", 10.0, (1.4, 2.2)) for i in range(3)]
+    judged = gate.compare(base, drifted)
+    assert judged.exit_code is ExitCode.CLEAN, judged.markdown()
+    assert all(p.outcome is Outcome.SAME for p in judged.points)
+    assert all(1.4 < p.drift < 1.8 for p in judged.points)  # the drift probe's own change
+    assert "the drift probe (the machine's own speed) moved +" in judged.markdown()
+    raw = gate.compare(base, drifted, Thresholds(probe=False))
+    assert raw.exit_code is ExitCode.REGRESSION
+    assert all(p.outcome is Outcome.SLOWER and math.isnan(p.drift) for p in raw.points)
+    # 25% slower code on the busier machine: slower by about 25%, not by 75%.
+    slowed = [timed_busy("a", f"c{i}", 12.5, (1.4, 2.2)) for i in range(3)]
+    judged = gate.compare(base, slowed)
+    assert judged.exit_code is ExitCode.REGRESSION
+    assert all(p.outcome is Outcome.SLOWER and 1.15 < p.ratio < 1.35 for p in judged.points)
+
+
+def test_raw_ms_are_judged_where_a_side_has_no_drift_probe(tmp_path, capsys) -> None:
+    samples, probe = busy(10.0, (1.0, 1.2))
+    base = [timed("a", "c1", samples, probe=probe)]
+    now = [timed("a", "c1", [2 * s for s in samples])]  # no drift probe (a GPU timing)
+    (point,) = gate.compare(base, now).points
+    assert point.outcome is Outcome.SLOWER and point.ratio == pytest.approx(2.0)
+    assert math.isnan(point.drift)
+    # --raw on the command line judges raw ms even where both sides have drift probes.
+    now = [timed("a", "c1", [2 * s for s in samples], probe=[2 * y for y in probe])]
+    paths = ["--baseline", write(tmp_path / "b.jsonl", base),
+             "--current", write(tmp_path / "c.jsonl", now)]
+    assert main(["gate", *paths]) == ExitCode.CLEAN
+    assert main(["gate", *paths, "--raw"]) == ExitCode.REGRESSION
+    assert "raw ms, --raw" in capsys.readouterr().out
 
 
 def test_thresholds_refuse_bad_values_naming_the_option() -> None:

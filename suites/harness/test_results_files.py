@@ -102,6 +102,20 @@ def test_version_1_lines_are_read(tmp_path) -> None:
     assert record.schema_version == SCHEMA_VERSION and record.step is None
 
 
+def test_version_3_timings_are_read_without_a_drift_probe(tmp_path) -> None:
+    data = _data(result("x", ms=2.0))
+    data["time_ms"].pop("probe")
+    path = tmp_path / "v3.jsonl"
+    path.write_text(json.dumps(data | {"schema_version": 3}) + "\n")
+    (record,) = read_lines([path])
+    assert record.time_ms.probe == [] and record.time_ms.samples == data["time_ms"]["samples"]
+    # ... but a version-4 line must have it.
+    path = tmp_path / "v4.jsonl"
+    path.write_text(json.dumps(data | {"schema_version": SCHEMA_VERSION}) + "\n")
+    with pytest.raises(ResultsFileError, match="probe"):
+        list(read_lines([path]))
+
+
 def test_markdown_cells_are_escaped() -> None:
     case = PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
                      dtype="float32", name="a|b\nc")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 
@@ -26,6 +27,25 @@ def test_time_cpu_measures_a_known_sleep() -> None:
     assert 10.0 <= timing.median_ms < 30.0
     assert timing.p10_ms <= timing.median_ms <= timing.p90_ms
     assert timing.to_dict()["samples"] == list(timing.samples_ms)
+
+
+def test_time_cpu_times_the_drift_probe_after_every_block() -> None:
+    import time
+
+    calls = []
+    timing = time_cpu(lambda: (calls.append("fn"), time.sleep(0.01)), threads=1, warmup=1,
+                      min_samples=5, min_run_time_s=0.05, max_run_time_s=1.0,
+                      probe=lambda: (calls.append("probe"), time.sleep(0.002)))
+    assert len(timing.probe_ms) == timing.n >= 5
+    assert all(2.0 <= y < 10.0 for y in timing.probe_ms)  # ms per drift probe call
+    assert 10.0 <= timing.median_ms < 30.0  # the drift probe's time is not the sample's
+    # After every block of calls, a drift probe block of about half its time: 10 ms -> 2 or
+    # 3 calls of 2 ms, plus the 2 warm-up calls of each Timer.timeit.
+    timed = calls[calls.index("fn", calls.index("probe")):]  # after the estimates
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(timed)]
+    assert [name for name, _ in runs] == ["fn", "probe"] * timing.n
+    assert all(3 <= n <= 5 for name, n in runs if name == "probe"), runs
+    assert timing.to_dict()["probe"] == list(timing.probe_ms)
 
 
 def test_time_cpu_stops_at_its_limit() -> None:
@@ -54,6 +74,10 @@ def test_timing_statistics_match_numpy_percentiles() -> None:
         Timing((1.0, float("nan")), "torch_timer")
     with pytest.raises(ValueError, match="method"):
         Timing((1.0,), "stopwatch")
+    with pytest.raises(ValueError, match="one drift probe block per sample"):
+        Timing((1.0, 2.0), "torch_timer", (1.0,))
+    with pytest.raises(ValueError, match="timing probe must be finite"):
+        Timing((1.0,), "torch_timer", (0.0,))
 
 
 def test_bytes_and_flops_from_actual_lengths() -> None:
