@@ -103,17 +103,25 @@ def _drift_probe(record: ResultRecord) -> list[float]:
     return list(timing.probe)
 
 
+def probe_level(probe: list[float]) -> list[float]:
+    """The machine's speed around each sample: the median of the probe blocks timed just
+    before it, just after it and after the next one (ends: the two there are). A single
+    preempted probe block moves no sample, and dividing by it adds less noise than the
+    one block after each sample would."""
+    return [float(np.median(probe[max(0, i - 1):i + 2])) for i in range(len(probe))]
+
+
 def judged_samples(baseline: ResultRecord, current: ResultRecord,
                    thresholds: Thresholds) -> tuple[list[float], list[float], float]:
     """The samples the U test compares, and the drift probe's change (median current /
-    median baseline, nan without one): sample / drift probe per block when
+    median baseline, nan without one): each sample divided by :func:`probe_level` when
     ``thresholds.probe`` and both sides have drift probes, else the raw ms."""
     probe_b, probe_c = _drift_probe(baseline), _drift_probe(current)
     if not (thresholds.probe and probe_b and probe_c):
         return _samples(baseline), _samples(current), math.nan
     drift = float(np.median(probe_c) / np.median(probe_b))
-    return ([s / y for s, y in zip(_samples(baseline), probe_b)],
-            [s / y for s, y in zip(_samples(current), probe_c)], drift)
+    return ([s / y for s, y in zip(_samples(baseline), probe_level(probe_b))],
+            [s / y for s, y in zip(_samples(current), probe_level(probe_c))], drift)
 
 
 @dataclass(frozen=True)
@@ -424,6 +432,7 @@ __all__ = [
     "judged_samples",
     "point_key",
     "points",
+    "probe_level",
     "read_results",
     "write_baseline",
 ]

@@ -1,7 +1,8 @@
 """False alarms and power of the regression gate, measured by rerunning real runs.
 
 ``python -m pagedbench.harness.gate_calibration --tries 20`` runs ``pagedbench run`` 20
-times; each run times three implementations one after another on the same cases:
+times (``--repetitions 20`` samples per point, 1 thread); each run times three
+implementations one after another on the same cases:
 ``sdpa-contiguous`` (A), the same code under another name (B, an unchanged rerun) and
 the same code slowed by 25% (C, a busy wait of a quarter of each call's own duration;
 ``suites/harness/plugins/slowed.py``, registered as entry points for these runs only).
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="phi3-mini", help="model preset of the cases")
     parser.add_argument("--block-size", default="16")
     parser.add_argument("--threads", default="1", help="torch threads per worker")
+    parser.add_argument("--repetitions", default="20",
+                        help="samples per point (default: 20, as README advises for a gate)")
     parser.add_argument("--min-effect", type=float, default=Thresholds.min_effect)
     parser.add_argument("--work-dir", type=Path, default=Path("build/gate-calibration"))
     parser.add_argument("--samples", type=Path, help="write every try's raw samples here")
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--tries must be >= 1, got {args.tries}")
     thresholds = Thresholds(min_effect=args.min_effect)
     run_args = ["--preset", args.preset, "--block-size", args.block_size,
-                "--threads", args.threads]
+                "--threads", args.threads, "--repetitions", args.repetitions]
     tries = []
     if args.from_runs is not None:
         tries = [results_of(read_lines([p])) for p in sorted(args.from_runs.glob("*.jsonl"))]
@@ -162,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     judged = judge(tries, thresholds)
     ok, lines = verdict(judged)
     device = tries[0][0].env.device if tries[0] else "?"
-    print(f"device {device}, {args.threads} thread(s), preset {args.preset}, block size "
-          f"{args.block_size}, min effect {thresholds.min_effect:g}")
+    print(f"device {device}, {args.threads} thread(s), {args.repetitions} repetitions, preset "
+          f"{args.preset}, block size {args.block_size}, min effect {thresholds.min_effect:g}")
     print("\n".join(lines))
     if args.samples is not None:
         args.samples.write_text(json.dumps(samples_of(tries)) + "\n")
