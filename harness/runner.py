@@ -32,7 +32,7 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -288,22 +288,18 @@ def _load_listing(name: str, target: str, device: str, channel: Channel,
     return None, _error_row(name, target, "error", reason), "available"
 
 
-def _time(adapter: Adapter, prepared: Any, config: RunConfig, interpreted: bool) -> Timing:
+def _time(adapter: Adapter, prepared: Any, case: PagedCase, config: RunConfig,
+          interpreted: bool) -> Timing:
     call = lambda: adapter.run(prepared)  # noqa: E731
     if interpreted:
         return time_once(call)
     if torch.device(config.device).type == "cuda":
         with torch.cuda.device(torch.device(config.device)):
             return time_cuda(call)
+    probe = DriftProbe(case)
     return time_cpu(call, threads=config.threads, warmup=config.warmup,
                     min_samples=config.repetitions, min_run_time_s=config.time_budget_s,
-                    max_run_time_s=config.time_limit_s, probe=_drift_probe())
-
-
-@cache
-def _drift_probe() -> DriftProbe:
-    """This worker's probe, made once."""
-    return DriftProbe()
+                    max_run_time_s=config.time_limit_s, probe=probe if probe.enabled else None)
 
 
 def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
@@ -336,7 +332,7 @@ def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
             if verdict.status is Status.PASS and config.timing:
                 channel.step(index, conformance.HARNESS, "timing")
                 try:
-                    timing = _time(adapter, verdict.prepared, config, bool(row.interpreted))
+                    timing = _time(adapter, verdict.prepared, case, config, bool(row.interpreted))
                 except (Exception, SystemExit) as exc:
                     verdict = replace(verdict, status=Status.ERROR, step="timing", reason=(
                         f"run raised while timing: {conformance.describe_exception(exc)}"))

@@ -14,8 +14,8 @@ Every :class:`Timing` keeps its raw samples (ms, in order: the regression gate t
 them), and derives median, p10/p90 and the IQR (numpy's linear percentiles); it is
 ``noisy`` when IQR / median exceeds :data:`NOISE_THRESHOLD`, the threshold of
 ``Timer.adaptive_autorange``. On the CPU each block is followed by a block of the
-:class:`DriftProbe` (a fixed matmul): what another process's load does to both is near the
-same at that moment, so the gate can judge sample / drift probe and cancel a shared
+:class:`DriftProbe` (plain dense attention of the case's shapes): what another process's
+load does to both is near the same at that moment, so the gate can judge sample / drift probe and cancel a shared
 machine's drift between and within runs (:mod:`.gate`).
 
 Derived bandwidth counts the bytes a case must move at least once (FlashInfer's
@@ -138,29 +138,43 @@ def time_once(fn: Callable[[], object], method: str = "interpreted") -> Timing:
 
 
 class DriftProbe:
-    """The fixed CPU work timed after every block of a CPU timing: ``torch.mm`` of two
-    float32 ``n x n`` matrices (:data:`PROBE_N`; ``2 n^3`` FLOPs, a fraction of a
-    millisecond on one core), on tensors made once per process.
+    """The fixed work timed after every block of a CPU timing: plain dense attention of
+    the case's shapes, ``torch.nn.functional.scaled_dot_product_attention`` over
+    contiguous random tensors made once (per sequence with a key: query ``(1,
+    num_q_heads, q_len, head_dim)``, K ``(1, num_kv_heads, kv_len, head_dim)``, V with
+    ``v_head_dim``; the case dtype, whatever the cache's; no mask, no feature).
 
-    Its time per call moves with what the machine gives this process at that moment
-    (other processes' load, clock changes), not with the implementation measured: the
-    gate's drift-cancelling ratio (:mod:`.gate`).
+    It moves and computes about what the case does, so another process's load or a clock
+    change slows it about as it slows the implementation measured (a small in-cache
+    matmul does not: README, "The regression gate"); it does not depend on the
+    implementation's code. ``enabled`` is False for a case with no query
+    or no key to attend (nothing to probe).
     """
 
-    def __init__(self, n: int | None = None) -> None:
-        self.n = PROBE_N if n is None else n
-        generator = torch.Generator().manual_seed(0)
-        self._a = torch.randn(self.n, self.n, generator=generator)
-        self._b = torch.randn(self.n, self.n, generator=generator)
-        self._c = torch.empty(self.n, self.n)
+    def __init__(self, case: PagedCase, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        dtype = case.torch_dtype
+
+        def draw(heads: int, length: int, dim: int) -> torch.Tensor:
+            return torch.randn(1, heads, length, dim, generator=generator).to(dtype)
+
+        self._sequences = [
+            (draw(case.num_q_heads, q, case.head_dim), draw(case.num_kv_heads, kv, case.head_dim),
+             draw(case.num_kv_heads, kv, case.v_head_dim))
+            for q, kv in zip(case.q_lens_or_decode, case.kv_lens) if q > 0 and kv > 0]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._sequences)
 
     def __call__(self) -> None:
-        torch.mm(self._a, self._b, out=self._c)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        for q, k, v in self._sequences:
+            sdpa(q, k, v, enable_gqa=True)
 
 
-#: Side of the drift probe's matmul.
-PROBE_N = 128
-#: A drift probe block lasts about this share of the block of calls it follows.
+#: A drift probe block lasts about this share of the block of calls it follows (at
+#: least one probe call).
 PROBE_SHARE = 0.5
 
 
@@ -181,9 +195,9 @@ def time_cpu(
     so that ``min_samples`` blocks fit in it, and blocks repeat until there are
     ``min_samples`` of them and ``min_run_time_s`` has passed, or ``max_run_time_s`` has.
     Each sample is one block's mean time per call. With a ``probe``, each block is
-    followed by a block of drift probe calls lasting about :data:`PROBE_SHARE` of it
-    (its call count fixed after warm-up), recorded as ``probe_ms``; its time counts
-    towards neither limit.
+    followed by a block of probe calls lasting about :data:`PROBE_SHARE` of it (its call
+    count fixed after warm-up; ``time.perf_counter``, without the Timer's own warm-up
+    calls), recorded as ``probe_ms``; its time counts towards neither limit.
 
     Parameters
     ----------
@@ -229,7 +243,6 @@ def time_cpu(
     timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
     if probe is not None:
         probe_calls = max(1, round(PROBE_SHARE * calls * one_s / probe_one_s))
-        probe_timer = Timer(stmt="fn()", globals={"fn": probe}, num_threads=threads)
     samples_ms: list[float] = []
     probe_ms: list[float] = []
     spent_s = 0.0
@@ -237,12 +250,25 @@ def time_cpu(
         per_call_s = timer.timeit(calls).mean
         samples_ms.append(per_call_s * 1e3)
         if probe is not None:
-            probe_ms.append(probe_timer.timeit(probe_calls).mean * 1e3)
+            probe_ms.append(_probe_block(probe, probe_calls, threads))
         spent_s += per_call_s * calls
         if spent_s >= max_run_time_s or (len(samples_ms) >= min_samples
                                          and spent_s >= min_run_time_s):
             break
     return Timing(tuple(samples_ms), "torch_timer", tuple(probe_ms))
+
+
+def _probe_block(probe: Callable[[], object], calls: int, threads: int) -> float:
+    """Milliseconds per call of ``calls`` probe calls with ``threads`` torch threads."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            probe()
+        return (time.perf_counter() - start) * 1e3 / calls
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _do_bench():
@@ -379,6 +405,6 @@ def roofline_floor_ms(moved: int, work: int, peaks: DevicePeaks) -> float:
 
 
 __all__ = ["CUDA_GRAPH_BELOW_MS", "DevicePeaks", "METHODS", "NOISE_THRESHOLD", "Timing",
-           "PROBE_N", "PROBE_SHARE", "DriftProbe",
+           "PROBE_SHARE", "DriftProbe",
            "bytes_moved", "flops", "measure_peaks", "roofline_floor_ms", "time_cpu",
            "time_cuda", "time_once"]

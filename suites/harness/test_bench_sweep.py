@@ -169,6 +169,7 @@ def test_bench_checks_every_point_first_and_times_only_passes(tmp_path) -> None:
         else:
             t = r.time_ms
             assert t.method == "torch_timer" and len(t.samples) == t.n >= 1
+            assert len(t.probe) == t.n and all(p > 0 for p in t.probe)  # one probe per sample
             assert t.p10 <= t.median <= t.p90 and r.bandwidth_gbps > 0
     md = jsonl.with_suffix(".md").read_text()
     assert "0 (fails)" in md  # reads-past scores 0 for the group it failed

@@ -11,7 +11,7 @@ import torch
 
 from pagedbench.harness import report
 from pagedbench.harness.store import ResultsFile, read_lines
-from pagedbench.harness.timing import Timing, bytes_moved, flops, time_cpu
+from pagedbench.harness.timing import DriftProbe, Timing, bytes_moved, flops, time_cpu
 from pagedbench.reference import PagedCase
 
 from .conftest import result
@@ -39,13 +39,28 @@ def test_time_cpu_times_the_drift_probe_after_every_block() -> None:
     assert len(timing.probe_ms) == timing.n >= 5
     assert all(2.0 <= y < 10.0 for y in timing.probe_ms)  # ms per drift probe call
     assert 10.0 <= timing.median_ms < 30.0  # the drift probe's time is not the sample's
-    # After every block of calls, a drift probe block of about half its time: 10 ms -> 2 or
-    # 3 calls of 2 ms, plus the 2 warm-up calls of each Timer.timeit.
+    # After every block of calls (Timer.timeit: 2 warm-up calls, then 1 timed), a probe
+    # block of about half its time: 10 ms -> 2 or 3 calls of 2 ms.
     timed = calls[calls.index("fn", calls.index("probe")):]  # after the estimates
     runs = [(name, len(list(group))) for name, group in itertools.groupby(timed)]
     assert [name for name, _ in runs] == ["fn", "probe"] * timing.n
-    assert all(3 <= n <= 5 for name, n in runs if name == "probe"), runs
+    assert all(2 <= n <= 3 for name, n in runs if name == "probe"), runs
     assert timing.to_dict()["probe"] == list(timing.probe_ms)
+
+
+def test_the_drift_probe_is_dense_attention_of_the_cases_shapes() -> None:
+    case = PagedCase(kv_lens=(0, 37, 5), q_lens=(1, 4, 0), num_q_heads=4, num_kv_heads=2,
+                     head_dim=16, block_size=8, dtype="bfloat16")
+    probe = DriftProbe(case)
+    assert probe.enabled
+    # The one sequence with a query and a key: its tensors, then SDPA on them.
+    ((q, k, v),) = probe._sequences
+    assert q.shape == (1, 4, 4, 16) and k.shape == v.shape == (1, 2, 37, 16)
+    assert q.dtype == k.dtype == torch.bfloat16
+    probe()
+    empty = PagedCase(kv_lens=(0,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
+                      dtype="float32")
+    assert not DriftProbe(empty).enabled
 
 
 def test_time_cpu_stops_at_its_limit() -> None:
