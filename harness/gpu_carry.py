@@ -18,10 +18,13 @@ the lane needs beyond the image is built here, once, and named in the call's ``c
   adapters' stand-ins for the vLLM modules they import. Never committed. The lane names
   it in ``PAGEDBENCH_VLLM_TRITON_CARRY``, whence the vllm-triton adapters load it
   (:mod:`pagedbench.adapters.vllm_triton_carry`).
-- ``--flashinfer``: FlashInfer (a 62 MB wheel and apache-tvm-ffi) alone, into its own
-  folder (``build/gpu-carry-flashinfer``): it fits only as the sole cargo of a second
-  call on the machine still warm from the first, whose ``build/gpu-site`` (ignored,
-  kept between calls) already holds pydantic.
+- ``--flashinfer``: FlashInfer (:data:`FLASHINFER`) into its own folder
+  (``build/gpu-carry-flashinfer``), for a second call on the machine still warm from the
+  first, whose ``build/gpu-site`` (ignored, kept between calls) already holds pydantic:
+  its kernels compile at first use with the image's nvcc (JIT), which takes that call's
+  minutes. flashinfer-python 0.7.0.post1 is the newest release that fits (its wheel,
+  with the JIT sources and the CUTLASS and CCCL headers, is 32.1 MiB; 0.7.1 is 64.1 MiB,
+  0.7.2.post1 59.2 MiB, 0.7.4 96.6 MiB; 0.6.18.post1 17.5 MiB, 0.5.3 6.7 MiB).
 
 The carry plus the working tree that travels must stay under :data:`CARRY_LIMIT_BYTES`
 (:func:`check_size`). Prints the device call, this checkout's commit and dirtiness in it.
@@ -63,7 +66,15 @@ PYDANTIC = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection",
 XFORMERS = "xformers==0.0.35"
 #: What the carried vLLM Triton files import beyond torch and triton.
 VLLM_TRITON_NEEDS = ("packaging",)
-FLASHINFER = ("flashinfer-python", "apache-tvm-ffi")
+#: FlashInfer and what ``import flashinfer`` loads beyond torch and its dependencies
+#: (pynvml, tvm_ffi, requests and its four, tqdm, packaging: measured by importing it
+#: here with only these beside torch), and ninja, which its JIT runs; not the rest of its
+#: Requires-Dist (click, einops, cuda-python, cuda-tile, nccl4py, nccl-extensions, cuDNN
+#: frontend, cutlass-dsl: other paths). Its decode and prefill wrappers take the
+#: arguments adapters/flashinfer.py passes (``flashinfer/decode.py``, ``prefill.py``).
+FLASHINFER = ("flashinfer-python==0.7.0.post1", "nvidia-ml-py==13.615.71")
+FLASHINFER_NEEDS = ("apache-tvm-ffi", "ninja", "requests", "urllib3", "idna", "certifi",
+                    "charset-normalizer", "tqdm", "packaging")
 DOWNLOAD_TIMEOUT_S = 600
 #: The device call's limit: the lane's cap and a minute for the shell and the pip install.
 RUN_TIMEOUT_S = TOTAL_BUDGET_S["cuda"] + 60
@@ -192,7 +203,7 @@ def build(out: Path, flashinfer: bool) -> int:
     """Build the carry folder ``out`` afresh; returns the bytes that travel."""
     if out.exists():
         shutil.rmtree(out)
-    requirements = (list(FLASHINFER) if flashinfer
+    requirements = ([*FLASHINFER, *pinned(FLASHINFER_NEEDS)] if flashinfer
                     else [*pinned(PYDANTIC), *pinned(VLLM_TRITON_NEEDS), XFORMERS])
     wheels = download_wheels(requirements, out / "wheels")
     if not flashinfer:

@@ -58,6 +58,8 @@ if [ ${#wheels[@]} -gt 0 ]; then
     || echo "gpu_lane.sh: installing the carried wheels failed (see pip.log in the archive)" >&2
 fi
 export PYTHONPATH="$build/gpu-shim:$site${PYTHONPATH:+:$PYTHONPATH}"
+# The carried ninja (FlashInfer's JIT runs it) and FlashInfer's JIT cache under build/.
+export PATH="$site/bin:$PATH" FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$build}"
 # Where vllm is not importable, the vllm-triton adapters load these (hashes checked).
 [ -d "$carry/vllm-triton" ] && export PAGEDBENCH_VLLM_TRITON_CARRY="$(cd "$carry/vllm-triton" && pwd)"
 "$python" -c "import pagedbench.harness.gpu_lane" || {
