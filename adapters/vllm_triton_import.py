@@ -22,7 +22,9 @@ is not an AMD GPU (the adapters refuse ROCm builds of torch).
 The modules of :data:`TRITON_BOUND_MODULES` are imported afresh inside the context,
 whatever an earlier import left in ``sys.modules``; on exit every ``sys.modules`` entry,
 parent attribute, environment variable and function touched is put back. No installed
-file is edited. Checked against vLLM 0.32.0 (``vllm/triton_utils/importing.py``).
+file is edited. Checked against vLLM 0.32.0 (``vllm/triton_utils/importing.py``). Where no
+``vllm`` is importable, :func:`load_kernels` loads carried copies of the kernel files
+instead (:mod:`.vllm_triton_carry`).
 """
 
 from __future__ import annotations
