@@ -5,10 +5,10 @@ A fresh process without ``TRITON_INTERPRET``, where ``import vllm`` fails, loads
 from a carry built here (:mod:`pagedbench.adapters.vllm_triton_carry`), replaces each
 ``@triton.jit`` kernel's ``run`` so that the adapters' calls at Llama-3-8B decode shapes
 (bf16, 32 query / 8 KV heads, head_dim 128) record their launches instead of running,
-and compiles each recorded launch ahead of time for sm_90 with the ``ptxas`` in the
-triton wheel: every one gives a cubin, with tensor cores (``mma``) where the kernel has
-a ``tl.dot``. Run with ``PYTHONPATH=<a triton 3.6 --target folder>`` it checks the GPU
-lane's Triton. About 20 s.
+and compiles each recorded launch ahead of time for sm_90
+(:func:`pagedbench.suites.ahead_of_time.compile_like_launch`): every one gives a cubin,
+with tensor cores (``mma``) where the kernel has a ``tl.dot``. Run with
+``PYTHONPATH=<a triton 3.6 --target folder>`` it checks the GPU lane's Triton. About 20 s.
 """
 
 from __future__ import annotations
@@ -28,15 +28,13 @@ pytestmark = [
 ]
 
 _SCRIPT = r"""
-import inspect, json, sys
+import json, sys
 sys.modules["vllm"] = None  # as on the device
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.runtime.jit import JITFunction
 from pagedbench.adapters import vllm_triton
 from pagedbench.reference import PagedCase, materialize
+from pagedbench.suites.ahead_of_time import compile_like_launch
 
 kernels, reason = vllm_triton._loaded()
 assert kernels is not None, reason
@@ -53,17 +51,6 @@ def record(namespace):
 
 for family in (kernels.unified, kernels.decode, kernels.chunked):
     record(family.entry.__globals__)
-
-
-def compile_like_launch(kernel, args, kwargs, capability):
-    target = GPUTarget("cuda", capability, 32)
-    backend = CUDABackend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
-                                                              specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
 
 
 llama = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype="bfloat16")
