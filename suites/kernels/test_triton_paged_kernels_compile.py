@@ -26,27 +26,12 @@ pytest.importorskip("triton")
 
 _SCRIPT = r"""
 import json, re, sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import ASTSource
-from triton.runtime.jit import create_function_from_signature
 from pagedbench.kernels import paged_prefill as pp, paged_split_decode as sd
 from pagedbench.kernels.paged_features import kernels_are_interpreted
 from pagedbench.reference import PagedCase, materialize
+from pagedbench.suites.ahead_of_time import compile_like_launch
 
 assert not kernels_are_interpreted()
-
-
-def compile_like_launch(kernel, args, kwargs, capability):
-    target = GPUTarget("cuda", capability, 32)
-    backend = CUDABackend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
-                                                              specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                          options=options.__dict__)
 
 
 results = []
