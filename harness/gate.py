@@ -103,25 +103,22 @@ def _drift_probe(record: ResultRecord) -> list[float]:
     return list(timing.probe)
 
 
-def probe_level(probe: list[float]) -> list[float]:
-    """The machine's speed around each sample: the median of the probe blocks timed just
-    before it, just after it and after the next one (ends: the two there are). A single
-    preempted probe block moves no sample, and dividing by it adds less noise than the
-    one block after each sample would."""
-    return [float(np.median(probe[max(0, i - 1):i + 2])) for i in range(len(probe))]
-
-
 def judged_samples(baseline: ResultRecord, current: ResultRecord,
                    thresholds: Thresholds) -> tuple[list[float], list[float], float]:
     """The samples the U test compares, and the drift probe's change (median current /
-    median baseline, nan without one): each sample divided by :func:`probe_level` when
-    ``thresholds.probe`` and both sides have drift probes, else the raw ms."""
+    median baseline, nan without one): each sample divided by the probe block timed right
+    after it when ``thresholds.probe`` and both sides have drift probes, else the raw ms.
+
+    Per block, not by a smoothed probe level: the probe does the case's own work, so its
+    noise moves with the sample's (the median of the three nearest blocks and the
+    point's median probe both left more false alarms in the recorded calibration runs:
+    README, "The regression gate")."""
     probe_b, probe_c = _drift_probe(baseline), _drift_probe(current)
     if not (thresholds.probe and probe_b and probe_c):
         return _samples(baseline), _samples(current), math.nan
     drift = float(np.median(probe_c) / np.median(probe_b))
-    return ([s / y for s, y in zip(_samples(baseline), probe_level(probe_b))],
-            [s / y for s, y in zip(_samples(current), probe_level(probe_c))], drift)
+    return ([s / y for s, y in zip(_samples(baseline), probe_b)],
+            [s / y for s, y in zip(_samples(current), probe_c)], drift)
 
 
 @dataclass(frozen=True)
@@ -432,7 +429,6 @@ __all__ = [
     "judged_samples",
     "point_key",
     "points",
-    "probe_level",
     "read_results",
     "write_baseline",
 ]

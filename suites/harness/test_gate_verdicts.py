@@ -108,12 +108,6 @@ def test_the_drift_probe_cancels_the_machines_drift_and_keeps_a_real_slowdown() 
     assert all(p.outcome is Outcome.SLOWER and 1.15 < p.ratio < 1.35 for p in judged.points)
 
 
-def test_the_probe_level_is_the_median_of_the_blocks_around_each_sample() -> None:
-    # By hand: [1, 9, 2, 3] -> median(1, 9), median(1, 9, 2), median(9, 2, 3), median(2, 3).
-    assert gate.probe_level([1.0, 9.0, 2.0, 3.0]) == [5.0, 2.0, 3.0, 2.5]
-    assert gate.probe_level([4.0]) == [4.0]
-
-
 def test_raw_ms_are_judged_where_a_side_has_no_drift_probe(tmp_path, capsys) -> None:
     samples, probe = busy(10.0, (1.0, 1.2))
     base = [timed("a", "c1", samples, probe=probe)]
