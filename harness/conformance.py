@@ -10,10 +10,10 @@ Verdict: :func:`judge` walks ``why_unsupported`` -> truth -> inputs -> ``prepare
 ``run`` -> ``describe`` -> compare (``harness/tolerance.py``), and for a stale-tail pass
 the NaN-tail probe (:func:`nan_tail_output_finite`). With ``truth_site="device"`` (a case
 the host cannot hold, :func:`~.truth.truth_site`) the inputs are drawn on the device
-first and the truth is computed there from them; the comparison is the same. Whatever the adapter raises becomes
-``error`` with the step; whatever the harness raises becomes ``harness-error``; each
-step is announced to ``on_step`` with the party it is charged to (``"impl"`` or
-``"harness"``), which is how the runner gives each party its own time budget.
+first and the truth is computed there from them; the comparison is the same. Whatever
+the adapter raises becomes ``error`` with the step; whatever the harness raises becomes
+``harness-error``; each step is announced to ``on_step`` with the party it is charged to
+(``"impl"`` or ``"harness"``), which is how the runner gives each party its own time budget.
 """
 
 from __future__ import annotations
