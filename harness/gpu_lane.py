@@ -362,7 +362,7 @@ def sweep_command(python: str, device: str, impls: tuple[str, ...], selection: S
     bench's own measurement when ``peaks`` is None.
     """
     impls = ordered_impls(impls)
-    baseline = SWEEP_BASELINE if SWEEP_BASELINE in impls else impls[0]
+    baseline = impls[0] if impls and SWEEP_BASELINE not in impls else SWEEP_BASELINE
     command = [python, "-m", "pagedbench.harness.cli", "bench", "--device", device,
                "--results-dir", str(results_dir), "--cache-dir", str(BUILD),
                "--case-timeout", str(CASE_TIMEOUT_S[device]), "--grid", "full",
@@ -384,17 +384,37 @@ def sweep_command(python: str, device: str, impls: tuple[str, ...], selection: S
     return command, notes
 
 
+def _sweep_lines(jsonl: Path) -> list:
+    """The lines of the sweep's results file; empty when it is missing or damaged (the
+    step's log says why)."""
+    from .store import ResultsFileError, read_lines
+
+    try:
+        return list(read_lines([jsonl]))
+    except (ResultsFileError, OSError):
+        return []
+
+
+def write_sweep_markdown(jsonl: Path, md: Path) -> bool:
+    """Write the report of the sweep's results to ``md`` when bench did not (it writes its
+    own only when it finishes, not when stopped at the step's budget); whether it wrote."""
+    from .report import markdown
+
+    lines = _sweep_lines(jsonl)
+    if md.exists() or not lines:
+        return False
+    md.write_text(markdown(lines, title="pagedbench bench (GPU lane sweep, stopped at its "
+                           "budget)", baseline=SWEEP_BASELINE))
+    return True
+
+
 def sweep_coverage(jsonl: Path) -> dict[str, list[str]]:
     """What of its plan the sweep did not do: ``not_run`` (``impl:case_id`` pairs of the
     plan without a result: the step's budget ran out) and ``left_out`` (points bench left
     out, with why), from the results file; both empty when it is unreadable."""
     from .record import ResultRecord, RunRecord
-    from .store import ResultsFileError, read_lines
 
-    try:
-        lines = list(read_lines([jsonl]))
-    except (ResultsFileError, OSError):  # missing or damaged: the step's log says why
-        return {"not_run": [], "left_out": []}
+    lines = _sweep_lines(jsonl)
     starts = [r for r in lines if isinstance(r, RunRecord) and r.event == "started" and r.plan]
     if not starts:
         return {"not_run": [], "left_out": []}
@@ -572,6 +592,7 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
         found.rename(out / "sweep.jsonl")
         with contextlib.suppress(OSError):
             found.with_suffix(".md").rename(out / "sweep.md")
+    write_sweep_markdown(out / "sweep.jsonl", out / "sweep.md")
     coverage = sweep_coverage(out / "sweep.jsonl")
     if coverage["not_run"]:
         sweep.notes.append(f"{len(coverage['not_run'])} (implementation, point) pairs not "

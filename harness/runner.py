@@ -346,7 +346,8 @@ def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
                 verdict = conformance.judge(adapter, case, config.device, truth=truth,
                                             on_step=partial(channel.step, index),
                                             truth_site=site, device_truth=device_truth)
-            fields["truth"] = site
+            if verdict.status is not Status.UNSUPPORTED and verdict.step != "why_unsupported":
+                fields["truth"] = site  # where it was (to be) computed
             if verdict.status in REPLAYED:
                 verdict = replace(verdict, reason=f"{verdict.reason}; {replay.hint(case, name)}")
             timing = None

@@ -141,6 +141,9 @@ def test_sweep_command_is_bench_on_the_grid(tmp_path: Path,
              for c in cases}
     assert heads == {(32, 8, 128, "bfloat16", 1)}
     assert {c.block_size for c in cases} >= {16, 64} and len({c.block_size for c in cases}) > 2
+    command, _ = gpu_lane.sweep_command("python", "cuda", (), gpu_lane.CUDA_SELECTION,
+                                        tmp_path / "r")  # list found nothing: not run
+    assert "--impl" not in command and "--baseline sdpa-contiguous" in " ".join(command)
     command, notes = gpu_lane.sweep_command("python", "cpu", ("torch-gather",),
                                             gpu_lane.CPU_SELECTION, tmp_path / "r")
     assert command[-2:] == ["--repetitions", str(gpu_lane.REHEARSAL_REPETITIONS)]
@@ -174,6 +177,12 @@ def test_sweep_coverage_lists_pairs_not_run(tmp_path: Path) -> None:
                         "left_out": ["huge: too big"]}
     assert gpu_lane.sweep_coverage(tmp_path / "missing.jsonl") == {"not_run": [],
                                                                    "left_out": []}
+    md = tmp_path / "sweep.md"  # bench wrote none: it was stopped
+    assert gpu_lane.write_sweep_markdown(tmp_path / "sweep.jsonl", md)
+    text = md.read_text()
+    assert text.startswith("# pagedbench bench (GPU lane sweep, stopped at its budget)")
+    assert "Unfinished run r: 3 of 8 results" in text
+    assert not gpu_lane.write_sweep_markdown(tmp_path / "sweep.jsonl", md)  # never replaced
 
 
 def test_available_impls_of_a_listing(tmp_path: Path) -> None:
