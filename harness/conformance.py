@@ -42,6 +42,8 @@ CASE_LOGITS_MARK = "‡"
 IMPL, HARNESS = "impl", "harness"
 
 StepCallback = Callable[[str, str], None]
+#: ``device_truth(inputs, logits_precision=...) -> Expected`` (:func:`judge`).
+DeviceTruth = Callable[..., tolerance.Expected]
 
 
 def tail_poison(capabilities: Capabilities) -> str:
@@ -53,9 +55,6 @@ def tail_poison(capabilities: Capabilities) -> str:
 def inputs_for(adapter: Adapter, case: PagedCase, device: str) -> PagedInputs:
     """The canonical inputs ``adapter`` is judged on for ``case`` on ``device``."""
     return materialize(case, device, tail_poison=tail_poison(adapter.capabilities(device)))
-
-
-DeviceTruth = Callable[..., tolerance.Expected]
 
 
 def describe_exception(exc: BaseException) -> str:
