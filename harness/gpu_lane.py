@@ -127,8 +127,9 @@ class Selection:
 #: and within each the contexts in this order (docs/KERNELS.md, "The GPU lane's sweep",
 #: has the estimate of what fits the sweep's budget).
 CUDA_SELECTION = Selection()
-#: The CPU rehearsal CI runs: the plain-torch baseline on a 2-point grid of one preset's
-#: heads, through the same bench command; one quick test module.
+#: The CPU rehearsal CI runs: the plain-torch baseline on a grid of two workloads (batch
+#: 2 x kv 64/256 of one preset's heads; 4 points with the contiguous ones) through the
+#: same bench command, one host-truth and one device-truth context; one quick test module.
 CPU_SELECTION = Selection(impls=("torch-gather",), presets=("llama3.1-70b-tp8",),
                           block_sizes=(16,), batch_sizes=(2,), contexts=(64, 256),
                           tests=("suites/adapters/test_vllm_cuda_layout.py",))
