@@ -8,10 +8,11 @@ each axis), the CPU default, so that a CPU sweep stays within minutes. Every wor
 also paged at its contiguous block size (one block per sequence, :meth:`~.workloads.
 Workload.contiguous_block_size`), the reference of each implementation's paging overhead.
 
-Points whose float64 truth would cost more than ``max_flops`` are left out (every timed
-point is checked for conformance first, and the truth is computed on the host), as are
-grid combinations a mode cannot take (``mixed`` needs two sequences, a chunk needs a
-context of 8); :meth:`Sweep.left_out` counts them.
+Points above ``max_flops`` are left out (every timed point is checked for conformance
+first, against a float64 truth: the CPU sweeps' cap on its cost), as are grid
+combinations a mode cannot take (``mixed`` needs two sequences, a chunk needs a context
+of 8); :meth:`Sweep.left_out` counts them. ``pagedbench bench`` also leaves out points
+whose truth fits neither the host budget nor the device (``harness/truth.py``).
 
 Defaults (:func:`default_sweep`): on the CPU a one-axis-at-a-time sweep sized for about
 5 minutes on 2 quiet cores (:data:`CPU_SWEEP`); on a GPU the full grid.

@@ -52,12 +52,13 @@ from .workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
 from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from .environment import apply_environment, cache_environment
 from .junit import write_junit_xml
-from .record import (COMPARISON_FIELDS, Environment, ListingRow, Plan, ResultRecord,
-                     RunRecord, json_schema)
+from .record import (COMPARISON_FIELDS, DevicePeaks, Environment, ListingRow, Plan,
+                     ResultRecord, RunRecord, json_schema)
 from .speed import Thresholds
 from .status import GATE_EXIT_MEANING, ExitCode, Status, exit_code, exit_codes_help
 from .store import (DEFAULT_RESULTS_DIR, ResultsFile, environment, new_run_id, read_lines,
                     results_of, run_states)
+from .truth import HOST_TRUTH_FRACTION, truth_site
 
 #: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
 DEFAULT_CACHE_DIR = Path("build")
@@ -246,6 +247,15 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip each workload's contiguous point (no paging overhead then)")
     p.add_argument("--no-peaks", action="store_true",
                    help="do not measure the device's copy bandwidth and bf16 throughput")
+    p.add_argument("--peaks", type=Path, default=None, metavar="FILE",
+                   help="take the device's peaks from FILE instead of measuring them: a JSON "
+                        "object with copy_gbps, bf16_tflops and method, at its top or under "
+                        "'peaks' (the GPU lane's env.json, measured in the same call)")
+    p.add_argument("--host-truth-bytes", type=_int_in(0, 2**62), default=None,
+                   metavar="BYTES",
+                   help="largest truth (inputs plus one sequence's float64 work) computed on "
+                        "the host; larger points get their truth on the device (default: "
+                        f"{HOST_TRUTH_FRACTION:g} of the host's memory)"),
     p.add_argument("--dry-run", action="store_true", help="print the points and exit")
     p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
                    help="torch threads per worker (default: all cores)")
@@ -550,18 +560,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               "point", "the options leave no point to time (--workload "
                               f"{list(sweep.workload_patterns)}, --grid {sweep.grid}; see "
                               "--dry-run)")
-    for case in cases:
+    left_out, kept = sweep.left_out(), []
+    for case in cases:  # a point whose truth fits neither the host budget nor the device
         try:
             check_fits(case, device)
+            truth_site(case, device, args.host_truth_bytes)
         except PagedInputError as exc:
-            raise PagedValueError("--context", exc.value, exc.allowed,
-                                  f"{case.case_id}: {exc}") from None
+            left_out.append(f"{case.case_id}: {exc}")
+        else:
+            kept.append(case)
+    for note in left_out:
+        console.print(f"[yellow]left out: {rich_escape(note)}[/]")
+    if not kept:
+        raise PagedValueError("bench options", "no point", "a point that fits",
+                              f"every point was left out ({'; '.join(left_out)})")
+    cases = kept
     defaults = runner.RunConfig()
     timing = bench.CPU_TIMING["quick" if args.quick else "default"] if device == "cpu" else {}
     if args.repetitions:
         timing = {**timing, "repetitions": args.repetitions}
     config = runner.RunConfig(
         device=device, suite=BENCH_SUITE, cache_dir=args.cache_dir,
+        host_truth_bytes=args.host_truth_bytes,
         threads=args.threads or defaults.threads,
         case_timeout_s=args.case_timeout or defaults.case_timeout_s,
         **({**timing, "time_budget_s": args.min_time,
@@ -573,7 +593,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
     peaks = None
-    if not args.no_peaks:
+    if args.peaks is not None:
+        peaks = peaks_file(args.peaks)
+        console.print(f"device peaks from {args.peaks}: {peaks.copy_gbps:.1f} GB/s copy, "
+                      f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul")
+    elif not args.no_peaks:
         peaks, why = runner.device_peaks(config)
         console.print(f"device peaks: {peaks.copy_gbps:.1f} GB/s copy, "
                       f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul" if peaks
@@ -595,7 +619,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         try:
             records = runner.run(plan, config, results, run_id, on_record=on_record,
-                                 peaks=peaks)
+                                 peaks=peaks, left_out=left_out)
         except runner.Interrupted as exc:
             if args.junit_xml is not None:
                 write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
@@ -618,6 +642,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"{len(timed)} timed ({noisy} noisy) in {time.monotonic() - start:.0f} s; exit "
         f"{int(code)}; results {results.path}, report {md_path}")
     return int(code)
+
+
+def peaks_file(path: Path) -> DevicePeaks:
+    """The device peaks in ``path`` (``--peaks``): a JSON object of
+    :class:`~.record.DevicePeaks`, at its top or under ``"peaks"``.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``--peaks`` and the file when it cannot be read or holds no valid peaks.
+    """
+    try:
+        data = json.loads(path.read_text())
+        data = data.get("peaks", data) if isinstance(data, dict) else data
+        return DevicePeaks.model_validate(data)
+    except (OSError, ValueError) as exc:  # ValidationError is a ValueError
+        raise PagedValueError("--peaks", str(path), "a JSON file of copy_gbps, bf16_tflops "
+                              "and method", f"--peaks {path}: {exc}") from None
 
 
 def _results_of_run(results: ResultsFile, run_id: str) -> list[ResultRecord]:

@@ -8,10 +8,12 @@ stays NaN), and its passes are marked :data:`STALE_TAIL_MARK`.
 
 Verdict: :func:`judge` walks ``why_unsupported`` -> truth -> inputs -> ``prepare`` ->
 ``run`` -> ``describe`` -> compare (``harness/tolerance.py``), and for a stale-tail pass
-the NaN-tail probe (:func:`nan_tail_output_finite`). Whatever the adapter raises becomes
-``error`` with the step; whatever the harness raises becomes ``harness-error``; each
-step is announced to ``on_step`` with the party it is charged to (``"impl"`` or
-``"harness"``), which is how the runner gives each party its own time budget.
+the NaN-tail probe (:func:`nan_tail_output_finite`). With ``truth_site="device"`` (a case
+the host cannot hold, :func:`~.truth.truth_site`) the inputs are drawn on the device
+first and the truth is computed there from them; the comparison is the same. Whatever
+the adapter raises becomes ``error`` with the step; whatever the harness raises becomes
+``harness-error``; each step is announced to ``on_step`` with the party it is charged to
+(``"impl"`` or ``"harness"``), which is how the runner gives each party its own time budget.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pagedbench.reference import PagedCase, PagedInputs, materialize, resolve_de
 
 from . import tolerance
 from .status import Status
-from .truth import compute_truth
+from .truth import TRUTH_SITES, compute_device_truth, compute_truth
 
 #: Marks a pass judged with stale (finite) tails instead of NaN (README, "NaN-unsafe tails").
 STALE_TAIL_MARK = "†"
@@ -40,6 +42,8 @@ CASE_LOGITS_MARK = "‡"
 IMPL, HARNESS = "impl", "harness"
 
 StepCallback = Callable[[str, str], None]
+#: ``device_truth(inputs, logits_precision=...) -> Expected`` (:func:`judge`).
+DeviceTruth = Callable[..., tolerance.Expected]
 
 
 def tail_poison(capabilities: Capabilities) -> str:
@@ -87,6 +91,8 @@ class Verdict:
     logits_precision : str or None
         The yardstick's logits precision (``"float32"`` or the declared ``"case"``) once
         the truth was computed.
+    truth_site : str or None
+        Where the truth was computed (``"host"`` or ``"device"``), once it was.
     details : dict
         What ``adapter.describe(prepared)`` returned.
     nan_tail_output_finite : bool or None
@@ -103,6 +109,7 @@ class Verdict:
     comparison: tolerance.Comparison | None = None
     tail_poison: str | None = None
     logits_precision: str | None = None
+    truth_site: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     nan_tail_output_finite: bool | None = None
     prepared: Any = None
@@ -121,6 +128,8 @@ def judge(
     truth: Callable[..., tolerance.Expected] = compute_truth,
     on_step: StepCallback = _ignore_step,
     probe_nan_tail: bool = True,
+    truth_site: str = "host",
+    device_truth: DeviceTruth = compute_device_truth,
 ) -> Verdict:
     """Check ``adapter`` on ``case`` on ``device`` (see the module docstring).
 
@@ -133,13 +142,27 @@ def judge(
         ``on_step(party, step)`` before each step.
     probe_nan_tail : bool
         Run the NaN-tail probe after a ``stale`` pass.
+    truth_site : str
+        ``"host"``: ``truth(case)``, inputs drawn on the host and moved to ``device``;
+        ``"device"``: inputs drawn on ``device`` (``materialize(on_device=True)``), then
+        ``device_truth(inputs, logits_precision=...)`` (the runner passes its cached
+        :func:`~.truth.device_truth_for`).
 
     Returns
     -------
     Verdict
         Never raises for what the adapter does (``SystemExit`` included); the harness's
         own faults become ``harness-error``.
+
+    Raises
+    ------
+    ValueError
+        If ``truth_site`` is not one of :data:`~.truth.TRUTH_SITES`.
     """
+    if truth_site not in TRUTH_SITES:
+        raise ValueError(f"truth_site must be one of {TRUTH_SITES}, got {truth_site!r}")
+    on_device = truth_site == "device"
+
     def impl_fault(step: str, exc: BaseException, prefix: str = "") -> Verdict:
         return Verdict(Status.ERROR, prefix + describe_exception(exc), step, exception=exc)
 
@@ -159,16 +182,23 @@ def judge(
                        "str", "why_unsupported")
     if reasons:
         return Verdict(Status.UNSUPPORTED, "; ".join(reasons), "why_unsupported")
-    on_step(HARNESS, "truth")
-    try:
-        expected = truth(case, logits_precision=precision)
-    except Exception as exc:
-        return harness_fault("truth", exc)
+    if not on_device:
+        on_step(HARNESS, "truth")
+        try:
+            expected = truth(case, logits_precision=precision)
+        except Exception as exc:
+            return harness_fault("truth", exc)
     on_step(HARNESS, "inputs")
     try:
-        inputs = materialize(case, device, tail_poison=poison)
+        inputs = materialize(case, device, tail_poison=poison, on_device=on_device)
     except Exception as exc:
         return harness_fault("inputs", exc)
+    if on_device:  # before prepare, so that nothing the adapter does can change it
+        on_step(HARNESS, "truth")
+        try:
+            expected = device_truth(inputs, logits_precision=precision)
+        except Exception as exc:
+            return harness_fault("truth", exc)
     on_step(IMPL, "prepare")
     try:
         prepared = adapter.prepare(inputs)
@@ -195,20 +225,24 @@ def judge(
         return harness_fault("compare", exc)
     verdict = Verdict(Status.PASS if comparison.passed else Status.FAIL, comparison.reason,
                       None if comparison.passed else "compare", comparison, poison,
-                      precision, details, prepared=prepared)
+                      precision, truth_site, details, prepared=prepared)
     if comparison.passed and poison == "stale" and probe_nan_tail:
         on_step(IMPL, "nan-tail probe")
-        verdict.nan_tail_output_finite = nan_tail_output_finite(adapter, case, device)
+        verdict.nan_tail_output_finite = nan_tail_output_finite(adapter, case, device,
+                                                                on_device=on_device)
     return verdict
 
 
-def nan_tail_output_finite(adapter: Adapter, case: PagedCase, device: str) -> bool | None:
+def nan_tail_output_finite(adapter: Adapter, case: PagedCase, device: str, *,
+                           on_device: bool = False) -> bool | None:
     """Whether ``adapter``'s output on ``case`` stays finite with NaN in the unused slots
     of the last blocks (the strict inputs); ``None`` when it raised. For an adapter
     declaring ``nan_safe_tail=False`` this is the probe that shows a fix upstream (the
-    declaration can then go); for one declaring True it must be True."""
+    declaration can then go); for one declaring True it must be True. ``on_device``: the
+    inputs drawn on ``device`` (as for a device truth)."""
     try:
-        out = adapter.run(adapter.prepare(materialize(case, device, tail_poison="nan")))
+        out = adapter.run(adapter.prepare(materialize(case, device, tail_poison="nan",
+                                                      on_device=on_device)))
         synchronize(device)
     except Exception:
         return None

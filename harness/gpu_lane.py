@@ -11,10 +11,14 @@ Steps, each a child process with its own budget (:data:`BUDGETS_S`), so that one
 step cannot take the others down: ``env`` (``env.json``: :func:`environment_record`, the
 machine measured), ``list`` (``list.json``), ``pytest`` (``junit.xml``: the suites that
 matter on a GPU, :data:`GPU_TESTS`), ``sweep`` (``sweep.jsonl``/``.md``:
-:func:`sweep_command`, only the implementations ``list`` found available). ``truths``
-computes the sweep's float64 truths on the CPU while ``pytest`` holds the GPU, so that
-the sweep does not wait for them. A step past its budget gets SIGINT, then SIGKILL after
-:data:`GRACE_S`; :data:`TOTAL_BUDGET_S` caps the lane.
+:func:`sweep_command`, ``pagedbench bench`` on the selection's grid, only the
+implementations ``list`` found available, ours first, its fractions of peak taken of the
+copy bandwidth and bf16 rate that ``env`` measured). ``truths`` computes the float64
+truths of the sweep's points that take the host path (:data:`HOST_TRUTH_BYTES`) on the
+CPU while ``pytest`` holds the GPU; the larger points get device truths in the sweep.
+A step past its budget gets SIGINT, then SIGKILL after :data:`GRACE_S`;
+:data:`TOTAL_BUDGET_S` caps the lane; ``lane.json`` lists the sweep's pairs that did not
+run within it and the points it left out.
 
 The commit and dirtiness come from outside (no ``.git`` travels) and reach every result
 line through :data:`~.store.GIT_SHA_ENV`. At the end the folder is packed to at most
@@ -102,26 +106,44 @@ _SHA = re.compile(r"[0-9a-f]{40}")
 class Selection:
     """What the lane runs.
 
-    ``impls`` empty: those ``list`` finds available. ``presets`` x ``block_sizes``: the
-    cases of ``pagedbench run``; ``batch_sizes`` x ``contexts``: the grid of the sweep
-    (applied once the sweep command takes it, :func:`sweep_command`); ``tests``: the
-    pytest targets.
+    ``impls`` empty: those ``list`` finds available. The sweep (:func:`lane_sweep`) is
+    the full grid ``modes`` x ``presets`` (their heads and head_dim) x ``batch_sizes`` x
+    ``contexts``, each point paged at ``block_sizes`` and contiguously, in ``dtypes``;
+    ``tests``: the pytest targets.
     """
 
     impls: tuple[str, ...] = ()
     presets: tuple[str, ...] = ("llama3.1-8b",)
     block_sizes: tuple[int, ...] = (16, 64)
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128, 256)
-    contexts: tuple[int, ...] = (1024, 4096, 16384, 32768)
+    contexts: tuple[int, ...] = (4096, 16384, 32768, 1024)
     tests: tuple[str, ...] = GPU_TESTS
+    modes: tuple[str, ...] = ("decode",)
+    dtypes: tuple[str, ...] = ("bfloat16",)
 
 
-#: The CUDA lane: Llama-3-8B decode shapes, every available implementation.
+#: The CUDA lane: Llama-3-8B decode shapes (32 q / 8 KV heads, head_dim 128, bf16), every
+#: available implementation. Contexts of 4k and more first: bench walks the batch sizes,
+#: and within each the contexts in this order (docs/KERNELS.md, "The GPU lane's sweep",
+#: has the estimate of what fits the sweep's budget).
 CUDA_SELECTION = Selection()
-#: The CPU rehearsal CI runs: the plain-torch baseline on one preset, one quick module.
+#: The CPU rehearsal CI runs: the plain-torch baseline on a grid of two workloads (batch
+#: 2 x kv 64/256 of one preset's heads; 4 points with the contiguous ones) through the
+#: same bench command, one host-truth and one device-truth context; one quick test module.
 CPU_SELECTION = Selection(impls=("torch-gather",), presets=("llama3.1-70b-tp8",),
-                          block_sizes=(16,), batch_sizes=(), contexts=(),
+                          block_sizes=(16,), batch_sizes=(2,), contexts=(64, 256),
                           tests=("suites/adapters/test_vllm_cuda_layout.py",))
+#: Largest truth (``truth.truth_bytes``: inputs plus one sequence's float64 work) the
+#: lane computes on the host, by device. CUDA: the points the ``truths`` step can finish
+#: within its budget on the CPU (8 points: the 1k contexts of batches 1, 8 and 32; the
+#: host draws and computes a reference at tens of MB/s), the rest drawn and checked on
+#: the GPU.
+#: CPU: between the rehearsal's two contexts, so that it takes both paths.
+HOST_TRUTH_BYTES = {"cuda": 2**28, "cpu": 2**22}
+#: Our kernels, swept first (the runner times one implementation after another).
+FIRST_IMPLS = ("pagedbench-triton-split", "pagedbench-triton", "pagedbench-triton-prefill")
+#: The sweep's speedups are against this implementation when it runs, else the first.
+SWEEP_BASELINE = "sdpa-contiguous"
 
 
 @dataclass
@@ -211,32 +233,25 @@ def _nvidia_smi() -> dict[str, Any]:
 
 
 def measure_device(device: str) -> dict[str, Any]:
-    """The copy bandwidth and bf16 matrix-product rate measured on ``device``, the
-    figures the sweep's fractions are taken of.
+    """The copy bandwidth and bf16 matrix-product rate measured on ``device``
+    (:func:`~.timing.measure_peaks`, what ``pagedbench bench`` measures), the figures
+    the sweep's fractions are taken of (``bench --peaks env.json``).
 
-    ``copy_bandwidth_gbps``: a 1 GiB device-to-device ``copy_``, bytes read plus written
-    per second (1e9 B/s); ``bf16_tflops``: an 8192^3 bf16 matrix product, 2 n^3 FLOP per
-    product. Both medians of ``triton.testing.do_bench`` (CUDA events, L2 cleared). On a
-    device that is not CUDA: ``{"skipped": why}``.
+    ``peaks``: the :class:`~.record.DevicePeaks` fields; ``copy_bandwidth_gbps``: a
+    device-to-device ``copy_`` of :data:`~.timing.COPY_BYTES` (1 GiB on CUDA), bytes read
+    plus written per second (1e9 B/s); ``bf16_tflops``: a bf16 matrix product of
+    :data:`~.timing.MATMUL_N` (8192 on CUDA), 2 n^3 FLOP. Medians of ``do_bench`` (CUDA
+    events, L2 cleared) on CUDA, of ``torch.utils.benchmark`` on the CPU (rehearsal).
     """
-    import torch
+    from .timing import COPY_BYTES, MATMUL_N, measure_peaks
 
-    if device != "cuda" or not torch.cuda.is_available():
-        return {"skipped": "no CUDA device: nothing measured"}
-    from triton.testing import do_bench
-
-    nbytes, n = 1 << 30, 8192
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    copy_ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    del src, dst
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    mm_ms = do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
-    return {"copy_bandwidth_gbps": round(2 * nbytes / copy_ms / 1e6, 1),
-            "copy_bytes": nbytes, "copy_ms": copy_ms,
-            "bf16_tflops": round(2 * n**3 / mm_ms / 1e9, 1), "matmul_n": n, "matmul_ms": mm_ms,
-            "method": "triton.testing.do_bench median, CUDA events, L2 cleared"}
+    kind = "cuda" if device == "cuda" else "cpu"
+    peaks = measure_peaks(device, os.cpu_count() or 1)
+    return {"peaks": {"copy_gbps": peaks.copy_gbps, "bf16_tflops": peaks.bf16_tflops,
+                      "method": peaks.method},
+            "copy_bandwidth_gbps": round(peaks.copy_gbps, 1), "copy_bytes": COPY_BYTES[kind],
+            "bf16_tflops": round(peaks.bf16_tflops, 1), "matmul_n": MATMUL_N[kind],
+            "method": peaks.method}
 
 
 def environment_record(device: str, selection: Selection) -> dict[str, Any]:
@@ -258,6 +273,7 @@ def environment_record(device: str, selection: Selection) -> dict[str, Any]:
                "l2_cache_bytes": getattr(props, "L2_cache_size", None),
                "total_memory_bytes": props.total_memory,
                "cc": f"{props.major}.{props.minor}", "device_count": torch.cuda.device_count()}
+    measured = measure_device(device)
     packages = {}
     for module in ("torch", "triton", "flashinfer", "flash_attn", "flash_attn_3", "xformers",
                    "vllm", "pydantic", "hypothesis", "pytest", "xdist", "pytest_timeout",
@@ -272,7 +288,8 @@ def environment_record(device: str, selection: Selection) -> dict[str, Any]:
         "torch_cuda_build": torch.version.cuda,
         "gpu": gpu,
         "nvidia_smi": _nvidia_smi() if device == "cuda" else {"skipped": "device is not CUDA"},
-        "measured": measure_device(device),
+        "measured": measured,
+        "peaks": measured["peaks"],
         "packages": packages,
     }
 
@@ -299,16 +316,35 @@ def write_listing(device: str, impls: tuple[str, ...], path: Path) -> int:
     return sum(row.available for row in rows)
 
 
-def write_truths(selection: Selection) -> int:
-    """Compute and cache (under ``build/``, where the sweep's runner reads them) the
-    float64 truths of the sweep's cases; returns how many."""
-    from .cases import default_cases
-    from .truth import truth_for
+def lane_sweep(selection: Selection, device: str) -> Any:
+    """The :class:`~.bench.Sweep` of the sweep step on ``device`` (what
+    :func:`sweep_command` asks ``pagedbench bench`` for): the device's default sweep with
+    the selection's grid (full, contiguous points too) and nothing else."""
+    from .bench import default_sweep
 
-    cases = default_cases(list(selection.presets), selection.block_sizes)
+    grid = default_sweep(device).with_(
+        modes=selection.modes, layouts=selection.presets, batch_sizes=selection.batch_sizes,
+        contexts=selection.contexts, block_sizes=selection.block_sizes,
+        dtypes=selection.dtypes, grid="full", presets=(), batch_specs=(), workload_patterns=())
+    return grid.with_(workload_patterns=tuple(w.name for w in grid.workloads()))
+
+
+def write_truths(selection: Selection, device: str) -> int:
+    """Compute and cache (under ``build/``, where the sweep's runner reads them) the
+    float64 truths of the sweep's points that take the host path
+    (:data:`HOST_TRUTH_BYTES`); returns how many."""
+    from .truth import fits_host, truth_for
+
+    cases = [c for c in lane_sweep(selection, device).cases()
+             if fits_host(c, HOST_TRUTH_BYTES[device])]
     for case in cases:
         truth_for(case, BUILD)
     return len(cases)
+
+
+def ordered_impls(impls: tuple[str, ...]) -> tuple[str, ...]:
+    """``impls`` with :data:`FIRST_IMPLS` (ours) first, in that order; the rest as given."""
+    return (*[n for n in FIRST_IMPLS if n in impls], *[n for n in impls if n not in FIRST_IMPLS])
 
 
 def _flags(flag: str, values: tuple) -> list[str]:
@@ -316,26 +352,78 @@ def _flags(flag: str, values: tuple) -> list[str]:
 
 
 def sweep_command(python: str, device: str, impls: tuple[str, ...], selection: Selection,
-                  results_dir: Path) -> tuple[list[str], list[str]]:
-    """The sweep step's command, and notes on what of ``selection`` it cannot apply.
+                  results_dir: Path, peaks: Path | None = None) -> tuple[list[str], list[str]]:
+    """The sweep step's command, and notes on how it runs.
 
-    Today ``pagedbench run`` (conformance, then timing): presets x block sizes, each
-    preset a ragged decode batch. The batch x context grid needs a sweep command with
-    those axes; this is the one place to switch to it.
+    ``pagedbench bench`` (each point checked against its float64 truth, then timed) on
+    :func:`lane_sweep`'s grid (its workloads named with ``--workload``, so that bench adds
+    none of its defaults), ``impls`` ordered by :func:`ordered_impls`, the host path
+    for truths up to :data:`HOST_TRUTH_BYTES`; ``--peaks peaks`` (the env step's
+    env.json) so that every fraction of peak is of what ``env`` measured in this call, or
+    bench's own measurement when ``peaks`` is None.
     """
-    command = [python, "-m", "pagedbench.harness.cli", "run", "--device", device,
+    impls = ordered_impls(impls)
+    baseline = impls[0] if impls and SWEEP_BASELINE not in impls else SWEEP_BASELINE
+    command = [python, "-m", "pagedbench.harness.cli", "bench", "--device", device,
                "--results-dir", str(results_dir), "--cache-dir", str(BUILD),
-               "--case-timeout", str(CASE_TIMEOUT_S[device]),
-               *_flags("--impl", impls), *_flags("--preset", selection.presets),
-               *_flags("--block-size", selection.block_sizes)]
+               "--case-timeout", str(CASE_TIMEOUT_S[device]), "--grid", "full",
+               *_flags("--impl", impls), "--baseline", baseline,
+               *_flags("--mode", selection.modes), *_flags("--layout", selection.presets),
+               *_flags("--batch-size", selection.batch_sizes),
+               *_flags("--context", selection.contexts),
+               *_flags("--block-size", selection.block_sizes),
+               *_flags("--dtype", selection.dtypes),
+               *_flags("--workload", lane_sweep(selection, device).workload_patterns),
+               "--host-truth-bytes", str(HOST_TRUTH_BYTES[device])]
+    notes = []
+    if peaks is not None:
+        command += ["--peaks", str(peaks)]
+    else:
+        notes.append("env measured no peaks: the sweep measures its own")
     if device == "cpu":
         command += ["--repetitions", str(REHEARSAL_REPETITIONS)]
-    notes = []
-    if selection.batch_sizes or selection.contexts:
-        notes.append(f"batch sizes {list(selection.batch_sizes)} x contexts "
-                     f"{list(selection.contexts)} not applied: pagedbench run takes presets "
-                     "and block sizes only")
     return command, notes
+
+
+def _sweep_lines(jsonl: Path) -> list:
+    """The lines of the sweep's results file; empty when it is missing or damaged (the
+    step's log says why)."""
+    from .store import ResultsFileError, read_lines
+
+    try:
+        return list(read_lines([jsonl]))
+    except (ResultsFileError, OSError):
+        return []
+
+
+def write_sweep_markdown(jsonl: Path, md: Path) -> bool:
+    """Write the report of the sweep's results to ``md`` when bench did not (it writes its
+    own only when it finishes, not when stopped at the step's budget); whether it wrote."""
+    from .report import markdown
+
+    lines = _sweep_lines(jsonl)
+    if md.exists() or not lines:
+        return False
+    md.write_text(markdown(lines, title="pagedbench bench (GPU lane sweep, stopped at its "
+                           "budget)", baseline=SWEEP_BASELINE))
+    return True
+
+
+def sweep_coverage(jsonl: Path) -> dict[str, list[str]]:
+    """What of its plan the sweep did not do: ``not_run`` (``impl:case_id`` pairs of the
+    plan without a result: the step's budget ran out) and ``left_out`` (points bench left
+    out, with why), from the results file; both empty when it is unreadable."""
+    from .record import ResultRecord, RunRecord
+
+    lines = _sweep_lines(jsonl)
+    starts = [r for r in lines if isinstance(r, RunRecord) and r.event == "started" and r.plan]
+    if not starts:
+        return {"not_run": [], "left_out": []}
+    done = {(r.impl, r.case_id) for r in lines if isinstance(r, ResultRecord)}
+    plan = starts[0].plan
+    return {"not_run": [f"{i.name}:{c.case_id}" for i in plan.impls for c in plan.paged_cases()
+                        if (i.name, c.case_id) not in done],
+            "left_out": list(starts[0].left_out or [])}
 
 
 def pytest_command(python: str, device: str, tests: tuple[str, ...], junit: Path) -> list[str]:
@@ -419,7 +507,10 @@ def summary_line(record: dict[str, Any]) -> str:
             text += (f" ({t['tests']} tests, {t['failures']} failed, {t['errors']} errors, "
                      f"{t['skipped']} skipped)")
         if name == "sweep" and record["sweep_statuses"]:
-            text += " (" + ", ".join(f"{n} {k}" for k, n in record["sweep_statuses"].items()) + ")"
+            text += " (" + ", ".join(f"{n} {k}" for k, n in record["sweep_statuses"].items())
+            if record.get("sweep_not_run"):
+                text += f", {len(record['sweep_not_run'])} not run"
+            text += ")"
         parts.append(text)
     git = (record["git_sha"] or "unknown")[:12] + ("+dirty" if record["dirty"] else "")
     return (f"{SUMMARY_PREFIX} {'OK' if record['ok'] else 'FAILED'}"
@@ -490,7 +581,8 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
                 min(truths.budget_s - spent, deadline - time.monotonic()))
     if truths.timed_out:
         truths.notes.append("stopped at its budget; the sweep computes the rest")
-    command, notes = sweep_command(python, device, impls, selection, work)
+    peaks = out / "env.json" if env.ok and (out / "env.json").is_file() else None
+    command, notes = sweep_command(python, device, impls, selection, work, peaks)
     sweep = Step("sweep", command, left("sweep"), notes=notes)
     steps = [env, listing, truths, tests, sweep]
     if impls:
@@ -501,6 +593,14 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
         found.rename(out / "sweep.jsonl")
         with contextlib.suppress(OSError):
             found.with_suffix(".md").rename(out / "sweep.md")
+    write_sweep_markdown(out / "sweep.jsonl", out / "sweep.md")
+    coverage = sweep_coverage(out / "sweep.jsonl")
+    if coverage["not_run"]:
+        sweep.notes.append(f"{len(coverage['not_run'])} (implementation, point) pairs not "
+                           "run within the budget: lane.json sweep_not_run")
+    if coverage["left_out"]:
+        sweep.notes.append(f"{len(coverage['left_out'])} points left out: lane.json "
+                           "sweep_left_out")
     env_record = {}
     with contextlib.suppress(OSError, ValueError):
         env_record = json.loads((out / "env.json").read_text())
@@ -514,6 +614,8 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
         "steps": [{**asdict(s), "ok": s.ok, "state": s.state} for s in steps],
         "tests": _junit_counts(out / "junit.xml"),
         "sweep_statuses": _sweep_counts(out / "sweep.jsonl"),
+        "sweep_not_run": coverage["not_run"],
+        "sweep_left_out": coverage["left_out"],
         "out": str(out),
     }
     (out / "lane.json").unlink(missing_ok=True)
@@ -584,7 +686,7 @@ def main(argv: list[str] | None = None) -> int:
               "available")
         return 0
     if args.truths_only:
-        print(f"{write_truths(selection)} truths cached under {BUILD}")
+        print(f"{write_truths(selection, args.device)} truths cached under {BUILD}")
         return 0
     if args.device == "cuda":
         import torch

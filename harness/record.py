@@ -39,7 +39,7 @@ from . import tolerance
 from .status import Status
 from .timing import METHODS
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).
 MAX_DETAILS_BYTES = 64 * 1024
 #: Deepest nesting accepted in adapter metadata (a self-referencing dict would recurse).
@@ -171,7 +171,7 @@ class _ResultFields(_Strict):
     """The fields of a result line other than the comparison's figures."""
 
     kind: Literal["result"]
-    schema_version: Literal[4]
+    schema_version: Literal[5]
     run_id: str
     suite: str
     impl: str
@@ -197,6 +197,10 @@ class _ResultFields(_Strict):
     logits_precision: Optional[Literal["float32", "case"]] = Field(
         default=None, description="the yardstick's logits precision: float32, or the case "
         "dtype for an implementation that declares it computes its logits there")
+    truth: Optional[Literal["host", "device"]] = Field(
+        default=None, description="where the float64 truth was computed: host (inputs "
+        "drawn there, cached) or device (inputs drawn on the run's device, for a case the "
+        "host cannot hold); null when no truth was needed")
     nan_tail_output_finite: Optional[bool]
     bytes_moved: int
     flops: int
@@ -307,7 +311,7 @@ class RunRecord(_Strict):
     ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
 
     kind: Literal["run"]
-    schema_version: Literal[4]
+    schema_version: Literal[5]
     run_id: str
     event: Literal["started", "resumed", "interrupted", "finished"]
     timestamp: AwareDatetime
@@ -316,6 +320,10 @@ class RunRecord(_Strict):
     device_peaks: Optional[DevicePeaks] = Field(
         default=None, description="measured when the run started or resumed (pagedbench "
         "bench); null otherwise")
+    left_out: Optional[list[str]] = Field(
+        default=None, description="started: the sweep's points left out, each with why "
+        "(pagedbench bench: a truth that fits neither the host budget nor the device, a "
+        "mode a grid point cannot take); null otherwise")
     exit_code: Optional[int]
     counts: Optional[dict[Status, int]]
 

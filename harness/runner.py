@@ -50,7 +50,7 @@ from .status import Status, exit_code
 from .store import ResultsFile, environment, results_of
 from .timing import (Timing, DriftProbe, bytes_moved, flops, measure_peaks, roofline_floor_ms,
                      time_cpu, time_cuda, time_once)
-from .truth import truth_for
+from .truth import device_truth_for, truth_for, truth_site
 from .worker import Channel, Fault, Supervisor
 from .workloads import workload_fields
 
@@ -85,6 +85,10 @@ class RunConfig:
         ``harness-error``. (A worker's start-up has ``worker.STARTUP_TIMEOUT_S``.)
     cache_dir : Path
         Where float64 truths are cached between workers and runs.
+    host_truth_bytes : int or None
+        Largest :func:`~.truth.truth_bytes` of a case whose truth is computed on the host;
+        larger ones get a device truth (:func:`~.truth.truth_site`). ``None``:
+        :func:`~.truth.host_budget_bytes` of the machine the worker runs on.
     suite : str
         Recorded in each result (``"default"``, ``"gpu-lane"``, ``"bench"``, ...); in a
         ``"bench"`` run each result also names its workload (:func:`~.workloads.workload_fields`).
@@ -106,6 +110,7 @@ class RunConfig:
     harness_timeout_s: float = 600.0
     cache_dir: Path = Path("build")
     suite: str = "default"
+    host_truth_bytes: int | None = None
 
     def __post_init__(self) -> None:
         text = self.device if isinstance(self.device, str) else ""
@@ -120,6 +125,10 @@ class RunConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise PagedValueError(name, value, "a finite number of seconds > 0")
+        budget = self.host_truth_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 0):
+            raise PagedValueError("host_truth_bytes", budget, "None or an int >= 0 (bytes)")
         if self.time_limit_s < self.time_budget_s:
             raise PagedValueError("time_limit_s", self.time_limit_s,
                                   f">= time_budget_s ({self.time_budget_s})")
@@ -188,11 +197,12 @@ def result_record(
     *, run_id: str, env: Environment, config: RunConfig, name: str, target: str,
     case: PagedCase, status: Status, reason: str = "", step: str | None = None,
     row: ListingRow | None = None, verdict: conformance.Verdict | None = None,
-    timing: Timing | None = None, peaks: DevicePeaks | None = None,
+    timing: Timing | None = None, peaks: DevicePeaks | None = None, truth: str | None = None,
 ) -> ResultRecord:
     """The result line of ``name`` on ``case``; ``row`` is what the implementation said
     when it loaded (version, details, interpreted), ``verdict`` its check, ``peaks``
-    what the device sustained (for fractions of peak and the roofline floor).
+    what the device sustained (for fractions of peak and the roofline floor), ``truth``
+    where its truth was computed (``"host"`` or ``"device"``).
 
     Raises
     ------
@@ -220,6 +230,7 @@ def result_record(
         interpreted=row.interpreted if row else None,
         tail_poison=verdict.tail_poison if verdict else None,
         logits_precision=verdict.logits_precision if verdict else None,
+        truth=truth,
         nan_tail_output_finite=verdict.nan_tail_output_finite if verdict else None,
         bytes_moved=moved, flops=work, bandwidth_gbps=gbps, tflops=tflops,
         arithmetic_intensity=work / moved, peaks=peaks,
@@ -315,6 +326,7 @@ def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
         return
     channel.send({"kind": "loaded", "row": row.model_dump_json()})
     truth = partial(truth_for, cache_dir=config.cache_dir)
+    device_truth = partial(device_truth_for, cache_dir=config.cache_dir)
     for index in range(job["start"], len(job["cases"])):
         channel.step(index, conformance.HARNESS, "case")
         case = PagedCase.from_dict(job["cases"][index])
@@ -324,8 +336,18 @@ def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
             record = result_record(**fields, status=Status.UNAVAILABLE, reason=row.reason,
                                    step="available")
         else:
-            verdict = conformance.judge(adapter, case, config.device, truth=truth,
-                                        on_step=partial(channel.step, index))
+            channel.step(index, conformance.HARNESS, "truth")
+            try:
+                site = truth_site(case, config.device, config.host_truth_bytes)
+            except PagedValueError as exc:  # the parent leaves such points out
+                verdict = conformance.Verdict(Status.HARNESS_ERROR, str(exc), "truth")
+                site = None
+            else:
+                verdict = conformance.judge(adapter, case, config.device, truth=truth,
+                                            on_step=partial(channel.step, index),
+                                            truth_site=site, device_truth=device_truth)
+            if verdict.status is not Status.UNSUPPORTED and verdict.step != "why_unsupported":
+                fields["truth"] = site  # where it was (to be) computed
             if verdict.status in REPLAYED:
                 verdict = replace(verdict, reason=f"{verdict.reason}; {replay.hint(case, name)}")
             timing = None
@@ -474,14 +496,16 @@ def pending(plan: Plan, results: ResultsFile, run_id: str) -> int:
 
 def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
         on_record: Callable[[ResultRecord], None] | None = None, *,
-        resume: bool = False, peaks: DevicePeaks | None = None) -> list[ResultRecord]:
+        resume: bool = False, peaks: DevicePeaks | None = None,
+        left_out: list[str] | None = None) -> list[ResultRecord]:
     """Evaluate every implementation of ``plan`` on every case, appending each record to
     ``results`` as it arrives (and passing it to ``on_record``, for progress).
 
     With ``resume=True``, the pairs ``results`` already holds for ``run_id`` are kept and
     only the others are run. Records ``started`` (with the plan) or ``resumed`` first
     (with ``peaks``, the device's, measured by :func:`device_peaks`) and ``finished``
-    (with the exit code) last. Returns every result of the run.
+    (with the exit code) last; ``left_out`` (points the caller left out, with why) goes
+    into the ``started`` record. Returns every result of the run.
 
     Raises
     ------
@@ -495,7 +519,8 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     results.append(RunRecord(
         kind="run", schema_version=SCHEMA_VERSION, run_id=run_id, timestamp=now(),
         event="resumed" if resume else "started", plan=None if resume else plan,
-        config=config.to_dict(), exit_code=None, counts=None, device_peaks=peaks))
+        config=config.to_dict(), exit_code=None, counts=None, device_peaks=peaks,
+        left_out=None if resume else left_out))
 
     def emit(record: ResultRecord) -> None:
         results.append(record)

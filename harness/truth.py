@@ -1,5 +1,6 @@
 """The truth of a case (float64 dense attention) and its naive yardstick
-(:class:`~pagedbench.harness.tolerance.Expected`), cached.
+(:class:`~pagedbench.harness.tolerance.Expected`), cached; computed on the host or, for a
+case the host cannot hold, on the run's device.
 
 Computing the truth is the harness's work, done once per case and kept between workers and
 runs in ``<cache_dir>/truth/<key>.npz``: plain numpy arrays, read with
@@ -8,6 +9,16 @@ used, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says). The key is a SHA-256 
 case, the source of ``reference/`` and the torch version; the file stores the key and the
 shapes, so a file that is corrupt, truncated, of another case or of another reference is
 detected, recomputed and replaced (atomically), never fatal.
+
+Where (:func:`truth_site`): on the host (``"host"``, the inputs drawn there, the default)
+when :func:`truth_bytes` fits :func:`host_budget_bytes`; otherwise on the run's device
+(``"device"``): the inputs drawn there (``materialize(on_device=True)``), the reference
+and the yardstick computed there sequence by sequence (``reference/dense.py`` works on any
+device; memory: the pool plus one sequence's float64 K/V), only the per-row results
+brought back (:func:`device_truth_for`). A device truth is cached under a key that adds
+the device's name (a CUDA generator's draws depend on the GPU) and is used only when the
+stored Q equals the inputs' Q (the draws are the same). A case that fits neither is
+refused with the figures.
 """
 
 from __future__ import annotations
@@ -21,11 +32,69 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pagedbench.reference import PagedCase, materialize
+from pagedbench.reference import (PagedCase, PagedInputs, PagedValueError, materialize,
+                                  naive_attention, reference_attention, resolve_device)
+from pagedbench.reference.inputs import device_memory_bytes, footprint_bytes
 
 from .tolerance import Expected
 
 _REFERENCE_DIR = Path(__file__).resolve().parent.parent / "reference"
+TRUTH_SITES = ("host", "device")
+#: Share of the host's physical memory a host truth may take: the parent, the worker
+#: and whatever else runs there share the rest.
+HOST_TRUTH_FRACTION = 0.25
+
+
+def truth_bytes(case: PagedCase) -> int:
+    """Bytes computing the truth of ``case`` takes where it runs (bytes): the inputs
+    (:func:`~pagedbench.reference.inputs.footprint_bytes`) and the float64 work of its
+    longest sequence (K and V gathered, in float64, repeated to the query heads; four
+    ``[num_q_heads, q_len, kv_len]`` float64 logit and probability arrays)."""
+    kv, q = max(case.kv_lens), max(case.q_lens_or_decode)
+    dims = case.head_dim + case.v_head_dim
+    gathered = kv * case.num_kv_heads * dims * (case.kv_torch_dtype.itemsize + 8)
+    repeated = kv * case.num_q_heads * dims * 8
+    logits = 4 * case.num_q_heads * q * kv * 8
+    return footprint_bytes(case) + gathered + repeated + logits
+
+
+def host_budget_bytes() -> int | None:
+    """:data:`HOST_TRUTH_FRACTION` of the host's physical memory (bytes); ``None`` when
+    the host does not say."""
+    total = device_memory_bytes(torch.device("cpu"))
+    return None if total is None else int(HOST_TRUTH_FRACTION * total)
+
+
+def fits_host(case: PagedCase, host_bytes: int | None = None) -> bool:
+    """Whether the truth of ``case`` is computed on the host: :func:`truth_bytes` within
+    ``host_bytes`` (``None``: :func:`host_budget_bytes`; a host that does not say takes
+    every case)."""
+    budget = host_budget_bytes() if host_bytes is None else host_bytes
+    return budget is None or truth_bytes(case) <= budget
+
+
+def truth_site(case: PagedCase, device: str, host_bytes: int | None = None) -> str:
+    """Where the truth of ``case`` for a run on ``device`` is computed: ``"host"``
+    (:func:`fits_host`) or ``"device"`` (:func:`truth_bytes` within the device's memory).
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``kv_lens`` with the bytes needed, the host budget and the device's
+        memory, when neither holds it.
+    """
+    if fits_host(case, host_bytes):
+        return "host"
+    resolved = resolve_device(device)
+    total, need = device_memory_bytes(resolved), truth_bytes(case)
+    if total is None or need <= total:
+        return "device"
+    budget = host_budget_bytes() if host_bytes is None else host_bytes
+    raise PagedValueError(
+        "kv_lens", f"{case.batch_size} sequences up to {max(case.kv_lens)}",
+        "a case whose truth fits the host budget or the device",
+        f"{case.case_id}: its truth needs {need / 1e9:.3g} GB, more than the host budget "
+        f"({budget / 1e9:.3g} GB) and the {total / 1e9:.3g} GB of {resolved}")
 
 
 def compute_truth(case: PagedCase, logits_precision: str = "float32") -> Expected:
@@ -50,14 +119,18 @@ def cache_path(case: PagedCase, cache_dir: Path, logits_precision: str = "float3
     return Path(cache_dir) / "truth" / f"{cache_key(case, logits_precision)[:32]}.npz"
 
 
-def _load(path: Path, case: PagedCase, key: str) -> Expected:
+def _load(path: Path, case: PagedCase, key: str, q: torch.Tensor | None = None) -> Expected:
     """The cached truth at ``path``; raises (ValueError, OSError, KeyError, ...) when the
     file is not exactly what :func:`_save` writes for ``case`` (a pickle is refused by
-    ``allow_pickle=False`` before anything of it runs)."""
+    ``allow_pickle=False`` before anything of it runs), or, with ``q``, when its stored
+    Q is not ``q``."""
     shape = (case.total_q, case.num_q_heads, case.head_dim)
     with np.load(path, allow_pickle=False) as saved:
         stored_key = str(saved["key"])
         truth, naive = saved["truth"], saved["naive"]
+        stored_q = saved["q"] if q is not None else None
+    if q is not None and not np.array_equal(stored_q, q.float().cpu().numpy()):
+        raise ValueError("its Q is not these inputs' (the device drew other values)")
     if stored_key != key:
         raise ValueError(f"stored key {stored_key[:12]}... is not this case's {key[:12]}...")
     if truth.dtype != np.float64 or naive.dtype != np.float32:
@@ -67,13 +140,14 @@ def _load(path: Path, case: PagedCase, key: str) -> Expected:
     return Expected(torch.from_numpy(truth), torch.from_numpy(naive).to(case.torch_dtype))
 
 
-def _save(path: Path, key: str, found: Expected) -> None:
-    """Write ``found`` atomically (temporary file, then rename). The yardstick is stored
-    as float32, which holds fp16 and bf16 values exactly."""
+def _save(path: Path, key: str, found: Expected, q: torch.Tensor | None = None) -> None:
+    """Write ``found`` (and ``q``, when given) atomically (temporary file, then rename).
+    The yardstick and Q are stored as float32, which holds fp16 and bf16 values exactly."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
+    extra = {} if q is None else {"q": q.float().cpu().numpy()}
     np.savez(tmp, key=np.array(key), truth=found.truth.numpy(),
-             naive=found.naive.float().numpy())
+             naive=found.naive.float().numpy(), **extra)
     os.replace(tmp, path)
 
 
@@ -94,4 +168,42 @@ def truth_for(case: PagedCase, cache_dir: Path, logits_precision: str = "float32
     return found
 
 
-__all__ = ["cache_key", "cache_path", "compute_truth", "truth_for"]
+def compute_device_truth(inputs: PagedInputs, logits_precision: str = "float32") -> Expected:
+    """The truth and yardstick of ``inputs`` computed on their device, sequence by
+    sequence, brought back to the host (``[total_q, num_q_heads, head_dim]`` each)."""
+    return Expected(reference_attention(inputs).cpu(),
+                    naive_attention(inputs, logits_precision).cpu())
+
+
+def device_name(device: torch.device) -> str:
+    """``"cpu"``, or ``"cuda:<GPU name>"`` (what a device truth's draws depend on)."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return f"cuda:{torch.cuda.get_device_name(index)}"
+
+
+def device_truth_for(inputs: PagedInputs, cache_dir: Path,
+                     logits_precision: str = "float32") -> Expected:
+    """:func:`compute_device_truth` of ``inputs`` (drawn with ``on_device=True``), cached
+    under ``cache_dir`` by case, logits precision, reference, torch and device name; a
+    stored file is used only when its Q equals ``inputs.q``."""
+    case = inputs.case
+    digest = hashlib.sha256(cache_key(case, logits_precision).encode())
+    digest.update(device_name(inputs.device).encode())
+    key = digest.hexdigest()
+    path = Path(cache_dir) / "truth" / f"device-{key[:32]}.npz"
+    if path.exists():
+        try:
+            return _load(path, case, key, inputs.q)
+        except Exception as exc:  # any unusable file is recomputed, never fatal
+            warnings.warn(f"truth cache {path} is unusable ({type(exc).__name__}: {exc}); "
+                          "recomputing it", stacklevel=2)
+    found = compute_device_truth(inputs, logits_precision)
+    _save(path, key, found, inputs.q)
+    return found
+
+
+__all__ = ["HOST_TRUTH_FRACTION", "TRUTH_SITES", "cache_key", "cache_path",
+           "compute_device_truth", "compute_truth", "device_name", "device_truth_for",
+           "fits_host", "host_budget_bytes", "truth_bytes", "truth_for", "truth_site"]

@@ -330,31 +330,32 @@ def poison_value(poison: str, dtype: torch.dtype) -> float:
     return magnitude if poison == "inf" else -magnitude
 
 
-def _cache_view(case: PagedCase, fill: float) -> torch.Tensor:
+def _cache_view(case: PagedCase, fill: float, device: torch.device) -> torch.Tensor:
     """The canonical cache ``[num_blocks, 2, block_size, num_kv_heads, cache_head_dim]``
-    filled with ``fill``, laid out as ``case.layout`` says (a view into a larger,
-    ``fill``-filled allocation for the pooled layouts)."""
+    filled with ``fill`` on ``device``, laid out as ``case.layout`` says (a view into a
+    larger, ``fill``-filled allocation for the pooled layouts)."""
     shape = (case.pool_blocks, 2, case.block_size, case.num_kv_heads, case.cache_head_dim)
     dtype = case.kv_torch_dtype
     if case.layout == "layer_pool":
-        return torch.full((NUM_LAYERS, *shape), fill, dtype=dtype)[LAYER]
+        return torch.full((NUM_LAYERS, *shape), fill, dtype=dtype, device=device)[LAYER]
     if case.layout == "every_other_block":
-        return torch.full((2 * shape[0], *shape[1:]), fill, dtype=dtype)[1::2]
+        return torch.full((2 * shape[0], *shape[1:]), fill, dtype=dtype, device=device)[1::2]
     if case.layout == "layer_in_block":
         nb, _, bs, hkv, d = shape
-        pool = torch.full((nb, 2, NUM_LAYERS, hkv, bs, d), fill, dtype=dtype)
+        pool = torch.full((nb, 2, NUM_LAYERS, hkv, bs, d), fill, dtype=dtype, device=device)
         return pool[:, :, LAYER].transpose(2, 3)  # [nb, 2, bs, hkv, d] through HND strides
-    return torch.full(shape, fill, dtype=dtype)
+    return torch.full(shape, fill, dtype=dtype, device=device)
 
 
-def _query_buffer(case: PagedCase, fill: float) -> torch.Tensor:
+def _query_buffer(case: PagedCase, fill: float, device: torch.device) -> torch.Tensor:
     """``q`` ``[total_q, num_q_heads, head_dim]`` filled with ``fill``: its own tensor, or
     for ``layout="fused_qkv"`` the Q columns of a ``[total_q, (num_q_heads + 2 *
     num_kv_heads) * head_dim]`` projection whose K and V columns hold ``fill``."""
     rows, hq, d = case.total_q, case.num_q_heads, case.head_dim
     if case.layout != "fused_qkv":
-        return torch.full((rows, hq, d), fill, dtype=case.torch_dtype)
-    qkv = torch.full((rows, (hq + 2 * case.num_kv_heads) * d), fill, dtype=case.torch_dtype)
+        return torch.full((rows, hq, d), fill, dtype=case.torch_dtype, device=device)
+    qkv = torch.full((rows, (hq + 2 * case.num_kv_heads) * d), fill, dtype=case.torch_dtype,
+                     device=device)
     return qkv[:, : hq * d].view(rows, hq, d)
 
 
@@ -460,6 +461,7 @@ def check_fits(case: PagedCase, device: str | torch.device = "cpu") -> None:
 
 def materialize(
     case: PagedCase, device: str | torch.device = "cpu", *, tail_poison: str = "nan",
+    on_device: bool = False,
 ) -> PagedInputs:
     """Build the canonical tensors of ``case`` on ``device``, deterministically from its seed.
 
@@ -479,6 +481,10 @@ def materialize(
     standing for what an earlier request left there. K stays poisoned there, so a kernel
     that computes a logit for a key past ``kv_len`` still shows it; every other unused
     slot is poisoned either way. See ``Capabilities.nan_safe_tail``.
+    ``on_device``: draw and build everything on ``device`` with a generator there (same
+    seed, so reproducible on that device; a CUDA generator draws other values than the
+    host's, a CPU one the same), so that nothing of the size of the KV pool touches the
+    host: for cases whose pool the host cannot hold (``harness/truth.py``, device truth).
     With ``case.alibi``, ``alibi_slopes`` holds :func:`alibi_slopes`; with
     ``case.sinks``, ``sinks`` holds logits uniform in ``[SINK_LOW, SINK_HIGH)``, drawn
     after Q from the same generator (so cases without sinks keep their values).
@@ -498,52 +504,56 @@ def materialize(
         raise PagedValueError("tail_poison", tail_poison, f"one of {TAIL_POISONS}")
     fill = poison_value(case.poison, case.kv_torch_dtype)
     check_fits(case, device)
-    gen = torch.Generator().manual_seed(case.seed)
+    where = resolve_device(device) if on_device else torch.device("cpu")
+    gen = torch.Generator(device=where).manual_seed(case.seed)
     dtype = case.torch_dtype
     hkv, d, dv, bs = case.num_kv_heads, case.head_dim, case.v_head_dim, case.block_size
     tables, slots, padding_block = _allocate(case)
 
-    outliers = torch.rand(hkv, d, generator=gen) < OUTLIER_CHANNEL_FRACTION
+    outliers = torch.rand(hkv, d, generator=gen, device=where) < OUTLIER_CHANNEL_FRACTION
     channel_gain = torch.where(outliers, OUTLIER_CHANNEL_GAIN, 1.0)  # [hkv, d]
     # Channel 0 of Q and K when a logit offset is asked for: q0 * k0 * scale = offset.
     offset_channel = math.sqrt(abs(case.logit_offset) / case.scale)
     offset_sign = math.copysign(1.0, case.logit_offset)
 
     kv_dtype = case.kv_torch_dtype
-    kv_cache = _cache_view(case, fill)
+    kv_cache = _cache_view(case, fill, where)
     for n, seq_slots in zip(case.kv_lens, slots):
-        slot = torch.tensor(seq_slots, dtype=torch.int64)
+        slot = torch.tensor(seq_slots, dtype=torch.int64, device=where)
         block, offset = slot // bs, slot % bs  # [n] each
-        k = torch.randn(n, hkv, d, generator=gen) * channel_gain * case.qk_magnitude
-        v = torch.randn(n, hkv, dv, generator=gen) * case.v_magnitude  # [n, hkv, dv]
+        k = torch.randn(n, hkv, d, generator=gen, device=where) * channel_gain * case.qk_magnitude
+        v = torch.randn(n, hkv, dv, generator=gen, device=where) * case.v_magnitude
         if case.logit_offset:
             k[..., 0] = offset_channel
         kv_cache[block, 0, offset, :, :d] = _store(k, case.k_scale, kv_dtype)
         kv_cache[block, 1, offset, :, :dv] = _store(v, case.v_scale, kv_dtype)
     if tail_poison == "stale":
-        stale_gen = torch.Generator().manual_seed(case.seed + 2)
+        stale_gen = torch.Generator(device=where).manual_seed(case.seed + 2)
         for n, table in zip(case.kv_lens, tables):
             free = -n % bs  # unused slots at the end of the last block
             if free:
-                stale = STALE_SCALE * torch.randn(free, hkv, dv, generator=stale_gen)
+                stale = STALE_SCALE * torch.randn(free, hkv, dv, generator=stale_gen,
+                                                  device=where)
                 kv_cache[table[-1], 1, bs - free :, :, :dv] = _store(stale, case.v_scale,
                                                                     kv_dtype)
 
-    drawn = torch.randn(case.total_q, case.num_q_heads, d, generator=gen) * case.qk_magnitude
+    drawn = torch.randn(case.total_q, case.num_q_heads, d, generator=gen,
+                        device=where) * case.qk_magnitude
     if case.logit_offset:
         drawn[..., 0] = offset_sign * offset_channel
-    q = _query_buffer(case, poison_value(case.poison, dtype))
+    q = _query_buffer(case, poison_value(case.poison, dtype), where)
     q.copy_(_rounded(drawn, dtype))
     sinks = None
     if case.sinks:
         sinks = SINK_LOW + (SINK_HIGH - SINK_LOW) * torch.rand(
-            case.num_q_heads, generator=gen
+            case.num_q_heads, generator=gen, device=where
         )  # [num_q_heads] float32
     block_tables = torch.full(
         (case.batch_size, case.max_blocks_per_seq), padding_block, dtype=torch.int32
     )
     for i, table in enumerate(tables):
         block_tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    small = lambda t: t.to(where)  # noqa: E731  (tables and lengths: built on the host)
     q_lens = torch.tensor(case.q_lens_or_decode, dtype=torch.int32)
     cu_seqlens_q = torch.zeros(case.batch_size + 1, dtype=torch.int32)
     cu_seqlens_q[1:] = torch.cumsum(q_lens, 0)
@@ -551,12 +561,12 @@ def materialize(
         case=case,
         q=q,
         kv_cache=kv_cache,
-        block_tables=block_tables,
-        kv_lens=torch.tensor(case.kv_lens, dtype=torch.int32),
-        cu_seqlens_q=cu_seqlens_q,
-        slot_mapping=torch.tensor([s for seq in slots for s in seq], dtype=torch.int64),
+        block_tables=small(block_tables),
+        kv_lens=small(torch.tensor(case.kv_lens, dtype=torch.int32)),
+        cu_seqlens_q=small(cu_seqlens_q),
+        slot_mapping=small(torch.tensor([s for seq in slots for s in seq], dtype=torch.int64)),
         padding_block=padding_block,
-        alibi_slopes=alibi_slopes(case.num_q_heads) if case.alibi else None,
+        alibi_slopes=small(alibi_slopes(case.num_q_heads)) if case.alibi else None,
         sinks=sinks,
     )
     return inputs if resolve_device(device).type == "cpu" else inputs.to(device)

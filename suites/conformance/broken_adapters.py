@@ -82,6 +82,19 @@ class IgnoresSmScale(_Broken):
         return _decode_through(default, inputs.block_tables, extra_tokens=0)
 
 
+class PerturbsLastSequence(_Broken):
+    """Correct decode, except that the last sequence's output is scaled by ``1 + 2**-4``
+    (8 bfloat16 ulps at each element's magnitude): one wrong sequence in a batch, as a
+    kernel that mishandles one split or one block-table row would give."""
+
+    name = "broken-perturbs-last-sequence"
+
+    def run(self, prepared: PagedInputs) -> torch.Tensor:
+        out = _decode_through(prepared, prepared.block_tables, 0)
+        out[-1] = out[-1] * (1 + 2**-4)
+        return out
+
+
 class Aborts(_Broken):
     """Kills its process, as a kernel hitting an illegal address or an ISA abort does."""
 

@@ -107,17 +107,82 @@ def test_pytest_plugins_only_when_installed(monkeypatch: pytest.MonkeyPatch, dev
     assert ("-n" in command) is (present and device == "cuda")
 
 
-def test_sweep_command_says_what_it_cannot_apply() -> None:
-    command, notes = gpu_lane.sweep_command("python", "cuda", ("a", "b"),
-                                            gpu_lane.CUDA_SELECTION, Path("r"))
-    assert command[:4] == ["python", "-m", "pagedbench.harness.cli", "run"]
+def test_sweep_command_is_bench_on_the_grid(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    """The sweep is ``pagedbench bench`` on the selection's grid (Llama-3-8B decode heads,
+    bf16, batch 1-256 x kv 1k-32k x block sizes 16/64 and contiguous), our kernels first,
+    its peaks the env step's; the points bench plans are :func:`lane_sweep`'s, the ones
+    the truths step precomputes on the host among them."""
+    impls = ("torch-gather", "xformers", "pagedbench-triton", "sdpa-contiguous",
+             "pagedbench-triton-split")
+    command, notes = gpu_lane.sweep_command("python", "cuda", impls, gpu_lane.CUDA_SELECTION,
+                                            tmp_path / "r", tmp_path / "env.json")
+    assert command[:4] == ["python", "-m", "pagedbench.harness.cli", "bench"] and not notes
     text = " ".join(command)
-    assert "--impl a --impl b" in text and "--preset llama3.1-8b" in text
-    assert "--block-size 16 --block-size 64" in text and "--repetitions" not in text
-    assert notes and "[1, 8, 32, 128, 256]" in notes[0]
-    command, notes = gpu_lane.sweep_command("python", "cpu", ("a",), gpu_lane.CPU_SELECTION,
-                                            Path("r"))
-    assert command[-2:] == ["--repetitions", str(gpu_lane.REHEARSAL_REPETITIONS)] and not notes
+    assert ("--impl pagedbench-triton-split --impl pagedbench-triton --impl torch-gather "
+            "--impl xformers --impl sdpa-contiguous --baseline sdpa-contiguous") in text
+    assert "--mode decode --layout llama3.1-8b --batch-size 1 --batch-size 8" in text
+    assert "--batch-size 256 --context 4096" in text and "--context 1024 --block-size 16" in text
+    assert "--block-size 64 --dtype bfloat16" in text and "--grid full" in text
+    assert f"--peaks {tmp_path / 'env.json'}" in text and "--repetitions" not in text
+    assert f"--host-truth-bytes {gpu_lane.HOST_TRUTH_BYTES['cuda']}" in text
+    assert "not applied" not in text + " ".join(notes)
+    from pagedbench.harness import cli
+
+    # What bench plans from these flags, on the CPU here (its max_flops leaves some out).
+    device = command.index("--device") + 1
+    assert cli.main([*command[3:device], "cpu", *command[device + 1:], "--dry-run"]) == 0
+    planned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode-")]
+    on_cpu = gpu_lane.lane_sweep(gpu_lane.CUDA_SELECTION, "cpu").cases()
+    assert planned == [c.case_id for c in on_cpu] and planned
+    cases = gpu_lane.lane_sweep(gpu_lane.CUDA_SELECTION, "cuda").cases()
+    assert len(cases) == 5 * 4 * 3 and {c.case_id for c in on_cpu} < {c.case_id for c in cases}
+    heads = {(c.num_q_heads, c.num_kv_heads, c.head_dim, c.dtype, c.q_lens_or_decode[0])
+             for c in cases}
+    assert heads == {(32, 8, 128, "bfloat16", 1)}
+    assert {c.block_size for c in cases} >= {16, 64} and len({c.block_size for c in cases}) > 2
+    command, _ = gpu_lane.sweep_command("python", "cuda", (), gpu_lane.CUDA_SELECTION,
+                                        tmp_path / "r")  # list found nothing: not run
+    assert "--impl" not in command and "--baseline sdpa-contiguous" in " ".join(command)
+    command, notes = gpu_lane.sweep_command("python", "cpu", ("torch-gather",),
+                                            gpu_lane.CPU_SELECTION, tmp_path / "r")
+    assert command[-2:] == ["--repetitions", str(gpu_lane.REHEARSAL_REPETITIONS)]
+    assert "--baseline torch-gather" in " ".join(command) and "--peaks" not in command
+    assert notes == ["env measured no peaks: the sweep measures its own"]
+
+
+def test_sweep_coverage_lists_pairs_not_run(tmp_path: Path) -> None:
+    """A sweep stopped at its budget: the planned (implementation, point) pairs without a
+    result are what did not run; the points bench left out come from its start record."""
+    from pagedbench.harness.record import SCHEMA_VERSION, RunRecord, now
+    from pagedbench.harness.runner import RunConfig, make_plan, result_record
+    from pagedbench.harness.status import Status
+    from pagedbench.harness.store import ResultsFile
+
+    cases = gpu_lane.lane_sweep(gpu_lane.CPU_SELECTION, "cpu").cases()
+    plan = make_plan({"a": "x:A", "b": "x:B"}, cases)
+    results = ResultsFile(tmp_path / "sweep.jsonl")
+    results.append(RunRecord(kind="run", schema_version=SCHEMA_VERSION, run_id="r",
+                             timestamp=now(), event="started", plan=plan, config={},
+                             exit_code=None, counts=None, left_out=["huge: too big"]))
+    from pagedbench.harness.record import Environment
+
+    env = Environment.model_validate(store.environment("cpu") | {"threads": 1})
+    for case in cases[:3]:
+        results.append(result_record(run_id="r", env=env, config=RunConfig(), name="a",
+                                     target="x:A", case=case, status=Status.UNSUPPORTED))
+    coverage = gpu_lane.sweep_coverage(tmp_path / "sweep.jsonl")
+    assert coverage == {"not_run": [f"a:{cases[3].case_id}",
+                                    *(f"b:{c.case_id}" for c in cases)],
+                        "left_out": ["huge: too big"]}
+    assert gpu_lane.sweep_coverage(tmp_path / "missing.jsonl") == {"not_run": [],
+                                                                   "left_out": []}
+    md = tmp_path / "sweep.md"  # bench wrote none: it was stopped
+    assert gpu_lane.write_sweep_markdown(tmp_path / "sweep.jsonl", md)
+    text = md.read_text()
+    assert text.startswith("# pagedbench bench (GPU lane sweep, stopped at its budget)")
+    assert "Unfinished run r: 3 of 8 results" in text
+    assert not gpu_lane.write_sweep_markdown(tmp_path / "sweep.jsonl", md)  # never replaced
 
 
 def test_available_impls_of_a_listing(tmp_path: Path) -> None:
@@ -250,7 +315,7 @@ def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith(f"{gpu_lane.SUMMARY_PREFIX} OK (CPU rehearsal)"), last
-    assert f"git {FAKE_SHA[:12]}+dirty" in last and "sweep ok (2 pass)" in last
+    assert f"git {FAKE_SHA[:12]}+dirty" in last and "sweep ok (4 pass)" in last
 
     files = sorted(out.iterdir())
     assert len(files) <= gpu_lane.MAX_FILES_BACK and all(p.is_file() for p in files)
@@ -261,22 +326,35 @@ def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     assert [s["name"] for s in lane["steps"]] == ["env", "list", "truths", "pytest", "sweep"]
     assert all(s["ok"] for s in lane["steps"]), lane["steps"]
     assert lane["impls"] == ["torch-gather"]
+    assert lane["sweep_not_run"] == [] and lane["sweep_left_out"] == []
 
     env = json.loads((out / "env.json").read_text())
     assert env["environment"]["git_sha"] == FAKE_SHA and env["environment"]["dirty"] is True
     assert env["environment"]["torch"] == torch.__version__
     # The shim's package is the copy's own files, not this checkout's.
     assert env["pagedbench_path"] == [str((copy / "build" / "gpu-shim" / "pagedbench").resolve())]
-    assert env["measured"] == {"skipped": "no CUDA device: nothing measured"}
+    peaks = env["peaks"]
+    assert peaks["copy_gbps"] > 0 and peaks["bf16_tflops"] > 0
+    assert env["measured"]["copy_bandwidth_gbps"] == round(peaks["copy_gbps"], 1)
 
     listed = json.loads((out / "list.json").read_text())
     assert [(row["name"], row["available"]) for row in listed] == [("torch-gather", True)]
 
     records = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     results = [r for r in records if r["kind"] == "result"]
-    assert len(results) == 2 and {r["status"] for r in results} == {"pass"}
+    assert {r["status"] for r in results} == {"pass"}
     assert {(r["env"]["git_sha"], r["env"]["dirty"]) for r in results} == {(FAKE_SHA, True)}
-    assert all("-bs16-" in r["case_id"] for r in results)
+    # The sweep is bench on the rehearsal's grid, its fractions of env's measured peaks,
+    # its truths from the host (kv64, precomputed by the truths step) and the device (kv256).
+    cases = gpu_lane.lane_sweep(gpu_lane.CPU_SELECTION, "cpu").cases()
+    assert [r["case_id"] for r in results] == [c.case_id for c in cases]
+    assert {r["suite"] for r in results} == {"bench"} and len(results) == 4
+    assert [r["truth"] for r in results] == ["host", "host", "device", "device"]
+    assert all("-kv64" in r["case_id"] for r in results[:2])
+    assert {r["peaks"]["copy_gbps"] for r in results} == {peaks["copy_gbps"]}
+    for r in results:
+        assert r["frac_of_peak_bandwidth"] == pytest.approx(r["bandwidth_gbps"]
+                                                            / peaks["copy_gbps"])
 
     suite = ET.parse(out / "junit.xml").getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
