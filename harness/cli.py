@@ -126,34 +126,22 @@ def _parser() -> argparse.ArgumentParser:
                        help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))})")
     run_p.add_argument("--dtype", action="append", default=[], choices=list(DTYPES),
                        help=f"dtype (repeatable; default: {' '.join(DEFAULT_DTYPES)})")
-    run_p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
-                       help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
     run_p.add_argument("--no-timing", action="store_const", const=True, default=None,
                        help="check correctness only")
-    run_p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
-                       help="torch threads per worker (default: all cores)")
     run_p.add_argument("--repetitions", type=_int_in(1, 100_000), default=None,
                        help="CPU timing samples per case, as the time limit of "
                             f"{runner.RunConfig.time_limit_s:g} s allows (at least "
                             f"{runner.RunConfig.time_budget_s:g} s of blocks of calls; "
                             f"default: {runner.RunConfig.repetitions})")
-    run_p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
-                       help="the implementation's own time per case (import and available, "
-                            "then prepare, run, describe); past it: 'timeout' (default: "
-                            f"{runner.RunConfig.case_timeout_s:g})")
     run_p.add_argument("--harness-timeout", type=_positive_seconds, default=None,
                        metavar="SECONDS",
                        help="pagedbench's own time per case (truth, inputs, compare, "
                             "timing); past it: 'harness-error' (default: "
                             f"{runner.RunConfig.harness_timeout_s:g})")
-    run_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
-                       help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
     run_p.add_argument("--resume", type=_run_id, metavar="RUN_ID",
                        help="finish the interrupted run RUN_ID of --results-dir with its "
                             "recorded selection, skipping the results it already has")
-    run_p.add_argument("--junit-xml", type=Path, metavar="FILE",
-                       help="also write the verdicts as JUnit XML, one testcase per "
-                            "(implementation, case), for CI test reports")
+    _run_and_bench_arguments(run_p, "case")
 
     _bench_arguments(sub.add_parser(
         "bench", help="benchmark sweep: block size x batch x GQA layout x context x mode x dtype",
@@ -257,8 +245,6 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                         "the host; larger points get their truth on the device (default: "
                         f"{HOST_TRUTH_FRACTION:g} of the host's memory)"),
     p.add_argument("--dry-run", action="store_true", help="print the points and exit")
-    p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
-                   help="torch threads per worker (default: all cores)")
     p.add_argument("--repetitions", type=_int_in(1, 100_000), default=None, metavar="N",
                    help="CPU timing samples per point, as the time limit allows (default: "
                         f"{bench.CPU_TIMING['default']['repetitions']}; pagedbench gate "
@@ -266,16 +252,25 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-time", type=_positive_seconds, default=None, metavar="SECONDS",
                    help="CPU: measure each point for at least this long (default: "
                         f"{bench.CPU_TIMING['default']['time_budget_s']:g})")
+    _run_and_bench_arguments(p, "point")
+
+
+def _run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
+    """The options ``run`` and ``bench`` share; ``unit`` names what they run (``case`` or
+    ``point``)."""
+    p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
+                   help="torch threads per worker (default: all cores)")
+    p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help=f"the implementation's own time per {unit} (import and available, "
+                        "then prepare, run, describe); past it: 'timeout' (default: "
+                        f"{runner.RunConfig.case_timeout_s:g})")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
                    help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
-    p.add_argument("--junit-xml", type=Path, metavar="FILE",
-                   help="also write the verdicts as JUnit XML, one testcase per "
-                        "(implementation, point), for CI test reports")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                    help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
-    p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
-                   help="the implementation's own time per point (default: "
-                        f"{runner.RunConfig.case_timeout_s:g})")
+    p.add_argument("--junit-xml", type=Path, metavar="FILE",
+                   help="also write the verdicts as JUnit XML, one testcase per "
+                        f"(implementation, {unit}), for CI test reports")
 
 
 def _fraction(low_open: float, high_open: float):
