@@ -20,7 +20,8 @@ compared. For each point present in both:
   ``same`` otherwise.
 
 The samples judged: on the CPU every sample divided by the drift probe block timed right
-after it (:class:`~.timing.DriftProbe`, a fixed matmul), when both sides recorded one.
+after it (:class:`~.timing.DriftProbe`, dense attention of the case's own shapes), when both
+sides recorded one.
 Another process's load or a clock change slows both about alike at that moment, so the
 ratio cancels a shared machine's drift between runs and within one, which raw times on a
 busy runner cannot do (the false-alarm and detection rates of both are measured by
@@ -96,11 +97,9 @@ def _samples(record: ResultRecord) -> list[float]:
 
 
 def _drift_probe(record: ResultRecord) -> list[float]:
-    """The record's drift probe blocks, when there is one per sample."""
-    timing = record.time_ms
-    if timing is None or not timing.probe or len(timing.probe) != len(timing.samples):
-        return []
-    return list(timing.probe)
+    """The record's drift probe blocks (one per sample, :class:`~.record.TimingStats`
+    checks), or none."""
+    return list(record.time_ms.probe) if record.time_ms is not None else []
 
 
 def judged_samples(baseline: ResultRecord, current: ResultRecord,
@@ -235,7 +234,6 @@ class GateReport:
                     f"{escape(_keys(self.only_baseline))}", ""]
         out += [escape(self.summary()), ""]
         return "\n".join(out)
-
 
     def _drift_note(self) -> list[str]:
         """How much the drift probe (the machine) moved over the points judged with it."""

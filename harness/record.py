@@ -31,7 +31,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 import numpy as np
 import torch
 from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue,
-                      TypeAdapter, ValidationError, create_model, field_validator)
+                      TypeAdapter, ValidationError, ValidationInfo, create_model,
+                      field_validator)
 
 from pagedbench.reference import PagedCase, PagedInputError, PagedTypeError, PagedValueError
 
@@ -125,6 +126,15 @@ class TimingStats(_Strict):
     samples: list[float]
     noisy: Optional[bool]
     probe: list[float]
+
+    @field_validator("probe", mode="after")
+    @classmethod
+    def _one_probe_per_sample(cls, value: list[float], info: ValidationInfo) -> list[float]:
+        samples = info.data.get("samples", [])
+        if value and len(value) != len(samples):
+            raise PagedValueError("time_ms.probe", f"{len(value)} blocks",
+                                  f"none or one per sample ({len(samples)})")
+        return value
 
 
 class DevicePeaks(_Strict):

@@ -196,7 +196,7 @@ def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
     """A line of an older version as the current version. Version 1 had no ``kind``,
     ``step`` or comparison figures; versions 1 and 2 had no bench fields, and their
     timings no samples (``[]``), IQR or noise flag (null); versions 1 to 3 no drift probe
-    (``[]``); versions 1 to 4 no ``truth`` (null)."""
+    (``[]``); fields added later with a default (``truth``) take it."""
     data = {**data, "schema_version": SCHEMA_VERSION}
     if found == 1:
         data = {"kind": "result", **data}
@@ -210,7 +210,6 @@ def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
         if isinstance(data.get("time_ms"), dict):
             older = {"iqr": None, "samples": [], "noisy": None} if found < 3 else {}
             data["time_ms"] = {**older, "probe": [], **data["time_ms"]}
-        data.setdefault("truth", None)
     return data
 
 

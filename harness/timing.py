@@ -236,39 +236,34 @@ def time_cpu(
         if probe is not None:
             probe()
             probe_one_s = time_once(probe, "perf_counter").median_ms / 1e3
+        run_time_s = min(max(min_run_time_s, min_samples * one_s), max_run_time_s)
+        calls = max(1, int(run_time_s / min_samples / one_s))
+        timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+        if probe is not None:
+            probe_calls = max(1, round(PROBE_SHARE * calls * one_s / probe_one_s))
+        samples_ms: list[float] = []
+        probe_ms: list[float] = []
+        spent_s = 0.0
+        while True:
+            per_call_s = timer.timeit(calls).mean
+            samples_ms.append(per_call_s * 1e3)
+            if probe is not None:
+                probe_ms.append(_probe_block(probe, probe_calls))
+            spent_s += per_call_s * calls
+            if spent_s >= max_run_time_s or (len(samples_ms) >= min_samples
+                                             and spent_s >= min_run_time_s):
+                break
     finally:
         torch.set_num_threads(previous)
-    run_time_s = min(max(min_run_time_s, min_samples * one_s), max_run_time_s)
-    calls = max(1, int(run_time_s / min_samples / one_s))
-    timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
-    if probe is not None:
-        probe_calls = max(1, round(PROBE_SHARE * calls * one_s / probe_one_s))
-    samples_ms: list[float] = []
-    probe_ms: list[float] = []
-    spent_s = 0.0
-    while True:
-        per_call_s = timer.timeit(calls).mean
-        samples_ms.append(per_call_s * 1e3)
-        if probe is not None:
-            probe_ms.append(_probe_block(probe, probe_calls, threads))
-        spent_s += per_call_s * calls
-        if spent_s >= max_run_time_s or (len(samples_ms) >= min_samples
-                                         and spent_s >= min_run_time_s):
-            break
     return Timing(tuple(samples_ms), "torch_timer", tuple(probe_ms))
 
 
-def _probe_block(probe: Callable[[], object], calls: int, threads: int) -> float:
-    """Milliseconds per call of ``calls`` probe calls with ``threads`` torch threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        start = time.perf_counter()
-        for _ in range(calls):
-            probe()
-        return (time.perf_counter() - start) * 1e3 / calls
-    finally:
-        torch.set_num_threads(previous)
+def _probe_block(probe: Callable[[], object], calls: int) -> float:
+    """Milliseconds per call of ``calls`` probe calls (with the caller's torch threads)."""
+    start = time.perf_counter()
+    for _ in range(calls):
+        probe()
+    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def _do_bench():

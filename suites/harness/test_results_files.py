@@ -116,6 +116,15 @@ def test_version_3_timings_are_read_without_a_drift_probe(tmp_path) -> None:
         list(read_lines([path]))
 
 
+def test_a_probe_without_one_block_per_sample_is_refused(tmp_path) -> None:
+    data = _data(result("x", ms=2.0))  # three samples
+    data["time_ms"]["probe"] = [1.0, 1.0]
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(data) + "\n")
+    with pytest.raises(ResultsFileError, match=r"r\.jsonl:1.*time_ms\.probe.*one per sample \(3\)"):
+        list(read_lines([path]))
+
+
 def test_markdown_cells_are_escaped() -> None:
     case = PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
                      dtype="float32", name="a|b\nc")
