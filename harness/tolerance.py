@@ -59,12 +59,16 @@ class Expected:
     naive: torch.Tensor
 
     @classmethod
-    def of(cls, inputs: PagedInputs, logits_precision: str = "float32") -> Expected:
-        """Compute both from ``inputs`` (moved to the CPU first); the yardstick's logits in
-        ``logits_precision`` (``reference.naive_attention``: ``"float32"``, or ``"case"``
-        for an implementation that declares it computes them in the case dtype)."""
-        cpu = inputs.to("cpu")
-        return cls(reference_attention(cpu), naive_attention(cpu, logits_precision))
+    def of(cls, inputs: PagedInputs, logits_precision: str = "float32", *,
+           where_they_are: bool = False) -> Expected:
+        """Compute both from ``inputs``, moved to the CPU first or, with
+        ``where_they_are``, on their own device (results brought to the CPU); the
+        yardstick's logits in ``logits_precision`` (``reference.naive_attention``:
+        ``"float32"``, or ``"case"`` for an implementation that declares it computes them
+        in the case dtype)."""
+        there = inputs if where_they_are else inputs.to("cpu")
+        return cls(reference_attention(there).cpu(),
+                   naive_attention(there, logits_precision).cpu())
 
 
 def ulp(magnitude: torch.Tensor, dtype: str) -> torch.Tensor:

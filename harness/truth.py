@@ -27,13 +27,14 @@ import hashlib
 import json
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from pagedbench.reference import (PagedCase, PagedInputs, PagedValueError, materialize,
-                                  naive_attention, reference_attention, resolve_device)
+                                  resolve_device)
 from pagedbench.reference.inputs import device_memory_bytes, footprint_bytes
 
 from .tolerance import Expected
@@ -151,28 +152,34 @@ def _save(path: Path, key: str, found: Expected, q: torch.Tensor | None = None) 
     os.replace(tmp, path)
 
 
-def truth_for(case: PagedCase, cache_dir: Path, logits_precision: str = "float32") -> Expected:
-    """The truth and yardstick of ``case``, from the cache when a valid file is there;
-    otherwise computed and cached. A file that cannot be read as this case's truth is
-    replaced, with a warning naming it."""
-    key = cache_key(case, logits_precision)
-    path = cache_path(case, cache_dir, logits_precision)
+def _cached(path: Path, case: PagedCase, key: str, compute: Callable[[], Expected],
+            q: torch.Tensor | None = None) -> Expected:
+    """The truth stored at ``path`` when it is ``case``'s under ``key`` (and of ``q``);
+    otherwise ``compute()``, stored there. A file that cannot be read as this case's
+    truth is replaced, with a warning naming it."""
     if path.exists():
         try:
-            return _load(path, case, key)
-        except Exception as exc:  # any unreadable file is recomputed, never fatal
+            return _load(path, case, key, q)
+        except Exception as exc:  # any unusable file is recomputed, never fatal
             warnings.warn(f"truth cache {path} is unusable ({type(exc).__name__}: {exc}); "
-                          "recomputing it", stacklevel=2)
-    found = compute_truth(case, logits_precision)
-    _save(path, key, found)
+                          "recomputing it", stacklevel=3)
+    found = compute()
+    _save(path, key, found, q)
     return found
+
+
+def truth_for(case: PagedCase, cache_dir: Path, logits_precision: str = "float32") -> Expected:
+    """The truth and yardstick of ``case``, from the cache when a valid file is there;
+    otherwise computed and cached (:func:`_cached`)."""
+    return _cached(cache_path(case, cache_dir, logits_precision), case,
+                   cache_key(case, logits_precision),
+                   lambda: compute_truth(case, logits_precision))
 
 
 def compute_device_truth(inputs: PagedInputs, logits_precision: str = "float32") -> Expected:
     """The truth and yardstick of ``inputs`` computed on their device, sequence by
     sequence, brought back to the host (``[total_q, num_q_heads, head_dim]`` each)."""
-    return Expected(reference_attention(inputs).cpu(),
-                    naive_attention(inputs, logits_precision).cpu())
+    return Expected.of(inputs, logits_precision, where_they_are=True)
 
 
 def device_name(device: torch.device) -> str:
@@ -193,15 +200,8 @@ def device_truth_for(inputs: PagedInputs, cache_dir: Path,
     digest.update(device_name(inputs.device).encode())
     key = digest.hexdigest()
     path = Path(cache_dir) / "truth" / f"device-{key[:32]}.npz"
-    if path.exists():
-        try:
-            return _load(path, case, key, inputs.q)
-        except Exception as exc:  # any unusable file is recomputed, never fatal
-            warnings.warn(f"truth cache {path} is unusable ({type(exc).__name__}: {exc}); "
-                          "recomputing it", stacklevel=2)
-    found = compute_device_truth(inputs, logits_precision)
-    _save(path, key, found, inputs.q)
-    return found
+    return _cached(path, case, key, lambda: compute_device_truth(inputs, logits_precision),
+                   inputs.q)
 
 
 __all__ = ["HOST_TRUTH_FRACTION", "TRUTH_SITES", "cache_key", "cache_path",
