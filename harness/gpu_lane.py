@@ -413,16 +413,16 @@ def sweep_coverage(jsonl: Path) -> dict[str, list[str]]:
     """What of its plan the sweep did not do: ``not_run`` (``impl:case_id`` pairs of the
     plan without a result: the step's budget ran out) and ``left_out`` (points bench left
     out, with why), from the results file; both empty when it is unreadable."""
-    from .record import ResultRecord, RunRecord
+    from .record import RunRecord
+    from .runner import missing
+    from .store import results_of
 
     lines = _sweep_lines(jsonl)
     starts = [r for r in lines if isinstance(r, RunRecord) and r.event == "started" and r.plan]
     if not starts:
         return {"not_run": [], "left_out": []}
-    done = {(r.impl, r.case_id) for r in lines if isinstance(r, ResultRecord)}
-    plan = starts[0].plan
-    return {"not_run": [f"{i.name}:{c.case_id}" for i in plan.impls for c in plan.paged_cases()
-                        if (i.name, c.case_id) not in done],
+    return {"not_run": [f"{impl}:{case_id}"
+                        for impl, case_id in missing(starts[0].plan, results_of(lines))],
             "left_out": list(starts[0].left_out or [])}
 
 

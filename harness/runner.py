@@ -30,7 +30,7 @@ import os
 import signal
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from pathlib import Path
@@ -487,11 +487,12 @@ def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig
         start = fault.item + 1
 
 
-def pending(plan: Plan, results: ResultsFile, run_id: str) -> int:
-    """How many (implementation, case) pairs of ``plan`` ``results`` lacks for ``run_id``
-    (what ``run(..., resume=True)`` still has to do)."""
-    done = {(r.impl, r.case_id) for r in results_of(results.lines()) if r.run_id == run_id}
-    return sum((i.name, c.case_id) not in done for i in plan.impls for c in plan.paged_cases())
+def missing(plan: Plan, records: Iterable[ResultRecord]) -> list[tuple[str, str]]:
+    """The (implementation, case id) pairs of ``plan`` without a result among ``records``:
+    what a resume still has to do, or what a run stopped at a budget did not."""
+    done = {(r.impl, r.case_id) for r in records}
+    return [(i.name, c.case_id) for i in plan.impls for c in plan.paged_cases()
+            if (i.name, c.case_id) not in done]
 
 
 def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
@@ -583,5 +584,5 @@ def list_adapters(found: list[Entry], device: str, cache_dir: Path,
     return rows
 
 
-__all__ = ["Interrupted", "RunConfig", "device_peaks", "list_adapters", "make_plan", "pending",
+__all__ = ["Interrupted", "RunConfig", "device_peaks", "list_adapters", "make_plan", "missing",
            "result_record", "run", "run_target", "work"]
