@@ -43,6 +43,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from pagedbench.adapters.vllm_triton_carry import (
+    MANIFEST,
     CarryInvalid,
     module_path,
     read_carry,
@@ -146,7 +147,7 @@ def copy_vllm_triton(dest: Path) -> dict[str, str]:
         vllm_version = version("vllm")
     from vllm.v1.kv_cache_interface import KVQuantMode
 
-    (dest / "MANIFEST.json").write_text(json.dumps(
+    (dest / MANIFEST).write_text(json.dumps(
         {"vllm": vllm_version, "source": str(package), "files": files,
          "stand_ins": {"KVQuantMode": {m.name: m.value for m in KVQuantMode}}},
         indent=2) + "\n")
