@@ -29,22 +29,29 @@ def test_time_cpu_measures_a_known_sleep() -> None:
     assert timing.to_dict()["samples"] == list(timing.samples_ms)
 
 
-def test_time_cpu_times_the_drift_probe_after_every_block() -> None:
+def test_time_cpu_times_the_drift_probe_after_every_block(monkeypatch) -> None:
     import time
 
+    from pagedbench.harness import timing as timing_module
+
     calls = []
-    timing = time_cpu(lambda: (calls.append("fn"), time.sleep(0.01)), threads=1, warmup=1,
-                      min_samples=5, min_run_time_s=0.05, max_run_time_s=1.0,
-                      probe=lambda: (calls.append("probe"), time.sleep(0.002)))
+    fn = lambda: (calls.append("fn"), time.sleep(0.01))  # noqa: E731
+    probe = lambda: (calls.append("probe"), time.sleep(0.002))  # noqa: E731
+    # The one-call estimates fixed (10 and 2 ms), so the block sizes do not depend on
+    # this host's load: blocks of 1 call, probe blocks of round(0.5 * 10 / 2) = 2 calls.
+    estimates = {fn: 10.0, probe: 2.0}
+    monkeypatch.setattr(timing_module, "time_once",
+                        lambda f, method="interpreted": Timing((estimates[f],), method))
+    timing = time_cpu(fn, threads=1, warmup=1, min_samples=5, min_run_time_s=0.05,
+                      max_run_time_s=1.0, probe=probe)
     assert len(timing.probe_ms) == timing.n >= 5
     assert all(2.0 <= y < 10.0 for y in timing.probe_ms)  # ms per drift probe call
     assert 10.0 <= timing.median_ms < 30.0  # the drift probe's time is not the sample's
-    # After every block of calls (Timer.timeit: 2 warm-up calls, then 1 timed), a probe
-    # block of about half its time: 10 ms -> 2 or 3 calls of 2 ms.
-    timed = calls[calls.index("fn", calls.index("probe")):]  # after the estimates
-    runs = [(name, len(list(group))) for name, group in itertools.groupby(timed)]
-    assert [name for name, _ in runs] == ["fn", "probe"] * timing.n
-    assert all(2 <= n <= 3 for name, n in runs if name == "probe"), runs
+    # After the warm-up call of each, every block of calls (Timer.timeit: 2 warm-up calls,
+    # then 1 timed) is followed by a probe block of 2 calls.
+    assert calls[:2] == ["fn", "probe"]
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(calls[2:])]
+    assert runs == [("fn", 3), ("probe", 2)] * timing.n
     assert timing.to_dict()["probe"] == list(timing.probe_ms)
 
 
