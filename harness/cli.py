@@ -307,6 +307,10 @@ def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
     gate_p.add_argument("--raw", action="store_true",
                         help="judge raw ms, not each CPU sample divided by the drift probe "
                              "timed after it (which cancels a shared machine's drift)")
+    gate_p.add_argument("--allow-unjudged", action="store_true",
+                        help="exit 0, not 6, when no point regressed but some could not be "
+                             "judged (too noisy, timed on one side only, or in only one of "
+                             "baseline and current); the last line still counts them")
     gate_p.add_argument("--update-baseline", action="store_true",
                         help="after comparing, write the current results as the new golden "
                              "(--baseline's file, or <folder>/<device>/"
@@ -673,7 +677,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
                               "the golden with --update-baseline)")
     current = gate.read_results([args.current])
     sources = gate.baseline_paths(args.baseline, {r.env.device for r in current})
-    result = gate.compare(gate.read_results(sources), current, thresholds)
+    result = gate.compare(gate.read_results(sources), current, thresholds,
+                          allow_unjudged=args.allow_unjudged)
     print(result.markdown())
     if args.update_baseline:
         for path in gate.write_baseline(current, args.baseline):
