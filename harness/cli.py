@@ -58,6 +58,7 @@ from .speed import Thresholds
 from .status import GATE_EXIT_MEANING, ExitCode, Status, exit_code, exit_codes_help
 from .store import (DEFAULT_RESULTS_DIR, ResultsFile, environment, new_run_id, read_lines,
                     results_of, run_states)
+from .timing import oversubscribed
 from .truth import HOST_TRUTH_FRACTION, truth_site
 
 #: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
@@ -259,7 +260,9 @@ def _run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
     """The options ``run`` and ``bench`` share; ``unit`` names what they run (``case`` or
     ``point``)."""
     p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
-                   help="torch threads per worker (default: all cores)")
+                   help="torch threads per worker (default: "
+                        f"{runner.RunConfig.threads}: more wait for preempted threads on a "
+                        "shared host; docs/gate.md)")
     p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
                    help=f"the implementation's own time per {unit} (import and available, "
                         "then prepare, run, describe); past it: 'timeout' (default: "
@@ -480,6 +483,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = runner.make_plan(impls, cases)
         run_id = new_run_id()
         results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    _warn_oversubscribed(config, console)
     console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
                   f"{len(plan.cases)} cases on {config.device} -> {results.path}")
     try:
@@ -589,6 +593,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plan = runner.make_plan(impls, cases)
     run_id = new_run_id()
     results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    _warn_oversubscribed(config, console)
     console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
     peaks = None
@@ -641,6 +646,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"{len(timed)} timed ({noisy} noisy) in {time.monotonic() - start:.0f} s; exit "
         f"{int(code)}; results {results.path}, report {md_path}")
     return int(code)
+
+
+def _warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:
+    """Warn when a CPU timing's threads oversubscribe the host (:func:`~.timing.oversubscribed`)."""
+    warning = oversubscribed(config.threads) if config.device == "cpu" and config.timing else ""
+    if warning:
+        console.print(f"[yellow]warning: {rich_escape(warning)}[/]")
 
 
 def peaks_file(path: Path) -> DevicePeaks:

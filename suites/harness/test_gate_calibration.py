@@ -53,19 +53,22 @@ def _replayed_tries(rng: np.random.Generator, slowdown: float,
 
 
 def test_replayed_noise_rarely_fails_a_rerun_and_mostly_fails_a_25pct_slowdown() -> None:
-    """Within-run noise only (no drift of the load): at most 5% false alarms; power at
-    least 92% (seeded: 0 and 95 of 100; 0 and 96 with seed 1, 3 and 90 with seed 2).
-    Two cases per gate: ~30 ms and ~2.5 ms a call."""
+    """Within-run noise only (no drift of the load): at most 5% false alarms (exit 1);
+    power at least 92%, and a slowed copy never passes (exit 0): where the gate cannot
+    rule a slowdown out it exits 6. Seeded: reruns 0 false alarms and 78 of 100 not
+    judged, slowed 95 detected and 5 not judged (seed 1: 0, 78, 96, 4; seed 2: 3, 74, 90,
+    10). Two cases per gate: ~30 ms and ~2.5 ms a call, 10 and 14 samples."""
     codes: dict[str, list[int]] = {calibration.RERUN: [], calibration.SLOWED: []}
     for records in _replayed_tries(np.random.default_rng(20), 0.25):
         baseline = calibration.as_baseline(records, calibration.BASELINE)
         for impl, impl_codes in codes.items():
             report = gate.compare(baseline, calibration.as_baseline(records, impl))
             impl_codes.append(int(report.exit_code))
-    false_alarms = sum(code != ExitCode.CLEAN for code in codes[calibration.RERUN])
+    false_alarms = sum(code == ExitCode.REGRESSION for code in codes[calibration.RERUN])
     detected = sum(code == ExitCode.REGRESSION for code in codes[calibration.SLOWED])
-    assert set(codes[calibration.RERUN] + codes[calibration.SLOWED]) <= {0, 1}
+    assert set(codes[calibration.RERUN] + codes[calibration.SLOWED]) <= {0, 1, 6}
     assert false_alarms <= 5 and detected >= 92, (false_alarms, detected)
+    assert ExitCode.CLEAN not in codes[calibration.SLOWED]
 
 
 def test_verdict_counts_against_19_of_20() -> None:
