@@ -207,7 +207,7 @@ QUICK_SWEEP = Sweep(
 #: CPU timing of a sweep (``RunConfig`` fields): ``quick`` and the default sweep's. Both
 #: take at least the samples ``pagedbench gate`` needs to judge a point
 #: (``Thresholds.min_samples``; the default's for calls up to 0.55 s, 5 s / 9); a point
-#: with fewer is "not judged" (exit 6), never passed. The default takes 20 over at least
+#: with fewer is "not judged" (exit 7), never passed. The default takes 20 over at least
 #: 0.5 s: on a loaded 2-core host 9 samples left most unchanged points too noisy to
 #: judge (docs/gate.md).
 CPU_TIMING = {

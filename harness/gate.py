@@ -34,7 +34,7 @@ schema 4) or with ``Thresholds(probe=False)`` (``--raw``).
 The gate fails (exit 1) on any ``broken`` or ``slower`` point; with no point in common it
 says "nothing comparable" (exit 5, :class:`~.status.ExitCode`); otherwise a point it could
 not judge (``too noisy``, timed on one side only, or in only one of the baseline and the
-current results) makes it exit 6, "not judged", on its last line (``allow_unjudged``,
+current results) makes it exit 7, "not judged", on its last line (``allow_unjudged``,
 ``--allow-unjudged``: exit 0). Baselines live under
 ``results/baselines/<device>/`` (:func:`device_folder`), written by
 :func:`write_baseline` (``pagedbench gate --update-baseline``). The false-alarm and
@@ -372,7 +372,7 @@ def _median_ratio(baseline: list[float], current: list[float]) -> float:
 def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
             thresholds: Thresholds = Thresholds(), allow_unjudged: bool = False) -> GateReport:
     """The gate of ``current`` against ``baseline`` (see the module docstring);
-    ``allow_unjudged``: exit 0, not 6, when the only trouble is points not judged."""
+    ``allow_unjudged``: exit 0, not 7, when the only trouble is points not judged."""
     base, now = points(baseline), points(current)
     common = [k for k in now if k in base]
     judged: list[tuple[PointKey, Speed, float, str, float]] = []

@@ -78,7 +78,7 @@ class ExitCode(enum.IntEnum):
     NOTHING_RAN = 3
     HARNESS_FAULT = 4
     NOTHING_COMPARABLE = 5
-    UNJUDGED = 6
+    UNJUDGED = 7
 
     @property
     def meaning(self) -> str:

@@ -1,6 +1,6 @@
 """Issue 18's check of the gate: ``pagedbench bench`` with its default timing, three times
 (a baseline, the same code again, one implementation slowed 1.5x), then ``pagedbench
-gate`` with its defaults: the unchanged run never fails (exit 0, or 6 where a point was
+gate`` with its defaults: the unchanged run never fails (exit 0, or 7 where a point was
 too noisy to judge: never a silent pass) and the slowed one exits 1. ``mykernel`` is a
 user's implementation installed as a plug-in: ``sdpa-contiguous``'s code, then the same
 code followed by a busy wait of half its own time (``plugins/slowed.py``)."""
@@ -48,7 +48,7 @@ def test_bench_defaults_then_gate_pass_the_same_code_and_fail_a_1_5x_slowdown(
     code = main(["gate", "--baseline", baseline, "--current", unchanged])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert code in (ExitCode.CLEAN, ExitCode.UNJUDGED), last
-    assert ("not judged (exit 6" in last) is (code == ExitCode.UNJUDGED), last
+    assert ("not judged (exit 7" in last) is (code == ExitCode.UNJUDGED), last
     assert main(["gate", "--baseline", baseline, "--current", slowed]) == ExitCode.REGRESSION
     out = capsys.readouterr().out
     assert "| slower    | mykernel" in out, out

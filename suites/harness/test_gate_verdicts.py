@@ -263,7 +263,7 @@ def test_points_missing_from_the_current_results_are_not_judged(tmp_path, capsys
     assert main(["gate", *paths]) == ExitCode.UNJUDGED
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == ("gate: NOT JUDGED: 2 points compared: 2 same; 22 only in the baseline, 0 "
-                    "only in the current results; 22 of 24 points not judged (exit 6; "
+                    "only in the current results; 22 of 24 points not judged (exit 7; "
                     "--allow-unjudged to pass them)")
     assert main(["gate", *paths, "--allow-unjudged"]) == ExitCode.CLEAN
     assert capsys.readouterr().out.strip().endswith("(allowed by --allow-unjudged)")
@@ -271,7 +271,7 @@ def test_points_missing_from_the_current_results_are_not_judged(tmp_path, capsys
     assert gate.compare(now, base).exit_code is ExitCode.UNJUDGED
 
 
-def test_too_noisy_or_one_sided_timings_exit_6_and_untimed_passes_do_not() -> None:
+def test_too_noisy_or_one_sided_timings_exit_7_and_untimed_passes_do_not() -> None:
     few = gate.compare([timed("a", "c1", lognormal(5))], [timed("a", "c1", lognormal(5, n=6))])
     assert few.points[0].outcome is Outcome.NOISY and few.exit_code is ExitCode.UNJUDGED
     assert gate.compare([timed("a", "c1", lognormal(5))], [timed("a", "c1", lognormal(5, n=6))],
