@@ -50,6 +50,11 @@ PROBES = {
     "sm-scale-1e-3": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"sm_scale": 1e-3}),
     "sm-scale-1e3": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"sm_scale": 1e3}),
     "logits-far-from-0": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"qk_magnitude": 300.0}),
+    # float32 logits of +-100..300: the channel sums' order decides more than the output
+    # rounding there, so a correct kernel whose sums run in another order than the
+    # yardstick's must still pass (reference/yardstick.py).
+    "fp32-logits-far-from-0": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2,
+                               {"qk_magnitude": 10.0, "dtype": "float32"}),
     "offset+1e4": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"logit_offset": 1e4}),
     "offset-1e4": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2, {"logit_offset": -1e4}),
     "soft-cap-below-logits": (lambda bs: (bs + 1, 2 * bs + 3), 4, 2,
@@ -84,7 +89,7 @@ PROBES = {
 
 #: The probes every implementation gets in every profile: one per kind of edge.
 CORE = ("empty-kv", "empty-q", "unseen-rows", "block-id-65535", "offset-1e4", "window-1",
-        "layout-every_other_block")
+        "layout-every_other_block", "fp32-logits-far-from-0")
 
 
 #: Faults found by these probes in peers, pinned: the probe must fail there (a strict
