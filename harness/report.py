@@ -206,7 +206,7 @@ _LEGEND = (
     "values in those slots instead of NaN (K there stays NaN). "
     f"`{CASE_LOGITS_MARK}`: the implementation declares that it computes its logits in "
     "the case dtype, and was judged against a naive yardstick that does the same "
-    "(README, \"Tolerance\").")
+    "(docs/tolerance.md).")
 
 
 def _spread(value: float, low: float, high: float, fmt: str) -> str:
