@@ -1,6 +1,6 @@
 """What the docs tests read from a Markdown page: its links, its headings' anchors, the
-paths it names in code spans. Parsed with markdown-it-py (CommonMark and tables), so
-that text inside code blocks is never taken for a link or a heading."""
+repository paths it names. Parsed with markdown-it-py (CommonMark and tables), so that
+text inside code blocks is never taken for a link or a heading."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The pages: README.md and every Markdown file of docs/.
 PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 _PARSER = MarkdownIt("commonmark").enable("table")
+#: A path in the repository: one of its top-level folders, then names, not inside a
+#: longer path (``tests/kernels/...`` is another project's); a ``<placeholder>`` or ``*``
+#: right after it (``adapters/<peer>.py``) makes it a pattern, not a path.
+_PATH = re.compile(r"(?<![\w/.-])((?:reference|kernels|adapters|harness|suites|scripts|docs|"
+                   r"results|examples)/[\w./-]*+)(?![<*])")
 
 
 @cache
@@ -34,9 +39,10 @@ def links(page: Path) -> list[str]:
             if child.type in ("link_open", "image")]
 
 
-def code_spans(page: Path) -> list[str]:
-    """The text of every inline code span of ``page`` (not of code blocks)."""
-    return [child.content for child in _inline_children(page) if child.type == "code_inline"]
+def named_paths(text: str) -> set[str]:
+    """Every repository path ``text`` names (code blocks included), a sentence's final
+    period dropped."""
+    return {match.group(1).rstrip(".") for match in _PATH.finditer(text)}
 
 
 def slug(heading: str) -> str:

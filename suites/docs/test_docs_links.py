@@ -1,5 +1,7 @@
 """Every relative link of README.md and docs/*.md resolves: to a file or folder of the
-repository, and, with ``#anchor``, to a heading of that page (GitHub's anchors).
+repository, and, with ``#anchor``, to a heading of that page (GitHub's anchors). Every
+repository path a page names (``harness/runner.py``, in a code span or a code block)
+exists, but under ``results/``, which holds what commands write.
 
 The pages are plain Markdown read where the repository is (GitHub renders them); this
 is the check a documentation site's strict build would give. Links to the pages that
@@ -15,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from pagedbench.suites.docs.markdown import PAGES, ROOT, anchors, links, slug
+from pagedbench.suites.docs.markdown import PAGES, ROOT, anchors, links, named_paths, slug
 
 #: Pages README links to that are written on other branches (CI, the gate, trust,
 #: findings, robustness); each must exist once those are merged.
@@ -43,6 +45,14 @@ def broken_links(page: Path) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page: Path) -> None:
     assert broken_links(page) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_named_paths_exist(page: Path) -> None:
+    missing = sorted(path for path in named_paths(page.read_text())
+                     if not path.startswith("results/") and not (ROOT / path).exists()
+                     and ROOT / path not in PENDING)
+    assert missing == [], f"{page.relative_to(ROOT)} names paths that do not exist"
 
 
 @pytest.mark.parametrize("page", PENDING, ids=lambda p: str(p.relative_to(ROOT)))
@@ -75,3 +85,10 @@ def test_broken_links_are_found(tmp_path: Path) -> None:
 ])
 def test_slug_is_githubs(heading: str, anchor: str) -> None:
     assert slug(heading) == anchor
+
+
+def test_named_paths_reads_paths_and_skips_patterns() -> None:
+    text = ("`harness/runner.py`'s run, `suites/adapters/`, `adapters/<peer>.py`, "
+            "`suites/adapters/test_<peer>_x.py`, results/gpu/<device>/, suites/x_*.py, "
+            "vLLM's tests/kernels/attention/a.py and docs/KERNELS.md.")
+    assert named_paths(text) == {"harness/runner.py", "suites/adapters/", "docs/KERNELS.md"}
