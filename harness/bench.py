@@ -166,7 +166,7 @@ class Sweep:
 
 
 #: The CPU default, sized for about 5 minutes on 2 quiet cores with :data:`CPU_IMPLS`
-#: (README, "Benchmarks", has the time it took here): every mode and layout around a
+#: (the run lines of results/leaderboard-cpu/ say how long it took): every mode and layout around a
 #: 4 x 256-token bf16 decode, and one preset's heads.
 CPU_SWEEP = Sweep(
     modes=("decode", "prefill", "chunked", "mixed"),

@@ -168,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     report_p.add_argument("--output", type=Path, help="write here instead of stdout")
     report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
                           help="also write the bench plots there as PNG files")
-    sub.add_parser("schema", help="JSON Schema of a results-file line (README, Results schema)")
+    sub.add_parser("schema", help="JSON Schema of a results-file line (docs/results.md)")
     _gate_arguments(sub.add_parser(
         "gate", help="current results against a baseline: exit 1 on a conformance "
         "regression or a slowdown", description=gate.__doc__.split("\n\n")[0],

@@ -7,7 +7,7 @@ every table. In the leaderboard rows are cases, columns implementations (in the 
 they first appear), each cell the verdict and, for a pass, the median time with its
 spread [p10-p90], sample count and noise flag; the fastest ranked pass of a row is bold.
 Interpreted timings (Triton's interpreter on the CPU) are shown as ``(interp.)`` and never
-ranked; speed is shown only for ``pass`` (STYLE.md, "Results"). Bench results add paging
+ranked; speed is shown only for ``pass``. Bench results add paging
 overhead and GB/s vs block size, latency vs batch size, workload-group scores and fast_p
 (:mod:`.derived`); the HTML page embeds the plots of :mod:`.plots`. A run that has not
 recorded its end is named as unfinished; failure and unsupported reasons are listed.
@@ -206,7 +206,7 @@ _LEGEND = (
     "values in those slots instead of NaN (K there stays NaN). "
     f"`{CASE_LOGITS_MARK}`: the implementation declares that it computes its logits in "
     "the case dtype, and was judged against a naive yardstick that does the same "
-    "(README, \"Tolerance\").")
+    "(docs/tolerance.md).")
 
 
 def _spread(value: float, low: float, high: float, fmt: str) -> str:

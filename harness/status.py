@@ -6,7 +6,7 @@ An implementation is to blame for ``fail``, ``error``, ``crash`` and ``timeout``
 (:attr:`Status.failing`); ``harness-error`` is pagedbench's own fault (computing the
 truth, building the inputs, timing) and never the implementation's; ``unsupported`` and
 ``unavailable`` are no verdict at all. :func:`exit_code` turns a run's statuses into the
-CLI's exit code (:class:`ExitCode`, README "Exit codes"); ``pagedbench gate`` has its
+CLI's exit code (:class:`ExitCode`, README "Verdicts and exit codes"); ``pagedbench gate`` has its
 own outcomes (:mod:`.gate`) and exits 0, 1, 2 or :attr:`ExitCode.NOTHING_COMPARABLE`.
 """
 

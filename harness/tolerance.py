@@ -11,7 +11,7 @@ An output at dtype T passes when every element ``e`` of every sequence ``i`` sat
   ``reference/yardstick.py``): FlashAttention's
   "at most twice the error of a same-precision PyTorch implementation"
   (``tests/test_flash_attn.py``), except that FlashAttention's reference also rounds the
-  logits to T, which hides a low-precision accumulator (README, "Tolerance", has the
+  logits to T, which hides a low-precision accumulator (docs/tolerance.md has the
   measurement); an implementation that declares it computes its logits in T
   (``Capabilities.logits_precision = "case"``) is held to that yardstick instead. A
   sequence whose yardstick is not finite is held to the floor alone: NaN never widens an
@@ -45,7 +45,7 @@ ERROR_RATIO = 2.0
 #: float16 and bfloat16 the output's own rounding dominates a correct kernel's error, so two
 #: ulps cover a truncating conversion. In float32 nothing dominates: a kernel's float32
 #: arithmetic (its exp, tanh and summation order) and the yardstick's differ by up to a few
-#: hundred float32 ulps at the sequence's scale, 2**-15 of it (README, "Tolerance").
+#: hundred float32 ulps at the sequence's scale, 2**-15 of it (docs/tolerance.md).
 ULP_FLOOR = {"float32": 256.0, "float16": 2.0, "bfloat16": 2.0}
 #: Mantissa bits and smallest normal exponent of each output dtype (IEEE 754; bfloat16
 #: has float32's exponent range).
