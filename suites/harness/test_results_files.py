@@ -138,6 +138,23 @@ def test_markdown_cells_are_escaped() -> None:
     assert r"- x\|y: fail: bad \| worse<br>worst (every case)" in text
 
 
+def test_markdown_escapes_html_from_names_case_ids_and_reasons() -> None:
+    """Issue 24 item 12: a Markdown renderer passes raw HTML through, so every ``<``,
+    ``>`` and ``&`` from an implementation, a case id or a reason is an entity."""
+    case = PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
+                     dtype="float32", name="<img src=x onerror=alert(1)>")
+    records = [result("<script>alert(1)</script>", case, "fail", reason="</table> & <b>|"),
+               result("z", case, "pass", 1.0)]
+    text = report.markdown(records)
+    for raw in ("<script", "<img", "</table>", "<b>", " & "):
+        assert raw not in text
+    header = next(line for line in text.splitlines() if line.startswith("| case"))
+    assert _cells(header) == ["case", "&lt;script&gt;alert(1)&lt;/script&gt;", "z"]
+    assert "&lt;img src=x onerror=alert(1)&gt;-fp32" in text
+    assert r"fail: &lt;/table&gt; &amp; &lt;b&gt;\| (every case)" in text
+    assert report.escape("a\nb") == "a<br>b"
+
+
 def _cells(row: str) -> list[str]:
     """The cells of a Markdown table row, split at unescaped pipes."""
     return [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
