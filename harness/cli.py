@@ -913,6 +913,9 @@ def _writable_outputs(args: argparse.Namespace) -> None:
             writable_folder(getattr(args, dest), option)
 
 
+#: Commands that write nothing unless given an output (``--output``, ``--plots-dir``,
+#: ``--update-baseline``): they create no cache folder, so they work in a read-only folder.
+READ_ONLY_COMMANDS = frozenset({"schema", "report", "gate"})
 #: ``errno`` values of a write the machine refused (full disk or quota, I/O error, file
 #: too large, read-only file system): exit :attr:`ExitCode.WRITE_ERROR`, not a bug.
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS})
@@ -927,7 +930,8 @@ def main(argv: list[str] | None = None) -> int:
                 "selftest": cmd_selftest, "gate": cmd_gate}
     try:
         _writable_outputs(args)
-        apply_environment(cache_environment(getattr(args, "cache_dir", DEFAULT_CACHE_DIR)))
+        apply_environment(cache_environment(getattr(args, "cache_dir", DEFAULT_CACHE_DIR),
+                                            create=args.command not in READ_ONLY_COMMANDS))
         return commands[args.command](args)
     except PagedInputError as exc:
         print(f"pagedbench {args.command}: error: {exc}", file=sys.stderr)
