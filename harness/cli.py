@@ -57,8 +57,8 @@ from .record import (COMPARISON_FIELDS, DevicePeaks, Environment, ListingRow, Pl
                      ResultRecord, RunRecord, json_schema)
 from .speed import Thresholds
 from .status import GATE_EXIT_MEANING, ExitCode, Status, exit_code, exit_codes_help
-from .store import (DEFAULT_RESULTS_DIR, OutputError, ResultsFile, environment, new_run_id,
-                    read_lines, results_of, run_states, write_output)
+from .store import (DEFAULT_RESULTS_DIR, OutputError, ResultsFile, ResultsFileError,
+                    environment, new_run_id, read_lines, results_of, run_states, write_output)
 from .truth import HOST_TRUTH_FRACTION, truth_site
 
 #: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
@@ -423,14 +423,23 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
         raise PagedValueError("--resume", args.resume, "a run in --results-dir",
                               f"--resume {args.resume}: no {results.path} (is --results-dir "
                               "the folder that run wrote to?)")
-    starts = [line for line in results.lines() if isinstance(line, RunRecord)
-              and line.run_id == args.resume and line.event == "started"]
-    if not starts or starts[-1].plan is None:
+    starts = [(number, line) for number, line in results.numbered_lines()
+              if isinstance(line, RunRecord) and line.run_id == args.resume
+              and line.event == "started"]
+    if not starts or starts[-1][1].plan is None:
         raise PagedValueError("--resume", args.resume, "a run that recorded its start",
                               f"--resume {args.resume}: {results.path} records no start with "
                               "a plan (written before schema_version 2?)")
-    config = runner.RunConfig.from_dict(starts[-1].config or {}, args.cache_dir)
-    return starts[-1].plan, config, results
+    number, start = starts[-1]
+    known = {e.name: e.target for e in entries()}
+    for impl in start.plan.impls:  # a results file is data: it names adapters, never adds one
+        if known.get(impl.name) != impl.target:
+            raise ResultsFileError(
+                results.path, number, f"the plan's {impl.name!r} = {impl.target!r} is not a "
+                f"registered adapter (registered: {known.get(impl.name) or 'no such name'}); "
+                "--resume runs only the built-in and installed adapters")
+    config = runner.RunConfig.from_dict(start.config or {}, args.cache_dir)
+    return start.plan, config, results
 
 
 def _interrupted(exc: runner.Interrupted, console: Console, run_id: str, results: ResultsFile,

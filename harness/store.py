@@ -302,7 +302,13 @@ class ResultsFile:
 
     def lines(self) -> list[ResultRecord | RunRecord]:
         """Every line of this file (none when it does not exist yet)."""
-        return list(read_lines([self.path])) if self.path.exists() else []
+        return [line for _, line in self.numbered_lines()]
+
+    def numbered_lines(self) -> list[tuple[int, ResultRecord | RunRecord]]:
+        """Every line of this file with its line number (from 1)."""
+        if not self.path.exists():
+            return []
+        return [(number, line) for _, number, line in numbered_lines([self.path])]
 
 
 #: Result fields added by schema 3 (bench workloads, roofline figures), empty when upgraded.
@@ -402,6 +408,11 @@ def read_lines(paths: Iterable[Path]) -> Iterator[ResultRecord | RunRecord]:
         Naming the file and line of the first line refused, or a path that does not exist
         or cannot be read.
     """
+    return (line for _, _, line in numbered_lines(paths))
+
+
+def numbered_lines(paths: Iterable[Path]) -> Iterator[tuple[Path, int, ResultRecord | RunRecord]]:
+    """:func:`read_lines` with the file and line number (from 1) of each line."""
     for file in _files(paths):
         try:
             chunks = file.read_bytes().split(b"\n")
@@ -425,7 +436,7 @@ def read_lines(paths: Iterable[Path]) -> Iterator[ResultRecord | RunRecord]:
                     raise ResultsFileError(file, number, f"not a JSON line ({exc})") from None
                 warnings.warn(f"{file}:{number}: skipping a torn line glued to the next record "
                               "(files concatenated after a killed run)", stacklevel=2)
-            yield parse_line(data, file, number)
+            yield file, number, parse_line(data, file, number)
 
 
 def results_of(lines: Iterable[ResultRecord | RunRecord]) -> list[ResultRecord]:
@@ -476,6 +487,7 @@ __all__ = [
     "RunState",
     "environment",
     "new_run_id",
+    "numbered_lines",
     "parse_line",
     "read_lines",
     "results_of",
