@@ -11,9 +11,10 @@ time (:meth:`ResultsFile.locked`). :func:`write_output` writes a report atomical
 
 Reading validates every line against the schema and names the file and line of anything
 refused (:class:`ResultsFileError`): bad JSON, a newer ``schema_version``, an unknown
-status, a missing or mistyped field, a line nested too deeply to parse. A torn line (a write cut off by a kill: the last line
-of a file without its newline, or such a fragment glued to the next record when files
-were concatenated) is skipped with a warning naming the file; the rest is read.
+status, a missing or mistyped field, a line nested too deeply to parse. A torn line (a
+write cut off by a kill: the last line of a file without its newline, or such a fragment
+glued to the next record when files were concatenated) is skipped with a warning naming
+the file; the rest is read.
 Version 1 lines (before the typed record) and version 2 lines (before bench and timing
 samples) are read as version 3 with the new fields empty.
 """
@@ -95,9 +96,9 @@ def _refuse_link(path: Path) -> None:
 
 
 def write_output(path: Path, text: str | bytes) -> None:
-    """Write ``text`` (UTF-8 when a ``str``) to ``path`` atomically: a temporary file beside it, fsync'ed, then
-    renamed over it, so a failed write leaves the previous file (or none) and never an
-    empty or torn one.
+    """Write ``text`` (UTF-8 when a ``str``) to ``path`` atomically: a temporary file
+    beside it, fsync'ed, then renamed over it, so a failed write leaves the previous file
+    (or none) and never an empty or torn one.
 
     Raises
     ------

@@ -309,6 +309,7 @@ def workload_fields(case: PagedCase, suite: str) -> dict[str, str | None]:
 
 
 __all__ = ["BATCH_BOUNDS", "BATCH_SPEC_GRAMMAR", "BENCH_SUITE", "CONTIGUOUS_TAG",
-           "LAYOUT_RATIOS", "MAX_BATCH_KV_TOKENS", "MAX_BATCH_SEQUENCES", "MAX_SEQ_LEN", "MODES", "Workload", "format_batch_spec",
-           "grid_batch_spec", "grid_workload", "layout_heads", "mode_of", "parse_batch_spec",
-           "preset_workload", "spec_workload", "workload_fields"]
+           "LAYOUT_RATIOS", "MAX_BATCH_KV_TOKENS", "MAX_BATCH_SEQUENCES", "MAX_SEQ_LEN",
+           "MODES", "Workload", "format_batch_spec", "grid_batch_spec", "grid_workload",
+           "layout_heads", "mode_of", "parse_batch_spec", "preset_workload", "spec_workload",
+           "workload_fields"]

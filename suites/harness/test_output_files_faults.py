@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +21,8 @@ from pagedbench.harness.store import (OutputError, ResultsFile, ResultsFileError
                                       write_output)
 
 from .conftest import result
+
+GATHER = "pagedbench.adapters.torch_sdpa:TorchGather"
 
 
 def _failing_write(monkeypatch, fail_at: int, code: int = errno.ENOSPC, short: bool = True):
@@ -121,6 +125,24 @@ def test_a_second_writer_of_a_run_is_refused_naming_the_holder(tmp_path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_the_holder_named_is_the_other_process(tmp_path) -> None:
+    results = ResultsFile(tmp_path / "r.jsonl")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pagedbench.harness.store import ResultsFile\n"
+         "with ResultsFile(sys.argv[1]).locked():\n print('held', flush=True)\n "
+         "sys.stdin.read()", str(results.path)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ResultsFileError, match=f"another pagedbench \\(pid {holder.pid}\\)"):
+            with results.locked():
+                pass  # pragma: no cover: refused before
+    finally:
+        holder.communicate("", timeout=60)
+    with results.locked():  # the holder ended: its lock is gone
+        pass
+
+
 def test_a_concurrent_resume_is_refused_with_exit_2(tmp_path, capsys) -> None:
     from pagedbench.harness.runner import RunConfig, make_plan
     from pagedbench.reference import PagedCase
@@ -130,8 +152,7 @@ def test_a_concurrent_resume_is_refused_with_exit_2(tmp_path, capsys) -> None:
     results = ResultsFile(tmp_path / "r1.jsonl")
     results.append(RunRecord(kind="run", schema_version=SCHEMA_VERSION, run_id="r1",
                              timestamp=now(), event="started",
-                             plan=make_plan({"x": "pagedbench.adapters.torch_sdpa:Contiguous"},
-                                            [case]),
+                             plan=make_plan({"torch-gather": GATHER}, [case]),
                              config=RunConfig(timing=False).to_dict(), exit_code=None,
                              counts=None))
     before = results.path.read_bytes()
