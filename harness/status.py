@@ -8,6 +8,8 @@ truth, building the inputs, timing) and never the implementation's; ``unsupporte
 ``unavailable`` are no verdict at all. :func:`exit_code` turns a run's statuses into the
 CLI's exit code (:class:`ExitCode`, README "Exit codes"); ``pagedbench gate`` has its
 own outcomes (:mod:`.gate`) and exits 0, 1, 2 or :attr:`ExitCode.NOTHING_COMPARABLE`.
+Any command that cannot write an output file (disk full, I/O error, a symbolic link it
+refuses) exits :attr:`ExitCode.WRITE_ERROR`, naming the file.
 """
 
 from __future__ import annotations
