@@ -11,14 +11,15 @@ ranked; speed is shown only for ``pass``. Bench results add paging
 overhead and GB/s vs block size, latency vs batch size, workload-group scores and fast_p
 (:mod:`.derived`); the HTML page embeds the plots of :mod:`.plots`. A run that has not
 recorded its end is named as unfinished; failure and unsupported reasons are listed.
-Every Markdown cell is escaped (``|``, newlines) and every HTML text escaped, since case
-ids and reasons come from user input and from implementations.
+Every Markdown cell is escaped (HTML, ``|``, newlines; :func:`escape`) and every HTML text
+escaped, since case ids and reasons come from user input and from implementations.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from html import escape as html_escape
 from typing import Any
 
 import pandas as pd
@@ -33,9 +34,10 @@ STATUS_ORDER = [str(s) for s in Status]
 
 
 def escape(text: Any) -> str:
-    """``text`` safe inside a Markdown table cell or list item: ``|`` escaped, line
-    breaks as ``<br>``."""
-    text = str(text)
+    """``text`` safe inside a Markdown table cell or list item: HTML (``&``, ``<``, ``>``)
+    as entities, since Markdown passes raw HTML through (CommonMark, "Raw HTML"), ``\\``
+    and ``|`` backslash-escaped, line breaks as ``<br>``."""
+    text = html_escape(str(text), quote=False)
     return (text.replace("\\", "\\\\").replace("|", "\\|").replace("\r\n", "<br>")
             .replace("\n", "<br>").replace("\r", "<br>"))
 
@@ -360,9 +362,9 @@ def html(lines: list[ResultRecord | RunRecord], title: str = "pagedbench leaderb
     """A standalone HTML page (no external resource): per environment its conditions
     above every table, the tables of :func:`markdown`, and the plots of :mod:`.plots`
     embedded as base64 PNG."""
-    from html import escape as h
-
     from . import plots
+
+    h = html_escape
 
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{h(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{h(title)}</h1>"]
