@@ -22,11 +22,13 @@ the table docs/tolerance.md quotes. ``suites/harness`` runs a sample.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -35,6 +37,7 @@ from pagedbench.reference import DTYPES, PagedCase, PagedInputs, gather_kv, mate
 from pagedbench.reference.dense import dequantize
 from pagedbench.reference.yardstick import SUM_ORDERS, naive_logits
 
+from .store import environment, write_output
 from .tolerance import Expected, compare
 
 #: Keys per online-softmax step (vLLM's and pagedbench's Triton decode tiles are 16-64).
@@ -219,10 +222,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-cases", type=int, default=100,
                         help="cases per dtype in each long-context band")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None,
+                        help="also write the table to this Markdown file, headed by the "
+                             "command and the environment it ran in")
     args = parser.parse_args(argv)
     table = calibrate(args.cases, args.long_cases, args.seed,
                       progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(table.to_markdown(index=False, floatfmt=".3g"))
+    markdown = table.to_markdown(index=False, floatfmt=".3g")
+    print(markdown)
+    if args.output is not None:
+        command = " ".join(["python -m pagedbench.harness.calibration",
+                            *(argv if argv is not None else sys.argv[1:])])
+        env = json.dumps(environment("cpu"), indent=2)
+        write_output(args.output, f"# Tolerance calibration\n\n`{command}`\n\n"
+                                  f"```json\n{env}\n```\n\n{markdown}\n")
     correct = table[table["variant"].isin(CORRECT)]
     faulty_long = table[(table["variant"] == FAULTY) & (table["cases"] == "kv 4096..8192")
                         & (table["dtype"] != "float32")]
