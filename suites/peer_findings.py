@@ -344,8 +344,8 @@ def expect(key: tuple[str, ...], outcome: str, error: AssertionError | None, cas
     path = root / OBSERVATIONS_FILE
     observed = Finding(*key, outcome=outcome, smallest_case=case_id if outcome != ideal else "",
                        cause=str(error).splitlines()[0] if error else "")
-    if observed not in _written:  # once per process (a hypothesis test probes many cases)
-        _written.add(observed)
+    if (path, observed) not in _written:  # once per process (hypothesis probes many cases)
+        _written.add((path, observed))
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as out:
             out.write(json.dumps(asdict(observed)) + "\n")
