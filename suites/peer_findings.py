@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from pagedbench.adapters import Adapter
+from pagedbench.harness import replay
 from pagedbench.harness.conformance import inputs_for
 from pagedbench.reference import PagedCase
 
@@ -286,12 +287,15 @@ def combination(adapter: Adapter, device: str, isa: str | None = None,
                 case: PagedCase | None = None) -> tuple[str, str, str, str]:
     """(impl, version, build, isa) of ``adapter`` here: ``build`` is the library it loaded
     (``impl_details.library``, ``"-"`` when it names none); ``isa`` the path ``case``
-    takes (given, or ``Prepared.facts["isa"]`` of ``case`` for a peer the table knows),
-    else ``"interpreter"`` for an interpreted adapter, else the device type."""
+    takes (given, or ``Prepared.facts["isa"]`` of ``case`` for a peer the table knows;
+    ``"unknown"`` when its ``prepare`` raises), else ``"interpreter"`` for an interpreted
+    adapter, else the device type."""
     availability = adapter.available(device)
     if isa is None and case is not None and has_rows(adapter.name):
-        prepared = adapter.prepare(inputs_for(adapter, case, device))
-        isa = adapter.describe(prepared).get("isa")
+        try:
+            isa = adapter.describe(adapter.prepare(inputs_for(adapter, case, device))).get("isa")
+        except Exception:  # noqa: BLE001  (the probe itself failed on it, and says why)
+            isa = "unknown"
     if isa is None:
         isa = "interpreter" if adapter.is_interpreted(device) else device.split(":")[0]
     return (adapter.name, availability.version or "-",
@@ -352,3 +356,12 @@ def expect(key: tuple[str, ...], outcome: str, error: AssertionError | None, cas
     if outcome != ideal:
         pytest.xfail(f"deviation on a combination suites/peer_findings.py does not name: "
                      f"{described}; observed in {path}")
+
+
+def check_conformance(adapter: Adapter, case: PagedCase, device: str, impl: str, probe: str,
+                      root: Path) -> None:
+    """The conformance check of ``case`` (:func:`pagedbench.harness.replay.check`), held
+    to the table as probe ``probe`` of ``adapter``'s combination (:func:`expect`)."""
+    outcome, error = observe(lambda: replay.check(adapter, case, device, impl))
+    key = combination(adapter, device, case=case) + (probe,)
+    expect(key, outcome, error, case.case_id, root)

