@@ -8,7 +8,8 @@ of a combination), and the most specific matching row wins. ``outcome`` is what 
 gives there: ``"pass"``, ``"fault"`` (a known fault, with its ``smallest_case`` and
 ``cause``) or a measured property (``"nearest"``, ``"truncate"``).
 
-:func:`expect` runs a probe and compares:
+:func:`observe` runs a probe, :func:`expect` holds its outcome to the table
+(:func:`check_conformance` does both for a conformance check):
 
 - a row matches: strict. A known fault that shows is an xfail, one that no longer shows
   fails (the row must go); any other outcome than the row's fails, so a regression of our
@@ -152,7 +153,7 @@ ROWS = [
         "isa": "vec",
         "probe": "soft-cap-tanh-range",
         "outcome": "fault",
-        "smallest_case": "kv_lens (1,), 1/1 heads, head_dim 64, float32, logits_soft_cap 1.0, one logit of -87 (or +89): every output NaN; -86.98 and +88.72 are finite",
+        "smallest_case": "kv_lens (1,), 1/1 heads, head_dim 64, block 32, float32, logits_soft_cap 1.0, one logit of -87 (or +89): every output NaN; -86.98 and +88.72 are finite",
         "cause": "the soft cap computes tanh(x), x = logit / cap, as (e^x - e^-x) / (e^x + e^-x) with vLLM's fast_exp (apply_softcap in csrc/cpu/cpu_attn_impl.hpp; DEFINE_FAST_EXP in csrc/cpu/cpu_attn_macros.h, AVX-512 builds only): for x < -86.99 e^x underflows to 0 and 1/0 = inf, for x > 88.72 (ln FLT_MAX) e^x overflows to inf; inf / inf = NaN, and the NaN logit turns its whole row NaN. Builds without AVX-512 (_C_AVX2) call std::tanh",
     },
     {
@@ -182,7 +183,7 @@ ROWS = [
         "isa": "vec16",
         "probe": "soft-cap-tanh-range",
         "outcome": "fault",
-        "smallest_case": "kv_lens (1,), 1/1 heads, head_dim 64, float32, logits_soft_cap 1.0, one logit of -87 (or +89): every output NaN; -86.98 and +88.72 are finite",
+        "smallest_case": "kv_lens (1,), 1/1 heads, head_dim 80, block 16, float32, logits_soft_cap 1.0, one logit of -87 (or +89): every output NaN; -86.98 and +88.72 are finite",
         "cause": "the soft cap computes tanh(x), x = logit / cap, as (e^x - e^-x) / (e^x + e^-x) with vLLM's fast_exp (apply_softcap in csrc/cpu/cpu_attn_impl.hpp; DEFINE_FAST_EXP in csrc/cpu/cpu_attn_macros.h, AVX-512 builds only): for x < -86.99 e^x underflows to 0 and 1/0 = inf, for x > 88.72 (ln FLT_MAX) e^x overflows to inf; inf / inf = NaN, and the NaN logit turns its whole row NaN. Builds without AVX-512 (_C_AVX2) call std::tanh",
     },
     {
