@@ -740,8 +740,9 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def capability_matrix(rows: list[ListingRow]) -> str:
-    """Markdown table: implementations x (availability, devices, dtypes, block sizes,
-    head dims, modes, features), from ``pagedbench list`` rows."""
+    """Markdown table: implementations x (availability, version, library build and ISA
+    paths with those this host cannot take, devices, dtypes, block sizes, head dims,
+    modes, features), from ``pagedbench list`` rows."""
     def join(values: Any) -> str:
         if values is None:
             return "any"
@@ -752,6 +753,12 @@ def capability_matrix(rows: list[ListingRow]) -> str:
         if len(values) > 6 and len(steps) == 1:
             return f"{values[0]}..{values[-1]} step {steps.pop()}"
         return ", ".join(map(str, values)) or "-"
+
+    def paths(row: ListingRow) -> str:
+        # The library build and ISA paths an implementation names (impl_details), and
+        # those this host cannot take.
+        named = (row.details.get(key) for key in ("library", "cpu_isa", "isa", "isa_not_here"))
+        return "; ".join(str(value) for value in named if value) or "-"
 
     def axes(row: ListingRow) -> dict[str, str]:
         caps = row.capabilities
@@ -777,6 +784,7 @@ def capability_matrix(rows: list[ListingRow]) -> str:
             else f"no: {row.reason}" if row.status == "unavailable"
             else f"{row.status}: {row.reason}",
             "version": row.version,
+            "build, ISA paths": paths(row),
             **axes(row),
         }
         for row in rows
