@@ -12,8 +12,9 @@ from pagedbench.suites.docs.markdown import ROOT
 
 PAGE = ROOT / "docs" / "implementations.md"
 HEADING = "## `pagedbench list` on a CPU-only machine"
-#: Columns that depend on the machine the page's table was printed on.
-MACHINE_COLUMNS = ("available", "version")
+#: Columns that depend on the machine the page's table was printed on (the library build
+#: and ISA paths a host takes among them).
+MACHINE_COLUMNS = ("available", "version", "build, ISA paths")
 
 
 def table_rows(markdown: str) -> list[dict[str, str]]:
