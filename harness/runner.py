@@ -11,7 +11,7 @@ and a worker's start-up its own. A step past its budget is killed and recorded a
 its party (``timeout``, or ``harness-error``); a worker that dies costs the case in
 flight a ``crash``; a fault while loading costs every remaining case of that
 implementation; otherwise a fresh worker continues with the next case. One
-implementation's failure never loses another's results (DESIGN.md, "Statuses").
+implementation's failure never loses another's results.
 
 A run records its plan when it starts and ``finished`` when it ends, so that
 :func:`run` with ``resume=True`` completes an interrupted run without redoing the
