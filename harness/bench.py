@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pagedbench.reference import DTYPES, PagedCase, PagedValueError
 
 from .cases import MODEL_PRESETS
+from .speed import Thresholds
 from .timing import flops
 from .workloads import (BATCH_BOUNDS, CONTIGUOUS_TAG, LAYOUT_RATIOS, MAX_BATCH_SEQUENCES,
                         MAX_SEQ_LEN, MODES, Workload, grid_workload, preset_workload,
@@ -208,10 +209,16 @@ QUICK_SWEEP = Sweep(
     dtypes=("float32",),
     grid="axes",
 )
-#: CPU timing of a sweep (``RunConfig`` fields): ``quick`` and the default sweep's.
+#: CPU timing of a sweep (``RunConfig`` fields): ``quick`` and the default sweep's. Both
+#: take at least the samples ``pagedbench gate`` needs to judge a point
+#: (``Thresholds.min_samples``; the default's for calls up to 0.55 s, 5 s / 9); a point
+#: with fewer is "not judged" (exit 7), never passed. The default takes 20 over at least
+#: 0.5 s: on a loaded 2-core host 9 samples left most unchanged points too noisy to
+#: judge (docs/gate.md).
 CPU_TIMING = {
-    "quick": {"repetitions": 5, "time_budget_s": 0.05, "time_limit_s": 0.5},
-    "default": {"repetitions": 5, "time_budget_s": 0.2, "time_limit_s": 2.0},
+    "quick": {"repetitions": Thresholds.min_samples, "time_budget_s": 0.05,
+              "time_limit_s": 0.5},
+    "default": {"repetitions": 20, "time_budget_s": 0.5, "time_limit_s": 5.0},
 }
 #: Implementations a CPU sweep runs by default: those that run natively on the CPU and
 #: compile nothing per shape (flex-paged compiles each shape family for 5-30 s on the CPU,

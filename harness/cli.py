@@ -59,6 +59,7 @@ from .speed import Thresholds
 from .status import GATE_EXIT_MEANING, ExitCode, Status, exit_code, exit_codes_help
 from .store import (DEFAULT_RESULTS_DIR, OutputError, ResultsFile, ResultsFileError,
                     environment, new_run_id, read_lines, results_of, run_states, write_output)
+from .timing import oversubscribed
 from .truth import HOST_TRUTH_FRACTION, truth_site
 
 #: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
@@ -260,7 +261,9 @@ def _run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
     """The options ``run`` and ``bench`` share; ``unit`` names what they run (``case`` or
     ``point``)."""
     p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
-                   help="torch threads per worker (default: all cores)")
+                   help="torch threads per worker (default: "
+                        f"{runner.RunConfig.threads}: more wait for preempted threads on a "
+                        "shared host; docs/gate.md)")
     p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
                    help=f"the implementation's own time per {unit} (import and available, "
                         "then prepare, run, describe); past it: 'timeout' (default: "
@@ -308,6 +311,10 @@ def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
     gate_p.add_argument("--raw", action="store_true",
                         help="judge raw ms, not each CPU sample divided by the drift probe "
                              "timed after it (which cancels a shared machine's drift)")
+    gate_p.add_argument("--allow-unjudged", action="store_true",
+                        help="exit 0, not 6, when no point regressed but some could not be "
+                             "judged (too noisy, timed on one side only, or in only one of "
+                             "baseline and current); the last line still counts them")
     gate_p.add_argument("--update-baseline", action="store_true",
                         help="after comparing, write the current results as the new golden "
                              "(--baseline's file, or <folder>/<device>/"
@@ -486,6 +493,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = runner.make_plan(impls, cases)
         run_id = new_run_id()
         results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    _warn_oversubscribed(config, console)
     with results.locked():  # one writer per run: a second resume is refused
         console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
                       f"{len(plan.cases)} cases on {config.device} -> {results.path}")
@@ -596,6 +604,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plan = runner.make_plan(impls, cases)
     run_id = new_run_id()
     results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    _warn_oversubscribed(config, console)
     console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
     peaks = None
@@ -650,6 +659,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(code)
 
 
+def _warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:
+    """Warn when a CPU timing's threads oversubscribe the host (:func:`~.timing.oversubscribed`)."""
+    warning = oversubscribed(config.threads) if config.device == "cpu" and config.timing else ""
+    if warning:
+        console.print(f"[yellow]warning: {rich_escape(warning)}[/]")
+
+
 def peaks_file(path: Path) -> DevicePeaks:
     """The device peaks in ``path`` (``--peaks``): a JSON object of
     :class:`~.record.DevicePeaks`, at its top or under ``"peaks"``.
@@ -684,7 +700,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
                               "the golden with --update-baseline)")
     current = gate.read_results([args.current])
     sources = gate.baseline_paths(args.baseline, {r.env.device for r in current})
-    result = gate.compare(gate.read_results(sources), current, thresholds)
+    result = gate.compare(gate.read_results(sources), current, thresholds,
+                          allow_unjudged=args.allow_unjudged)
     print(result.markdown())
     if args.update_baseline:
         for path in gate.write_baseline(current, args.baseline):

@@ -7,7 +7,8 @@ An implementation is to blame for ``fail``, ``error``, ``crash`` and ``timeout``
 truth, building the inputs, timing) and never the implementation's; ``unsupported`` and
 ``unavailable`` are no verdict at all. :func:`exit_code` turns a run's statuses into the
 CLI's exit code (:class:`ExitCode`, README "Verdicts and exit codes"); ``pagedbench gate`` has its
-own outcomes (:mod:`.gate`) and exits 0, 1, 2 or :attr:`ExitCode.NOTHING_COMPARABLE`.
+own outcomes (:mod:`.gate`) and exits 0, 1, 2, :attr:`ExitCode.NOTHING_COMPARABLE` or
+:attr:`ExitCode.UNJUDGED`.
 Any command that cannot write an output file (disk full, I/O error, a symbolic link it
 refuses) exits :attr:`ExitCode.WRITE_ERROR`, naming the file.
 """
@@ -80,6 +81,7 @@ class ExitCode(enum.IntEnum):
     HARNESS_FAULT = 4
     NOTHING_COMPARABLE = 5
     WRITE_ERROR = 6
+    UNJUDGED = 7
 
     @property
     def meaning(self) -> str:
@@ -98,6 +100,9 @@ _EXIT_MEANING = {
     ExitCode.WRITE_ERROR: "an output file could not be written (disk full, I/O error, a "
                           "symbolic link refused; the file is named): not a pagedbench bug, "
                           "and what was written before is intact",
+    ExitCode.UNJUDGED: "gate: no regression found, but some points could not be judged "
+                       "(too noisy, not timed alike, or in only one of baseline and "
+                       "current); --allow-unjudged exits 0 for them",
 }
 
 
@@ -117,13 +122,15 @@ def exit_code(statuses: Iterable[Status | str]) -> ExitCode:
 
 #: What the exit codes of ``pagedbench gate`` mean.
 GATE_EXIT_MEANING = {
-    ExitCode.CLEAN: "no point broke or slowed down (points too noisy to judge are listed)",
+    ExitCode.CLEAN: "every point was judged and none broke or slowed down (with "
+                    "--allow-unjudged: none of those judged)",
     ExitCode.REGRESSION: "a point broke (pass -> anything else, or a new fail, error, crash "
                          "or timeout) or got slower beyond noise and --min-effect",
     ExitCode.USAGE_ERROR: "bad command line or results file (nothing was compared)",
     ExitCode.HARNESS_FAULT: "pagedbench itself failed (an internal fault)",
     ExitCode.NOTHING_COMPARABLE: _EXIT_MEANING[ExitCode.NOTHING_COMPARABLE],
     ExitCode.WRITE_ERROR: _EXIT_MEANING[ExitCode.WRITE_ERROR],
+    ExitCode.UNJUDGED: _EXIT_MEANING[ExitCode.UNJUDGED],
 }
 
 
