@@ -25,7 +25,6 @@ FAULTS = {
     "hangs-in-run": f"{PLUGINS}.misbehaving:HangsInRun",
     "slow-correct": f"{PLUGINS}.misbehaving:SlowCorrect",
     "reports-environment": f"{PLUGINS}.misbehaving:ReportsEnvironment",
-    "slows-the-truth": f"{PLUGINS}.misbehaving:SlowsTheTruth",
     "writes-into-the-channel": f"{PLUGINS}.misbehaving:WritesIntoTheChannel",
     "reads-past": f"{BROKEN}:ReadsPastKvLen",
     "missing-module": "not_installed_mod:Thing",

@@ -1,5 +1,5 @@
-"""Test-only adapters whose metadata, availability or environment misbehave, and two
-correct ones (one slow, one that slows the harness's own truth).
+"""Test-only adapters whose metadata, availability or environment misbehave, and a slow
+correct one.
 
 Each is correct attention (``torch-gather``'s) unless its docstring says otherwise, so
 the status a run gives it is due to its one fault.
@@ -100,25 +100,6 @@ class ReportsEnvironment(TorchGather):
 
     def describe(self, prepared) -> dict:
         return {"environment": sorted(os.environ)}
-
-
-class SlowsTheTruth(TorchGather):
-    """Correct and fast, but when loaded it makes the harness's truth computation take
-    :data:`TRUTH_DELAY_S` more seconds: the harness's work, never charged to it."""
-
-    name = "slows-the-truth"
-    TRUTH_DELAY_S = 3.0
-
-    def __init__(self) -> None:
-        from pagedbench.harness import runner
-
-        original = runner.truth_for
-
-        def slow_truth(case, cache_dir, logits_precision="float32"):
-            time.sleep(self.TRUTH_DELAY_S)
-            return original(case, cache_dir, logits_precision)
-
-        runner.truth_for = slow_truth
 
 
 class WritesIntoTheChannel(TorchGather):
