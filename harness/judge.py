@@ -331,7 +331,8 @@ class Judge:
                 return self._done(verdict, case, site)
             timing = Timing(tuple(message["samples_ms"]), message["method"],
                             tuple(message["probe_ms"]))
-            return self._done(*self._spot_checked(index, case, message, timing), case, site)
+            verdict, checked = self._spot_checked(index, case, message, timing)
+            return self._done(verdict, case, site, checked)
         raise ValueError(f"a message of unknown kind {kind!r:.40}")
 
     def _spot_checked(self, index: int, case: PagedCase, message: dict[str, Any],
