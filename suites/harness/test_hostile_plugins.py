@@ -68,9 +68,10 @@ def alone(tmp_path_factory) -> list[ResultRecord]:
     return _run(BUILTIN, tmp_path_factory.mktemp("alone"), "alone")
 
 
-def test_hostile_plugins_end_as_their_own_failures(alone, tmp_path) -> None:
+def test_hostile_plugins_end_as_their_own_failures(alone, tmp_path, monkeypatch) -> None:
     """The poisoner runs before the built-in, whose truths it overwrote: they are refused
     (their HMAC does not match), recomputed, and reported."""
+    monkeypatch.setenv("PAGEDBENCH_TEST_CACHE_DIR", str(tmp_path / "build"))
     impls = {name: f"{HOSTILE}:{cls}" for name, cls in TARGETS.items()} | BUILTIN
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -171,15 +171,15 @@ class ChangesTorchState(_Zeros):
 
 
 class PoisonsTheCache(_Zeros):
-    """In ``prepare``, overwrites every truth-cache file it finds (under ``TMPDIR``'s
-    parent, where the cache folder is) with zeros, keeping each file's key and HMAC field
-    (once: a later implementation in the same run, and later runs, were judged against
-    the zeros)."""
+    """In ``prepare``, overwrites every truth-cache file in the cache folder
+    ``$PAGEDBENCH_TEST_CACHE_DIR`` (an attacker that knows where it is) with zeros,
+    keeping each file's key and HMAC field (once: a later implementation in the same run,
+    and later runs, were judged against the zeros)."""
 
     name = "poisons-the-cache"
 
     def prepare(self, inputs):
-        for path in (Path(os.environ["TMPDIR"]).parent / "truth").glob("*.npz"):
+        for path in (Path(os.environ["PAGEDBENCH_TEST_CACHE_DIR"]) / "truth").glob("*.npz"):
             with np.load(path, allow_pickle=False) as saved:
                 data = dict(saved)
             data["truth"] = np.zeros_like(data["truth"])
