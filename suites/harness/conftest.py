@@ -26,6 +26,7 @@ FAULTS = {
     "slow-correct": f"{PLUGINS}.misbehaving:SlowCorrect",
     "reports-environment": f"{PLUGINS}.misbehaving:ReportsEnvironment",
     "writes-into-the-channel": f"{PLUGINS}.misbehaving:WritesIntoTheChannel",
+    "starts-daemons": f"{PLUGINS}.misbehaving:StartsDaemons",
     "reads-past": f"{BROKEN}:ReadsPastKvLen",
     "missing-module": "not_installed_mod:Thing",
 }

@@ -8,6 +8,7 @@ the status a run gives it is due to its one fault.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -112,4 +113,20 @@ class WritesIntoTheChannel(TorchGather):
     def run(self, prepared):
         fd = int(sys.argv[sys.argv.index("--fd") + 1])
         os.write(fd, b"not a message\n")
+        return super().run(prepared)
+
+
+class StartsDaemons(TorchGather):
+    """Correct; each run() starts ``sleep 600`` in a new session, and another that its
+    shell leaves an orphan, and writes their process ids to ``$PAGEDBENCH_TEST_PID_FILE``
+    (once: they outlived the run)."""
+
+    name = "starts-daemons"
+
+    def run(self, prepared):
+        direct = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        shell = subprocess.run(["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 & echo $!"],
+                               capture_output=True, text=True, check=True)
+        with open(os.environ["PAGEDBENCH_TEST_PID_FILE"], "a") as f:
+            f.write(f"{direct.pid}\n{shell.stdout.strip()}\n")
         return super().run(prepared)
