@@ -6,14 +6,17 @@ every unused slot, except that an adapter declaring ``Capabilities.nan_safe_tail
 gets finite stale V values in the unused slots of each partly filled last block (K there
 stays NaN), and its passes are marked :data:`STALE_TAIL_MARK`.
 
-Verdict: :func:`judge` walks ``why_unsupported`` -> truth -> inputs -> ``prepare`` ->
-``run`` -> ``describe`` -> compare (``harness/tolerance.py``), and for a stale-tail pass
-the NaN-tail probe (:func:`nan_tail_output_finite`). With ``truth_site="device"`` (a case
-the host cannot hold, :func:`~.truth.truth_site`) the inputs are drawn on the device
-first and the truth is computed there from them; the comparison is the same. Whatever
-the adapter raises becomes ``error`` with the step; whatever the harness raises becomes
-``harness-error``; each step is announced to ``on_step`` with the party it is charged to
-(``"impl"`` or ``"harness"``), which is how the runner gives each party its own time budget.
+Verdict: :func:`judge` walks ``why_unsupported`` (:func:`claims`) -> truth
+(:func:`expected_for`) -> inputs -> ``prepare`` -> ``run`` -> ``describe`` -> the NaN-tail
+probe for a stale tail (:func:`attempt`) -> compare (:func:`verdict_of`,
+``harness/tolerance.py``). The runner splits these between the implementation's worker
+(:func:`claims`, :func:`attempt`) and the judging parent (:func:`expected_for`,
+:func:`verdict_of`); :func:`judge` runs them all in one process, for the pytest suites.
+With ``truth_site="device"`` (a case the host cannot hold, :func:`~.truth.truth_site`)
+the inputs are drawn on the device and the truth is computed there from them; the
+comparison is the same. Whatever the adapter raises becomes ``error`` with the step;
+whatever the harness raises becomes ``harness-error``; each step is announced to
+``on_step`` with the party it is charged to (``"impl"`` or ``"harness"``).
 """
 
 from __future__ import annotations

@@ -1,17 +1,20 @@
 """The runner: every implementation of a plan on every case, each in its own worker.
 
 For each implementation a worker (:class:`~.worker.Supervisor`) imports the adapter (the
-only process that does), asks ``available``, then walks the cases through
-:func:`~.conformance.judge` (truth from the cache of :mod:`.truth`) and times each pass.
-Each result comes back as a validated :class:`~.record.ResultRecord` and is appended to
-the results file at once. The implementation's own steps (import, ``available``,
-``why_unsupported``, ``prepare``, ``run``, ``describe``) share ``case_timeout_s`` per
-case; pagedbench's steps (truth, inputs, compare, timing) have ``harness_timeout_s``,
-and a worker's start-up its own. A step past its budget is killed and recorded against
-its party (``timeout``, or ``harness-error``); a worker that dies costs the case in
-flight a ``crash``; a fault while loading costs every remaining case of that
-implementation; otherwise a fresh worker continues with the next case. One
-implementation's failure never loses another's results (DESIGN.md, "Statuses").
+only process that does), asks ``available``, then per case ``why_unsupported``,
+``prepare``, ``run``, ``describe`` and, for a pass, the timing, and sends back only its
+output (and timings). The judge (:class:`~.judge.Judge`) runs here, in the parent: the
+truth (cached by :mod:`.truth`), the yardstick and the comparison, from inputs it draws
+itself from the case's seed, so that nothing the implementation does reaches them. Each
+result is a validated :class:`~.record.ResultRecord`, appended to the results file at
+once. Everything the worker does is the implementation's and shares ``case_timeout_s``
+per case (import and ``available`` once); the judge's work has ``harness_timeout_s``, and
+a worker's start-up its own. A step past its budget is recorded against its party
+(``timeout``, or ``harness-error``); a worker that dies costs the case in flight a
+``crash``, one that sends what its job does not allow an ``error``; a fault while loading
+costs every remaining case of that implementation; otherwise a fresh worker continues
+with the next case. One implementation's failure never loses another's results
+(DESIGN.md, "Statuses").
 
 A run records its plan when it starts and ``finished`` when it ends, so that
 :func:`run` with ``resume=True`` completes an interrupted run without redoing the
@@ -79,11 +82,13 @@ class RunConfig:
     threads : int
         ``torch.set_num_threads`` in every worker (fixed, recorded in ``env.threads``).
     case_timeout_s : float
-        The implementation's budget per case: its import and ``available`` (once), then
-        ``why_unsupported``, ``prepare``, ``run``, ``describe`` (s). Past it: ``timeout``.
+        The implementation's budget per case, everything its worker does: its import and
+        ``available`` (once), then ``why_unsupported``, inputs, ``prepare``, ``run``,
+        ``describe`` and the timing (s). Past it: ``timeout``.
     harness_timeout_s : float
-        pagedbench's budget per case: truth, inputs, compare and timing (s). Past it:
-        ``harness-error``. (A worker's start-up has ``worker.STARTUP_TIMEOUT_S``.)
+        pagedbench's budget per case for the judge's work in the parent: truths and
+        comparisons (s). Past it: ``harness-error``. (A worker's start-up has
+        ``worker.STARTUP_TIMEOUT_S``.)
     cache_dir : Path
         Where float64 truths are cached between workers and runs.
     host_truth_bytes : int or None
