@@ -11,10 +11,12 @@ it in the parent after checking the descriptor against the case, so that an outp
 the ``meta`` device or a tensor subclass that raises is the implementation's ``error``
 (raised while encoding, in its own process), never a fault of pagedbench.
 
-Timed calls are spot-checked: the worker times calls alternating between the judged
-inputs and inputs drawn from :func:`spot_case` (same case, another seed), and returns
-the last output of each, which the parent judges against their truths; an output that
-is not computed from its call's inputs fails the timing.
+Timed calls are spot-checked: one timed call in :data:`SPOT_EVERY` (the first included)
+is on inputs drawn from :func:`spot_case` (same case, another seed), and the worker
+returns the last output on each of the inputs, which the parent judges against their
+truths; an output that is not computed from its call's inputs fails the timing (a
+``fail`` of step ``timing``, without a time). Points with a device truth are not
+spot-checked (a second pool on the device).
 
 :func:`judging_state` sets the global torch state the truth and comparison depend on,
 whatever the calling process had set.
@@ -45,6 +47,9 @@ from .worker import Answer
 
 #: Added to a case's seed for the inputs of the spot-checked timed calls.
 SPOT_SEED_OFFSET = 0x5EED
+#: One timed call in this many (the first included) is on the fresh inputs: few enough
+#: that the timing stays that of the judged inputs' working set.
+SPOT_EVERY = 4
 #: Verdicts whose reason ends with the command that replays the case (harness/replay.py).
 REPLAYED = (Status.FAIL, Status.ERROR)
 #: Longest type name of a non-tensor output kept in its descriptor.
@@ -373,5 +378,5 @@ def _harness_fault(step: str, exc: BaseException) -> conformance.Verdict:
                                f"implementation: {conformance.describe_exception(exc)}", step)
 
 
-__all__ = ["REPLAYED", "SPOT_SEED_OFFSET", "Judge", "Outcome", "Refused", "decode_output", "encode_output",
+__all__ = ["REPLAYED", "SPOT_EVERY", "SPOT_SEED_OFFSET", "Judge", "Outcome", "Refused", "decode_output", "encode_output",
            "judging_state", "output_shape", "payload_bytes", "spot_case"]

@@ -55,7 +55,7 @@ from .status import Status, exit_code
 from .store import ResultsFile, environment, results_of
 from .timing import (Timing, DriftProbe, bytes_moved, flops, measure_peaks, roofline_floor_ms,
                      time_cpu, time_cuda, time_once)
-from .judge import Judge, Outcome, Refused, encode_output, spot_case
+from .judge import SPOT_EVERY, Judge, Outcome, Refused, encode_output, spot_case
 from .truth import truth_site
 from .worker import Answer, Channel, Fault, Supervisor
 from .workloads import workload_fields
@@ -307,16 +307,16 @@ def _load_listing(name: str, target: str, device: str, channel: Channel,
 
 def _time(adapter: Adapter, prepared: Any, spot: Any, case: PagedCase, config: RunConfig,
           interpreted: bool) -> tuple[Timing, list[object]]:
-    """Time ``adapter.run``, the calls alternating between ``spot`` (prepared from the
-    fresh inputs of :func:`~.judge.spot_case`, called first; None: no spot check) and
-    ``prepared``: the timing and the last output on each (``[on prepared, on spot]``,
-    None for one never called)."""
+    """Time ``adapter.run`` on ``prepared``, every :data:`~.judge.SPOT_EVERY`-th call
+    (the first included) on ``spot`` instead (prepared from the fresh inputs of
+    :func:`~.judge.spot_case`; None: no spot check): the timing and the last output on
+    each (``[on prepared, on spot]``, None for one never called)."""
     preps = [prepared] if spot is None else [spot, prepared]
     last: list[object] = [None] * len(preps)
     calls = itertools.count()
 
     def call() -> object:
-        index = next(calls) % len(preps)
+        index = min(next(calls) % SPOT_EVERY, len(preps) - 1)
         last[index] = adapter.run(preps[index])
         return last[index]
 
