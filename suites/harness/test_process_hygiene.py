@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedbench.harness.environment import cache_environment
 from pagedbench.harness.record import Environment, ResultRecord
 from pagedbench.harness.report import markdown
 from pagedbench.harness.runner import RunConfig, run_target
@@ -48,6 +49,8 @@ def _results(folder: Path) -> list[ResultRecord]:
                          ids=lambda s: signal.Signals(s).name)
 def test_no_worker_survives_its_parent(signum, tmp_path, plugin_env) -> None:
     cache = tmp_path / "build"
+    scratch = Path(cache_environment(cache, plugin_env)["TMPDIR"])  # the workers' TMPDIR
+    started = time.time()
     parent = subprocess.Popen(
         [*CLI, "run", *ONE_PRESET, "--impl", "hangs-in-run", "--results-dir",
          str(tmp_path / "r"), "--cache-dir", str(cache)],
@@ -65,7 +68,7 @@ def test_no_worker_survives_its_parent(signum, tmp_path, plugin_env) -> None:
     _wait_for(lambda: not workers_of(parent.pid), 10, f"worker {worker} to die")
     if signum != signal.SIGKILL:
         assert "pagedbench run --resume" in out
-    assert not [p.name for p in (cache / "tmp").iterdir() if p.name.startswith("job-")]
+    assert not [p.name for p in scratch.glob("job-*") if p.stat().st_mtime >= started]
 
 
 def _alive(pid: int) -> bool:
