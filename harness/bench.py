@@ -28,8 +28,9 @@ from pagedbench.reference import DTYPES, PagedCase, PagedValueError
 
 from .cases import MODEL_PRESETS
 from .timing import flops
-from .workloads import (CONTIGUOUS_TAG, LAYOUT_RATIOS, MODES, Workload, grid_workload,
-                        preset_workload, spec_workload)
+from .workloads import (BATCH_BOUNDS, CONTIGUOUS_TAG, LAYOUT_RATIOS, MAX_BATCH_SEQUENCES,
+                        MAX_SEQ_LEN, MODES, Workload, grid_workload, preset_workload,
+                        spec_workload)
 
 GRIDS = ("full", "axes", "none")
 #: Multiple the contiguous block size is rounded up to (flash-attn's paged KV needs 256).
@@ -102,6 +103,10 @@ class Sweep:
                    if isinstance(v, bool) or not isinstance(v, int) or v < 1]
             if bad:
                 raise PagedValueError(axis, bad, "ints >= 1")
+        for axis, high in (("batch_sizes", MAX_BATCH_SEQUENCES), ("contexts", MAX_SEQ_LEN)):
+            bad = [v for v in getattr(self, axis) if v > high]
+            if bad:
+                raise PagedValueError(axis, bad, f"ints <= {high} ({BATCH_BOUNDS})")
         if self.grid not in GRIDS:
             raise PagedValueError("grid", self.grid, f"one of {list(GRIDS)}")
 
@@ -166,7 +171,7 @@ class Sweep:
 
 
 #: The CPU default, sized for about 5 minutes on 2 quiet cores with :data:`CPU_IMPLS`
-#: (README, "Benchmarks", has the time it took here): every mode and layout around a
+#: (the run lines of results/leaderboard-cpu/ say how long it took): every mode and layout around a
 #: 4 x 256-token bf16 decode, and one preset's heads.
 CPU_SWEEP = Sweep(
     modes=("decode", "prefill", "chunked", "mixed"),

@@ -111,7 +111,7 @@ def judged_samples(baseline: ResultRecord, current: ResultRecord,
     Per block, not by a smoothed probe level: the probe does the case's own work, so its
     noise moves with the sample's (the median of the three nearest blocks and the
     point's median probe both left more false alarms in the recorded calibration runs:
-    README, "The regression gate")."""
+    docs/gate.md)."""
     probe_b, probe_c = _drift_probe(baseline), _drift_probe(current)
     if not (thresholds.probe and probe_b and probe_c):
         return _samples(baseline), _samples(current), math.nan

@@ -13,8 +13,7 @@ a worker's start-up its own. A step past its budget is recorded against its part
 (``timeout``, or ``harness-error``); a worker that dies costs the case in flight a
 ``crash``, one that sends what its job does not allow an ``error``; a fault while loading
 costs every remaining case of that implementation; otherwise a fresh worker continues
-with the next case. One implementation's failure never loses another's results
-(DESIGN.md, "Statuses").
+with the next case. One implementation's failure never loses another's results.
 
 A run records its plan when it starts and ``finished`` when it ends, so that
 :func:`run` with ``resume=True`` completes an interrupted run without redoing the

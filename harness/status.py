@@ -6,8 +6,10 @@ An implementation is to blame for ``fail``, ``error``, ``crash`` and ``timeout``
 (:attr:`Status.failing`); ``harness-error`` is pagedbench's own fault (computing the
 truth, building the inputs, timing) and never the implementation's; ``unsupported`` and
 ``unavailable`` are no verdict at all. :func:`exit_code` turns a run's statuses into the
-CLI's exit code (:class:`ExitCode`, README "Exit codes"); ``pagedbench gate`` has its
+CLI's exit code (:class:`ExitCode`, README "Verdicts and exit codes"); ``pagedbench gate`` has its
 own outcomes (:mod:`.gate`) and exits 0, 1, 2 or :attr:`ExitCode.NOTHING_COMPARABLE`.
+Any command that cannot write an output file (disk full, I/O error, a symbolic link it
+refuses) exits :attr:`ExitCode.WRITE_ERROR`, naming the file.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class ExitCode(enum.IntEnum):
     NOTHING_RAN = 3
     HARNESS_FAULT = 4
     NOTHING_COMPARABLE = 5
+    WRITE_ERROR = 6
 
     @property
     def meaning(self) -> str:
@@ -92,6 +95,9 @@ _EXIT_MEANING = {
     ExitCode.HARNESS_FAULT: "pagedbench itself failed (harness-error, or an internal fault)",
     ExitCode.NOTHING_COMPARABLE: "gate: no point in common with the baseline (another "
                                  "device or thread count, or other cases)",
+    ExitCode.WRITE_ERROR: "an output file could not be written (disk full, I/O error, a "
+                          "symbolic link refused; the file is named): not a pagedbench bug, "
+                          "and what was written before is intact",
 }
 
 
@@ -117,6 +123,7 @@ GATE_EXIT_MEANING = {
     ExitCode.USAGE_ERROR: "bad command line or results file (nothing was compared)",
     ExitCode.HARNESS_FAULT: "pagedbench itself failed (an internal fault)",
     ExitCode.NOTHING_COMPARABLE: _EXIT_MEANING[ExitCode.NOTHING_COMPARABLE],
+    ExitCode.WRITE_ERROR: _EXIT_MEANING[ExitCode.WRITE_ERROR],
 }
 
 

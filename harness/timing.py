@@ -146,7 +146,7 @@ class DriftProbe:
 
     It moves and computes about what the case does, so another process's load or a clock
     change slows it about as it slows the implementation measured (a small in-cache
-    matmul does not: README, "The regression gate"); it does not depend on the
+    matmul does not: docs/gate.md); it does not depend on the
     implementation's code. ``enabled`` is False for a case with no query
     or no key to attend (nothing to probe).
     """

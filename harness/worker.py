@@ -65,6 +65,9 @@ PARTIES = ("impl", "harness")
 KILL_ROUNDS = 20
 #: ``prctl(2)`` options.
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+#: Keeps the current folder off the worker's module path (``-m`` puts it first, so a
+#: ``selectors.py`` there would run in the worker); ``-P`` is Python 3.11's.
+SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
 
 
 @dataclass(frozen=True)
@@ -219,8 +222,8 @@ class Supervisor:
         read_fd, write_fd = os.pipe()
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "pagedbench.harness.worker", "--fd", str(write_fd),
-                 "--parent", str(os.getpid())],
+                [sys.executable, *SAFE_PATH, "-m", "pagedbench.harness.worker",
+                 "--fd", str(write_fd), "--parent", str(os.getpid())],
                 env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, pass_fds=(write_fd,), start_new_session=True)
             os.close(write_fd)

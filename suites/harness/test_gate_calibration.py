@@ -4,7 +4,7 @@ at least 19 of 20 tries, a 25% slowdown fails in at least 19 of 20).
 - Replayed noise: synthetic runs drawn (with replacement) from the raw samples that
   ``python -m pagedbench.harness.gate_calibration --tries 20`` recorded on a shared
   2-core AMD EPYC (``data/gate_noise.json``), so the within-run noise is real but
-  the load does not drift between baseline and current. README gives the rates of the
+  the load does not drift between baseline and current. docs/gate.md gives the rates of the
   real 20-try command, drift included.
 - End to end: one real ``pagedbench bench`` times ``sdpa-contiguous``, an unchanged copy
   and a copy three times as slow; ``pagedbench report --format html`` shows them;
