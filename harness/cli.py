@@ -137,8 +137,8 @@ def _parser() -> argparse.ArgumentParser:
                             f"default: {runner.RunConfig.repetitions})")
     run_p.add_argument("--harness-timeout", type=_positive_seconds, default=None,
                        metavar="SECONDS",
-                       help="pagedbench's own time per case (truth, inputs, compare, "
-                            "timing); past it: 'harness-error' (default: "
+                       help="pagedbench's own time per case (truth and compare, in the "
+                            "judging parent); past it: 'harness-error' (default: "
                             f"{runner.RunConfig.harness_timeout_s:g})")
     run_p.add_argument("--resume", type=_run_id, metavar="RUN_ID",
                        help="finish the interrupted run RUN_ID of --results-dir with its "
@@ -266,7 +266,7 @@ def _run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
                         "shared host; docs/gate.md)")
     p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
                    help=f"the implementation's own time per {unit} (import and available, "
-                        "then prepare, run, describe); past it: 'timeout' (default: "
+                        "then prepare, run, describe, timing); past it: 'timeout' (default: "
                         f"{runner.RunConfig.case_timeout_s:g})")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
                    help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")

@@ -1,17 +1,19 @@
 """The runner: every implementation of a plan on every case, each in its own worker.
 
 For each implementation a worker (:class:`~.worker.Supervisor`) imports the adapter (the
-only process that does), asks ``available``, then walks the cases through
-:func:`~.conformance.judge` (truth from the cache of :mod:`.truth`) and times each pass.
-Each result comes back as a validated :class:`~.record.ResultRecord` and is appended to
-the results file at once. The implementation's own steps (import, ``available``,
-``why_unsupported``, ``prepare``, ``run``, ``describe``) share ``case_timeout_s`` per
-case; pagedbench's steps (truth, inputs, compare, timing) have ``harness_timeout_s``,
-and a worker's start-up its own. A step past its budget is killed and recorded against
-its party (``timeout``, or ``harness-error``); a worker that dies costs the case in
-flight a ``crash``; a fault while loading costs every remaining case of that
-implementation; otherwise a fresh worker continues with the next case. One
-implementation's failure never loses another's results.
+only process that does), asks ``available``, then per case ``why_unsupported``,
+``prepare``, ``run``, ``describe`` and, for a pass, the timing, and sends back only its
+output (and timings). The judge (:class:`~.judge.Judge`) runs here, in the parent: the
+truth (cached by :mod:`.truth`), the yardstick and the comparison, from inputs it draws
+itself from the case's seed, so that nothing the implementation does reaches them. Each
+result is a validated :class:`~.record.ResultRecord`, appended to the results file at
+once. Everything the worker does is the implementation's and shares ``case_timeout_s``
+per case (import and ``available`` once); the judge's work has ``harness_timeout_s``, and
+a worker's start-up its own. A step past its budget is recorded against its party
+(``timeout``, or ``harness-error``); a worker that dies costs the case in flight a
+``crash``, one that sends what its job does not allow an ``error``; a fault while loading
+costs every remaining case of that implementation; otherwise a fresh worker continues
+with the next case. One implementation's failure never loses another's results.
 
 A run records its plan when it starts and ``finished`` when it ends, so that
 :func:`run` with ``resume=True`` completes an interrupted run without redoing the
@@ -25,6 +27,7 @@ together, since each depends on the others' state; the worker's side is :mod:`.w
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import signal
 import threading
@@ -39,24 +42,24 @@ import torch
 from pydantic import ValidationError
 
 from pagedbench.adapters import Adapter, Entry, load
-from pagedbench.reference import PagedCase, PagedValueError
+from pagedbench.reference import PagedCase, PagedTypeError, PagedValueError, materialize
 
-from . import conformance, replay
+from . import conformance
 from .environment import worker_environment
 from .record import (SCHEMA_VERSION, DevicePeaks, Environment, ListingRow, Plan, PlannedImpl,
-                     ResultRecord, RunRecord, comparison_figures, now, validation_problem)
+                     ResultRecord, RunRecord, comparison_figures, now, to_json_data,
+                     validation_problem)
 from .status import Status, exit_code
 from .store import ResultsFile, environment, results_of
 from .timing import (CPU_THREADS, Timing, DriftProbe, bytes_moved, flops, measure_peaks, roofline_floor_ms,
                      time_cpu, time_cuda, time_once)
-from .truth import device_truth_for, truth_for, truth_site
-from .worker import Channel, Fault, Supervisor
+from .judge import SPOT_EVERY, Judge, Outcome, Refused, encode_output, spot_case
+from .truth import truth_site
+from .worker import Answer, Channel, Fault, Supervisor
 from .workloads import workload_fields
 
 #: Seconds ``pagedbench list`` gives each implementation to import and answer.
 LIST_TIMEOUT_S = 120.0
-#: Verdicts whose reason ends with the command that replays the case (harness/replay.py).
-REPLAYED = (Status.FAIL, Status.ERROR)
 
 
 @dataclass(frozen=True)
@@ -78,11 +81,13 @@ class RunConfig:
         ``torch.set_num_threads`` in every worker (fixed, recorded in ``env.threads``;
         default :data:`~.timing.CPU_THREADS`).
     case_timeout_s : float
-        The implementation's budget per case: its import and ``available`` (once), then
-        ``why_unsupported``, ``prepare``, ``run``, ``describe`` (s). Past it: ``timeout``.
+        The implementation's budget per case, everything its worker does: its import and
+        ``available`` (once), then ``why_unsupported``, inputs, ``prepare``, ``run``,
+        ``describe`` and the timing (s). Past it: ``timeout``.
     harness_timeout_s : float
-        pagedbench's budget per case: truth, inputs, compare and timing (s). Past it:
-        ``harness-error``. (A worker's start-up has ``worker.STARTUP_TIMEOUT_S``.)
+        pagedbench's budget per case for the judge's work in the parent: truths and
+        comparisons (s). Past it: ``harness-error``. (A worker's start-up has
+        ``worker.STARTUP_TIMEOUT_S``.)
     cache_dir : Path
         Where float64 truths are cached between workers and runs.
     host_truth_bytes : int or None
@@ -299,25 +304,70 @@ def _load_listing(name: str, target: str, device: str, channel: Channel,
     return None, _error_row(name, target, "error", reason), "available"
 
 
-def _time(adapter: Adapter, prepared: Any, case: PagedCase, config: RunConfig,
-          interpreted: bool) -> Timing:
-    call = lambda: adapter.run(prepared)  # noqa: E731
+def _time(adapter: Adapter, prepared: Any, spot: Any, case: PagedCase, config: RunConfig,
+          interpreted: bool) -> tuple[Timing, list[object]]:
+    """Time ``adapter.run`` on ``prepared``, every :data:`~.judge.SPOT_EVERY`-th call
+    (the first included) on ``spot`` instead (prepared from the fresh inputs of
+    :func:`~.judge.spot_case`; None: no spot check): the timing and the last output on
+    each (``[on prepared, on spot]``, None for one never called)."""
+    preps = [prepared] if spot is None else [spot, prepared]
+    last: list[object] = [None] * len(preps)
+    calls = itertools.count()
+
+    def call() -> object:
+        index = min(next(calls) % SPOT_EVERY, len(preps) - 1)
+        last[index] = adapter.run(preps[index])
+        return last[index]
+
     if interpreted:
-        return time_once(call)
-    if torch.device(config.device).type == "cuda":
+        timing = time_once(call)
+    elif torch.device(config.device).type == "cuda":
         with torch.cuda.device(torch.device(config.device)):
-            return time_cuda(call)
-    probe = DriftProbe(case)
-    return time_cpu(call, threads=config.threads, warmup=config.warmup,
-                    min_samples=config.repetitions, min_run_time_s=config.time_budget_s,
-                    max_run_time_s=config.time_limit_s, probe=probe if probe.enabled else None)
+            timing = time_cuda(call)
+    else:
+        probe = DriftProbe(case)
+        timing = time_cpu(call, threads=config.threads, warmup=config.warmup,
+                          min_samples=config.repetitions, min_run_time_s=config.time_budget_s,
+                          max_run_time_s=config.time_limit_s,
+                          probe=probe if probe.enabled else None)
+    conformance.synchronize(config.device)
+    return timing, [last[-1], last[0] if spot is not None else None]
+
+
+def _outcome(channel: Channel, index: int, verdict: conformance.Verdict) -> None:
+    channel.send({"kind": "outcome", "item": index, "status": str(verdict.status),
+                  "step": verdict.step, "reason": verdict.reason})
+
+
+def _timed(channel: Channel, index: int, adapter: Adapter, done: conformance.Attempt,
+           case: PagedCase, config: RunConfig, interpreted: bool, spot: bool) -> None:
+    """Time ``done.prepared`` (with spot checks on fresh inputs when ``spot``) and send the
+    timing with the last outputs (``timed``), or what was raised."""
+    try:
+        fresh = None
+        if spot:
+            fresh = adapter.prepare(materialize(spot_case(case), config.device,
+                                                tail_poison=done.tail_poison))
+        timing, outs = _time(adapter, done.prepared, fresh, case, config, interpreted)
+        encoded = [None if out is None else encode_output(out, checked)
+                   for out, checked in zip(outs, (case, spot_case(case)))]
+    except (Exception, SystemExit) as exc:
+        channel.send({"kind": "timed", "item": index,
+                      "error": conformance.describe_exception(exc)})
+        return
+    channel.send({"kind": "timed", "item": index, "samples_ms": list(timing.samples_ms),
+                  "method": timing.method, "probe_ms": list(timing.probe_ms),
+                  "outputs": [None if e is None else e[0] for e in encoded]},
+                 b"".join(e[1] for e in encoded if e is not None))
 
 
 def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
-    config = RunConfig.from_dict(job["config"], Path(job["cache_dir"]))
+    """The implementation's side of a run (see :class:`~.judge.Judge` for the parent's):
+    per case, ``why_unsupported``; then, once the parent has the truth, inputs,
+    ``prepare``, ``run``, ``describe`` and the output; then, if the parent says so, the
+    timing."""
+    config = RunConfig.from_dict(job["config"], RunConfig.cache_dir)
     torch.set_num_threads(config.threads)
-    env = Environment.model_validate_json(job["env"])
-    peaks = DevicePeaks.model_validate_json(job["peaks"]) if job.get("peaks") else None
     name, target = job["name"], job["target"]
     adapter, row, step = _load_listing(name, target, config.device, channel, None)
     if adapter is None:
@@ -325,48 +375,47 @@ def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
                       "reason": row.reason})
         return
     channel.send({"kind": "loaded", "row": row.model_dump_json()})
-    truth = partial(truth_for, cache_dir=config.cache_dir)
-    device_truth = partial(device_truth_for, cache_dir=config.cache_dir)
+    if not row.available:
+        return
     for index in range(job["start"], len(job["cases"])):
-        channel.step(index, conformance.HARNESS, "case")
+        on_step = partial(channel.step, index)
+        on_step(conformance.IMPL, "case")
         case = PagedCase.from_dict(job["cases"][index])
-        fields = dict(run_id=job["run_id"], env=env, config=config, name=name, target=target,
-                      case=case, row=row, peaks=peaks)
-        if not row.available:
-            record = result_record(**fields, status=Status.UNAVAILABLE, reason=row.reason,
-                                   step="available")
-        else:
-            channel.step(index, conformance.HARNESS, "truth")
-            try:
-                site = truth_site(case, config.device, config.host_truth_bytes)
-            except PagedValueError as exc:  # the parent leaves such points out
-                verdict = conformance.Verdict(Status.HARNESS_ERROR, str(exc), "truth")
-                site = None
-            else:
-                verdict = conformance.judge(adapter, case, config.device, truth=truth,
-                                            on_step=partial(channel.step, index),
-                                            truth_site=site, device_truth=device_truth)
-            if verdict.status is not Status.UNSUPPORTED and verdict.step != "why_unsupported":
-                fields["truth"] = site  # where it was (to be) computed
-            if verdict.status in REPLAYED:
-                verdict = replace(verdict, reason=f"{verdict.reason}; {replay.hint(case, name)}")
-            timing = None
-            if verdict.status is Status.PASS and config.timing:
-                channel.step(index, conformance.HARNESS, "timing")
-                try:
-                    timing = _time(adapter, verdict.prepared, case, config, bool(row.interpreted))
-                except (Exception, SystemExit) as exc:
-                    verdict = replace(verdict, status=Status.ERROR, step="timing", reason=(
-                        f"run raised while timing: {conformance.describe_exception(exc)}"))
-            try:
-                record = result_record(**fields, status=verdict.status, reason=verdict.reason,
-                                       step=verdict.step, verdict=verdict, timing=timing)
-            except ValidationError as exc:
-                record = result_record(
-                    **fields, status=Status.ERROR, step="describe",
-                    reason=f"describe returned data that is not JSON: {validation_problem(exc)}",
-                    verdict=replace(verdict, details={}))
-        channel.send({"kind": "output", "item": index, "data": record.model_dump_json()})
+        claimed = conformance.claims(adapter, case, config.device, on_step)
+        if claimed.verdict is not None:
+            _outcome(channel, index, claimed.verdict)
+            continue
+        channel.send({"kind": "ready", "item": index, "tail_poison": claimed.tail_poison,
+                      "logits_precision": claimed.logits_precision})
+        if not channel.receive()["go"]:
+            continue
+        done = conformance.attempt(adapter, case, config.device, claimed, on_step=on_step,
+                                   on_device=job["sites"][index] == "device")
+        if done.verdict is not None:
+            _outcome(channel, index, done.verdict)
+            continue
+        on_step(conformance.IMPL, "output")
+        try:
+            details = to_json_data(done.details, "impl_details")
+        except (PagedTypeError, PagedValueError) as exc:
+            _outcome(channel, index, conformance.Verdict(
+                Status.ERROR, f"describe returned data that is not JSON: {exc}", "describe"))
+            continue
+        try:
+            descriptor, payload = encode_output(done.out, case)
+        except (Exception, SystemExit) as exc:
+            _outcome(channel, index, conformance.Verdict(
+                Status.ERROR, f"its output cannot be read: {conformance.describe_exception(exc)}",
+                "run"))
+            continue
+        channel.send({"kind": "output", "item": index, "outputs": [descriptor],
+                      "details": details,
+                      "nan_tail_output_finite": done.nan_tail_output_finite}, payload)
+        reply = channel.receive()
+        if reply["time"]:
+            on_step(conformance.IMPL, "timing")
+            _timed(channel, index, adapter, done, case, config, bool(row.interpreted),
+                   reply["spot"])
 
 
 def _list_job(job: dict[str, Any], channel: Channel) -> None:
@@ -392,8 +441,11 @@ def work(job: dict[str, Any], channel: Channel) -> None:
 
 
 # The parent's side ----------------------------------------------------------------------
-class _Refused(Exception):
-    """A worker's message the parent cannot accept."""
+#: The steps of each job kind, in the order a worker may enter them within one item.
+EVALUATE_STEPS = ("import", "available", "case", "why_unsupported", "inputs", "prepare",
+                  "run", "describe", "nan-tail probe", "output", "timing")
+LIST_STEPS = ("import", "available")
+PEAKS_STEPS = ("device peaks",)
 
 
 def device_peaks(config: RunConfig) -> tuple[DevicePeaks | None, str]:
@@ -404,12 +456,12 @@ def device_peaks(config: RunConfig) -> tuple[DevicePeaks | None, str]:
     job = {"kind": "peaks", "device": config.device, "threads": config.threads}
     found: list[DevicePeaks] = []
 
-    def on_message(message: dict[str, Any]) -> None:
+    def on_message(message: dict[str, Any]) -> Answer:
         found.append(DevicePeaks.model_validate_json(message["data"]))
+        return Answer(item_done=True)
 
-    supervisor = Supervisor(job, worker_env, {conformance.IMPL: config.harness_timeout_s,
-                                              conformance.HARNESS: config.harness_timeout_s},
-                            Path(worker_env["TMPDIR"]))
+    supervisor = Supervisor(job, worker_env, {conformance.HARNESS: config.harness_timeout_s},
+                            PEAKS_STEPS)
     try:
         fault = supervisor.run(on_message)
     except (ValidationError, KeyError) as exc:
@@ -422,69 +474,96 @@ def device_peaks(config: RunConfig) -> tuple[DevicePeaks | None, str]:
 def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig,
                run_id: str, env: Environment, emit: Callable[[ResultRecord], None],
                peaks: DevicePeaks | None = None) -> None:
-    """Evaluate ``cases`` with the adapter ``target`` in worker processes, calling
-    ``emit`` with each record as it arrives; faults become records too. ``peaks`` (the
-    device's, measured once per run) go into every record."""
-    worker_env = worker_environment(config.device, config.cache_dir)
-    budgets = {conformance.IMPL: config.case_timeout_s,
-               conformance.HARNESS: config.harness_timeout_s}
-    job = {"kind": "evaluate", "name": name, "target": target, "run_id": run_id,
-           "cases": [c.to_dict() for c in cases], "config": config.to_dict(),
-           "cache_dir": str(Path(config.cache_dir).resolve()), "env": env.model_dump_json(),
-           "peaks": peaks.model_dump_json() if peaks else None}
+    """Evaluate ``cases`` with the adapter ``target`` in worker processes, judged here
+    (:class:`~.judge.Judge`), calling ``emit`` with each record as it arrives; faults
+    become records too. ``peaks`` (the device's, measured once per run) go into every
+    record. A case whose truth fits nowhere (:func:`~.truth.truth_site`) is a
+    ``harness-error`` without a worker."""
     row: ListingRow | None = None
+
+    def record(case: PagedCase, status: Status, reason: str, step: str | None,
+               outcome: Outcome | None = None) -> ResultRecord:
+        fields = dict(run_id=run_id, env=env, config=config, name=name, target=target,
+                      case=case, row=row, peaks=peaks)
+        if outcome is None:
+            return result_record(**fields, status=status, reason=reason, step=step)
+        verdict = outcome.verdict
+        try:
+            return result_record(**fields, status=verdict.status, reason=verdict.reason,
+                                 step=verdict.step, verdict=verdict, timing=outcome.timing,
+                                 truth=outcome.truth)
+        except ValidationError as exc:
+            return result_record(
+                **fields, status=Status.ERROR, step="describe", truth=outcome.truth,
+                reason=f"describe returned data that is not JSON: {validation_problem(exc)}",
+                verdict=replace(verdict, details={}))
+
+    sited: list[tuple[PagedCase, str]] = []
+    for case in cases:
+        try:
+            sited.append((case, truth_site(case, config.device, config.host_truth_bytes)))
+        except PagedValueError as exc:  # the CLI leaves such points out before
+            emit(record(case, Status.HARNESS_ERROR, str(exc), "truth"))
+    cases, sites = [c for c, _ in sited], [s for _, s in sited]
+    if not cases:
+        return
+    judge = Judge(name, cases, sites, device=config.device, threads=config.threads,
+                  timing=config.timing, cache_dir=config.cache_dir,
+                  harness_timeout_s=config.harness_timeout_s)
+    worker_env = worker_environment(config.device, config.cache_dir)
+    job = {"kind": "evaluate", "name": name, "target": target,
+           "cases": [c.to_dict() for c in cases], "sites": sites, "config": config.to_dict()}
     start = 0
 
-    def record(index: int, status: Status, reason: str, step: str | None) -> ResultRecord:
-        return result_record(run_id=run_id, env=env, config=config, name=name, target=target,
-                             case=cases[index], status=status, reason=reason, step=step, row=row,
-                             peaks=peaks)
-
-    def on_message(message: dict[str, Any]) -> None:
+    def on_message(message: dict[str, Any]) -> Answer:
         nonlocal row, start
-        try:
-            if message["kind"] == "loaded":
+        kind = message["kind"]
+        if kind == "loaded":
+            try:
                 row = ListingRow.model_validate_json(message["row"])
-            elif message["kind"] == "output":
-                index = message["item"]
-                result = ResultRecord.model_validate_json(message["data"])
-                if index != start or result.case_id != cases[index].case_id or result.impl != name:
-                    raise _Refused(f"a result for {result.impl}:{result.case_id} where "
-                                   f"{name}:{cases[start].case_id} was due")
-                emit(result)
-                start = index + 1
-            elif message["kind"] == "fatal":
-                status = Status(message["status"])
-                for index in range(start, len(cases)):
-                    emit(record(index, status, message["reason"], message["step"]))
+            except (ValidationError, KeyError, TypeError) as exc:
+                raise Refused(str(exc)) from exc
+            if not row.available:
+                for case in cases[start:]:
+                    emit(record(case, Status.UNAVAILABLE, row.reason, "available"))
                 start = len(cases)
-            else:
-                raise _Refused(f"a message of unknown kind {message['kind']!r}")
-        except (ValidationError, KeyError, TypeError, ValueError) as exc:
-            raise _Refused(str(exc)) from exc
+            return Answer()
+        if kind == "fatal":
+            step, reason = str(message.get("step")), str(message.get("reason"))
+            for case in cases[start:]:  # a loading fault is always the implementation's
+                emit(record(case, Status.ERROR, reason, step))
+            start = len(cases)
+            return Answer()
+        answer, outcome = judge.receive(start, message)
+        if outcome is not None:
+            emit(record(cases[start], outcome.verdict.status, "", None, outcome))
+            start += 1
+        return answer
 
     while start < len(cases):
-        supervisor = Supervisor(job | {"start": start}, worker_env, budgets,
-                                Path(worker_env["TMPDIR"]))
+        supervisor = Supervisor(job | {"start": start}, worker_env,
+                                {conformance.IMPL: config.case_timeout_s}, EVALUATE_STEPS,
+                                judge.max_payload_bytes())
         try:
             fault = supervisor.run(on_message)
-        except _Refused as exc:
-            fault = Fault("invalid", start, conformance.HARNESS, "result",
-                          f"sent a result the parent refuses ({exc})")
+        except Refused as exc:
+            fault = Fault("invalid", start, conformance.IMPL, "result",
+                          f"sent a message the parent refuses ({exc})")
+        judge.reset()  # a fresh worker begins the next case
         if fault is None:
             if start < len(cases):  # done without all results: pagedbench's own bug
-                for index in range(start, len(cases)):
-                    emit(record(index, Status.HARNESS_ERROR, "the worker finished without "
+                for case in cases[start:]:
+                    emit(record(case, Status.HARNESS_ERROR, "the worker finished without "
                                 "this result", "result"))
             return
         status, reason = _fault_outcome(fault, config)
         if fault.item is None:  # while loading: every remaining case
-            for index in range(start, len(cases)):
-                emit(record(index, status, reason, fault.step))
+            for case in cases[start:]:
+                emit(record(case, status, reason, fault.step))
             return
-        if fault.item < len(cases):
-            emit(record(fault.item, status, reason, fault.step))
-        start = fault.item + 1
+        if start < len(cases):
+            emit(record(cases[start], status, reason, fault.step))
+        start += 1
 
 
 def missing(plan: Plan, records: Iterable[ResultRecord]) -> list[tuple[str, str]]:
@@ -559,19 +638,18 @@ def list_adapters(found: list[Entry], device: str, cache_dir: Path,
     job = {"kind": "list", "device": device, "entries": [(e.name, e.target) for e in found]}
     rows: list[ListingRow] = []
 
-    def on_message(message: dict[str, Any]) -> None:
+    def on_message(message: dict[str, Any]) -> Answer:
         entry = found[len(rows)]
         try:
             rows.append(ListingRow.model_validate_json(message["data"]))
         except (ValidationError, KeyError, TypeError) as exc:
             rows.append(_error_row(entry.name, entry.target, "error",
                                    f"the worker sent an invalid listing ({exc})"))
+        return Answer(item_done=True)
 
     while len(rows) < len(found):
-        supervisor = Supervisor(job | {"start": len(rows)}, env,
-                                {conformance.IMPL: timeout_s,
-                                 conformance.HARNESS: RunConfig.harness_timeout_s},
-                                Path(env["TMPDIR"]))
+        supervisor = Supervisor(job | {"start": len(rows)}, env, {conformance.IMPL: timeout_s},
+                                LIST_STEPS)
         fault = supervisor.run(on_message)
         if fault is None:
             break

@@ -4,11 +4,16 @@ case the host cannot hold, on the run's device.
 
 Computing the truth is the harness's work, done once per case and kept between workers and
 runs in ``<cache_dir>/truth/<key>.npz``: plain numpy arrays, read with
-``allow_pickle=False``, so a planted file can never execute code (``torch.load`` is not
-used, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says). The key is a SHA-256 over the
-case, the source of ``reference/`` and the torch version; the file stores the key and the
-shapes, so a file that is corrupt, truncated, of another case or of another reference is
-detected, recomputed and replaced (atomically), never fatal.
+``allow_pickle=False`` from a regular file only (a folder, FIFO or symlink there is
+unusable, never waited on), so a planted file can never execute code (``torch.load`` is
+not used, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says). The key is a SHA-256 over
+the case, the source of ``reference/`` and the torch version; the file stores the key, the
+shapes and an HMAC-SHA256 of its arrays under a secret of the cache folder
+(``<cache_dir>/truth/.key``, mode 0600, made by the judging process, never named to a
+worker), so a file that is corrupt, truncated, of another case, of another reference or
+written by anyone without the secret is detected, recomputed and replaced (atomically),
+with a warning, never fatal; a file that cannot be replaced is left and the truth used
+uncached.
 
 Where (:func:`truth_site`): on the host (``"host"``, the inputs drawn there, the default)
 when :func:`truth_bytes` fits :func:`host_budget_bytes`; otherwise on the run's device
@@ -24,8 +29,12 @@ refused with the figures.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import secrets
+import stat
+import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +53,8 @@ TRUTH_SITES = ("host", "device")
 #: Share of the host's physical memory a host truth may take: the parent, the worker
 #: and whatever else runs there share the rest.
 HOST_TRUTH_FRACTION = 0.25
+#: Bytes of the cache folder's HMAC secret.
+KEY_BYTES = 32
 
 
 def truth_bytes(case: PagedCase) -> int:
@@ -120,20 +131,74 @@ def cache_path(case: PagedCase, cache_dir: Path, logits_precision: str = "float3
     return Path(cache_dir) / "truth" / f"{cache_key(case, logits_precision)[:32]}.npz"
 
 
-def _load(path: Path, case: PagedCase, key: str, q: torch.Tensor | None = None) -> Expected:
+def _open_regular(path: Path):
+    """``path`` opened for reading when it is a regular file (not followed if a symlink,
+    never blocking on a FIFO); raises OSError or ValueError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError("it is not a regular file")
+    return os.fdopen(fd, "rb")
+
+
+def _write_atomically(path: Path, write: Callable[[object], None]) -> None:
+    """``write(file)`` into a fresh temporary file beside ``path`` (mode 0600), then rename
+    it over ``path``; the temporary file is removed if anything fails (raises OSError)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cache_secret(cache_dir: Path) -> bytes:
+    """The HMAC secret of ``cache_dir``'s truths (``<cache_dir>/truth/.key``, mode 0600),
+    made on first use; a key file that is not :data:`KEY_BYTES` bytes in a regular file is
+    replaced (the entries it signed are then recomputed)."""
+    path = Path(cache_dir) / "truth" / ".key"
+    try:
+        with _open_regular(path) as f:
+            key = f.read(KEY_BYTES + 1)
+        if len(key) == KEY_BYTES:
+            return key
+    except (OSError, ValueError):
+        pass
+    key = secrets.token_bytes(KEY_BYTES)
+    _write_atomically(path, lambda f: f.write(key))
+    return key
+
+
+def _mac(secret: bytes, key: str, arrays: dict[str, np.ndarray]) -> str:
+    """HMAC-SHA256 (hex) of the cache key and each array's name, dtype, shape and bytes."""
+    mac = hmac.new(secret, key.encode(), hashlib.sha256)
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        mac.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+        mac.update(array.tobytes())
+    return mac.hexdigest()
+
+
+def _load(path: Path, case: PagedCase, key: str, secret: bytes,
+          q: torch.Tensor | None = None) -> Expected:
     """The cached truth at ``path``; raises (ValueError, OSError, KeyError, ...) when the
-    file is not exactly what :func:`_save` writes for ``case`` (a pickle is refused by
-    ``allow_pickle=False`` before anything of it runs), or, with ``q``, when its stored
-    Q is not ``q``."""
-    shape = (case.total_q, case.num_q_heads, case.head_dim)
-    with np.load(path, allow_pickle=False) as saved:
-        stored_key = str(saved["key"])
-        truth, naive = saved["truth"], saved["naive"]
-        stored_q = saved["q"] if q is not None else None
-    if q is not None and not np.array_equal(stored_q, q.float().cpu().numpy()):
+    file is not exactly what :func:`_save` writes for ``case`` under ``secret`` (a pickle is
+    refused by ``allow_pickle=False`` before anything of it runs), or, with ``q``, when its
+    stored Q is not ``q``."""
+    shape = (case.total_q, case.num_q_heads, case.v_head_dim)
+    with _open_regular(path) as f, np.load(f, allow_pickle=False) as saved:
+        stored_key, stored_mac = str(saved["key"]), str(saved["mac"])
+        arrays = {name: saved[name] for name in ("truth", "naive", "q") if name in saved}
+    if q is not None and not np.array_equal(arrays.get("q"), q.float().cpu().numpy()):
         raise ValueError("its Q is not these inputs' (the device drew other values)")
     if stored_key != key:
         raise ValueError(f"stored key {stored_key[:12]}... is not this case's {key[:12]}...")
+    if not hmac.compare_digest(stored_mac, _mac(secret, key, arrays)):
+        raise ValueError("its HMAC does not match its values (not written by this cache)")
+    truth, naive = arrays["truth"], arrays["naive"]
     if truth.dtype != np.float64 or naive.dtype != np.float32:
         raise ValueError(f"dtypes {truth.dtype}, {naive.dtype} are not float64, float32")
     if truth.shape != shape or naive.shape != shape:
@@ -141,30 +206,37 @@ def _load(path: Path, case: PagedCase, key: str, q: torch.Tensor | None = None) 
     return Expected(torch.from_numpy(truth), torch.from_numpy(naive).to(case.torch_dtype))
 
 
-def _save(path: Path, key: str, found: Expected, q: torch.Tensor | None = None) -> None:
-    """Write ``found`` (and ``q``, when given) atomically (temporary file, then rename).
-    The yardstick and Q are stored as float32, which holds fp16 and bf16 values exactly."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp.npz")
-    extra = {} if q is None else {"q": q.float().cpu().numpy()}
-    np.savez(tmp, key=np.array(key), truth=found.truth.numpy(),
-             naive=found.naive.float().numpy(), **extra)
-    os.replace(tmp, path)
+def _save(path: Path, key: str, secret: bytes, found: Expected,
+          q: torch.Tensor | None = None) -> None:
+    """Write ``found`` (and ``q``, when given), signed with ``secret``, atomically. The
+    yardstick and Q are stored as float32, which holds fp16 and bf16 values exactly."""
+    arrays = {"truth": found.truth.numpy(), "naive": found.naive.float().numpy()}
+    if q is not None:
+        arrays["q"] = q.float().cpu().numpy()
+    mac = _mac(secret, key, arrays)
+    _write_atomically(path, lambda f: np.savez(f, key=np.array(key), mac=np.array(mac),
+                                               **arrays))
 
 
 def _cached(path: Path, case: PagedCase, key: str, compute: Callable[[], Expected],
             q: torch.Tensor | None = None) -> Expected:
-    """The truth stored at ``path`` when it is ``case``'s under ``key`` (and of ``q``);
-    otherwise ``compute()``, stored there. A file that cannot be read as this case's
-    truth is replaced, with a warning naming it."""
-    if path.exists():
+    """The truth stored at ``path`` when it is ``case``'s under ``key`` (and of ``q``) and
+    signed by this cache's secret; otherwise ``compute()``, stored there. A file that
+    cannot be read as this case's truth is replaced, with a warning naming it; one that
+    cannot be replaced (a folder there) is left, with a warning."""
+    secret = cache_secret(path.parent.parent)
+    if os.path.lexists(path):
         try:
-            return _load(path, case, key, q)
+            return _load(path, case, key, secret, q)
         except Exception as exc:  # any unusable file is recomputed, never fatal
             warnings.warn(f"truth cache {path} is unusable ({type(exc).__name__}: {exc}); "
                           "recomputing it", stacklevel=3)
     found = compute()
-    _save(path, key, found, q)
+    try:
+        _save(path, key, secret, found, q)
+    except OSError as exc:
+        warnings.warn(f"truth cache {path} cannot be written ({type(exc).__name__}: {exc}); "
+                      "using the truth uncached", stacklevel=3)
     return found
 
 
@@ -204,6 +276,7 @@ def device_truth_for(inputs: PagedInputs, cache_dir: Path,
                    inputs.q)
 
 
-__all__ = ["HOST_TRUTH_FRACTION", "TRUTH_SITES", "cache_key", "cache_path",
+__all__ = ["HOST_TRUTH_FRACTION", "KEY_BYTES", "TRUTH_SITES", "cache_key", "cache_path",
+           "cache_secret",
            "compute_device_truth", "compute_truth", "device_name", "device_truth_for",
            "fits_host", "host_budget_bytes", "truth_bytes", "truth_for", "truth_site"]

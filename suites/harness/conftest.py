@@ -25,8 +25,8 @@ FAULTS = {
     "hangs-in-run": f"{PLUGINS}.misbehaving:HangsInRun",
     "slow-correct": f"{PLUGINS}.misbehaving:SlowCorrect",
     "reports-environment": f"{PLUGINS}.misbehaving:ReportsEnvironment",
-    "slows-the-truth": f"{PLUGINS}.misbehaving:SlowsTheTruth",
     "writes-into-the-channel": f"{PLUGINS}.misbehaving:WritesIntoTheChannel",
+    "starts-daemons": f"{PLUGINS}.misbehaving:StartsDaemons",
     "reads-past": f"{BROKEN}:ReadsPastKvLen",
     "missing-module": "not_installed_mod:Thing",
 }

@@ -1,13 +1,16 @@
 """Budgets and the worker channel blame the right party: the implementation's timeout
-covers only its own import, ``available``, ``prepare`` and ``run``; pagedbench's own
-work (truth, inputs, timing) has its own budget and status (issue 9, "The timeout blames
-the implementation for the harness's work"); a plug-in that writes into the worker's
-message pipe costs only its own case."""
+covers only what its worker does (import, ``available``, ``prepare``, ``run``, timing);
+pagedbench's own work (truth and comparison, in the judging parent) has its own budget and
+status (issue 9, "The timeout blames the implementation for the harness's work"); a
+plug-in that writes into the worker's message pipe costs only its own case."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
+
+from pagedbench.harness import judge
 from pagedbench.harness.record import Environment, ResultRecord
 from pagedbench.harness.runner import RunConfig, run_target
 from pagedbench.harness.status import Status
@@ -24,7 +27,8 @@ def _run(impl: str, config: RunConfig) -> tuple[list[ResultRecord], float]:
     env = Environment.model_validate(environment("cpu"))
     records: list[ResultRecord] = []
     start = time.monotonic()
-    run_target(impl, FAULTS[impl], CASES, config, "t", env, records.append)
+    target = FAULTS.get(impl, "pagedbench.adapters.torch_sdpa:TorchGather")
+    run_target(impl, target, CASES, config, "t", env, records.append)
     return records, time.monotonic() - start
 
 
@@ -36,19 +40,35 @@ def test_a_slow_available_times_out_after_the_case_timeout(tmp_path) -> None:
     assert seconds < 60  # one worker start-up and 2 s, not 125 s
 
 
-def test_the_truth_is_not_charged_to_the_implementation(tmp_path) -> None:
-    """Each truth takes 3 s more than it should (the plug-in slows pagedbench's own
-    computation), the case timeout is 2 s: the correct implementation passes."""
+#: Seconds the slowed truth takes more than it should.
+TRUTH_DELAY_S = 3.0
+
+
+@pytest.fixture
+def slow_truth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every truth the judge (this process) computes takes :data:`TRUTH_DELAY_S` more."""
+    original = judge.truth_for
+
+    def slowed(case, cache_dir, logits_precision="float32"):
+        time.sleep(TRUTH_DELAY_S)
+        return original(case, cache_dir, logits_precision)
+
+    monkeypatch.setattr(judge, "truth_for", slowed)
+
+
+def test_the_truth_is_not_charged_to_the_implementation(tmp_path, slow_truth) -> None:
+    """Each truth takes 3 s more than it should, the case timeout is 2 s: the correct
+    implementation passes."""
     config = RunConfig(timing=False, case_timeout_s=2, harness_timeout_s=120,
                        cache_dir=tmp_path, threads=1)
-    records, _ = _run("slows-the-truth", config)
+    records, _ = _run("torch-gather", config)
     assert [r.status for r in records] == [Status.PASS] * 2, [r.reason for r in records]
 
 
-def test_a_truth_past_the_harness_budget_is_a_harness_error(tmp_path) -> None:
+def test_a_truth_past_the_harness_budget_is_a_harness_error(tmp_path, slow_truth) -> None:
     config = RunConfig(timing=False, case_timeout_s=120, harness_timeout_s=1.5,
                        cache_dir=tmp_path, threads=1)
-    records, _ = _run("slows-the-truth", config)
+    records, _ = _run("torch-gather", config)
     assert [(r.status, r.step) for r in records] == [(Status.HARNESS_ERROR, "truth")] * 2
     assert records[0].reason == ("pagedbench's truth: took longer than 1.5 s "
                                  "(--harness-timeout); not the implementation's fault")

@@ -96,9 +96,12 @@ def test_device_truth_is_cached_and_checked_by_q(tmp_path: Path,
     assert torch.equal(again.truth, first.truth)
     with np.load(stored) as saved:  # a device that drew other values: another Q
         data = dict(saved)
-    data["q"] = data["q"] + 1
-    np.savez(stored, **data)
+    np.savez(stored, **data | {"q": data["q"] + 1})
     with pytest.warns(UserWarning, match="Q is not these inputs'"):
+        replaced = truth.device_truth_for(inputs, tmp_path)
+    assert torch.equal(replaced.truth, expected.truth)
+    np.savez(stored, **data | {"truth": np.zeros_like(data["truth"])})  # the original Q
+    with pytest.warns(UserWarning, match="HMAC does not match"):
         replaced = truth.device_truth_for(inputs, tmp_path)
     assert torch.equal(replaced.truth, expected.truth)
 

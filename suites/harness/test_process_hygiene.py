@@ -1,6 +1,7 @@
-"""Workers die with their parent, whatever signal ends it, and hold only the environment
-they need (issue 9, "Orphans"); a run killed with SIGKILL and resumed gives the verdicts
-of an uninterrupted run without redoing finished pairs ("No resume")."""
+"""Workers die with their parent, whatever signal ends it, leave no file behind, and hold
+only the environment they need (issue 9, "Orphans"); processes an implementation starts
+in a new session die with its worker (issue 24); a run killed with SIGKILL and resumed
+gives the verdicts of an uninterrupted run without redoing finished pairs ("No resume")."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedbench.harness.environment import cache_environment
 from pagedbench.harness.record import Environment, ResultRecord
 from pagedbench.harness.report import markdown
 from pagedbench.harness.runner import RunConfig, run_target
@@ -47,6 +49,8 @@ def _results(folder: Path) -> list[ResultRecord]:
                          ids=lambda s: signal.Signals(s).name)
 def test_no_worker_survives_its_parent(signum, tmp_path, plugin_env) -> None:
     cache = tmp_path / "build"
+    scratch = Path(cache_environment(cache, plugin_env)["TMPDIR"])  # the workers' TMPDIR
+    started = time.time()
     parent = subprocess.Popen(
         [*CLI, "run", *ONE_PRESET, "--impl", "hangs-in-run", "--results-dir",
          str(tmp_path / "r"), "--cache-dir", str(cache)],
@@ -64,6 +68,31 @@ def test_no_worker_survives_its_parent(signum, tmp_path, plugin_env) -> None:
     _wait_for(lambda: not workers_of(parent.pid), 10, f"worker {worker} to die")
     if signum != signal.SIGKILL:
         assert "pagedbench run --resume" in out
+    assert not [p.name for p in scratch.glob("job-*") if p.stat().st_mtime >= started]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_processes_an_implementation_starts_die_with_its_worker(tmp_path, monkeypatch) -> None:
+    pid_file = tmp_path / "pids"
+    monkeypatch.setenv("PAGEDBENCH_TEST_PID_FILE", str(pid_file))
+    config = RunConfig(timing=False, cache_dir=tmp_path / "build", threads=1)
+    env = Environment.model_validate(environment("cpu"))
+    records: list[ResultRecord] = []
+    case = PagedCase(kv_lens=(5,), num_q_heads=2, num_kv_heads=1, head_dim=16,
+                     block_size=8, dtype="float32", name="daemons")
+    run_target("starts-daemons", FAULTS["starts-daemons"], [case], config, "t", env,
+               records.append)
+    assert [r.status for r in records] == [Status.PASS], records[0].reason
+    pids = [int(line) for line in pid_file.read_text().split()]
+    assert len(pids) == 2
+    _wait_for(lambda: not any(_alive(pid) for pid in pids), 10, f"{pids} to die")
 
 
 def test_sigkill_then_resume_finishes_the_run_with_the_uninterrupted_verdicts(

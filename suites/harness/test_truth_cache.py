@@ -1,8 +1,11 @@
-"""The truth cache is plain data: a corrupt, mismatching or planted file is detected,
-recomputed and replaced, never fatal and never executed (issue 9, "The truth cache")."""
+"""The truth cache is plain data, signed: a corrupt, mismatching, planted or forged file
+is detected, recomputed and replaced, never fatal and never executed (issue 9, "The truth
+cache"); a folder or FIFO where a file should be never blocks nor fails the truth and
+leaves no temporary file (issue 24)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -50,8 +53,17 @@ def _plant_npz_of_other_case(path: Path, tmp_path: Path) -> None:
     shutil.copy(cache_path(OTHER, tmp_path), path)
 
 
+def _forge_values(path: Path, tmp_path: Path) -> None:
+    """The valid file with its truth zeroed, its key and HMAC field kept."""
+    truth_for(CASE, tmp_path)
+    with np.load(path) as saved:
+        data = dict(saved)
+    data["truth"] = np.zeros_like(data["truth"])
+    np.savez(path, **data)
+
+
 @pytest.mark.parametrize("plant", ["random bytes", "truncated", "pickle", "torch.save",
-                                   "other case", "object array"])
+                                   "other case", "object array", "forged values", "fifo"])
 def test_a_bad_cache_file_is_recomputed_and_replaced(plant, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     marker = tmp_path / "pwned"
@@ -68,6 +80,10 @@ def test_a_bad_cache_file_is_recomputed_and_replaced(plant, tmp_path, monkeypatc
         _plant_torch_save(path, marker)
     elif plant == "other case":
         _plant_npz_of_other_case(path, tmp_path)
+    elif plant == "forged values":
+        _forge_values(path, tmp_path)
+    elif plant == "fifo":
+        os.mkfifo(path)  # opened blocking, it would wait for a writer forever
     else:
         np.savez(path, key=np.array([RunsCode(marker)], dtype=object),
                  truth=np.zeros(1), naive=np.zeros(1))
@@ -75,7 +91,28 @@ def test_a_bad_cache_file_is_recomputed_and_replaced(plant, tmp_path, monkeypatc
         found = truth_for(CASE, tmp_path)
     _assert_is_the_truth(found)
     assert not marker.exists()
+    assert path.is_file()
     _assert_is_the_truth(truth_for(CASE, tmp_path))  # the replacement is valid
+    assert not list(path.parent.glob("*.tmp*"))
+
+
+def test_a_folder_at_the_cache_path_costs_only_the_caching(tmp_path) -> None:
+    path = cache_path(CASE, tmp_path)
+    (path / "inside").mkdir(parents=True)
+    with pytest.warns(UserWarning, match=f"truth cache {path} cannot be written"):
+        _assert_is_the_truth(truth_for(CASE, tmp_path))
+    assert (path / "inside").is_dir() and not list(path.parent.glob("*.tmp*"))
+
+
+def test_entries_signed_under_another_secret_are_recomputed(tmp_path) -> None:
+    """A file copied from another cache folder (another secret) is refused here."""
+    truth_for(CASE, tmp_path / "a")
+    path = cache_path(CASE, tmp_path / "b")
+    path.parent.mkdir(parents=True)
+    shutil.copy(cache_path(CASE, tmp_path / "a"), path)
+    with pytest.warns(UserWarning, match="HMAC does not match"):
+        _assert_is_the_truth(truth_for(CASE, tmp_path / "b"))
+    assert oct((path.parent / ".key").stat().st_mode & 0o777) == "0o600"
 
 
 def test_the_plants_would_run_code_if_unpickled(tmp_path) -> None:

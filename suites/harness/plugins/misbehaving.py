@@ -1,5 +1,5 @@
-"""Test-only adapters whose metadata, availability or environment misbehave, and two
-correct ones (one slow, one that slows the harness's own truth).
+"""Test-only adapters whose metadata, availability or environment misbehave, and a slow
+correct one.
 
 Each is correct attention (``torch-gather``'s) unless its docstring says otherwise, so
 the status a run gives it is due to its one fault.
@@ -8,6 +8,7 @@ the status a run gives it is due to its one fault.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -102,25 +103,6 @@ class ReportsEnvironment(TorchGather):
         return {"environment": sorted(os.environ)}
 
 
-class SlowsTheTruth(TorchGather):
-    """Correct and fast, but when loaded it makes the harness's truth computation take
-    :data:`TRUTH_DELAY_S` more seconds: the harness's work, never charged to it."""
-
-    name = "slows-the-truth"
-    TRUTH_DELAY_S = 3.0
-
-    def __init__(self) -> None:
-        from pagedbench.harness import runner
-
-        original = runner.truth_for
-
-        def slow_truth(case, cache_dir, logits_precision="float32"):
-            time.sleep(self.TRUTH_DELAY_S)
-            return original(case, cache_dir, logits_precision)
-
-        runner.truth_for = slow_truth
-
-
 class WritesIntoTheChannel(TorchGather):
     """run() writes a line that is not a message into pagedbench's message pipe (the fd
     its worker was given): the case is this implementation's ``error``, and the next case
@@ -131,4 +113,20 @@ class WritesIntoTheChannel(TorchGather):
     def run(self, prepared):
         fd = int(sys.argv[sys.argv.index("--fd") + 1])
         os.write(fd, b"not a message\n")
+        return super().run(prepared)
+
+
+class StartsDaemons(TorchGather):
+    """Correct; each run() starts ``sleep 600`` in a new session, and another that its
+    shell leaves an orphan, and writes their process ids to ``$PAGEDBENCH_TEST_PID_FILE``
+    (once: they outlived the run)."""
+
+    name = "starts-daemons"
+
+    def run(self, prepared):
+        direct = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        shell = subprocess.run(["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 & echo $!"],
+                               capture_output=True, text=True, check=True)
+        with open(os.environ["PAGEDBENCH_TEST_PID_FILE"], "a") as f:
+            f.write(f"{direct.pid}\n{shell.stdout.strip()}\n")
         return super().run(prepared)
