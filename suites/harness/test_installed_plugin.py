@@ -14,6 +14,7 @@ meets. The wheel is built once per session; each environment once per module.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -278,3 +279,14 @@ def test_the_oldest_allowed_pytest_runs_the_suite(outside, wheel) -> None:
     assert "failed" in _summary(broken)
     wrong = old.pytest(*CONFORMANCE, "--impl", "yours", folder="wrong-impl")
     assert wrong.returncode == pytest.ExitCode.USAGE_ERROR, wrong.stdout[-2000:]
+
+
+def test_python_m_pagedbench_runs_the_command_from_the_wheel_and_the_checkout(venv) -> None:
+    for python, env in ((venv.python, venv.env), (Path(sys.executable), _quiet_env())):
+        proc = subprocess.run([python, "-m", "pagedbench", "schema"], env=env,
+                              cwd=venv.base, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout)["title"].startswith("pagedbench results line")
+        usage = subprocess.run([python, "-m", "pagedbench", "nonsense"], env=env,
+                               cwd=venv.base, capture_output=True, text=True, timeout=120)
+        assert usage.returncode == 2 and usage.stderr.startswith("usage: pagedbench")
