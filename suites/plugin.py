@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
-#: The cache folder when neither the option nor the variable names one (relative to the
-#: working directory).
-DEFAULT_CACHE_DIR = Path("build")
-CACHE_DIR_VARIABLE = "PAGEDBENCH_CACHE_DIR"
+from pagedbench.harness.environment import (CACHE_DIR_VARIABLE, DEFAULT_CACHE_DIR,
+                                            apply_environment, cache_environment,
+                                            default_cache_dir)
+
 MARKERS = (
     "gpu: needs a CUDA device (skipped without one)",
     "slow: long-running; excluded from the ci hypothesis profile's budget",
@@ -73,7 +73,7 @@ def cache_dir(config: pytest.Config, option: str | None) -> Path:
     """The cache folder: ``option``, else ``$PAGEDBENCH_CACHE_DIR``, else ``build/``; a
     relative one is taken from the rootdir when pytest found a configuration file (a
     checkout), else from the working directory."""
-    chosen = Path(option or os.environ.get(CACHE_DIR_VARIABLE) or DEFAULT_CACHE_DIR)
+    chosen = Path(option) if option else default_cache_dir()
     base = config.rootpath if config.inipath is not None else config.invocation_params.dir
     return chosen if chosen.is_absolute() else base / chosen
 
@@ -82,8 +82,6 @@ def _hermetic(config: pytest.Config, option: str | None, device: str | None) -> 
     """Point every cache and scratch folder under the cache folder, stop bytecode writes
     and pick Triton's interpreter on the CPU; idempotent."""
     from hypothesis.configuration import set_hypothesis_home_dir
-
-    from pagedbench.harness.environment import apply_environment, cache_environment
 
     if sys.pycache_prefix is None:
         sys.dont_write_bytecode = True
