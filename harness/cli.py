@@ -50,7 +50,8 @@ from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_c
 from .derived import DEFAULT_BASELINE
 from .workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
 from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
-from .environment import apply_environment, cache_environment
+from .environment import (CACHE_DIR_VARIABLE, apply_environment, cache_environment,
+                          default_cache_dir)
 from .junit import write_junit_xml
 from .record import (COMPARISON_FIELDS, DevicePeaks, Environment, ListingRow, Plan,
                      ResultRecord, RunRecord, json_schema)
@@ -60,8 +61,6 @@ from .store import (DEFAULT_RESULTS_DIR, ResultsFile, environment, new_run_id, r
                     results_of, run_states)
 from .truth import HOST_TRUTH_FRACTION, truth_site
 
-#: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
-DEFAULT_CACHE_DIR = Path("build")
 #: Most torch threads a worker may be given.
 MAX_THREADS = 1024
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -155,6 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     list_p.add_argument("--timeout", type=_positive_seconds, default=runner.LIST_TIMEOUT_S,
                         metavar="SECONDS", help="each implementation's time to import and "
                         f"answer; past it: 'timeout' (default: {runner.LIST_TIMEOUT_S:g})")
+    cache_dir_argument(list_p, "compiler and scratch caches of the workers that answer")
     report_p = sub.add_parser("report", help="leaderboard from stored result files")
     report_p.add_argument("paths", nargs="+", type=Path,
                           help=".jsonl result files or folders of them (merged in order)")
@@ -266,11 +266,20 @@ def _run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
                         f"{runner.RunConfig.case_timeout_s:g})")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
                    help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
-    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
-                   help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
+    cache_dir_argument(p)
     p.add_argument("--junit-xml", type=Path, metavar="FILE",
                    help="also write the verdicts as JUnit XML, one testcase per "
                         f"(implementation, {unit}), for CI test reports")
+
+
+def cache_dir_argument(p: argparse.ArgumentParser,
+                       what: str = "truth, compiler and scratch caches") -> None:
+    """``--cache-dir DIR``, the same on every command that writes caches: ``what`` goes
+    there (default: ``$PAGEDBENCH_CACHE_DIR``, else ``build`` of the working directory,
+    as the pytest plugin's ``--pagedbench-cache-dir``)."""
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                   help=f"{what} (default: ${CACHE_DIR_VARIABLE}, else build; now: "
+                        f"{default_cache_dir()})")
 
 
 def _fraction(low_open: float, high_open: float):
@@ -688,7 +697,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     # Any device, even one this machine lacks: what each implementation declares for it
     # is worth seeing, and its availability there says why it cannot run here.
-    rows = runner.list_adapters(entries(), args.device, DEFAULT_CACHE_DIR, args.timeout)
+    rows = runner.list_adapters(entries(), args.device, args.cache_dir, args.timeout)
     if args.json:
         print(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
         return 0
@@ -792,11 +801,35 @@ def _replay_arguments(sub: argparse._SubParsersAction) -> None:
     replay_p.add_argument("--case-timeout", type=_positive_seconds, default=None,
                           metavar="SECONDS", help="the implementation's own time for the "
                           f"case (default: {runner.RunConfig.case_timeout_s:g})")
-    replay_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
-                          help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
-    replay_p.add_argument("--save", action="store_true",
-                          help="keep the case as a regression case in "
-                               f"{selftest.REGRESSION_CASES} when an implementation fails it")
+    cache_dir_argument(replay_p)
+    replay_p.add_argument("--save", nargs="?", type=Path, const=True, default=None,
+                          metavar="DIR",
+                          help="keep the case as a regression case when an implementation "
+                               "fails it: in DIR, or without DIR in the checkout's "
+                               "suites/regressions/cases (an installed pagedbench needs DIR: "
+                               "nothing is written into the installed package)")
+
+
+def regression_folder(save: Path | bool) -> Path:
+    """Where ``replay --save [DIR]`` keeps a failing case: ``DIR``, or (``save`` True:
+    ``--save`` alone) the checkout's ``suites/regressions/cases`` when pagedbench runs
+    from a checkout (its ``pyproject.toml`` beside the packages' folders).
+
+    Raises
+    ------
+    PagedValueError
+        ``--save`` without ``DIR`` from an installed pagedbench (whose folders must not
+        be written), or a ``DIR`` that cannot be written.
+    """
+    if save is not True:
+        writable_folder(save, "--save")
+        return save
+    if not (selftest.CHECKOUT / "pyproject.toml").is_file():
+        raise PagedValueError("--save", None, "a folder (--save DIR)",
+                              f"--save needs a folder: pagedbench is installed at "
+                              f"{selftest.CHECKOUT}, not run from a checkout, and nothing is "
+                              "written into an installed package")
+    return selftest.REGRESSION_CASES
 
 
 def _replay_lines(record: ResultRecord) -> list[str]:
@@ -825,6 +858,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                               "no implementation")
     impls = _select(names)
     device = _checked_device(args.device or "cpu")
+    save = regression_folder(args.save) if args.save is not None else None
     case = found.case
     try:
         check_fits(case, device)
@@ -842,10 +876,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         runner.run_target(name, target, [case], config, run_id, env, records.append)
     for record in records:
         print("\n".join(_replay_lines(record)))
-        if args.save and record.status.failing:
+        if save is not None and record.status.failing:
             saved = replay.save_regression(case, record.impl, "pagedbench replay",
-                                           record.reason, selftest.REGRESSION_CASES,
-                                           str(record.status))
+                                           record.reason, save, str(record.status))
             print(f"  saved: {saved}")
     return int(exit_code(r.status for r in records))
 
@@ -864,11 +897,10 @@ def _selftest_arguments(sub: argparse._SubParsersAction) -> None:
     selftest_p.add_argument("--catalogue", type=Path, default=selftest.DEFAULT_CATALOGUE,
                             help="folder of the catalogue's distribution metadata "
                                  f"(default: {selftest.DEFAULT_CATALOGUE})")
-    selftest_p.add_argument("--output-dir", type=Path, default=DEFAULT_CACHE_DIR / "selftest",
+    selftest_p.add_argument("--output-dir", type=Path, default=default_cache_dir() / "selftest",
                             help="JUnit report, fault log and failing cases (default: "
-                                 f"{DEFAULT_CACHE_DIR / 'selftest'})")
-    selftest_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
-                            help=f"compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
+                                 "selftest/ of the cache folder)")
+    cache_dir_argument(selftest_p, "compiler and scratch caches")
     selftest_p.add_argument("--json", type=Path, metavar="FILE",
                             help="also write the rows as JSON here")
     selftest_p.add_argument("--first-catch", action="store_true",
@@ -920,7 +952,7 @@ def main(argv: list[str] | None = None) -> int:
                 "selftest": cmd_selftest, "gate": cmd_gate}
     try:
         _writable_outputs(args)
-        apply_environment(cache_environment(getattr(args, "cache_dir", DEFAULT_CACHE_DIR)))
+        apply_environment(cache_environment(getattr(args, "cache_dir", default_cache_dir())))
         return commands[args.command](args)
     except PagedInputError as exc:
         print(f"pagedbench {args.command}: error: {exc}", file=sys.stderr)

@@ -290,3 +290,32 @@ def test_python_m_pagedbench_runs_the_command_from_the_wheel_and_the_checkout(ve
         usage = subprocess.run([python, "-m", "pagedbench", "nonsense"], env=env,
                                cwd=venv.base, capture_output=True, text=True, timeout=120)
         assert usage.returncode == 2 and usage.stderr.startswith("usage: pagedbench")
+
+
+@pytest.mark.slow
+def test_replay_save_and_list_write_only_where_they_are_told(venv) -> None:
+    work = venv.base / "replay"
+    work.mkdir()
+    case = work / "case.json"
+    case.write_text(json.dumps({"kv_lens": [7], "q_lens": [2], "num_q_heads": 1,
+                                "num_kv_heads": 1, "head_dim": 32, "block_size": 8,
+                                "dtype": "float32", "name": "replay"}))
+
+    def pagedbench(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([venv.python, "-m", "pagedbench", *args], env=venv.env,
+                              cwd=work, capture_output=True, text=True, timeout=300)
+
+    refused = pagedbench("replay", str(case), "--impl", "mine-broken", "--save",
+                         "--cache-dir", "caches")
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "--save needs a folder" in refused.stderr
+    saved = pagedbench("replay", str(case), "--impl", "mine-broken", "--save", "kept",
+                       "--cache-dir", "caches")
+    assert saved.returncode == 1, saved.stdout[-2000:] + saved.stderr[-2000:]
+    (kept,) = (work / "kept").glob("mine-broken-*.json")
+    assert json.loads(kept.read_text())["impl"] == "mine-broken"
+    listed = pagedbench("list", "--json", "--cache-dir", "listing")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert {"mine", "mine-broken"} <= {row["name"] for row in json.loads(listed.stdout)}
+    assert {p.name for p in work.iterdir()} == {"case.json", "kept", "caches", "listing"}
+    assert _tree(venv.site) == venv.installed, "a command wrote into the installed package"
