@@ -53,6 +53,7 @@ from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from .environment import (CACHE_DIR_VARIABLE, apply_environment, cache_environment,
                           default_cache_dir)
 from .junit import write_junit_xml
+from .progress import RunProgress
 from .record import (COMPARISON_FIELDS, DevicePeaks, Environment, ListingRow, Plan,
                      ResultRecord, RunRecord, json_schema)
 from .speed import Thresholds
@@ -487,17 +488,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
     console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
                   f"{len(plan.cases)} cases on {config.device} -> {results.path}")
-    try:
-        records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
-                             on_record=lambda r: console.print(_progress_line(r)))
-    except runner.Interrupted as exc:
-        if args.junit_xml is not None:
-            write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
-                            f"pagedbench run {run_id} (interrupted)")
-        return _interrupted(exc, console, run_id, results, args.results_dir)
+    order = runner.missing(plan, _results_of_run(results, run_id)) if args.resume else \
+        runner.missing(plan, [])
+    with RunProgress(console, "run", order) as progress:
+        try:
+            records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
+                                 on_record=lambda r: progress.update(r, _progress_line(r)))
+        except runner.Interrupted as exc:
+            if args.junit_xml is not None:
+                write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
+                                f"pagedbench run {run_id} (interrupted)", progress.seconds)
+            return _interrupted(exc, console, run_id, results, args.results_dir)
     lines = [line for line in results.lines() if line.run_id == run_id]
     if args.junit_xml is not None:
-        write_junit_xml(records, args.junit_xml, f"pagedbench run {run_id}")
+        write_junit_xml(records, args.junit_xml, f"pagedbench run {run_id}",
+                        progress.seconds)
         console.print(f"JUnit XML: {args.junit_xml}")
     return _finish(records, lines, results, console, config.device)
 
@@ -539,9 +544,6 @@ def _bench_impls(args: argparse.Namespace) -> dict[str, str]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import time
-
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
 
     writable_folder(args.results_dir, "--results-dir")
     if args.junit_xml is not None:
@@ -606,20 +608,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"device peaks: {peaks.copy_gbps:.1f} GB/s copy, "
                       f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul" if peaks
                       else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
-    order = [(i.name, c.case_id) for i in plan.impls for c in cases]
-    done: set[tuple[str, str]] = set()
     start = time.monotonic()
-    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
-                  console=console, transient=False) as progress:
-        task = progress.add_task(f"{order[0][0]} {order[0][1]}", total=len(order))
-
+    with RunProgress(console, "bench", runner.missing(plan, [])) as progress:
         def on_record(record: ResultRecord) -> None:
-            done.add((record.impl, record.case_id))
-            following = next((f"{i} {c}" for i, c in order if (i, c) not in done), "")
-            if record.status is not Status.PASS:
-                progress.console.print(_progress_line(record))
-            progress.update(task, advance=1, description=rich_escape(following))
+            progress.update(record, None if record.status is Status.PASS
+                            else _progress_line(record))
 
         try:
             records = runner.run(plan, config, results, run_id, on_record=on_record,
@@ -627,10 +620,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except runner.Interrupted as exc:
             if args.junit_xml is not None:
                 write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
-                                f"pagedbench bench {run_id} (interrupted)")
+                                f"pagedbench bench {run_id} (interrupted)", progress.seconds)
             return _interrupted(exc, console, run_id, results, args.results_dir)
     if args.junit_xml is not None:
-        write_junit_xml(records, args.junit_xml, f"pagedbench bench {run_id}")
+        write_junit_xml(records, args.junit_xml, f"pagedbench bench {run_id}",
+                        progress.seconds)
         console.print(f"JUnit XML: {args.junit_xml}")
     lines = [line for line in results.lines() if line.run_id == run_id]
     md_path = results.path.with_suffix(".md")
