@@ -8,153 +8,29 @@ pytest-xdist and with the oldest pytest the project allows (``pytest>=8``).
 
 The environments live in a folder outside the checkout: inside it, pytest would find the
 checkout's ``pyproject.toml``, whose ``-p no:cacheprovider`` hides what an installed run
-meets. The wheel is built once per session; each environment once per module.
+meets. The wheel is built once per session (suites/harness/conftest.py); each environment
+once per module (suites/harness/installed.py).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
-import sysconfig
-import tempfile
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from .installed import ROOT, Venv, quiet_env, tree
+
 #: Where downloaded wheels are kept between sessions (the oldest allowed pytest).
 WHEELHOUSE = ROOT / "build" / "wheels"
 OLDEST_PYTEST = "pytest==8.0.*"
 CONFORMANCE = ["--pyargs", "pagedbench.suites.conformance", "--pagedbench-device", "cpu"]
 #: A quick part of the suite for the runs that vary options (the full suite runs once).
 QUICK = ["-k", "test_pinned_probes"]
-#: What a user's out-of-tree kernel package looks like: its own distribution registering
-#: two implementations through the ``pagedbench.adapters`` entry points. ``mine`` gathers
-#: through the block table (pagedbench's torch-gather); ``mine-broken`` returns it 2% too
-#: large, a numerical fault the suite must catch.
-USER_PACKAGE = {
-    "pyproject.toml": """\
-[build-system]
-requires = ["setuptools>=69"]
-build-backend = "setuptools.build_meta"
-
-[project]
-name = "mykernel"
-version = "1.0"
-
-[project.entry-points."pagedbench.adapters"]
-mine = "mykernel:Mine"
-mine-broken = "mykernel:MineBroken"
-""",
-    "mykernel.py": """\
-from pagedbench.adapters.torch_sdpa import TorchGather
-
-
-class Mine(TorchGather):
-    name = "mine"
-
-
-class MineBroken(TorchGather):
-    name = "mine-broken"
-
-    def run(self, prepared):
-        return prepared.launch() * 1.02
-""",
-}
-#: Host folders a fresh environment does not get: pagedbench itself (the wheel brings
-#: it) and, where an environment brings its own pytest, pytest and its plug-ins.
-PAGEDBENCH_ENTRIES = ("pagedbench", "__editable__")
-PYTEST_ENTRIES = ("_pytest", "pytest", "py.py", "xdist", "pytest_xdist", "pytest_benchmark")
-
-
-def _tree(folder: Path) -> dict[str, int]:
-    """Every file under ``folder`` with its modification time (ns)."""
-    return {str(p.relative_to(folder)): p.stat().st_mtime_ns
-            for p in folder.rglob("*") if p.is_file()}
-
-
-def _quiet_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
-    return {**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **extra}
-
-
-def _pip(*args: str, env: dict[str, str], cwd: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "pip", "--no-cache-dir", *args], env=env,
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-
-
-@pytest.fixture(scope="session")
-def wheel(tmp_path_factory) -> Path:
-    """pagedbench's wheel, built from the checkout once per session."""
-    dist = tmp_path_factory.mktemp("dist")
-    _pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(dist),
-         str(ROOT), env=_quiet_env(TMPDIR=str(dist)), cwd=dist)
-    (built,) = dist.glob("pagedbench-*.whl")
-    return built
-
-
-@pytest.fixture(scope="module")
-def outside() -> Path:
-    """A folder with no pytest configuration above it, removed after the module."""
-    markers = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
-    for candidate in (tempfile.gettempdir(), "/tmp", "/var/tmp"):
-        base = Path(candidate).resolve()
-        if base.is_dir() and os.access(base, os.W_OK) and not any(
-                (d / m).exists() for d in (base, *base.parents) for m in markers):
-            break
-    else:
-        pytest.skip("no writable folder outside any pytest configuration")
-    folder = Path(tempfile.mkdtemp(prefix="pagedbench-installed-", dir=base))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-class Venv:
-    """A fresh virtual environment: the wheel and the user's package installed in it,
-    every other dependency taken from this interpreter's site-packages (linked into a
-    folder of its own, so neither the editable pagedbench nor, with ``own_pytest``, this
-    interpreter's pytest is seen)."""
-
-    def __init__(self, base: Path, wheel: Path, own_pytest: Path | None = None) -> None:
-        self.base = base
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(base / "venv")],
-                       check=True, capture_output=True)
-        self.python = base / "venv" / "bin" / "python"
-        self.site = Path(subprocess.run(
-            [self.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True).stdout.strip())
-        skipped = PAGEDBENCH_ENTRIES + (PYTEST_ENTRIES if own_pytest else ())
-        deps = base / "deps"
-        deps.mkdir()
-        for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
-            if not entry.name.startswith(skipped):
-                (deps / entry.name).symlink_to(entry)
-        (self.site / "host-dependencies.pth").write_text(f"{deps}\n")
-        user = base / "mykernel"
-        user.mkdir()
-        for name, text in USER_PACKAGE.items():
-            (user / name).write_text(text)
-        self.env = _quiet_env(PIP_NO_INDEX="1", TMPDIR=str(base))
-        packages = [str(wheel), str(user), *([str(own_pytest)] if own_pytest else [])]
-        _pip("install", "--no-deps", "--no-build-isolation", "--target", str(self.site),
-             *packages, env=self.env, cwd=base)
-        self.installed = _tree(self.site)
-
-    def pytest(self, *args: str, folder: str = "work") -> subprocess.CompletedProcess[str]:
-        """``python -m pytest ARGS`` in a fresh working folder ``folder``."""
-        work = self.base / folder
-        work.mkdir()
-        return subprocess.run([self.python, "-m", "pytest", *args], env=self.env, cwd=work,
-                              capture_output=True, text=True, timeout=300)
-
-
 def _summary(proc: subprocess.CompletedProcess[str]) -> dict[str, int]:
     """Counts of pytest's last line (``3 passed, 1 skipped in 2.0s`` and its ``====``
     framed form), asserting it is the last line printed."""
@@ -178,7 +54,7 @@ def _collected(*selection: str) -> int:
 def _wrote_only_build(venv: Venv, folder: str) -> None:
     """The run wrote nothing into the installed package, and in its working folder only
     under ``build/`` (no .pytest_cache, .hypothesis or __pycache__)."""
-    assert _tree(venv.site) == venv.installed, "the run wrote into the installed package"
+    assert tree(venv.site) == venv.installed, "the run wrote into the installed package"
     work = venv.base / folder
     written = {p.relative_to(work).parts[0] for p in work.rglob("*") if p.is_file()}
     assert written <= {"build"}, written
@@ -260,7 +136,7 @@ def test_the_oldest_allowed_pytest_runs_the_suite(outside, wheel) -> None:
     if not found:
         download = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-             "-d", str(WHEELHOUSE), OLDEST_PYTEST], env=_quiet_env(TMPDIR=str(outside)),
+             "-d", str(WHEELHOUSE), OLDEST_PYTEST], env=quiet_env(TMPDIR=str(outside)),
             capture_output=True, text=True, timeout=120)
         found = sorted(WHEELHOUSE.glob("pytest-8.0.*-py3-none-any.whl"))
         if not found:
@@ -282,7 +158,7 @@ def test_the_oldest_allowed_pytest_runs_the_suite(outside, wheel) -> None:
 
 
 def test_python_m_pagedbench_runs_the_command_from_the_wheel_and_the_checkout(venv) -> None:
-    for python, env in ((venv.python, venv.env), (Path(sys.executable), _quiet_env())):
+    for python, env in ((venv.python, venv.env), (Path(sys.executable), quiet_env())):
         proc = subprocess.run([python, "-m", "pagedbench", "schema"], env=env,
                               cwd=venv.base, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -318,4 +194,4 @@ def test_replay_save_and_list_write_only_where_they_are_told(venv) -> None:
     assert listed.returncode == 0, listed.stderr[-2000:]
     assert {"mine", "mine-broken"} <= {row["name"] for row in json.loads(listed.stdout)}
     assert {p.name for p in work.iterdir()} == {"case.json", "kept", "caches", "listing"}
-    assert _tree(venv.site) == venv.installed, "a command wrote into the installed package"
+    assert tree(venv.site) == venv.installed, "a command wrote into the installed package"
