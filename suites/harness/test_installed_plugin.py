@@ -33,11 +33,12 @@ CONFORMANCE = ["--pyargs", "pagedbench.suites.conformance", "--pagedbench-device
 QUICK = ["-k", "test_pinned_probes"]
 def _summary(proc: subprocess.CompletedProcess[str]) -> dict[str, int]:
     """Counts of pytest's last line (``3 passed, 1 skipped in 2.0s`` and its ``====``
-    framed form), asserting it is the last line printed."""
+    framed form) but its warnings, asserting it is the last line printed."""
     last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     match = re.fullmatch(r"=*\s*((?:\d+ \w+(?:, )?)+) in [\d.]+s(?: \([\d:]+\))?\s*=*", last)
     assert match, f"no summary line last:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", match.group(1))}
+    return {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", match.group(1))
+            if not word.startswith("warning")}  # warnings do not fail a job
 
 
 @functools.cache
@@ -78,7 +79,7 @@ def test_a_correct_kernel_passes_the_whole_suite_and_nothing_is_written_there(ve
     # it declares a case unsupported (a layout it cannot take, for example).
     assert counts["passed"] > 0, counts
     assert counts["passed"] + counts.get("skipped", 0) == _collected("--impl", "torch-gather")
-    assert set(counts) <= {"passed", "skipped", "warning", "warnings"}, proc.stdout[-3000:]
+    assert set(counts) <= {"passed", "skipped"}, proc.stdout[-3000:]
     _wrote_only_build(venv, "correct")
 
 
