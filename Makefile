@@ -1,5 +1,5 @@
 # Two entry points (README.md): `make run` and `make test`. Both build .venv first.
-# The GPU lane's (README.md, GPU lane): `make gpu-carry` before a device call, `make
+# The GPU lane's (README.md, GPU): `make gpu-carry` before going to the GPU machine, `make
 # gpu-ingest FROM=<returned folder>` after it.
 PYTHON ?= python3
 VENV   := .venv
@@ -50,10 +50,10 @@ gpu-carry-flashinfer: $(VENV)/.installed
 	$(BIN)/python -m pagedbench.harness.gpu_carry --flashinfer --out $(BUILD)/gpu-carry-flashinfer
 
 gpu-ingest: $(VENV)/.installed
-	@test -n "$(FROM)" || { echo "usage: make gpu-ingest FROM=<folder the device call returned>"; exit 2; }
+	@test -n "$(FROM)" || { echo "usage: make gpu-ingest FROM=<the results folder brought back from the GPU machine>"; exit 2; }
 	$(BIN)/python -m pagedbench.harness.gpu_ingest "$(FROM)"
 
-# The published CPU leaderboard (README, "Benchmarks"): the default CPU sweep, then its
+# The published CPU leaderboard (docs/benchmarks.md): the default CPU sweep, then its
 # Markdown, HTML, CSV and PNG plots, and the environment it ran in. Made under build/ and
 # moved into results/ at the end, so the checkout is clean (`dirty` false) while it is
 # measured. Exit 1 of bench (some implementation failed a point) still publishes: the

@@ -24,7 +24,7 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
 from pagedbench.reference.case import KV_CACHE_DTYPES, LAYOUTS
-from pagedbench.reference.dense import LOGITS_PRECISIONS
+from pagedbench.reference.yardstick import LOGITS_PRECISIONS
 
 #: Optional features a case may use, as :attr:`PagedCase.features` names them: the
 #: attention features, a V head dim other than the Q/K one (``"head_dim_v"``, MLA), and

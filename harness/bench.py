@@ -27,9 +27,11 @@ from dataclasses import dataclass, field, replace
 from pagedbench.reference import DTYPES, PagedCase, PagedValueError
 
 from .cases import MODEL_PRESETS
+from .speed import Thresholds
 from .timing import flops
-from .workloads import (CONTIGUOUS_TAG, LAYOUT_RATIOS, MODES, Workload, grid_workload,
-                        preset_workload, spec_workload)
+from .workloads import (BATCH_BOUNDS, CONTIGUOUS_TAG, LAYOUT_RATIOS, MAX_BATCH_SEQUENCES,
+                        MAX_SEQ_LEN, MODES, Workload, grid_workload, preset_workload,
+                        spec_workload)
 
 GRIDS = ("full", "axes", "none")
 #: Multiple the contiguous block size is rounded up to (flash-attn's paged KV needs 256).
@@ -102,6 +104,10 @@ class Sweep:
                    if isinstance(v, bool) or not isinstance(v, int) or v < 1]
             if bad:
                 raise PagedValueError(axis, bad, "ints >= 1")
+        for axis, high in (("batch_sizes", MAX_BATCH_SEQUENCES), ("contexts", MAX_SEQ_LEN)):
+            bad = [v for v in getattr(self, axis) if v > high]
+            if bad:
+                raise PagedValueError(axis, bad, f"ints <= {high} ({BATCH_BOUNDS})")
         if self.grid not in GRIDS:
             raise PagedValueError("grid", self.grid, f"one of {list(GRIDS)}")
 
@@ -166,7 +172,7 @@ class Sweep:
 
 
 #: The CPU default, sized for about 5 minutes on 2 quiet cores with :data:`CPU_IMPLS`
-#: (README, "Benchmarks", has the time it took here): every mode and layout around a
+#: (the run lines of results/leaderboard-cpu/ say how long it took): every mode and layout around a
 #: 4 x 256-token bf16 decode, and one preset's heads.
 CPU_SWEEP = Sweep(
     modes=("decode", "prefill", "chunked", "mixed"),
@@ -203,10 +209,16 @@ QUICK_SWEEP = Sweep(
     dtypes=("float32",),
     grid="axes",
 )
-#: CPU timing of a sweep (``RunConfig`` fields): ``quick`` and the default sweep's.
+#: CPU timing of a sweep (``RunConfig`` fields): ``quick`` and the default sweep's. Both
+#: take at least the samples ``pagedbench gate`` needs to judge a point
+#: (``Thresholds.min_samples``; the default's for calls up to 0.55 s, 5 s / 9); a point
+#: with fewer is "not judged" (exit 7), never passed. The default takes 20 over at least
+#: 0.5 s: on a loaded 2-core host 9 samples left most unchanged points too noisy to
+#: judge (docs/gate.md).
 CPU_TIMING = {
-    "quick": {"repetitions": 5, "time_budget_s": 0.05, "time_limit_s": 0.5},
-    "default": {"repetitions": 5, "time_budget_s": 0.2, "time_limit_s": 2.0},
+    "quick": {"repetitions": Thresholds.min_samples, "time_budget_s": 0.05,
+              "time_limit_s": 0.5},
+    "default": {"repetitions": 20, "time_budget_s": 0.5, "time_limit_s": 5.0},
 }
 #: Implementations a CPU sweep runs by default: those that run natively on the CPU and
 #: compile nothing per shape (flex-paged compiles each shape family for 5-30 s on the CPU,

@@ -16,24 +16,28 @@ softmax (:data:`TILE` keys at a time), and differs only in where it rounds:
 N random cases per dtype (kv_len log-uniform in 1..8192, every feature, explicit
 ``sm_scale`` from 1e-3 to 1e3, fp8 caches) and M long-context cases per length band
 (attention spread over the context: :func:`random_case` with ``spread=True``), and prints
-the table README's "Tolerance" section quotes. ``suites/harness`` runs a sample.
+the table docs/tolerance.md quotes. ``suites/harness`` runs a sample.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pandas as pd
 import torch
 
 from pagedbench.reference import DTYPES, PagedCase, PagedInputs, gather_kv, materialize
-from pagedbench.reference.dense import dequantize, masked_logits
+from pagedbench.reference.dense import dequantize
+from pagedbench.reference.yardstick import SUM_ORDERS, naive_logits
 
+from .store import environment, write_output
 from .tolerance import Expected, compare
 
 #: Keys per online-softmax step (vLLM's and pagedbench's Triton decode tiles are 16-64).
@@ -84,28 +88,32 @@ def _online_softmax(scores: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | 
     return (acc / l).transpose(0, 1)  # [q_len, hq, d]
 
 
-def near_correct(inputs: PagedInputs, variant: str) -> torch.Tensor:
+def near_correct(inputs: PagedInputs, variant: str, order: str = "blocked16") -> torch.Tensor:
     """The output of ``variant`` (one of :data:`VARIANTS`) for ``inputs``,
-    ``Tensor[total_q, num_q_heads, head_dim]`` in the case dtype.
+    ``Tensor[total_q, num_q_heads, v_head_dim]`` in the case dtype, its float32 logits summed
+    over the channels in ``order`` (``reference.yardstick.SUM_ORDERS``; by default as an
+    AVX-512 loop's 16 lanes do).
 
     Raises
     ------
     ValueError
         If ``variant`` is not one of :data:`VARIANTS`.
+    PagedValueError
+        If ``order`` is not one of ``SUM_ORDERS``.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     case = inputs.case
     dtype = case.torch_dtype
     cu = inputs.cu_seqlens_q.tolist()
-    out = torch.empty(case.total_q, case.num_q_heads, case.head_dim, dtype=dtype)
+    out = torch.empty(case.total_q, case.num_q_heads, case.v_head_dim, dtype=dtype)
     slopes = inputs.alibi_slopes
     for i, (k, v) in enumerate(gather_kv(inputs)):
         q = inputs.q[cu[i] : cu[i + 1]].float()
         k = dequantize(k, case.k_scale, dtype).float()
         v = dequantize(v, case.v_scale, dtype)
         v = v.repeat_interleave(case.gqa_ratio, dim=1)  # [kv_len, hq, d]
-        scores = masked_logits(q, k, case, slopes)  # [hq, q_len, kv_len] float32
+        scores = naive_logits(q, k, case, slopes, order)  # [hq, q_len, kv_len] float32
         sink = None if inputs.sinks is None else inputs.sinks.float()[:, None, None]
         result = _online_softmax(scores, v, sink, dtype, variant)
         rounded = truncate_toward_zero(result, dtype) if variant == "truncate" else result.to(dtype)
@@ -159,19 +167,23 @@ def variants_for(dtype: str) -> tuple[str, ...]:
     return ("round_once",) if dtype == "float32" else VARIANTS
 
 
-def judge(case: PagedCase, variants: tuple[str, ...] = VARIANTS) -> dict[str, object]:
-    """Verdict figures of every variant on ``case``: ``{variant: Comparison}``."""
+def judge(case: PagedCase, variants: tuple[str, ...] = VARIANTS,
+          orders: tuple[str, ...] = ("blocked16",)) -> dict[tuple[str, str], object]:
+    """Verdict figures of every variant on ``case`` with its logits summed in each of
+    ``orders``: ``{(variant, order): Comparison}``."""
     inputs = materialize(case)
     expected = Expected.of(inputs)
-    return {variant: compare(near_correct(inputs, variant), expected, case.dtype,
-                             inputs.cu_seqlens_q)
-            for variant in variants}
+    return {(variant, order): compare(near_correct(inputs, variant, order), expected,
+                                      case.dtype, inputs.cu_seqlens_q)
+            for variant in variants for order in orders}
 
 
 def calibrate(cases: int, long_cases: int, seed: int = 0,
-              progress: Callable[[str], None] | None = None) -> pd.DataFrame:
-    """One row per (dtype, variant, case set): pass rate, cases, largest err/allowance,
-    largest error in ulps and mean signed error in ulps (the bias)."""
+              progress: Callable[[str], None] | None = None,
+              orders: tuple[str, ...] = SUM_ORDERS) -> pd.DataFrame:
+    """One row per (dtype, case set, variant, channel order of the logits): pass rate,
+    cases, largest err/allowance, largest error in ulps and mean signed error in ulps (the
+    bias)."""
     rows = []
     rng = random.Random(seed)
     sets = [("random 1..8192", (1, MAX_KV_LEN), cases, False)]
@@ -180,17 +192,19 @@ def calibrate(cases: int, long_cases: int, seed: int = 0,
         for label, kv_range, count, spread in sets:
             if count == 0:
                 continue
-            results: dict[str, list] = {v: [] for v in variants_for(dtype)}
+            results: dict[tuple[str, str], list] = {
+                (v, o): [] for v in variants_for(dtype) for o in orders}
             started = time.monotonic()
             for _ in range(count):
                 case = random_case(rng, dtype, kv_range, rng.randrange(2**31), spread)
-                for variant, comparison in judge(case, variants_for(dtype)).items():
-                    results[variant].append(comparison)
+                for key, comparison in judge(case, variants_for(dtype), orders).items():
+                    results[key].append(comparison)
             if progress:
                 progress(f"{dtype} {label}: {count} cases in {time.monotonic() - started:.0f} s")
-            for variant, comps in results.items():
+            for (variant, order), comps in results.items():
                 rows.append({
-                    "dtype": dtype, "cases": label, "variant": variant, "n": len(comps),
+                    "dtype": dtype, "cases": label, "variant": variant, "order": order,
+                    "n": len(comps),
                     "pass_rate": sum(c.passed for c in comps) / len(comps),
                     "max_err_over_allowance": max(c.err_over_allowance for c in comps),
                     "max_err_ulps": max(c.max_err_ulps for c in comps),
@@ -208,10 +222,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-cases", type=int, default=100,
                         help="cases per dtype in each long-context band")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None,
+                        help="also write the table to this Markdown file, headed by the "
+                             "command and the environment it ran in")
     args = parser.parse_args(argv)
     table = calibrate(args.cases, args.long_cases, args.seed,
                       progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(table.to_markdown(index=False, floatfmt=".3g"))
+    markdown = table.to_markdown(index=False, floatfmt=".3g")
+    print(markdown)
+    if args.output is not None:
+        command = " ".join(["python -m pagedbench.harness.calibration",
+                            *(argv if argv is not None else sys.argv[1:])])
+        env = json.dumps(environment("cpu"), indent=2)
+        write_output(args.output, f"# Tolerance calibration\n\n`{command}`\n\n"
+                                  f"```json\n{env}\n```\n\n{markdown}\n")
     correct = table[table["variant"].isin(CORRECT)]
     faulty_long = table[(table["variant"] == FAULTY) & (table["cases"] == "kv 4096..8192")
                         & (table["dtype"] != "float32")]

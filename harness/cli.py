@@ -26,6 +26,7 @@ option's name, check and help are read in one place; the work is in the modules 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -58,8 +59,9 @@ from .record import (COMPARISON_FIELDS, DevicePeaks, Environment, ListingRow, Pl
                      ResultRecord, RunRecord, json_schema)
 from .speed import Thresholds
 from .status import GATE_EXIT_MEANING, ExitCode, Status, exit_code, exit_codes_help
-from .store import (DEFAULT_RESULTS_DIR, ResultsFile, environment, new_run_id, read_lines,
-                    results_of, run_states)
+from .store import (DEFAULT_RESULTS_DIR, OutputError, ResultsFile, ResultsFileError,
+                    environment, new_run_id, read_lines, results_of, run_states, write_output)
+from .timing import oversubscribed
 from .truth import HOST_TRUTH_FRACTION, truth_site
 
 #: Most torch threads a worker may be given.
@@ -169,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     report_p.add_argument("--output", type=Path, help="write here instead of stdout")
     report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
                           help="also write the bench plots there as PNG files")
-    sub.add_parser("schema", help="JSON Schema of a results-file line (README, Results schema)")
+    sub.add_parser("schema", help="JSON Schema of a results-file line (docs/results.md)")
     _gate_arguments(sub.add_parser(
         "gate", help="current results against a baseline: exit 1 on a conformance "
         "regression or a slowdown", description=gate.__doc__.split("\n\n")[0],
@@ -260,7 +262,9 @@ def _run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
     """The options ``run`` and ``bench`` share; ``unit`` names what they run (``case`` or
     ``point``)."""
     p.add_argument("--threads", type=_int_in(1, MAX_THREADS), default=None,
-                   help="torch threads per worker (default: all cores)")
+                   help="torch threads per worker (default: "
+                        f"{runner.RunConfig.threads}: more wait for preempted threads on a "
+                        "shared host; docs/gate.md)")
     p.add_argument("--case-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
                    help=f"the implementation's own time per {unit} (import and available, "
                         "then prepare, run, describe); past it: 'timeout' (default: "
@@ -317,6 +321,10 @@ def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
     gate_p.add_argument("--raw", action="store_true",
                         help="judge raw ms, not each CPU sample divided by the drift probe "
                              "timed after it (which cancels a shared machine's drift)")
+    gate_p.add_argument("--allow-unjudged", action="store_true",
+                        help="exit 0, not 6, when no point regressed but some could not be "
+                             "judged (too noisy, timed on one side only, or in only one of "
+                             "baseline and current); the last line still counts them")
     gate_p.add_argument("--update-baseline", action="store_true",
                         help="after comparing, write the current results as the new golden "
                              "(--baseline's file, or <folder>/<device>/"
@@ -399,7 +407,7 @@ def _finish(records: list[ResultRecord], lines: list, results: ResultsFile,
     """Write and print the report of a run; its exit code."""
     text = report.markdown(lines, title=f"pagedbench leaderboard ({device})")
     md_path = results.path.with_suffix(".md")
-    md_path.write_text(text)
+    write_output(md_path, text)
     print(f"\n{text}")
     console.print(f"results: {results.path}  report: {md_path}")
     code = exit_code(r.status for r in records)
@@ -432,14 +440,23 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
         raise PagedValueError("--resume", args.resume, "a run in --results-dir",
                               f"--resume {args.resume}: no {results.path} (is --results-dir "
                               "the folder that run wrote to?)")
-    starts = [line for line in results.lines() if isinstance(line, RunRecord)
-              and line.run_id == args.resume and line.event == "started"]
-    if not starts or starts[-1].plan is None:
+    starts = [(number, line) for number, line in results.numbered_lines()
+              if isinstance(line, RunRecord) and line.run_id == args.resume
+              and line.event == "started"]
+    if not starts or starts[-1][1].plan is None:
         raise PagedValueError("--resume", args.resume, "a run that recorded its start",
                               f"--resume {args.resume}: {results.path} records no start with "
                               "a plan (written before schema_version 2?)")
-    config = runner.RunConfig.from_dict(starts[-1].config or {}, args.cache_dir)
-    return starts[-1].plan, config, results
+    number, start = starts[-1]
+    known = {e.name: e.target for e in entries()}
+    for impl in start.plan.impls:  # a results file is data: it names adapters, never adds one
+        if known.get(impl.name) != impl.target:
+            raise ResultsFileError(
+                results.path, number, f"the plan's {impl.name!r} = {impl.target!r} is not a "
+                f"registered adapter (registered: {known.get(impl.name) or 'no such name'}); "
+                "--resume runs only the built-in and installed adapters")
+    config = runner.RunConfig.from_dict(start.config or {}, args.cache_dir)
+    return start.plan, config, results
 
 
 def _interrupted(exc: runner.Interrupted, console: Console, run_id: str, results: ResultsFile,
@@ -486,25 +503,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = runner.make_plan(impls, cases)
         run_id = new_run_id()
         results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
-    console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
-                  f"{len(plan.cases)} cases on {config.device} -> {results.path}")
-    order = runner.missing(plan, _results_of_run(results, run_id)) if args.resume else \
-        runner.missing(plan, [])
-    with RunProgress(console, "run", order) as progress:
-        try:
-            records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
-                                 on_record=lambda r: progress.update(r, _progress_line(r)))
-        except runner.Interrupted as exc:
-            if args.junit_xml is not None:
-                write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
-                                f"pagedbench run {run_id} (interrupted)", progress.seconds)
-            return _interrupted(exc, console, run_id, results, args.results_dir)
-    lines = [line for line in results.lines() if line.run_id == run_id]
-    if args.junit_xml is not None:
-        write_junit_xml(records, args.junit_xml, f"pagedbench run {run_id}",
-                        progress.seconds)
-        console.print(f"JUnit XML: {args.junit_xml}")
-    return _finish(records, lines, results, console, config.device)
+    _warn_oversubscribed(config, console)
+    with results.locked():  # one writer per run: a second resume is refused
+        console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
+                      f"{len(plan.cases)} cases on {config.device} -> {results.path}")
+        order = runner.missing(plan, _results_of_run(results, run_id)) if args.resume else \
+            runner.missing(plan, [])
+        with RunProgress(console, "run", order) as progress:
+            try:
+                records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
+                                     on_record=lambda r: progress.update(r, _progress_line(r)))
+            except runner.Interrupted as exc:
+                if args.junit_xml is not None:
+                    write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
+                                    f"pagedbench run {run_id} (interrupted)", progress.seconds)
+                return _interrupted(exc, console, run_id, results, args.results_dir)
+        lines = [line for line in results.lines() if line.run_id == run_id]
+        if args.junit_xml is not None:
+            write_junit_xml(records, args.junit_xml, f"pagedbench run {run_id}",
+                            progress.seconds)
+            console.print(f"JUnit XML: {args.junit_xml}")
+        return _finish(records, lines, results, console, config.device)
 
 
 def bench_sweep(args: argparse.Namespace) -> bench.Sweep:
@@ -596,6 +615,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plan = runner.make_plan(impls, cases)
     run_id = new_run_id()
     results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    _warn_oversubscribed(config, console)
     console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
     peaks = None
@@ -628,8 +648,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"JUnit XML: {args.junit_xml}")
     lines = [line for line in results.lines() if line.run_id == run_id]
     md_path = results.path.with_suffix(".md")
-    md_path.write_text(report.markdown(lines, title=f"pagedbench bench ({device})",
-                                       baseline=args.baseline))
+    write_output(md_path, report.markdown(lines, title=f"pagedbench bench ({device})",
+                                          baseline=args.baseline))
     counts = {str(s): n for s in Status
               if (n := sum(r.status is s for r in records))}
     timed = [r for r in records if r.time_ms is not None and r.status is Status.PASS]
@@ -640,6 +660,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"{len(timed)} timed ({noisy} noisy) in {time.monotonic() - start:.0f} s; exit "
         f"{int(code)}; results {results.path}, report {md_path}")
     return int(code)
+
+
+def _warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:
+    """Warn when a CPU timing's threads oversubscribe the host (:func:`~.timing.oversubscribed`)."""
+    warning = oversubscribed(config.threads) if config.device == "cpu" and config.timing else ""
+    if warning:
+        console.print(f"[yellow]warning: {rich_escape(warning)}[/]")
 
 
 def peaks_file(path: Path) -> DevicePeaks:
@@ -676,7 +703,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
                               "the golden with --update-baseline)")
     current = gate.read_results([args.current])
     sources = gate.baseline_paths(args.baseline, {r.env.device for r in current})
-    result = gate.compare(gate.read_results(sources), current, thresholds)
+    result = gate.compare(gate.read_results(sources), current, thresholds,
+                          allow_unjudged=args.allow_unjudged)
     print(result.markdown())
     if args.update_baseline:
         for path in gate.write_baseline(current, args.baseline):
@@ -714,7 +742,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     else:
         text = report.markdown(lines, baseline=args.baseline)
     if args.output:
-        args.output.write_text(text)
+        write_output(args.output, text)
     else:
         print(text)
     if args.plots_dir:
@@ -732,8 +760,9 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def capability_matrix(rows: list[ListingRow]) -> str:
-    """Markdown table: implementations x (availability, devices, dtypes, block sizes,
-    head dims, modes, features), from ``pagedbench list`` rows."""
+    """Markdown table: implementations x (availability, version, library build and ISA
+    paths with those this host cannot take, devices, dtypes, block sizes, head dims,
+    modes, features), from ``pagedbench list`` rows."""
     def join(values: Any) -> str:
         if values is None:
             return "any"
@@ -744,6 +773,12 @@ def capability_matrix(rows: list[ListingRow]) -> str:
         if len(values) > 6 and len(steps) == 1:
             return f"{values[0]}..{values[-1]} step {steps.pop()}"
         return ", ".join(map(str, values)) or "-"
+
+    def paths(row: ListingRow) -> str:
+        # The library build and ISA paths an implementation names (impl_details), and
+        # those this host cannot take.
+        named = (row.details.get(key) for key in ("library", "cpu_isa", "isa", "isa_not_here"))
+        return "; ".join(str(value) for value in named if value) or "-"
 
     def axes(row: ListingRow) -> dict[str, str]:
         caps = row.capabilities
@@ -769,6 +804,7 @@ def capability_matrix(rows: list[ListingRow]) -> str:
             else f"no: {row.reason}" if row.status == "unavailable"
             else f"{row.status}: {row.reason}",
             "version": row.version,
+            "build, ISA paths": paths(row),
             **axes(row),
         }
         for row in rows
@@ -937,6 +973,14 @@ def _writable_outputs(args: argparse.Namespace) -> None:
             writable_folder(getattr(args, dest), option)
 
 
+#: Commands that write nothing unless given an output (``--output``, ``--plots-dir``,
+#: ``--update-baseline``): they create no cache folder, so they work in a read-only folder.
+READ_ONLY_COMMANDS = frozenset({"schema", "report", "gate"})
+#: ``errno`` values of a write the machine refused (full disk or quota, I/O error, file
+#: too large, read-only file system): exit :attr:`ExitCode.WRITE_ERROR`, not a bug.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedbench`` console script; returns the exit code
     (:class:`~.status.ExitCode`; ``128 + N`` when stopped by signal N)."""
@@ -946,7 +990,8 @@ def main(argv: list[str] | None = None) -> int:
                 "selftest": cmd_selftest, "gate": cmd_gate}
     try:
         _writable_outputs(args)
-        apply_environment(cache_environment(getattr(args, "cache_dir", default_cache_dir())))
+        apply_environment(cache_environment(getattr(args, "cache_dir", default_cache_dir()),
+                                            create=args.command not in READ_ONLY_COMMANDS))
         return commands[args.command](args)
     except PagedInputError as exc:
         print(f"pagedbench {args.command}: error: {exc}", file=sys.stderr)
@@ -954,7 +999,15 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `pagedbench report ... | head`: the reader left
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    except OutputError as exc:
+        print(f"pagedbench {args.command}: error: {exc}", file=sys.stderr)
+        return int(ExitCode.WRITE_ERROR)
     except Exception as exc:  # a bug of pagedbench's: say so, with where it happened
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:  # a write elsewhere
+            where = Path(exc.filename) if exc.filename else Path("an output file")
+            print(f"pagedbench {args.command}: error: {OutputError.of(where, exc)}",
+                  file=sys.stderr)
+            return int(ExitCode.WRITE_ERROR)
         print(f"pagedbench {args.command}: internal error (a pagedbench bug; exit "
               f"{int(ExitCode.HARNESS_FAULT)}): {type(exc).__name__}: {exc}", file=sys.stderr)
         traceback.print_exc()

@@ -33,10 +33,10 @@ from . import tolerance
 from .status import Status
 from .truth import TRUTH_SITES, compute_device_truth, compute_truth
 
-#: Marks a pass judged with stale (finite) tails instead of NaN (README, "NaN-unsafe tails").
+#: Marks a pass judged with stale (finite) tails instead of NaN (docs/implementations.md).
 STALE_TAIL_MARK = "†"
 #: Marks a pass judged against the yardstick with logits in the case dtype, which the
-#: implementation declares (``Capabilities.logits_precision = "case"``; README, "Tolerance").
+#: implementation declares (``Capabilities.logits_precision = "case"``; docs/tolerance.md).
 CASE_LOGITS_MARK = "‡"
 #: Parties a step is charged to.
 IMPL, HARNESS = "impl", "harness"

@@ -57,11 +57,12 @@ def default_cache_dir(inherited: Mapping[str, str] | None = None) -> Path:
     return Path(inherited.get(CACHE_DIR_VARIABLE) or DEFAULT_CACHE_DIR)
 
 
-def cache_environment(cache_dir: Path,
-                      inherited: Mapping[str, str] | None = None) -> dict[str, str]:
+def cache_environment(cache_dir: Path, inherited: Mapping[str, str] | None = None, *,
+                      create: bool = True) -> dict[str, str]:
     """The cache and scratch variables (:data:`CACHE_FOLDERS`): each one already set in
     ``inherited`` (default: this process's environment) as it is, the others under
-    ``cache_dir``. The folders are created.
+    ``cache_dir``. The folders are created, unless ``create`` is false (a read-only
+    command: whatever it happens to cache goes there if it makes the folder itself).
 
     Raises
     ------
@@ -72,7 +73,7 @@ def cache_environment(cache_dir: Path,
     root = Path(cache_dir).resolve()
     env = {name: inherited.get(name) or str(root / folder)
            for name, folder in CACHE_FOLDERS.items()}
-    for folder in env.values():
+    for folder in env.values() if create else ():
         Path(folder).mkdir(parents=True, exist_ok=True)
     return env
 

@@ -21,7 +21,9 @@ compared. For each point present in both:
 
 The samples judged: on the CPU every sample divided by the drift probe block timed right
 after it (:class:`~.timing.DriftProbe`, dense attention of the case's own shapes), when both
-sides recorded one.
+sides recorded one and it moved no more, and spread no more, than the samples did
+(:func:`probe_distrust`); else the raw ms, where a ``slower`` or ``faster`` that the
+divided samples contradict (their ratio on the other side of 1) is ``too noisy``.
 Another process's load or a clock change slows both about alike at that moment, so the
 ratio cancels a shared machine's drift between runs and within one, which raw times on a
 busy runner cannot do (the false-alarm and detection rates of both are measured by
@@ -30,7 +32,10 @@ Raw milliseconds are judged where a side has no drift probe (GPU timings, lines 
 schema 4) or with ``Thresholds(probe=False)`` (``--raw``).
 
 The gate fails (exit 1) on any ``broken`` or ``slower`` point; with no point in common it
-says "nothing comparable" (exit 5, :class:`~.status.ExitCode`). Baselines live under
+says "nothing comparable" (exit 5, :class:`~.status.ExitCode`); otherwise a point it could
+not judge (``too noisy``, timed on one side only, or in only one of the baseline and the
+current results) makes it exit 7, "not judged", on its last line (``allow_unjudged``,
+``--allow-unjudged``: exit 0). Baselines live under
 ``results/baselines/<device>/`` (:func:`device_folder`), written by
 :func:`write_baseline` (``pagedbench gate --update-baseline``). The false-alarm and
 detection rates of the defaults are measured by :mod:`.gate_calibration`.
@@ -102,6 +107,26 @@ def _drift_probe(record: ResultRecord) -> list[float]:
     return list(record.time_ms.probe) if record.time_ms is not None else []
 
 
+def probe_distrust(baseline: ResultRecord, current: ResultRecord,
+                   thresholds: Thresholds) -> str:
+    """Why the drift probe is not applied to this point, or "" when it is (or when a side
+    has none): it is not applied where it moved more than the samples did, ``|log d| >
+    |log r| + log(1 + min_effect)``, with ``r`` and ``d`` the ratios (current / baseline)
+    of the medians of the raw samples and of the probe blocks. Dividing by such a probe
+    would make a change of at least ``min_effect`` that the samples themselves do not
+    show. (A rule on the probe's own spread, tried beside it, turned tracking probes
+    into raw false alarms: docs/gate.md.)"""
+    probe_b, probe_c = _drift_probe(baseline), _drift_probe(current)
+    if not (thresholds.probe and probe_b and probe_c):
+        return ""
+    raw = math.log(np.median(_samples(current)) / np.median(_samples(baseline)))
+    drift = math.log(np.median(probe_c) / np.median(probe_b))
+    if abs(drift) <= abs(raw) + math.log1p(thresholds.min_effect):
+        return ""
+    return (f"drift probe not applied: it moved {math.exp(drift) - 1:+.0%}, the samples "
+            f"{math.exp(raw) - 1:+.0%}")
+
+
 def judged_samples(baseline: ResultRecord, current: ResultRecord,
                    thresholds: Thresholds) -> tuple[list[float], list[float], float]:
     """The samples the U test compares, and the drift probe's change (median current /
@@ -111,7 +136,7 @@ def judged_samples(baseline: ResultRecord, current: ResultRecord,
     Per block, not by a smoothed probe level: the probe does the case's own work, so its
     noise moves with the sample's (the median of the three nearest blocks and the
     point's median probe both left more false alarms in the recorded calibration runs:
-    README, "The regression gate")."""
+    docs/gate.md)."""
     probe_b, probe_c = _drift_probe(baseline), _drift_probe(current)
     if not (thresholds.probe and probe_b and probe_c):
         return _samples(baseline), _samples(current), math.nan
@@ -125,7 +150,8 @@ class PointResult:
     """One point of the gate: its outcome and the figures behind it (``ratio``: median
     current / median baseline of the judged samples (:func:`judged_samples`), ``interval``
     its bootstrap interval, ``p_value`` Holm-adjusted, ``drift`` the drift probe's own
-    ratio, nan when raw ms were judged)."""
+    ratio (nan without one), ``probe_applied`` whether the judged samples were divided by
+    it: :func:`probe_distrust`)."""
 
     key: PointKey
     outcome: Outcome
@@ -136,6 +162,19 @@ class PointResult:
     p_value: float | None = None
     reason: str = ""
     drift: float = math.nan
+    probe_applied: bool = False
+
+    @property
+    def unjudged(self) -> bool:
+        """Whether the gate could not judge what the two sides measured: ``too noisy``, or
+        ``untimed`` although a side has a ranked timing (timed on one side only, or by
+        two methods). Passes neither side timed (``--no-timing``, interpreters) are
+        judged on their verdicts alone."""
+        if self.outcome is Outcome.NOISY:
+            return True
+        return self.outcome is Outcome.UNTIMED and any(
+            r.time_ms is not None and not r.interpreted and r.time_ms.method != "interpreted"
+            for r in (self.baseline, self.current))
 
     @property
     def baseline_ms(self) -> float | None:
@@ -179,27 +218,48 @@ class GateReport:
     only_current: list[PointKey]
     thresholds: Thresholds
     notes: list[str] = field(default_factory=list)
+    allow_unjudged: bool = False
 
     def count(self, outcome: Outcome) -> int:
         return sum(p.outcome is outcome for p in self.points)
 
     @property
+    def unjudged(self) -> int:
+        """Points the gate could not judge: :attr:`PointResult.unjudged` ones, and those
+        in only one of the baseline and the current results."""
+        return (sum(p.unjudged for p in self.points) + len(self.only_baseline)
+                + len(self.only_current))
+
+    @property
     def exit_code(self) -> ExitCode:
-        """1 on a broken or slower point, 5 when no point was in both, else 0."""
+        """5 when no point was in both, else 1 on a broken or slower point, else 6 when a
+        point could not be judged (:attr:`unjudged`; 0 with ``allow_unjudged``), else 0."""
         if not self.points:
             return ExitCode.NOTHING_COMPARABLE
         if any(p.outcome.fails_gate for p in self.points):
             return ExitCode.REGRESSION
+        if self.unjudged and not self.allow_unjudged:
+            return ExitCode.UNJUDGED
         return ExitCode.CLEAN
 
     def summary(self) -> str:
-        """One line: counts per outcome and of the points left out."""
+        """One line: the verdict, counts per outcome, of the points left out and of those
+        not judged."""
         counts = ", ".join(f"{self.count(o)} {o}" for o in Outcome if self.count(o))
         verdict = {ExitCode.CLEAN: "pass", ExitCode.REGRESSION: "FAIL",
-                   ExitCode.NOTHING_COMPARABLE: "nothing comparable"}[self.exit_code]
+                   ExitCode.NOTHING_COMPARABLE: "nothing comparable",
+                   ExitCode.UNJUDGED: "NOT JUDGED"}[self.exit_code]
+        total = len(self.points) + len(self.only_baseline) + len(self.only_current)
+        unjudged = ""
+        if self.unjudged:
+            why = {ExitCode.UNJUDGED: f" (exit {int(ExitCode.UNJUDGED)}; --allow-unjudged "
+                                      "to pass them)",
+                   ExitCode.CLEAN: " (allowed by --allow-unjudged)"}
+            unjudged = (f"; {self.unjudged} of {total} points not judged"
+                        f"{why.get(self.exit_code, '')}")
         return (f"gate: {verdict}: {len(self.points)} points compared"
                 f"{': ' + counts if counts else ''}; {len(self.only_baseline)} only in the "
-                f"baseline, {len(self.only_current)} only in the current results")
+                f"baseline, {len(self.only_current)} only in the current results{unjudged}")
 
     def markdown(self) -> str:
         """The report: conditions, what moved (broken, slower, faster, fixed; each by
@@ -230,8 +290,11 @@ class GateReport:
             out += ["## Too noisy to judge (neither passed nor failed)", "",
                     escape_frame(_table(noisy)).to_markdown(index=False), ""]
         if self.only_baseline:
-            out += [f"Only in the baseline (not run now): "
+            out += [f"Only in the baseline (not run now, not judged): "
                     f"{escape(_keys(self.only_baseline))}", ""]
+        if self.only_current:
+            out += [f"Only in the current results (no baseline, not judged): "
+                    f"{escape(_keys(self.only_current))}", ""]
         out += [escape(self.summary()), ""]
         return "\n".join(out)
 
@@ -240,9 +303,12 @@ class GateReport:
         drifts = [p.drift for p in self.points if math.isfinite(p.drift)]
         if not drifts:
             return []
+        applied = sum(p.probe_applied for p in self.points)
         return [f"the drift probe (the machine's own speed) moved {np.median(drifts) - 1:+.0%} "
                 f"between the runs (median of {len(drifts)} points, {min(drifts) - 1:+.0%} "
-                f"to {max(drifts) - 1:+.0%}); those points are judged relative to it"]
+                f"to {max(drifts) - 1:+.0%}); {applied} of those points are judged relative "
+                f"to it, {len(drifts) - applied} on raw ms (it moved more than their "
+                "samples)"]
 
 
 def _effect(point: PointResult) -> float:
@@ -271,7 +337,8 @@ def _table(rows: list[PointResult]) -> pd.DataFrame:
         "baseline ms": _ms(p.baseline_ms),
         "current ms": _ms(p.current_ms),
         "change": change(p),
-        "drift probe": f"{p.drift - 1:+.1%}" if math.isfinite(p.drift) else "",
+        "drift probe": "" if not math.isfinite(p.drift) else
+                       f"{p.drift - 1:+.1%}{'' if p.probe_applied else ' (not applied)'}",
         "interval": "" if p.interval is None else
                     f"{p.interval[0] - 1:+.1%}..{p.interval[1] - 1:+.1%}",
         "p (Holm)": "" if p.p_value is None else f"{p.p_value:.2g}",
@@ -298,12 +365,17 @@ def _environment_notes(baseline: dict[PointKey, ResultRecord],
     return notes
 
 
+def _median_ratio(baseline: list[float], current: list[float]) -> float:
+    return float(np.median(current) / np.median(baseline))
+
+
 def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
-            thresholds: Thresholds = Thresholds()) -> GateReport:
-    """The gate of ``current`` against ``baseline`` (see the module docstring)."""
+            thresholds: Thresholds = Thresholds(), allow_unjudged: bool = False) -> GateReport:
+    """The gate of ``current`` against ``baseline`` (see the module docstring);
+    ``allow_unjudged``: exit 0, not 7, when the only trouble is points not judged."""
     base, now = points(baseline), points(current)
     common = [k for k in now if k in base]
-    judged: list[tuple[PointKey, Speed, float]] = []
+    judged: list[tuple[PointKey, Speed, float, str, float]] = []
     results: dict[PointKey, PointResult] = {}
     for key in common:
         b, c = base[key], now[key]
@@ -316,23 +388,38 @@ def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
             results[key] = PointResult(key, Outcome.UNTIMED, b, c, reason=why)
             continue
         base_samples, current_samples, drift = judged_samples(b, c, thresholds)
+        distrust, divided = probe_distrust(b, c, thresholds), math.nan
+        if distrust:
+            divided = _median_ratio(base_samples, current_samples)
+            base_samples, current_samples = _samples(b), _samples(c)
         speed = compare_samples(base_samples, current_samples, thresholds)
+        applied = math.isfinite(drift) and not distrust
         if speed.p_value is None:
             results[key] = PointResult(key, speed.outcome, b, c, speed.ratio,
-                                       reason=speed.reason, drift=drift)
+                                       reason=speed.reason, drift=drift,
+                                       probe_applied=applied)
         else:
-            judged.append((key, speed, drift))
-    for (key, speed, drift), p_value in zip(judged, holm([s.p_value for _, s, _ in judged])):
+            judged.append((key, speed, drift, distrust, divided))
+    adjusted = holm([speed.p_value for _, speed, *_ in judged])
+    for (key, speed, drift, distrust, divided), p_value in zip(judged, adjusted):
         outcome, reason = decide(speed.ratio, p_value, speed.interval, thresholds)
+        if distrust and outcome in (Outcome.SLOWER, Outcome.FASTER) \
+                and (speed.ratio - 1) * (divided - 1) <= 0:
+            outcome, reason = Outcome.NOISY, (
+                f"{distrust}; raw ms say {speed.ratio - 1:+.0%}, divided by it "
+                f"{divided - 1:+.0%}: the machine's drift cannot be told from a change")
+        elif distrust:
+            reason = "; ".join(filter(None, (reason, distrust)))
         results[key] = PointResult(key, outcome, base[key], now[key], speed.ratio,
-                                   speed.interval, p_value, reason, drift)
+                                   speed.interval, p_value, reason, drift,
+                                   probe_applied=math.isfinite(drift) and not distrust)
     order = {o: i for i, o in enumerate(Outcome)}
     ordered = sorted((results[k] for k in common), key=lambda p: order[p.outcome])
     notes = _environment_notes(base, now)
     if not common:
         notes.append(_nothing_comparable(base, now))
     return GateReport(ordered, [k for k in base if k not in now],
-                      [k for k in now if k not in base], thresholds, notes)
+                      [k for k in now if k not in base], thresholds, notes, allow_unjudged)
 
 
 def _nothing_comparable(base: dict[PointKey, ResultRecord],
@@ -425,6 +512,7 @@ __all__ = [
     "compare",
     "device_folder",
     "judged_samples",
+    "probe_distrust",
     "point_key",
     "points",
     "read_results",

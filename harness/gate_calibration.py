@@ -1,21 +1,29 @@
 """False alarms and power of the regression gate, measured by rerunning real runs.
 
 ``python -m pagedbench.harness.gate_calibration --tries 20`` runs ``pagedbench run`` 20
-times (``--repetitions 20`` samples per point, 1 thread); each run times three
+times (``--repetitions 20`` samples per point, 1 thread); each run times four
 implementations one after another on the same cases:
 ``sdpa-contiguous`` (A), the same code under another name (B, an unchanged rerun) and
-the same code slowed by 25% (C, a busy wait of a quarter of each call's own duration;
-``suites/harness/plugins/slowed.py``, registered as entry points for these runs only).
-Each is gated under A's name (:func:`pagedbench.harness.gate.compare`), two ways:
+the same code slowed by 25% and by 50% (C, D: a busy wait of a quarter or a half of each
+call's own duration; ``suites/harness/plugins/slowed.py``, registered as entry points for
+these runs only). Each is gated under A's name (:func:`pagedbench.harness.gate.compare`),
+two ways:
 
-- ``fresh``: try i's B and C against try i's A (a baseline measured just before);
-- ``stored``: try i's B and C against try 0's A (a golden recorded once, as in CI).
+- ``fresh``: try i's B, C and D against try i's A (a baseline measured just before);
+- ``stored``: try i's B, C and D against try 0's A (a golden recorded once, as in CI).
 
-An unchanged rerun must pass (exit 0) in at least 19 of 20 tries and the slowed one must
-fail (exit 1) in at least 19 of 20 (issue 8); the command exits 0 when both hold for both
-ways, else 1. ``--samples FILE`` keeps every try's raw samples (the recorded noise a
-test in ``make test`` replays); ``--from-runs DIR`` judges runs made before. Runs, caches and the plug-ins' metadata go under
-``--work-dir``. Timings on a loaded machine are noisy: say what machine ran it.
+An unchanged rerun must pass (exit 0) in at least 19 of 20 tries and a slowed one must
+fail (exit 1) in at least 19 of 20 (issue 8); the command exits 0 when that holds for
+every gate, else 1. ``--load-jobs N`` runs N CPU-bound busy loops beside the tries (a
+loaded machine; stopped at the end); the load averages before and after each try are
+recorded. ``--samples FILE`` keeps every try's raw samples (the recorded noise a test in
+``make test`` replays); ``--from-runs DIR`` judges runs made before. Runs, caches and the
+plug-ins' metadata go under ``--work-dir``; ``--output`` gets the rates as JSON.
+
+``--threads-study`` instead times a few decode cases in this process with 1 thread and
+with every core, and writes their medians, spreads and distances to the nearest multiple
+of 4 ms (a scheduler slice) with the load averages: the measurement behind
+:data:`~.timing.CPU_THREADS`.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
+
 
 from pagedbench.adapters import ENTRY_POINT_GROUP
 
@@ -37,9 +47,12 @@ from .status import ExitCode
 from .store import read_lines, results_of
 
 PLUGINS = "pagedbench.suites.harness.plugins.slowed"
-#: The implementations of every try: baseline, unchanged rerun, slowed by 25%.
-BASELINE, RERUN, SLOWED = "sdpa-contiguous", "sdpa-rerun", "sdpa-slowed-25pct"
+#: The implementations of every try: baseline, unchanged rerun, slowed by 25% and 50%.
+BASELINE, RERUN, SLOWED, SLOWED_HALF = ("sdpa-contiguous", "sdpa-rerun", "sdpa-slowed-25pct",
+                                        "sdpa-slowed-50pct")
+SLOWED_IMPLS = (SLOWED, SLOWED_HALF)
 ENTRIES = {RERUN: f"{PLUGINS}:Rerun", SLOWED: f"{PLUGINS}:Slowed",
+           SLOWED_HALF: f"{PLUGINS}:SlowedHalf",
            "sdpa-slowed-3x": f"{PLUGINS}:SlowedThreeTimes"}
 #: Tries an unchanged rerun must pass, and a slowed one fail, out of 20 (issue 8).
 REQUIRED_OF_20 = 19
@@ -88,11 +101,13 @@ def as_baseline(records: list[ResultRecord], impl: str) -> list[ResultRecord]:
 
 
 def judge(tries: list[list[ResultRecord]], thresholds: Thresholds) -> dict[str, dict]:
-    """Exit codes and outcome counts of every gate of :data:`RERUN` and :data:`SLOWED`
-    against :data:`BASELINE`, ``fresh`` and ``stored`` (module docstring)."""
+    """Exit codes and outcome counts of every gate of :data:`RERUN` and the slowed
+    implementations present against :data:`BASELINE`, ``fresh`` and ``stored`` (module
+    docstring)."""
     out: dict[str, dict] = {}
+    present = {r.impl for records in tries for r in records}
     for way in ("fresh", "stored"):
-        for impl in (RERUN, SLOWED):
+        for impl in (i for i in (RERUN, *SLOWED_IMPLS) if i in present):
             codes, outcomes = [], Counter()
             for records in tries:
                 baseline = as_baseline(tries[0] if way == "stored" else records, BASELINE)
@@ -109,12 +124,13 @@ def verdict(judged: dict[str, dict]) -> tuple[bool, list[str]]:
     lines, ok = [], True
     for name, data in judged.items():
         codes = data["exit_codes"]
-        wanted = ExitCode.REGRESSION if name.endswith(SLOWED) else ExitCode.CLEAN
+        wanted = (ExitCode.REGRESSION if name.endswith(SLOWED_IMPLS) else ExitCode.CLEAN)
         hits = sum(code == wanted for code in codes)
         needed = -(-REQUIRED_OF_20 * len(codes) // 20)  # ceil(19 n / 20)
         ok &= hits >= needed
         word = "failed (exit 1)" if wanted == ExitCode.REGRESSION else "passed (exit 0)"
         lines.append(f"{name}: {word} in {hits} / {len(codes)} (needed {needed}); "
+                     f"exit codes {dict(sorted(Counter(codes).items()))}; "
                      f"outcomes {data['outcomes']}")
     return ok, lines
 
@@ -129,6 +145,58 @@ def samples_of(tries: list[list[ResultRecord]]) -> list[dict[str, dict[str, list
                 by_impl.setdefault(r.impl, {})[r.case_id] = list(r.time_ms.samples)
         out.append(by_impl)
     return out
+
+
+#: A CPU-bound job that loads one core until it is stopped (``--load-jobs``).
+BUSY_LOOP = "while True: pass"
+
+
+def start_load(jobs: int) -> list[subprocess.Popen]:
+    """``jobs`` busy-loop processes (:data:`BUSY_LOOP`); stop them with :func:`stop_load`."""
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(jobs)]
+
+
+def stop_load(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+#: Decode cases of the threads study (batch specs, gqa4 heads, bf16, block size 16).
+STUDY_SPECS = ("1q1s64", "4q1s512", "16q1s1k")
+#: A scheduler slice of a 250 Hz kernel (ms): timings that wait for a preempted thread
+#: sit near its multiples.
+SLICE_MS = 4.0
+
+
+def threads_study(thread_counts: tuple[int, ...]) -> list[dict]:
+    """Each of :data:`STUDY_SPECS` timed (``time_cpu``, 10 samples over at least 0.5 s) by
+    ``sdpa-contiguous`` and ``torch-gather`` in this process with each thread count: the
+    median, p10, p90 and IQR / median (ms), the median's distance to the nearest multiple
+    of :data:`SLICE_MS`, and the 1-minute load average when it ended."""
+    from pagedbench.adapters.torch_sdpa import SdpaContiguous, TorchGather
+    from pagedbench.reference import materialize
+
+    from .timing import time_cpu
+    from .workloads import spec_workload
+
+    rows = []
+    for spec in STUDY_SPECS:
+        case = spec_workload(spec, "gqa4").case(16, "bfloat16")
+        inputs = materialize(case)
+        for adapter in (SdpaContiguous(), TorchGather()):
+            prepared = adapter.prepare(inputs)
+            for threads in thread_counts:
+                t = time_cpu(prepared.launch, threads=threads, min_samples=10,
+                             min_run_time_s=0.5, max_run_time_s=5.0)
+                rows.append({"case": case.case_id, "impl": adapter.name, "threads": threads,
+                             "median_ms": t.median_ms, "p10_ms": t.p10_ms, "p90_ms": t.p90_ms,
+                             "iqr_over_median": t.iqr_ms / t.median_ms, "n": t.n,
+                             "off_slice_ms": abs(t.median_ms - SLICE_MS * round(
+                                 t.median_ms / SLICE_MS)),
+                             "load_1min": os.getloadavg()[0]})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,19 +215,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-runs", type=Path, metavar="DIR",
                         help="judge the runs already in DIR (one try per .jsonl, in name "
                              "order) instead of running new ones")
+    parser.add_argument("--load-jobs", type=int, default=0, metavar="N",
+                        help="run N busy loops beside the tries (default: 0)")
+    parser.add_argument("--threads-study", action="store_true",
+                        help="time the study's cases with 1 thread and every core instead")
     args = parser.parse_args(argv)
-    if args.tries < 1:
-        parser.error(f"--tries must be >= 1, got {args.tries}")
+    if args.tries < 1 or args.load_jobs < 0:
+        parser.error(f"need --tries >= 1 and --load-jobs >= 0, got {args.tries}, "
+                     f"{args.load_jobs}")
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load = start_load(args.load_jobs)
+    try:
+        return _main(args, parser, started)
+    finally:
+        stop_load(load)
+
+
+def _write(path: Path | None, data: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _main(args: argparse.Namespace, parser: argparse.ArgumentParser, started: str) -> int:
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    host = {"cores": os.cpu_count(), "started": started, "load_before": os.getloadavg()}
+    if args.threads_study:
+        rows = threads_study((1, os.cpu_count() or 1))
+        _write(args.output, {"host": {**host, "load_after": os.getloadavg()},
+                             "args": settings, "timings": rows})
+        return 0
     thresholds = Thresholds(min_effect=args.min_effect)
     run_args = ["--preset", args.preset, "--block-size", args.block_size,
                 "--threads", args.threads, "--repetitions", args.repetitions]
-    tries = []
+    tries, loads = [], []
     if args.from_runs is not None:
         tries = [results_of(read_lines([p])) for p in sorted(args.from_runs.glob("*.jsonl"))]
     for i in range(args.tries if args.from_runs is None else 0):
-        path = run_once(args.work_dir, run_args, (BASELINE, RERUN, SLOWED))
+        before = os.getloadavg()
+        path = run_once(args.work_dir, run_args, (BASELINE, RERUN, *SLOWED_IMPLS))
         tries.append(results_of(read_lines([path])))
-        print(f"try {i + 1}/{args.tries}: {path}", flush=True)
+        loads.append({"before": before, "after": os.getloadavg()})
+        print(f"try {i + 1}/{args.tries}: {path} (load average {loads[-1]['after'][0]:.1f})",
+              flush=True)
     if not tries:
         parser.error(f"--from-runs {args.from_runs}: no .jsonl results there")
     judged = judge(tries, thresholds)
@@ -170,10 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.samples is not None:
         args.samples.write_text(json.dumps(samples_of(tries)) + "\n")
-    if args.output is not None:
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        args.output.write_text(json.dumps({"device": device, "args": settings,
-                                           "gates": judged}, indent=1) + "\n")
+    _write(args.output, {"device": device, "host": {**host, "load_after": os.getloadavg(),
+                                                    "finished": time.strftime(
+                                                        "%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                         "args": settings, "load_per_try": loads, "gates": judged,
+                         "verdict": lines})
     return 0 if ok else 1
 
 

@@ -27,7 +27,8 @@ the lane needs beyond the image is built here, once, and named in the call's ``c
   0.7.2.post1 59.2 MiB, 0.7.4 96.6 MiB; 0.6.18.post1 17.5 MiB, 0.5.3 6.7 MiB).
 
 The carry plus the working tree that travels must stay under :data:`CARRY_LIMIT_BYTES`
-(:func:`check_size`). Prints the device call, this checkout's commit and dirtiness in it.
+(:func:`check_size`). Prints the command to run on the GPU machine, this checkout's
+commit and dirtiness in it.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from pagedbench.adapters.vllm_triton_import import KERNEL_MODULES
 
 from .gpu_lane import ROOT, TOTAL_BUDGET_S
 
-#: What one device call carries in: the working tree and the carried paths (64 MiB).
+#: What one copy to the GPU machine carries: the working tree and the carried paths (64 MiB).
 CARRY_LIMIT_BYTES = 64 * 2**20
 #: The device's interpreter and platform tags (pip matches each manylinux tag exactly).
 PIP_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-binary=:all:",
@@ -77,7 +78,7 @@ FLASHINFER = ("flashinfer-python==0.7.0.post1", "nvidia-ml-py==13.615.71")
 FLASHINFER_NEEDS = ("apache-tvm-ffi", "ninja", "requests", "urllib3", "idna", "certifi",
                     "charset-normalizer", "tqdm", "packaging")
 DOWNLOAD_TIMEOUT_S = 600
-#: The device call's limit: the lane's cap and a minute for the shell and the pip install.
+#: The lane command's limit: the lane's cap and a minute for the shell and the pip install.
 RUN_TIMEOUT_S = TOTAL_BUDGET_S["cuda"] + 60
 
 
@@ -187,17 +188,17 @@ def check_size(carry: Path, tree: int, limit: int = CARRY_LIMIT_BYTES) -> int:
     return total
 
 
-def device_call(carry: Path, root: Path = ROOT) -> str:
-    """The device call for this checkout: its commit and dirtiness filled in."""
+def lane_command(carry: Path, root: Path = ROOT) -> str:
+    """The command to run on the GPU machine, in the copied checkout: this checkout's
+    commit and dirtiness filled in (the machine has no git history to read them from),
+    ``OUT`` the folder the results go to, within :data:`RUN_TIMEOUT_S` seconds."""
     sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                          text=True, check=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                            capture_output=True, text=True, check=True).stdout.strip()
-    command = (f"bash scripts/gpu_lane.sh --out $OUT --git-sha {sha} --dirty "
-               f"{1 if dirty else 0}" + (f" --carry {carry.relative_to(root)}"
-                                         if carry.name != "gpu-carry" else ""))
-    return (f'run(command="{command}", carry=["{carry.relative_to(root)}"], '
-            f"timeout_s={RUN_TIMEOUT_S})")
+    return (f"bash scripts/gpu_lane.sh --out $OUT --git-sha {sha} --dirty "
+            f"{1 if dirty else 0}" + (f" --carry {carry.relative_to(root)}"
+                                      if carry.name != "gpu-carry" else ""))
 
 
 def build(out: Path, flashinfer: bool) -> int:
@@ -229,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     out = (args.out or ROOT / "build" / ("gpu-carry-flashinfer" if args.flashinfer
                                          else "gpu-carry")).resolve()
     if not out.is_relative_to(ROOT):
-        print(f"gpu_carry: --out {out} is outside the checkout {ROOT}; a device call sends "
-              "only the checkout", file=sys.stderr)
+        print(f"gpu_carry: --out {out} is outside the checkout {ROOT}; the lane on the GPU "
+              "machine reads its carry from the copied checkout", file=sys.stderr)
         return 2
     try:
         build(out, args.flashinfer)
@@ -238,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         print(f"gpu_carry: {exc}", file=sys.stderr)
         return 1
-    print(f"device call: {device_call(out)}")
+    print(f"copy this checkout with {out.relative_to(ROOT)} to the GPU machine and run there, "
+          f"within {RUN_TIMEOUT_S} s:\n  {lane_command(out)}\nthen bring $OUT back and run "
+          "make gpu-ingest FROM=<that folder>")
     return 0
 
 

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedbench.harness.gpu_ingest",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("source", type=Path, metavar="FROM",
-                        help="the folder the device call returned (its files_at)")
+                        help="the folder the GPU lane wrote (its --out), brought back")
     parser.add_argument("--results-root", type=Path, default=DEFAULT_RESULTS_ROOT,
                         help=f"where gpu/ and leaderboards/ are (default {DEFAULT_RESULTS_ROOT})")
     parser.add_argument("--allow-rehearsal", action="store_true",

@@ -26,7 +26,7 @@ line through :data:`~.store.GIT_SHA_ENV`. At the end the folder is packed to at 
 ``lane.json`` records every step, and a summary line starting with :data:`SUMMARY_PREFIX`
 is printed last. Exit 0 when every step passed within budget, else 1. ``--device cpu``
 is the CI rehearsal: a tiny selection (:data:`CPU_SELECTION`), budgets for a busy host.
-(Over 500 lines: the whole lane in the one file the device call runs, so that what runs
+(Over 500 lines: the whole lane in the one file the GPU machine runs, so that what runs
 there can be read, and rehearsed, in one place.)
 """
 

@@ -6,7 +6,7 @@ One ``<testsuite>`` per call, one ``<testcase classname=IMPL name=CASE_ID>`` per
 and ``harness-error`` are ``<error>`` (with the status as its ``type``);
 ``unsupported`` and ``unavailable`` are ``<skipped>``; the reason is the message, and a
 failure's or error's text adds the step and the tolerance figures (errors, allowance,
-worst element: README, "Results schema"). Each
+worst element: docs/results.md). Each
 testcase carries ``status``, ``device`` and, when timed, ``time_ms_median`` as
 properties. The layout is the one pytest's ``--junit-xml`` writes (Jenkins' JUnit
 schema); characters XML 1.0 cannot hold (control characters from a plug-in's message)

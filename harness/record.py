@@ -167,8 +167,14 @@ class Environment(_Strict):
 
 
 def _version_text(value: object) -> object:
-    """A version as text: ints and floats (``3``, ``0.32``) are converted, anything else
-    but a str is refused by the field's type."""
+    """A version as text: numbers (``3``, ``0.32``; numpy scalars and 0-d tensors first
+    become their Python value, as in :func:`to_json_data`) are converted; anything else but
+    a str (a bool, a non-finite float) is refused by the field's type."""
+    if not isinstance(value, str):
+        try:
+            value = to_json_data(value, "version")
+        except PagedInputError:
+            return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     return value

@@ -7,18 +7,19 @@ every table. In the leaderboard rows are cases, columns implementations (in the 
 they first appear), each cell the verdict and, for a pass, the median time with its
 spread [p10-p90], sample count and noise flag; the fastest ranked pass of a row is bold.
 Interpreted timings (Triton's interpreter on the CPU) are shown as ``(interp.)`` and never
-ranked; speed is shown only for ``pass`` (STYLE.md, "Results"). Bench results add paging
+ranked; speed is shown only for ``pass``. Bench results add paging
 overhead and GB/s vs block size, latency vs batch size, workload-group scores and fast_p
 (:mod:`.derived`); the HTML page embeds the plots of :mod:`.plots`. A run that has not
 recorded its end is named as unfinished; failure and unsupported reasons are listed.
-Every Markdown cell is escaped (``|``, newlines) and every HTML text escaped, since case
-ids and reasons come from user input and from implementations.
+Every Markdown cell is escaped (HTML, ``|``, newlines; :func:`escape`) and every HTML text
+escaped, since case ids and reasons come from user input and from implementations.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from html import escape as html_escape
 from typing import Any
 
 import pandas as pd
@@ -33,9 +34,10 @@ STATUS_ORDER = [str(s) for s in Status]
 
 
 def escape(text: Any) -> str:
-    """``text`` safe inside a Markdown table cell or list item: ``|`` escaped, line
-    breaks as ``<br>``."""
-    text = str(text)
+    """``text`` safe inside a Markdown table cell or list item: HTML (``&``, ``<``, ``>``)
+    as entities, since Markdown passes raw HTML through (CommonMark, "Raw HTML"), ``\\``
+    and ``|`` backslash-escaped, line breaks as ``<br>``."""
+    text = html_escape(str(text), quote=False)
     return (text.replace("\\", "\\\\").replace("|", "\\|").replace("\r\n", "<br>")
             .replace("\n", "<br>").replace("\r", "<br>"))
 
@@ -210,7 +212,7 @@ _LEGEND = (
     "values in those slots instead of NaN (K there stays NaN). "
     f"`{CASE_LOGITS_MARK}`: the implementation declares that it computes its logits in "
     "the case dtype, and was judged against a naive yardstick that does the same "
-    "(README, \"Tolerance\").")
+    "(docs/tolerance.md).")
 
 
 def _spread(value: float, low: float, high: float, fmt: str) -> str:
@@ -364,9 +366,9 @@ def html(lines: list[ResultRecord | RunRecord], title: str = "pagedbench leaderb
     """A standalone HTML page (no external resource): per environment its conditions
     above every table, the tables of :func:`markdown`, and the plots of :mod:`.plots`
     embedded as base64 PNG."""
-    from html import escape as h
-
     from . import plots
+
+    h = html_escape
 
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{h(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{h(title)}</h1>"]

@@ -11,7 +11,7 @@ and a worker's start-up its own. A step past its budget is killed and recorded a
 its party (``timeout``, or ``harness-error``); a worker that dies costs the case in
 flight a ``crash``; a fault while loading costs every remaining case of that
 implementation; otherwise a fresh worker continues with the next case. One
-implementation's failure never loses another's results (DESIGN.md, "Statuses").
+implementation's failure never loses another's results.
 
 A run records its plan when it starts and ``finished`` when it ends, so that
 :func:`run` with ``resume=True`` completes an interrupted run without redoing the
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
 import threading
 from collections import Counter
@@ -48,7 +47,7 @@ from .record import (SCHEMA_VERSION, DevicePeaks, Environment, ListingRow, Plan,
                      ResultRecord, RunRecord, comparison_figures, now, validation_problem)
 from .status import Status, exit_code
 from .store import ResultsFile, environment, results_of
-from .timing import (Timing, DriftProbe, bytes_moved, flops, measure_peaks, roofline_floor_ms,
+from .timing import (CPU_THREADS, Timing, DriftProbe, bytes_moved, flops, measure_peaks, roofline_floor_ms,
                      time_cpu, time_cuda, time_once)
 from .truth import device_truth_for, truth_for, truth_site
 from .worker import Channel, Fault, Supervisor
@@ -76,7 +75,8 @@ class RunConfig:
         CPU timing: measure for at least ``time_budget_s``, longer when ``repetitions``
         samples of a slow call need it, never longer than ``time_limit_s`` (s).
     threads : int
-        ``torch.set_num_threads`` in every worker (fixed, recorded in ``env.threads``).
+        ``torch.set_num_threads`` in every worker (fixed, recorded in ``env.threads``;
+        default :data:`~.timing.CPU_THREADS`).
     case_timeout_s : float
         The implementation's budget per case: its import and ``available`` (once), then
         ``why_unsupported``, ``prepare``, ``run``, ``describe`` (s). Past it: ``timeout``.
@@ -105,7 +105,7 @@ class RunConfig:
     repetitions: int = 10
     time_budget_s: float = 0.5
     time_limit_s: float = 5.0
-    threads: int = os.cpu_count() or 1
+    threads: int = CPU_THREADS
     case_timeout_s: float = 300.0
     harness_timeout_s: float = 600.0
     cache_dir: Path = Path("build")

@@ -1,5 +1,5 @@
 """``pagedbench selftest``: run the conformance suite on every fault of the catalogue
-and report which property caught each one (DESIGN.md: a suite that proves its strength).
+and report which property caught each one (a suite that proves its own strength).
 
 The catalogue (``suites/faults``) is an out-of-tree distribution that is not installed:
 :func:`run` puts its metadata folder on ``PYTHONPATH`` of one pytest run of

@@ -6,8 +6,11 @@ An implementation is to blame for ``fail``, ``error``, ``crash`` and ``timeout``
 (:attr:`Status.failing`); ``harness-error`` is pagedbench's own fault (computing the
 truth, building the inputs, timing) and never the implementation's; ``unsupported`` and
 ``unavailable`` are no verdict at all. :func:`exit_code` turns a run's statuses into the
-CLI's exit code (:class:`ExitCode`, README "Exit codes"); ``pagedbench gate`` has its
-own outcomes (:mod:`.gate`) and exits 0, 1, 2 or :attr:`ExitCode.NOTHING_COMPARABLE`.
+CLI's exit code (:class:`ExitCode`, README "Verdicts and exit codes"); ``pagedbench gate`` has its
+own outcomes (:mod:`.gate`) and exits 0, 1, 2, :attr:`ExitCode.NOTHING_COMPARABLE` or
+:attr:`ExitCode.UNJUDGED`.
+Any command that cannot write an output file (disk full, I/O error, a symbolic link it
+refuses) exits :attr:`ExitCode.WRITE_ERROR`, naming the file.
 """
 
 from __future__ import annotations
@@ -77,6 +80,8 @@ class ExitCode(enum.IntEnum):
     NOTHING_RAN = 3
     HARNESS_FAULT = 4
     NOTHING_COMPARABLE = 5
+    WRITE_ERROR = 6
+    UNJUDGED = 7
 
     @property
     def meaning(self) -> str:
@@ -92,6 +97,12 @@ _EXIT_MEANING = {
     ExitCode.HARNESS_FAULT: "pagedbench itself failed (harness-error, or an internal fault)",
     ExitCode.NOTHING_COMPARABLE: "gate: no point in common with the baseline (another "
                                  "device or thread count, or other cases)",
+    ExitCode.WRITE_ERROR: "an output file could not be written (disk full, I/O error, a "
+                          "symbolic link refused; the file is named): not a pagedbench bug, "
+                          "and what was written before is intact",
+    ExitCode.UNJUDGED: "gate: no regression found, but some points could not be judged "
+                       "(too noisy, not timed alike, or in only one of baseline and "
+                       "current); --allow-unjudged exits 0 for them",
 }
 
 
@@ -111,12 +122,15 @@ def exit_code(statuses: Iterable[Status | str]) -> ExitCode:
 
 #: What the exit codes of ``pagedbench gate`` mean.
 GATE_EXIT_MEANING = {
-    ExitCode.CLEAN: "no point broke or slowed down (points too noisy to judge are listed)",
+    ExitCode.CLEAN: "every point was judged and none broke or slowed down (with "
+                    "--allow-unjudged: none of those judged)",
     ExitCode.REGRESSION: "a point broke (pass -> anything else, or a new fail, error, crash "
                          "or timeout) or got slower beyond noise and --min-effect",
     ExitCode.USAGE_ERROR: "bad command line or results file (nothing was compared)",
     ExitCode.HARNESS_FAULT: "pagedbench itself failed (an internal fault)",
     ExitCode.NOTHING_COMPARABLE: _EXIT_MEANING[ExitCode.NOTHING_COMPARABLE],
+    ExitCode.WRITE_ERROR: _EXIT_MEANING[ExitCode.WRITE_ERROR],
+    ExitCode.UNJUDGED: _EXIT_MEANING[ExitCode.UNJUDGED],
 }
 
 

@@ -3,19 +3,27 @@
 One line per (implementation, case), plus a run's events, in ``<results_dir>/<run_id>.jsonl``
 (default ``results/runs/``). Each line is written with a single ``os.write`` on a file
 opened ``O_APPEND`` and then fsync'ed, so concurrent writers never interleave within a
-line and a kill loses at most the line being written. Files merge by concatenation.
+line and a kill loses at most the line being written. Files merge by concatenation. A
+write that fails (disk full, I/O error) cuts the file back to its last whole line and
+raises :class:`OutputError` naming it; a symbolic link where pagedbench writes is refused
+(``O_NOFOLLOW``), never written through nor replaced. One process writes a run's file at a
+time (:meth:`ResultsFile.locked`). :func:`write_output` writes a report atomically.
 
 Reading validates every line against the schema and names the file and line of anything
 refused (:class:`ResultsFileError`): bad JSON, a newer ``schema_version``, an unknown
-status, a missing or mistyped field. A torn line (a write cut off by a kill: the last line
-of a file without its newline, or such a fragment glued to the next record when files
-were concatenated) is skipped with a warning naming the file; the rest is read.
+status, a missing or mistyped field, a line nested too deeply to parse. A torn line (a
+write cut off by a kill: the last line of a file without its newline, or such a fragment
+glued to the next record when files were concatenated) is skipped with a warning naming
+the file; the rest is read.
 Version 1 lines (before the typed record) and version 2 lines (before bench and timing
 samples) are read as version 3 with the new fields empty.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import functools
 import json
 import os
@@ -53,6 +61,65 @@ class ResultsFileError(PagedValueError):
         super().__init__("results file", where, "lines of the results schema",
                          f"{where}: {problem}")
         self.file, self.line = file, line
+
+
+class OutputError(Exception):
+    """A file pagedbench writes could not be written: a failed write (disk full, I/O
+    error) or a symbolic link it refuses; the message starts with the file. Exit code
+    :attr:`~.status.ExitCode.WRITE_ERROR`: what was written before is intact."""
+
+    def __init__(self, file: Path, problem: str) -> None:
+        super().__init__(f"{file}: {problem}")
+        self.file = file
+
+    @classmethod
+    def of(cls, file: Path, exc: OSError) -> OutputError:
+        """The error of ``exc`` raised writing ``file``."""
+        if exc.errno == errno.ELOOP:
+            return cls(file, "is a symbolic link; pagedbench does not write through links "
+                       "(remove it, or give another folder)")
+        return cls(file, f"cannot write ({exc.strerror or exc}); nothing torn was left")
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` (a short write, as on a nearly full disk, is continued; the
+    next write then raises) and fsync it."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
+def _refuse_link(path: Path) -> None:
+    if path.is_symlink():
+        raise OutputError.of(path, OSError(errno.ELOOP, os.strerror(errno.ELOOP)))
+
+
+def write_output(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (UTF-8 when a ``str``) to ``path`` atomically: a temporary file
+    beside it, fsync'ed, then renamed over it, so a failed write leaves the previous file
+    (or none) and never an empty or torn one.
+
+    Raises
+    ------
+    OutputError
+        ``path`` is a symbolic link (refused: its target is never written), or a write
+        failed (the temporary file is removed).
+    """
+    path = Path(path)
+    _refuse_link(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        try:
+            _write_all(fd, text.encode() if isinstance(text, str) else text)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OutputError.of(path, exc) from None
 
 
 def new_run_id() -> str:
@@ -148,24 +215,81 @@ class ResultsFile:
         self._checked_tail = False
 
     def append(self, line: BaseModel) -> None:
-        """Write one record as one line, atomically (single O_APPEND write + fsync);
+        """Write one record as one line, atomically (one O_APPEND write + fsync);
         non-finite figures are ``null``, so every line is strict JSON. Before the first
         write, a torn last line left by a killed writer is dropped (:meth:`drop_torn_tail`)
-        so that the new line does not glue onto it."""
+        so that the new line does not glue onto it.
+
+        Raises
+        ------
+        OutputError
+            The file is a symbolic link, or the write failed (the file is cut back to
+            the size it had, so no torn line is left).
+        """
         if not self._checked_tail:
             self.drop_torn_tail()
             self._checked_tail = True
         data = (line.model_dump_json() + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            os.write(fd, data)
-            os.fsync(fd)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW,
+                         0o644)
+        except OSError as exc:
+            raise OutputError.of(self.path, exc) from None
+        try:
+            size = os.fstat(fd).st_size
+            _write_all(fd, data)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise OutputError.of(self.path, exc) from None
         finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the run's write lock while the block runs: ``flock`` on a lock file beside
+        the results file (``.<name>.lock``, holding the holder's pid, removed on exit).
+
+        Raises
+        ------
+        ResultsFileError
+            Another process holds it (naming its pid): two writers of one run would
+            duplicate its results.
+        """
+        lock = self.path.with_name(f".{self.path.name}.lock")
+        while True:
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            except OSError as exc:
+                raise OutputError.of(lock, exc) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise ResultsFileError(self.path, None, f"is being written by another "
+                                       f"pagedbench (pid {holder}); wait for it to end or "
+                                       "stop it") from None
+            try:  # the lock file a holder removes on exit may be the one just locked
+                if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                lock.unlink()
             os.close(fd)
 
     def drop_torn_tail(self) -> None:
         """If the file does not end with a newline, rewrite it without its last partial
-        line (atomically, through a temporary file), with a warning naming it."""
+        line (atomically, through a temporary file), with a warning naming it; raises
+        :class:`OutputError` for a symbolic link (never replaced) or a failed write."""
+        _refuse_link(self.path)
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
@@ -175,15 +299,17 @@ class ResultsFile:
         keep = data[: data.rfind(b"\n") + 1]
         warnings.warn(f"{self.path}: dropping a torn last line ({len(data) - len(keep)} bytes "
                       "written by a run that was killed mid-write)", stacklevel=3)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(keep)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        write_output(self.path, keep)
 
     def lines(self) -> list[ResultRecord | RunRecord]:
         """Every line of this file (none when it does not exist yet)."""
-        return list(read_lines([self.path])) if self.path.exists() else []
+        return [line for _, line in self.numbered_lines()]
+
+    def numbered_lines(self) -> list[tuple[int, ResultRecord | RunRecord]]:
+        """Every line of this file with its line number (from 1)."""
+        if not self.path.exists():
+            return []
+        return [(number, line) for _, number, line in numbered_lines([self.path])]
 
 
 #: Result fields added by schema 3 (bench workloads, roofline figures), empty when upgraded.
@@ -213,6 +339,10 @@ def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
     return data
 
 
+#: Why a line nested deeper than Python's recursion limit is refused.
+TOO_DEEP = "nested too deeply to be a record (no results line nests more than a few levels)"
+
+
 def parse_line(data: object, file: Path, number: int) -> ResultRecord | RunRecord:
     """One decoded JSON line as a record.
 
@@ -220,7 +350,8 @@ def parse_line(data: object, file: Path, number: int) -> ResultRecord | RunRecor
     ------
     ResultsFileError
         Naming ``file:number``: a newer or unknown ``schema_version``, or a line that does
-        not match the schema (unknown status, missing or mistyped field, unknown field).
+        not match the schema (unknown status, missing or mistyped field, unknown field),
+        or one nested too deeply for Python to parse (:data:`TOO_DEEP`).
     """
     if not isinstance(data, dict):
         raise ResultsFileError(file, number, f"a {type(data).__name__}, not a record object")
@@ -240,6 +371,8 @@ def parse_line(data: object, file: Path, number: int) -> ResultRecord | RunRecor
         return LINE.validate_json(json.dumps(data))
     except ValidationError as exc:
         raise ResultsFileError(file, number, validation_problem(exc)) from None
+    except RecursionError:
+        raise ResultsFileError(file, number, TOO_DEEP) from None
 
 
 def _glued_record(text: str) -> Any:
@@ -276,6 +409,11 @@ def read_lines(paths: Iterable[Path]) -> Iterator[ResultRecord | RunRecord]:
         Naming the file and line of the first line refused, or a path that does not exist
         or cannot be read.
     """
+    return (line for _, _, line in numbered_lines(paths))
+
+
+def numbered_lines(paths: Iterable[Path]) -> Iterator[tuple[Path, int, ResultRecord | RunRecord]]:
+    """:func:`read_lines` with the file and line number (from 1) of each line."""
     for file in _files(paths):
         try:
             chunks = file.read_bytes().split(b"\n")
@@ -287,6 +425,8 @@ def read_lines(paths: Iterable[Path]) -> Iterator[ResultRecord | RunRecord]:
                 continue
             try:
                 data = json.loads(chunk.decode("utf-8"))
+            except RecursionError:
+                raise ResultsFileError(file, number, TOO_DEEP) from None
             except (UnicodeDecodeError, json.JSONDecodeError) as exc:
                 if number == last:
                     warnings.warn(f"{file}:{number}: skipping a torn last line (a run killed "
@@ -297,7 +437,7 @@ def read_lines(paths: Iterable[Path]) -> Iterator[ResultRecord | RunRecord]:
                     raise ResultsFileError(file, number, f"not a JSON line ({exc})") from None
                 warnings.warn(f"{file}:{number}: skipping a torn line glued to the next record "
                               "(files concatenated after a killed run)", stacklevel=2)
-            yield parse_line(data, file, number)
+            yield file, number, parse_line(data, file, number)
 
 
 def results_of(lines: Iterable[ResultRecord | RunRecord]) -> list[ResultRecord]:
@@ -342,13 +482,16 @@ def run_states(lines: Iterable[ResultRecord | RunRecord]) -> dict[str, RunState]
 
 __all__ = [
     "DEFAULT_RESULTS_DIR",
+    "OutputError",
     "ResultsFile",
     "ResultsFileError",
     "RunState",
     "environment",
     "new_run_id",
+    "numbered_lines",
     "parse_line",
     "read_lines",
     "results_of",
     "run_states",
+    "write_output",
 ]

@@ -30,6 +30,7 @@ GB = 1e9 bytes, TFLOP = 1e12 FLOPs.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -146,7 +147,7 @@ class DriftProbe:
 
     It moves and computes about what the case does, so another process's load or a clock
     change slows it about as it slows the implementation measured (a small in-cache
-    matmul does not: README, "The regression gate"); it does not depend on the
+    matmul does not: docs/gate.md); it does not depend on the
     implementation's code. ``enabled`` is False for a case with no query
     or no key to attend (nothing to probe).
     """
@@ -176,6 +177,29 @@ class DriftProbe:
 #: A drift probe block lasts about this share of the block of calls it follows (at
 #: least one probe call).
 PROBE_SHARE = 0.5
+#: Torch threads of a CPU timing unless chosen: with more, a call waits at every parallel
+#: region for a thread the scheduler preempted, so on a shared host medians snap to
+#: multiples of its 4 ms slice (``python -m pagedbench.harness.gate_calibration
+#: --threads-study``; docs/gate.md has the figures).
+CPU_THREADS = 1
+#: A block that lasts more than this many times its planned length re-sizes the blocks
+#: after it (the one-call estimate was too short).
+RESIZE_FACTOR = 2.0
+
+
+def oversubscribed(threads: int, load: float | None = None,
+                   cores: int | None = None) -> str:
+    """A warning when ``threads`` torch threads plus the host's 1-minute load average
+    (``os.getloadavg``, or ``load``) exceed its cores (``os.cpu_count``, or ``cores``):
+    such timings wait for preempted threads (:data:`CPU_THREADS`); "" otherwise, and
+    always for one thread."""
+    load = os.getloadavg()[0] if load is None else load
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if threads <= 1 or load + threads <= cores:
+        return ""
+    return (f"--threads {threads} on a host with load average {load:.1f} on {cores} cores: "
+            "a multi-threaded call waits for preempted threads, so its times snap to "
+            "scheduler slices (about 4 ms); --threads 1 times it without them")
 
 
 def time_cpu(
@@ -194,7 +218,10 @@ def time_cpu(
     max_run_time_s)``; each block runs ``max(1, run_time / min_samples / one call)`` calls,
     so that ``min_samples`` blocks fit in it, and blocks repeat until there are
     ``min_samples`` of them and ``min_run_time_s`` has passed, or ``max_run_time_s`` has.
-    Each sample is one block's mean time per call. With a ``probe``, each block is
+    Each sample is one block's mean time per call; a block that lasts over
+    :data:`RESIZE_FACTOR` times its planned length (a call slower than its estimate, or a
+    preemption) re-sizes the blocks after it from its own time per call, so that
+    ``min_samples`` still fit. With a ``probe``, each block is
     followed by a block of probe calls lasting about :data:`PROBE_SHARE` of it (its call
     count fixed after warm-up; ``time.perf_counter``, without the Timer's own warm-up
     calls), recorded as ``probe_ms``; its time counts towards neither limit.
@@ -237,7 +264,8 @@ def time_cpu(
             probe()
             probe_one_s = time_once(probe, "perf_counter").median_ms / 1e3
         run_time_s = min(max(min_run_time_s, min_samples * one_s), max_run_time_s)
-        calls = max(1, int(run_time_s / min_samples / one_s))
+        block_s = run_time_s / min_samples
+        calls = max(1, int(block_s / one_s))
         timer = Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
         if probe is not None:
             probe_calls = max(1, round(PROBE_SHARE * calls * one_s / probe_one_s))
@@ -250,6 +278,11 @@ def time_cpu(
             if probe is not None:
                 probe_ms.append(_probe_block(probe, probe_calls))
             spent_s += per_call_s * calls
+            if per_call_s * calls > RESIZE_FACTOR * block_s and calls > 1:
+                resized = max(1, int(block_s / per_call_s))
+                if probe is not None:
+                    probe_calls = max(1, round(probe_calls * resized / calls))
+                calls = resized
             if spent_s >= max_run_time_s or (len(samples_ms) >= min_samples
                                              and spent_s >= min_run_time_s):
                 break
@@ -399,7 +432,7 @@ def roofline_floor_ms(moved: int, work: int, peaks: DevicePeaks) -> float:
     return max(moved / (peaks.copy_gbps * 1e9), work / (peaks.bf16_tflops * 1e12)) * 1e3
 
 
-__all__ = ["CUDA_GRAPH_BELOW_MS", "DevicePeaks", "METHODS", "NOISE_THRESHOLD", "Timing",
+__all__ = ["CPU_THREADS", "CUDA_GRAPH_BELOW_MS", "DevicePeaks", "METHODS", "NOISE_THRESHOLD", "Timing",
            "PROBE_SHARE", "DriftProbe",
-           "bytes_moved", "flops", "measure_peaks", "roofline_floor_ms", "time_cpu",
+           "bytes_moved", "flops", "measure_peaks", "oversubscribed", "roofline_floor_ms", "time_cpu",
            "time_cuda", "time_once"]

@@ -6,10 +6,12 @@ An output at dtype T passes when every element ``e`` of every sequence ``i`` sat
 
 - ``truth``: float64 dense attention on the same (already rounded) inputs;
 - ``yardstick_i``: the largest error on sequence ``i`` of naive attention at T with its
-  logits in float32 (:func:`~pagedbench.reference.naive_attention`): FlashAttention's
+  logits in float32, every sum in a fixed order so that no host's BLAS moves it, the worse
+  of two single-accumulator channel orders (:func:`~pagedbench.reference.yardstick_attention`,
+  ``reference/yardstick.py``): FlashAttention's
   "at most twice the error of a same-precision PyTorch implementation"
   (``tests/test_flash_attn.py``), except that FlashAttention's reference also rounds the
-  logits to T, which hides a low-precision accumulator (README, "Tolerance", has the
+  logits to T, which hides a low-precision accumulator (docs/tolerance.md has the
   measurement); an implementation that declares it computes its logits in T
   (``Capabilities.logits_precision = "case"``) is held to that yardstick instead. A
   sequence whose yardstick is not finite is held to the floor alone: NaN never widens an
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedbench.reference import DTYPES, PagedInputs, naive_attention, reference_attention
+from pagedbench.reference import DTYPES, PagedInputs, reference_attention, yardstick_attention
 
 #: k in ``k * yardstick + floor``: FlashAttention's factor for the forward output.
 ERROR_RATIO = 2.0
@@ -43,7 +45,7 @@ ERROR_RATIO = 2.0
 #: float16 and bfloat16 the output's own rounding dominates a correct kernel's error, so two
 #: ulps cover a truncating conversion. In float32 nothing dominates: a kernel's float32
 #: arithmetic (its exp, tanh and summation order) and the yardstick's differ by up to a few
-#: hundred float32 ulps at the sequence's scale, 2**-15 of it (README, "Tolerance").
+#: hundred float32 ulps at the sequence's scale, 2**-15 of it (docs/tolerance.md).
 ULP_FLOOR = {"float32": 256.0, "float16": 2.0, "bfloat16": 2.0}
 #: Mantissa bits and smallest normal exponent of each output dtype (IEEE 754; bfloat16
 #: has float32's exponent range).
@@ -63,12 +65,12 @@ class Expected:
            where_they_are: bool = False) -> Expected:
         """Compute both from ``inputs``, moved to the CPU first or, with
         ``where_they_are``, on their own device (results brought to the CPU); the
-        yardstick's logits in ``logits_precision`` (``reference.naive_attention``:
+        yardstick's logits in ``logits_precision`` (``reference.yardstick_attention``:
         ``"float32"``, or ``"case"`` for an implementation that declares it computes them
         in the case dtype)."""
         there = inputs if where_they_are else inputs.to("cpu")
-        return cls(reference_attention(there).cpu(),
-                   naive_attention(there, logits_precision).cpu())
+        truth = reference_attention(there)
+        return cls(truth.cpu(), yardstick_attention(there, truth, logits_precision).cpu())
 
 
 def ulp(magnitude: torch.Tensor, dtype: str) -> torch.Tensor:

@@ -50,6 +50,9 @@ OUTPUT_TAIL_CHARS = 4000
 #: How often the worker checks that its parent is alive (s).
 PARENT_POLL_S = 0.5
 PARTIES = ("impl", "harness")
+#: Keeps the current folder off the worker's module path (``-m`` puts it first, so a
+#: ``selectors.py`` there would run in the worker); ``-P`` is Python 3.11's.
+SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,8 @@ class Supervisor:
         read_fd, write_fd = os.pipe()
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "pagedbench.harness.worker", "--job", str(job_path),
-                 "--fd", str(write_fd), "--parent", str(os.getpid())],
+                [sys.executable, *SAFE_PATH, "-m", "pagedbench.harness.worker",
+                 "--job", str(job_path), "--fd", str(write_fd), "--parent", str(os.getpid())],
                 env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, pass_fds=(write_fd,), start_new_session=True)
             os.close(write_fd)

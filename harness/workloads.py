@@ -37,6 +37,17 @@ GRID_NUM_Q_HEADS = 32
 GRID_HEAD_DIM = 128
 #: Query heads per KV head of the synthetic layouts; a preset name is a layout too.
 LAYOUT_RATIOS = {"mha": 1, "gqa4": 4, "gqa8": 8, "mqa": GRID_NUM_Q_HEADS}
+#: Bounds of one benchmark batch, checked before anything is allocated for it. A real GPU
+#: batch lies far inside them: vLLM's largest default ``max_num_seqs`` is 1024 sequences,
+#: the longest served context windows are 1M tokens, and vLLM's KV pool for an 8B model
+#: on an 80 GB H100 holds about 0.5M tokens. The bounds are 16x (sequences), 1x (one
+#: sequence's length) and 32x (the batch's KV tokens) those: room for larger devices, never
+#: a batch no device could hold.
+MAX_BATCH_SEQUENCES = 16 * 1024
+MAX_SEQ_LEN = 1024 * 1024
+MAX_BATCH_KV_TOKENS = 16 * 1024 * 1024
+BATCH_BOUNDS = (f"at most {MAX_BATCH_SEQUENCES} sequences, each q_len and kv_len at most "
+                f"{MAX_SEQ_LEN} (1024k), at most {MAX_BATCH_KV_TOKENS} KV tokens in all")
 #: The grammar, for error messages.
 BATCH_SPEC_GRAMMAR = ("underscore-separated segments [count]q<q_len>[k][s<kv_len>[k]] "
                       "(k = x1024; kv_len defaults to q_len), e.g. 8q1s1k or 2q2k_32q1s1k")
@@ -50,11 +61,13 @@ def parse_batch_spec(spec: str) -> tuple[tuple[int, int], ...]:
     ------
     PagedValueError
         Naming ``batch_spec``: a segment outside :data:`BATCH_SPEC_GRAMMAR`, a count or
-        length of 0, or ``q_len > kv_len`` (a query token must be in the cache).
+        length of 0, ``q_len > kv_len`` (a query token must be in the cache), or a batch
+        past :data:`BATCH_BOUNDS` (checked before the batch is built).
     """
     if not isinstance(spec, str) or not spec:
         raise PagedValueError("batch_spec", spec, BATCH_SPEC_GRAMMAR)
     sequences: list[tuple[int, int]] = []
+    kv_tokens = 0
     for segment in spec.split("_"):
         match = _SEGMENT.fullmatch(segment)
         if match is None:
@@ -62,9 +75,16 @@ def parse_batch_spec(spec: str) -> tuple[tuple[int, int], ...]:
                                   f"batch_spec {spec!r}: segment {segment!r} is not "
                                   f"{BATCH_SPEC_GRAMMAR}")
         count_text, q_text, q_k, kv_text, kv_k = match.groups()
-        count = int(count_text) if count_text else 1
-        q_len = int(q_text) * (1024 if q_k else 1)
-        kv_len = int(kv_text) * (1024 if kv_k else 1) if kv_text else q_len
+        count = _number(count_text, 1) if count_text else 1
+        q_len = _number(q_text, 1024 if q_k else 1)
+        kv_len = _number(kv_text, 1024 if kv_k else 1) if kv_text else q_len
+        kv_tokens += count * kv_len
+        if (len(sequences) + count > MAX_BATCH_SEQUENCES or max(q_len, kv_len) > MAX_SEQ_LEN
+                or kv_tokens > MAX_BATCH_KV_TOKENS):
+            raise PagedValueError("batch_spec", spec, BATCH_BOUNDS,
+                                  f"batch_spec {spec!r}: segment {segment!r} is past the "
+                                  f"bounds of one batch ({BATCH_BOUNDS}; no GPU batch is "
+                                  "that large)")
         if count < 1 or q_len < 1:
             raise PagedValueError("batch_spec", spec, "counts and lengths >= 1",
                                   f"batch_spec {spec!r}: segment {segment!r} has a count or "
@@ -75,6 +95,12 @@ def parse_batch_spec(spec: str) -> tuple[tuple[int, int], ...]:
                                   f"{q_len} > kv_len {kv_len}")
         sequences += [(q_len, kv_len)] * count
     return tuple(sequences)
+
+
+def _number(digits: str, scale: int) -> int:
+    """``digits`` times ``scale``; digits too many to be a size count as past every bound
+    (``int`` refuses strings over 4300 digits)."""
+    return int(digits) * scale if len(digits) <= 18 else MAX_BATCH_KV_TOKENS * 1024
 
 
 def _size(tokens: int) -> str:
@@ -206,14 +232,21 @@ def grid_batch_spec(mode: str, batch_size: int, context: int) -> str:
     Raises
     ------
     PagedValueError
-        For an unknown mode, a batch size or context < 1, a ``mixed`` batch of one
-        sequence, or a ``chunked``/``mixed`` context below 8 (no chunk of a quarter).
+        For an unknown mode, a batch size or context < 1, a batch past
+        :data:`BATCH_BOUNDS`, a ``mixed`` batch of one sequence, or a
+        ``chunked``/``mixed`` context below 8 (no chunk of a quarter).
     """
     if mode not in MODES:
         raise PagedValueError("mode", mode, f"one of {list(MODES)}")
     for name, value in (("batch_size", batch_size), ("context", context)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PagedValueError(name, value, "an int >= 1")
+    if (batch_size > MAX_BATCH_SEQUENCES or context > MAX_SEQ_LEN
+            or batch_size * context > MAX_BATCH_KV_TOKENS):
+        raise PagedValueError("batch_size", batch_size, BATCH_BOUNDS,
+                              f"batch_size {batch_size} x context {context} is past the "
+                              f"bounds of one batch ({BATCH_BOUNDS}; no GPU batch is that "
+                              "large)")
     chunk = context // 4
     if mode in ("chunked", "mixed") and chunk < 2:
         raise PagedValueError("context", context, f">= 8 for mode {mode!r} (a chunk of a "
@@ -275,7 +308,8 @@ def workload_fields(case: PagedCase, suite: str) -> dict[str, str | None]:
             "batch_spec": format_batch_spec(sequences)}
 
 
-__all__ = ["BATCH_SPEC_GRAMMAR", "BENCH_SUITE", "CONTIGUOUS_TAG",
-           "LAYOUT_RATIOS", "MODES", "Workload", "format_batch_spec",
-           "grid_batch_spec", "grid_workload", "layout_heads", "mode_of", "parse_batch_spec",
-           "preset_workload", "spec_workload", "workload_fields"]
+__all__ = ["BATCH_BOUNDS", "BATCH_SPEC_GRAMMAR", "BENCH_SUITE", "CONTIGUOUS_TAG",
+           "LAYOUT_RATIOS", "MAX_BATCH_KV_TOKENS", "MAX_BATCH_SEQUENCES", "MAX_SEQ_LEN",
+           "MODES", "Workload", "format_batch_spec", "grid_batch_spec", "grid_workload",
+           "layout_heads", "mode_of", "parse_batch_spec", "preset_workload", "spec_workload",
+           "workload_fields"]

@@ -2,9 +2,10 @@
 
 from .allocator import BlockAllocator, OutOfBlocksError
 from .case import DTYPES, PagedCase
-from .dense import attention, gather_kv, naive_attention, reference_attention
+from .dense import attention, gather_kv, reference_attention
 from .errors import PagedInputError, PagedTypeError, PagedValueError
 from .inputs import PagedInputs, check_fits, materialize, new_output, resolve_device
+from .yardstick import naive_attention, yardstick_attention
 
 __all__ = [
     "DTYPES",
@@ -23,4 +24,5 @@ __all__ = [
     "new_output",
     "reference_attention",
     "resolve_device",
+    "yardstick_attention",
 ]

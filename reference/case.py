@@ -42,7 +42,7 @@ MAX_SCALE = 1e6
 #: Largest ``|logit_offset|``: past the finite mask values kernels use instead of
 #: ``-inf`` (-1e4, -3e4, fp16's -65504). Past about 1e4 the float32 logits every kernel
 #: forms lose so much (an ulp of 3e4 is 0.002) that a correct kernel's error depends on
-#: its summation order more than the tolerance allows (README, "The edges of the input
+#: its summation order more than the tolerance allows (docs/edges.md, "The edges of the input
 #: space"): such cases show a kernel's behaviour, not a verdict.
 MAX_LOGIT_OFFSET = 1e5
 #: How :func:`~pagedbench.reference.inputs.materialize` lays the tensors out in memory

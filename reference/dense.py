@@ -169,7 +169,6 @@ def attention(
     *,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Dense attention of one sequence, computed in the dtype of its arguments.
 
@@ -187,10 +186,6 @@ def attention(
         Required exactly when ``case.alibi``; used in the dtype of ``q``.
     sinks : Tensor[num_q_heads] or None
         Sink logits, required exactly when ``case.sinks``; used in the dtype of ``q``.
-    logits_dtype : torch.dtype or None
-        Compute the logits and the softmax in this dtype instead (the probabilities are
-        then rounded to the dtype of ``q`` before they weight ``v``); ``None``: all in the
-        dtype of ``q``.
 
     Returns
     -------
@@ -209,8 +204,6 @@ def attention(
     _require("alibi_slopes", alibi_slopes, case.alibi, "case.alibi")
     _require("sinks", sinks, case.sinks, "case.sinks")
     out_dtype = q.dtype
-    if logits_dtype is not None:
-        q, k = q.to(logits_dtype), k.to(logits_dtype)
     scores = masked_logits(q, k, case, alibi_slopes)  # [hq, q_len, kv_len]
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # [kv_len, hq, d]
     q_len, kv_len = q.shape[0], k.shape[0]
@@ -225,12 +218,10 @@ def attention(
     return torch.einsum("hqk,khd->qhd", probs.to(out_dtype), v)
 
 
-def _per_sequence(inputs: PagedInputs, dtype: torch.dtype | None,
-                  logits_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Attention of every sequence in ``dtype`` (``None``: the case dtype)."""
+def _per_sequence(inputs: PagedInputs, dtype: torch.dtype) -> torch.Tensor:
+    """Attention of every sequence in ``dtype``."""
     inputs = _checked(inputs)
     case = inputs.case
-    dtype = case.torch_dtype if dtype is None else dtype
     cu = inputs.cu_seqlens_q.tolist()
     out = torch.empty(case.total_q, case.num_q_heads, case.v_head_dim, dtype=dtype,
                       device=inputs.device)
@@ -243,7 +234,6 @@ def _per_sequence(inputs: PagedInputs, dtype: torch.dtype | None,
             case,
             alibi_slopes=inputs.alibi_slopes,
             sinks=inputs.sinks,
-            logits_dtype=logits_dtype,
         )
     return out
 
@@ -257,35 +247,3 @@ def reference_attention(inputs: PagedInputs) -> torch.Tensor:
         If ``inputs`` is not a consistent :class:`PagedInputs`.
     """
     return _per_sequence(inputs, torch.float64)
-
-
-#: Where the naive yardstick computes its logits and softmax: ``"float32"`` (as a kernel's
-#: Q.K^T accumulates) or ``"case"`` (the case dtype, as FlashAttention's reference does).
-LOGITS_PRECISIONS = ("float32", "case")
-
-
-def naive_attention(inputs: PagedInputs, logits_precision: str = "float32") -> torch.Tensor:
-    """The same math done naively at the case dtype, as a kernel's arithmetic would: the
-    logits and the softmax in float32 (kernels accumulate Q.K^T in float32), the
-    probabilities rounded to the case dtype before they weight V, the product and the
-    output in the case dtype. The yardstick of the tolerance policy
-    (``harness/tolerance.py``), after FlashAttention's same-precision reference
-    (``attention_ref(upcast=False)`` in ``tests/test_flash_attn.py``), which also rounds
-    the logits: ``logits_precision="case"`` does that, for implementations that declare
-    it (``Capabilities.logits_precision``). ``Tensor[total_q, num_q_heads, v_head_dim]``,
-    case dtype.
-
-    An fp8 cache is dequantized into the case dtype first, so that the yardstick, like the
-    truth, measures attention on the values the cache stands for.
-
-    Raises
-    ------
-    PagedTypeError, PagedValueError
-        If ``inputs`` is not a consistent :class:`PagedInputs`, or ``logits_precision`` is
-        not one of :data:`LOGITS_PRECISIONS`.
-    """
-    if logits_precision not in LOGITS_PRECISIONS:
-        raise PagedValueError("logits_precision", logits_precision,
-                              f"one of {LOGITS_PRECISIONS}")
-    logits_dtype = torch.float32 if logits_precision == "float32" else None
-    return _per_sequence(inputs, None, logits_dtype=logits_dtype)

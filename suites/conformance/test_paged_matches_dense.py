@@ -19,11 +19,13 @@ from hypothesis import strategies as st
 from pagedbench.harness import replay
 from pagedbench.harness.conformance import inputs_for, nan_tail_output_finite
 
+from pagedbench.suites import peer_findings
+
 from .cases import case_strategy, pinned_case
 from .conftest import DEVICE
 
 
-def test_paged_matches_dense(adapter, impl, example_budget) -> None:
+def test_paged_matches_dense(adapter, impl, example_budget, pytestconfig) -> None:
     strategy = case_strategy(adapter)
 
     @settings(suppress_health_check=list(HealthCheck), **example_budget)
@@ -33,20 +35,22 @@ def test_paged_matches_dense(adapter, impl, example_budget) -> None:
         reasons = adapter.why_unsupported(case, DEVICE)
         note(f"case {case.case_id}: {case.to_dict()}; unsupported: {reasons}")
         assume(not reasons)
-        replay.check(adapter, case, DEVICE, impl)
+        peer_findings.check_conformance(adapter, case, DEVICE, impl, "search",
+                                        pytestconfig.rootpath)
 
     search()
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (4, 1), (8, 2)],
                          ids=["mha", "mqa", "gqa4"])
-def test_boundary_lengths(adapter, impl, num_q_heads, num_kv_heads) -> None:
+def test_boundary_lengths(adapter, impl, num_q_heads, num_kv_heads, pytestconfig) -> None:
     """Pinned: one batch holding kv_len 1, block_size - 1, block_size, block_size + 1 and
     2 * block_size + 3, at the smallest block size and head dim the implementation takes."""
     case = pinned_case(
         adapter, lambda bs: tuple(sorted({1, max(1, bs - 1), bs, bs + 1, 2 * bs + 3})),
         num_q_heads, num_kv_heads, "boundary")
-    replay.check(adapter, case, DEVICE, impl)
+    peer_findings.check_conformance(adapter, case, DEVICE, impl, "boundary-lengths",
+                                    pytestconfig.rootpath)
 
 
 def test_block_placement_does_not_change_output(adapter, impl) -> None:

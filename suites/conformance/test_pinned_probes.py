@@ -19,8 +19,8 @@ from __future__ import annotations
 import pytest
 
 from pagedbench.adapters import Adapter
-from pagedbench.harness import replay
 from pagedbench.reference import PagedCase
+from pagedbench.suites import peer_findings
 
 from .conftest import DEVICE
 from .cases import pinned_case
@@ -48,24 +48,27 @@ def probe(adapter: Adapter, name: str, kv_lens, *, interpreted_ok: bool = True,
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_long_context_in_16_bit(adapter, impl, dtype) -> None:
+def test_long_context_in_16_bit(adapter, impl, dtype, pytestconfig) -> None:
     """kv_len 4096 (256 blocks of 16) in a 16-bit type: an accumulator or softmax sum
     kept in that type drifts past the tolerance here."""
     case = probe(adapter, "long", lambda bs: (LONG_KV_LEN,), interpreted_ok=False,
                  dtype=dtype)
-    replay.check(adapter, case, DEVICE, impl)
+    peer_findings.check_conformance(adapter, case, DEVICE, impl, f"long-context-{dtype}",
+                                    pytestconfig.rootpath)
 
 
-def test_lengths_around_split_thresholds(adapter, impl) -> None:
+def test_lengths_around_split_thresholds(adapter, impl, pytestconfig) -> None:
     """One decode batch with a sequence just below and just above 128, 256, 512 and 1024
     keys, where split-KV kernels change how many partitions they merge."""
     case = probe(adapter, "splits", lambda bs: SPLIT_LENGTHS, interpreted_ok=False)
-    replay.check(adapter, case, DEVICE, impl)
+    peer_findings.check_conformance(adapter, case, DEVICE, impl, "split-thresholds",
+                                    pytestconfig.rootpath)
 
 
-def test_logits_far_from_zero(adapter, impl) -> None:
+def test_logits_far_from_zero(adapter, impl, pytestconfig) -> None:
     """``sm_scale`` 1e4 in float32: logits of +-1e5, so some rows see only logits below
     -5e4, where a finite masking sentinel underflows to zero weight everywhere."""
     case = probe(adapter, "logits", lambda bs: (1, 2, bs + 1), dtype="float32",
                  sm_scale=LARGE_SM_SCALE)
-    replay.check(adapter, case, DEVICE, impl)
+    peer_findings.check_conformance(adapter, case, DEVICE, impl, "logits-far-from-zero",
+                                    pytestconfig.rootpath)

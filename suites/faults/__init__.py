@@ -10,7 +10,7 @@ distribution, ``pagedbench-faults``, that is not installed: its entry points
 ``pagedbench.adapters``) register the faults exactly as an out-of-tree kernel registers,
 once :data:`SITE` is on the path (``PYTHONPATH=suites/faults/site``; the conformance
 suite adds it when ``--impl`` names a fault). ``pagedbench selftest`` runs the suite on
-every fault and prints which property caught it (README, "Self-test").
+every fault and prints which property caught it (docs/conformance.md, "Self-test").
 """
 
 from __future__ import annotations

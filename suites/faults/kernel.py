@@ -6,7 +6,7 @@ query rows, choose the token positions to read, look their blocks up in the bloc
 gather and dequantize K and V, map query heads to KV heads, form the logits (scale, soft
 cap, ALiBi, mask), and reduce them with V into attention states that are merged (sinks,
 split-KV). The math runs in float32 and the output is rounded once to the case dtype
-(README, "Tolerance": the ``round_once`` calibration variant), so it passes the suite.
+(docs/tolerance.md: the ``round_once`` calibration variant), so it passes the suite.
 
 A fault calls :meth:`PagedKernel.fired` when it takes its faulty branch; with
 ``PAGEDBENCH_FAULT_LOG`` set, the first firing appends the implementation's name to that

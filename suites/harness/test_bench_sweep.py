@@ -42,6 +42,52 @@ def test_a_bad_batch_spec_is_refused_naming_it(spec) -> None:
         parse_batch_spec(spec)
 
 
+@pytest.mark.parametrize("spec", [
+    "999999999999q1s1k", "30000000q1s1k", "16385q1", "8192q1_8193q1", "q1025k",
+    "q1s1025k", "16q1s1024k_q1", "q1s" + "9" * 5000, "9" * 5000 + "q1"])
+def test_a_batch_no_gpu_could_hold_is_refused_before_it_is_built(spec) -> None:
+    """Issue 24 item 8: bounds are checked per segment, before a sequence list is built
+    (peak allocation far below one of the refused batches' lists)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(PagedValueError, match=r"batch_spec .* is past the bounds of one "
+                           r"batch \(at most 16384 sequences, each q_len and kv_len at most "
+                           r"1048576 \(1024k\), at most 16777216 KV tokens in all"):
+            parse_batch_spec(spec)
+        assert tracemalloc.get_traced_memory()[1] < 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_largest_batches_inside_the_bounds_are_accepted() -> None:
+    assert len(parse_batch_spec("16384q1s1k")) == 16384
+    assert parse_batch_spec("q1s1024k_15q1s1024k") == ((1, 2**20),) * 16
+    assert grid_workload("decode", "mqa", 16384, 1024).batch_size == 16384
+    with pytest.raises(PagedValueError, match="batch_size 16384 x context 2048 is past"):
+        grid_workload("decode", "mqa", 16384, 2048)
+    with pytest.raises(PagedValueError, match=r"contexts must be ints <= 1048576"):
+        CPU_SWEEP.with_(contexts=(2**20 + 1,))
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--batch-spec", "999999999999q1s1k"], "argument --batch-spec: batch_spec"),
+    (["--batch-spec", "30000000q1s1k"], "argument --batch-spec: batch_spec"),
+    (["--batch-size", "30000000"], "batch_sizes must be ints <= 16384"),
+])
+def test_bench_refuses_a_giant_batch_with_exit_2(argv, option, capsys) -> None:
+    from pagedbench.harness.cli import main
+
+    try:
+        code = main(["bench", *argv, "--dry-run"])
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert option in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("workload", [
     grid_workload("mixed", "gqa4", 5, 300),
     preset_workload("llama3.1-70b-tp8", 6, 200),

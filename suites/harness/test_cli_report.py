@@ -141,12 +141,13 @@ def test_schema_command_prints_the_committed_schema(capsys) -> None:
     assert committed == printed, "regenerate: pagedbench schema > docs/result.schema.json"
 
 
-def test_readme_documents_every_field_and_exit_code() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Results schema", 1)[1].split("\n## ", 1)[0]
+def test_docs_document_every_field_and_readme_every_exit_code() -> None:
+    results_page = (ROOT / "docs" / "results.md").read_text()
     schema = json_schema()["$defs"]
-    for model in ("ResultRecord", "RunRecord"):
+    for model, heading in (("ResultRecord", "## Result lines"), ("RunRecord", "## Run lines")):
+        section = results_page.split(heading, 1)[1].split("\n## ", 1)[0]
         for field in schema[model]["properties"]:
-            assert f"`{field}`" in section, f"README's Results schema lacks {model}.{field}"
+            assert f"`{field}`" in section, f"docs/results.md, {heading[3:]}, lacks {model}.{field}"
+    readme = (ROOT / "README.md").read_text()
     for code in ExitCode:
         assert f"| {int(code)} |" in readme

@@ -4,12 +4,12 @@ at least 19 of 20 tries, a 25% slowdown fails in at least 19 of 20).
 - Replayed noise: synthetic runs drawn (with replacement) from the raw samples that
   ``python -m pagedbench.harness.gate_calibration --tries 20`` recorded on a shared
   2-core AMD EPYC (``data/gate_noise.json``), so the within-run noise is real but
-  the load does not drift between baseline and current. README gives the rates of the
+  the load does not drift between baseline and current. docs/gate.md gives the rates of the
   real 20-try command, drift included.
 - End to end: one real ``pagedbench bench`` times ``sdpa-contiguous``, an unchanged copy
   and a copy three times as slow; ``pagedbench report --format html`` shows them;
-  ``pagedbench gate`` against the golden it wrote exits 0 for the copy and 1 for the
-  slowed one.
+  ``pagedbench gate`` against the golden it wrote exits 0 (or 7, not judged) for the copy
+  and 1 for the slowed one.
 """
 
 from __future__ import annotations
@@ -53,19 +53,22 @@ def _replayed_tries(rng: np.random.Generator, slowdown: float,
 
 
 def test_replayed_noise_rarely_fails_a_rerun_and_mostly_fails_a_25pct_slowdown() -> None:
-    """Within-run noise only (no drift of the load): at most 5% false alarms; power at
-    least 92% (seeded: 0 and 95 of 100; 0 and 96 with seed 1, 3 and 90 with seed 2).
-    Two cases per gate: ~30 ms and ~2.5 ms a call."""
+    """Within-run noise only (no drift of the load): at most 5% false alarms (exit 1);
+    power at least 92%, and a slowed copy never passes (exit 0): where the gate cannot
+    rule a slowdown out it exits 7. Seeded: reruns 0 false alarms and 78 of 100 not
+    judged, slowed 95 detected and 5 not judged (seed 1: 0, 78, 96, 4; seed 2: 3, 74, 90,
+    10). Two cases per gate: ~30 ms and ~2.5 ms a call, 10 and 14 samples."""
     codes: dict[str, list[int]] = {calibration.RERUN: [], calibration.SLOWED: []}
     for records in _replayed_tries(np.random.default_rng(20), 0.25):
         baseline = calibration.as_baseline(records, calibration.BASELINE)
         for impl, impl_codes in codes.items():
             report = gate.compare(baseline, calibration.as_baseline(records, impl))
             impl_codes.append(int(report.exit_code))
-    false_alarms = sum(code != ExitCode.CLEAN for code in codes[calibration.RERUN])
+    false_alarms = sum(code == ExitCode.REGRESSION for code in codes[calibration.RERUN])
     detected = sum(code == ExitCode.REGRESSION for code in codes[calibration.SLOWED])
-    assert set(codes[calibration.RERUN] + codes[calibration.SLOWED]) <= {0, 1}
+    assert set(codes[calibration.RERUN] + codes[calibration.SLOWED]) <= {0, 1, 7}
     assert false_alarms <= 5 and detected >= 92, (false_alarms, detected)
+    assert ExitCode.CLEAN not in codes[calibration.SLOWED]
 
 
 def test_verdict_counts_against_19_of_20() -> None:
@@ -119,7 +122,8 @@ def test_bench_report_gate_end_to_end_fails_the_slowed_copy_only(tmp_path) -> No
     loose = ["--min-effect", "1.0"]
     assert main(["gate", "--baseline", str(baselines), "--current",
                  write(calibration.BASELINE), "--update-baseline"]) == ExitCode.CLEAN
+    # The copy never fails; on a loaded host a point may be too noisy to judge (exit 7).
     assert main(["gate", "--baseline", str(baselines), "--current",
-                 write(calibration.RERUN), *loose]) == ExitCode.CLEAN
+                 write(calibration.RERUN), *loose]) in (ExitCode.CLEAN, ExitCode.UNJUDGED)
     assert main(["gate", "--baseline", str(baselines), "--current", write("sdpa-slowed-3x"),
                  *loose]) == ExitCode.REGRESSION

@@ -209,3 +209,82 @@ def test_a_missing_or_malformed_file_is_a_usage_error(tmp_path, capsys) -> None:
     assert main(["gate", "--baseline", str(tmp_path / "bad.jsonl"), "--current", current]) \
         == ExitCode.USAGE_ERROR
     assert "bad.jsonl" in capsys.readouterr().err
+
+
+def steady(median_ms: float, n: int = 20, phase: float = 0.0) -> list[float]:
+    """``n`` samples within +-1% of ``median_ms`` (a fixed ripple, not random), so that
+    the verdicts below follow from the medians alone."""
+    return list(median_ms * np.exp(0.01 * np.sin(np.arange(n) * 1.3 + phase)))
+
+
+def probed(impl: str, case: str, sample_ms: float, probe_ms: float):
+    """:func:`timed` with :func:`steady` samples and drift probe blocks."""
+    return timed(impl, case, steady(sample_ms), probe=steady(probe_ms, phase=0.7))
+
+
+# m = log(1 + min_effect) = log 1.1 = 0.0953. The probe is not applied when |log d| >
+# |log r| + m (r, d: ratios of the medians of the samples and of the probe).
+@pytest.mark.parametrize("now_ms, now_probe, outcome, applied", [
+    # The issue's false alarm: the samples fell 1.739 -> 1.34 ms (log r = -0.261), the
+    # probe fell 64% (log d = -1.022 > 0.261 + 0.095): not applied; raw ms say faster
+    # (-23%), the divided samples slower (0.771 / 0.36 = 2.14): too noisy, not FAIL.
+    (1.34, 0.36, Outcome.NOISY, False),
+    # A busier machine, the same code: both +50% (0.405 <= 0.405 + 0.095): applied, same.
+    (1.739 * 1.5, 1.5, Outcome.SAME, True),
+    # 25% slower code on that machine: r = 1.875 (log 0.629), d = 1.5: applied, slower.
+    (1.739 * 1.875, 1.5, Outcome.SLOWER, True),
+    # The probe doubled (log 0.693), the samples +20% (log 0.182; 0.693 > 0.278): not
+    # applied; raw +20% but divided -40%: too noisy.
+    (1.739 * 1.2, 2.0, Outcome.NOISY, False),
+    # The probe fell 40% (log 0.511), the samples rose 30% (log 0.262; 0.511 > 0.357): not
+    # applied; raw +30% and divided +117% agree: slower.
+    (1.739 * 1.3, 0.6, Outcome.SLOWER, False),
+])
+def test_the_drift_probe_is_not_applied_where_it_moved_more_than_the_samples(
+        now_ms, now_probe, outcome, applied) -> None:
+    report = gate.compare([probed("a", "c1", 1.739, 1.0)], [probed("a", "c1", now_ms, now_probe)])
+    (point,) = report.points
+    assert (point.outcome, point.probe_applied) == (outcome, applied), point
+    assert point.drift == pytest.approx(now_probe, rel=0.02)
+    raw = now_ms / 1.739
+    assert point.ratio == pytest.approx(raw if not applied else raw / now_probe, rel=0.02)
+    assert (point.reason.startswith("drift probe not applied")) is (not applied)
+    wanted = {Outcome.NOISY: ExitCode.UNJUDGED, Outcome.SAME: ExitCode.CLEAN,
+              Outcome.SLOWER: ExitCode.REGRESSION}[outcome]
+    assert report.exit_code is wanted
+
+
+def test_points_missing_from_the_current_results_are_not_judged(tmp_path, capsys) -> None:
+    """Issue 24, item 19: 22 of 24 baseline points missing from the current results."""
+    base = [timed("a", f"c{i}", lognormal(5)) for i in range(24)]
+    now = [timed("a", f"c{i}", lognormal(5)) for i in range(2)]
+    paths = ["--baseline", write(tmp_path / "b.jsonl", base),
+             "--current", write(tmp_path / "c.jsonl", now)]
+    assert main(["gate", *paths]) == ExitCode.UNJUDGED
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == ("gate: NOT JUDGED: 2 points compared: 2 same; 22 only in the baseline, 0 "
+                    "only in the current results; 22 of 24 points not judged (exit 7; "
+                    "--allow-unjudged to pass them)")
+    assert main(["gate", *paths, "--allow-unjudged"]) == ExitCode.CLEAN
+    assert capsys.readouterr().out.strip().endswith("(allowed by --allow-unjudged)")
+    # New points (no baseline) are not judged either.
+    assert gate.compare(now, base).exit_code is ExitCode.UNJUDGED
+
+
+def test_too_noisy_or_one_sided_timings_exit_7_and_untimed_passes_do_not() -> None:
+    few = gate.compare([timed("a", "c1", lognormal(5))], [timed("a", "c1", lognormal(5, n=6))])
+    assert few.points[0].outcome is Outcome.NOISY and few.exit_code is ExitCode.UNJUDGED
+    assert gate.compare([timed("a", "c1", lognormal(5))], [timed("a", "c1", lognormal(5, n=6))],
+                        allow_unjudged=True).exit_code is ExitCode.CLEAN
+    # Timed in the baseline, --no-timing now: the speed that was measured is not judged.
+    one_sided = gate.compare([timed("a", "c1", lognormal(5))], [timed("a", "c1", None)])
+    assert one_sided.points[0].outcome is Outcome.UNTIMED
+    assert one_sided.exit_code is ExitCode.UNJUDGED
+    # Neither side timed: the verdicts were all there was to judge.
+    untimed = gate.compare([timed("a", "c1", None)], [timed("a", "c1", None)])
+    assert untimed.points[0].outcome is Outcome.UNTIMED and untimed.exit_code is ExitCode.CLEAN
+    # A regression still exits 1 beside points not judged.
+    mixed = gate.compare([timed("a", "c1", lognormal(5)), timed("a", "c2", lognormal(5))],
+                         [timed("a", "c1", lognormal(10)), timed("a", "c2", lognormal(5, n=3))])
+    assert mixed.exit_code is ExitCode.REGRESSION
+    assert mixed.summary().endswith("1 of 2 points not judged")

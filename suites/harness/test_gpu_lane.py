@@ -1,6 +1,6 @@
 """The GPU lane (scripts/gpu_lane.sh, ``pagedbench.harness.gpu_lane``): its budgets fit one
-device call with room to rerun it, it packs what it writes into the 8 files that come
-back, and its CPU rehearsal runs from a bare copy of the checkout with a python that
+10-minute command with room to rerun it, it packs what it writes into the 8 files that
+come back, and its CPU rehearsal runs from a bare copy of the checkout with a python that
 cannot import pagedbench, recording the commit it is given."""
 
 from __future__ import annotations

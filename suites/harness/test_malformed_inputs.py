@@ -15,6 +15,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from pagedbench.harness import cli, runner
 from pagedbench.harness.record import to_json_data
@@ -173,6 +174,37 @@ def test_adapter_metadata_becomes_json_or_is_refused(value) -> None:
         assert exc.parameter.startswith("impl_details")
         return
     assert json.loads(json.dumps(data, allow_nan=False)) == data
+
+
+def _with_version(version):
+    from pagedbench.harness.record import ResultRecord
+
+    return ResultRecord.model_validate(result("x").model_dump() | {"impl_version": version})
+
+
+@pytest.mark.parametrize("version, text", [
+    (np.int64(7), "7"), (np.float32(0.5), "0.5"), (np.str_("1.2.3"), "1.2.3"),
+    (torch.tensor(3), "3"), (3, "3"), ("0.32", "0.32")])
+def test_a_numeric_version_is_recorded_as_text(version, text) -> None:
+    """Issue 24 item 17: numpy scalars (and 0-d tensors) are converted as ``to_json_data``
+    converts them, then recorded as text."""
+    from pagedbench.adapters.base import Availability
+    from pagedbench.adapters.torch_sdpa import TorchGather
+
+    class NumpyVersion(TorchGather):
+        def available(self, device: str = "cpu") -> Availability:
+            return Availability(True, version=version)
+
+    row = runner._listing("numpy-version", "t:T", NumpyVersion(), "cpu")
+    assert row.version == text and type(row.version) is str
+    assert _with_version(version).impl_version == text
+
+
+@pytest.mark.parametrize("version", [np.bool_(True), True, np.float64("nan"), object(),
+                                     torch.zeros(2)])
+def test_a_version_that_is_no_number_or_text_is_refused(version) -> None:
+    with pytest.raises(ValidationError, match="impl_version"):
+        _with_version(version)
 
 
 FIELD_NAMES = list(json.loads(result("x").model_dump_json()))

@@ -138,6 +138,23 @@ def test_markdown_cells_are_escaped() -> None:
     assert r"- x\|y: fail: bad \| worse<br>worst (every case)" in text
 
 
+def test_markdown_escapes_html_from_names_case_ids_and_reasons() -> None:
+    """Issue 24 item 12: a Markdown renderer passes raw HTML through, so every ``<``,
+    ``>`` and ``&`` from an implementation, a case id or a reason is an entity."""
+    case = PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
+                     dtype="float32", name="<img src=x onerror=alert(1)>")
+    records = [result("<script>alert(1)</script>", case, "fail", reason="</table> & <b>|"),
+               result("z", case, "pass", 1.0)]
+    text = report.markdown(records)
+    for raw in ("<script", "<img", "</table>", "<b>", " & "):
+        assert raw not in text
+    header = next(line for line in text.splitlines() if line.startswith("| case"))
+    assert _cells(header) == ["case", "&lt;script&gt;alert(1)&lt;/script&gt;", "z"]
+    assert "&lt;img src=x onerror=alert(1)&gt;-fp32" in text
+    assert r"fail: &lt;/table&gt; &amp; &lt;b&gt;\| (every case)" in text
+    assert report.escape("a\nb") == "a<br>b"
+
+
 def _cells(row: str) -> list[str]:
     """The cells of a Markdown table row, split at unescaped pipes."""
     return [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
@@ -195,3 +212,32 @@ def test_report_merges_files_and_later_lines_win(tmp_path, capsys) -> None:
     out = tmp_path / "board.md"
     assert main(["report", str(tmp_path / "b.jsonl"), "--output", str(out)]) == 0
     assert "**pass 1.5 ms [1.5-1.5] n=3**" in out.read_text()
+
+
+@pytest.mark.parametrize("name, target", [
+    ("sdpa-contiguous", "pagedbench.suites.harness.plugins.exits_at_import:Anything"),
+    ("planted", "pagedbench.suites.harness.plugins.exits_at_import:Anything"),
+])
+def test_resume_refuses_a_target_the_registry_does_not_name(tmp_path, capsys, name,
+                                                           target) -> None:
+    """Issue 24 item 7: a results file is data, not a list of programs: an edited plan
+    naming a target that is not the registered adapter of its name is refused (exit 2,
+    naming file and line) before anything is imported or written."""
+    from pagedbench.harness.runner import RunConfig, make_plan
+
+    case = PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
+                     dtype="float32")
+    plan = make_plan({"torch-gather": "pagedbench.adapters.torch_sdpa:TorchGather",
+                      name: target}, [case])
+    results = ResultsFile(tmp_path / "r1.jsonl")
+    results.append(result("torch-gather", case))
+    results.append(RunRecord(kind="run", schema_version=SCHEMA_VERSION, run_id="r1",
+                             timestamp=now(), event="started", plan=plan,
+                             config=RunConfig(timing=False).to_dict(), exit_code=None,
+                             counts=None))
+    before = results.path.read_bytes()
+    assert main(["run", "--resume", "r1", "--results-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{results.path}:2: the plan's {name!r} = {target!r} is not a registered" in err
+    assert results.path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r1.jsonl"]

@@ -11,7 +11,8 @@ import torch
 
 from pagedbench.harness import report
 from pagedbench.harness.store import ResultsFile, read_lines
-from pagedbench.harness.timing import DriftProbe, Timing, bytes_moved, flops, time_cpu
+from pagedbench.harness.timing import (DriftProbe, Timing, bytes_moved, flops, oversubscribed,
+                                       time_cpu)
 from pagedbench.reference import PagedCase
 
 from .conftest import result
@@ -53,6 +54,34 @@ def test_time_cpu_times_the_drift_probe_after_every_block(monkeypatch) -> None:
     runs = [(name, len(list(group))) for name, group in itertools.groupby(calls[2:])]
     assert runs == [("fn", 3), ("probe", 2)] * timing.n
     assert timing.to_dict()["probe"] == list(timing.probe_ms)
+
+
+def test_time_cpu_resizes_its_blocks_when_the_one_call_estimate_was_short(monkeypatch) -> None:
+    import time
+
+    from pagedbench.harness import timing as timing_module
+
+    # Estimated at 1 ms, each call takes 10 ms: blocks planned at 0.2 s / 10 = 20 ms hold
+    # 20 calls (200 ms, over 2 x 20 ms), so the next blocks hold int(20 / 10) = 2 calls
+    # and 10 samples fit in the 1 s limit (without re-sizing: 5 blocks of 200 ms).
+    calls = []
+    fn = lambda: (calls.append(1), time.sleep(0.01))  # noqa: E731
+    monkeypatch.setattr(timing_module, "time_once",
+                        lambda f, method="interpreted": Timing((1.0,), method))
+    timing = time_cpu(fn, threads=1, warmup=0, min_samples=10, min_run_time_s=0.2,
+                      max_run_time_s=1.0)
+    assert timing.n >= 10
+    assert 10.0 <= timing.median_ms < 30.0
+
+
+@pytest.mark.parametrize("threads, load, cores, warned", [
+    (1, 8.0, 2, False), (2, 0.0, 2, False), (2, 0.5, 2, True), (4, 3.0, 8, False),
+    (8, 1.0, 8, True)])
+def test_a_thread_count_that_oversubscribes_the_host_is_warned_of(threads, load, cores,
+                                                                   warned) -> None:
+    warning = oversubscribed(threads, load, cores)
+    assert bool(warning) is warned
+    assert not warned or f"--threads {threads} on a host with load average {load:.1f}" in warning
 
 
 def test_the_drift_probe_is_dense_attention_of_the_cases_shapes() -> None:

@@ -36,6 +36,13 @@ class Slowed(SdpaContiguous):
         return out
 
 
+class SlowedHalf(Slowed):
+    """Half as slow again (1.5x): the slowdown of issue 18's gate checks."""
+
+    name = "sdpa-slowed-50pct"
+    SLOWDOWN = 0.5
+
+
 class SlowedThreeTimes(Slowed):
     """Three times as slow: a slowdown no noise hides (the end-to-end test's)."""
 

@@ -1,0 +1,1 @@
+"""docs suite: the README and docs/ pages."""
