@@ -20,6 +20,7 @@ from junitparser import JUnitXml
 from pagedbench.adapters import BUILTIN
 from pagedbench.harness import gate
 from pagedbench.harness.cli import _parser
+from pagedbench.harness.status import ExitCode
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / "examples" / "ci" / "gpu.yml"
@@ -79,6 +80,12 @@ CPU_STAND_INS = (
 )
 
 
+#: Exit codes a step may end with on the stand-in, where not only 0: this run's results
+#: against their own golden never regress (1), but on a loaded CPU a noisy point may be
+#: left unjudged (7, which the job then fails on, as it should).
+EXITS = {"Gate against results/baselines/<device>/": {0, int(ExitCode.UNJUDGED)}}
+
+
 def _stand_in(script: str) -> str:
     for gpu, cpu in CPU_STAND_INS:
         script = script.replace(gpu, cpu)
@@ -125,8 +132,8 @@ def test_the_workflow_runs_its_commands_on_a_cpu_stand_in(outside, wheel) -> Non
         proc = subprocess.run(["bash", "-e", "-c", script], cwd=cwd, env=step_env,
                               capture_output=True, text=True, timeout=600)
         ran[step["name"]] = proc
-        assert proc.returncode == 0, (step["name"], script, proc.stdout[-3000:],
-                                      proc.stderr[-3000:])
+        assert proc.returncode in EXITS.get(step["name"], {0}), (
+            step["name"], script, proc.stdout[-3000:], proc.stderr[-3000:])
     conformance = ran["Conformance (pytest plugin, from the installed package)"]
     last = conformance.stdout.splitlines()[-1]
     assert re.match(r"\d+ passed, \d+ deselected\b", last) and "failed" not in last, last
