@@ -51,8 +51,10 @@ from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_c
 from .derived import DEFAULT_BASELINE
 from .workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
 from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
-from .environment import apply_environment, cache_environment
+from .environment import (CACHE_DIR_VARIABLE, apply_environment, cache_environment,
+                          default_cache_dir)
 from .junit import write_junit_xml
+from .progress import RunProgress
 from .record import (COMPARISON_FIELDS, DevicePeaks, Environment, ListingRow, Plan,
                      ResultRecord, RunRecord, json_schema)
 from .speed import Thresholds
@@ -62,8 +64,6 @@ from .store import (DEFAULT_RESULTS_DIR, OutputError, ResultsFile, ResultsFileEr
 from .timing import oversubscribed
 from .truth import HOST_TRUTH_FRACTION, truth_site
 
-#: Caches and scratch files of every command (compilers, matplotlib, TMPDIR, truths).
-DEFAULT_CACHE_DIR = Path("build")
 #: Most torch threads a worker may be given.
 MAX_THREADS = 1024
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -157,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     list_p.add_argument("--timeout", type=_positive_seconds, default=runner.LIST_TIMEOUT_S,
                         metavar="SECONDS", help="each implementation's time to import and "
                         f"answer; past it: 'timeout' (default: {runner.LIST_TIMEOUT_S:g})")
+    cache_dir_argument(list_p, "compiler and scratch caches of the workers that answer")
     report_p = sub.add_parser("report", help="leaderboard from stored result files")
     report_p.add_argument("paths", nargs="+", type=Path,
                           help=".jsonl result files or folders of them (merged in order)")
@@ -270,11 +271,20 @@ def _run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
                         f"{runner.RunConfig.case_timeout_s:g})")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
                    help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
-    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
-                   help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
+    cache_dir_argument(p)
     p.add_argument("--junit-xml", type=Path, metavar="FILE",
                    help="also write the verdicts as JUnit XML, one testcase per "
                         f"(implementation, {unit}), for CI test reports")
+
+
+def cache_dir_argument(p: argparse.ArgumentParser,
+                       what: str = "truth, compiler and scratch caches") -> None:
+    """``--cache-dir DIR``, the same on every command that writes caches: ``what`` goes
+    there (default: ``$PAGEDBENCH_CACHE_DIR``, else ``build`` of the working directory,
+    as the pytest plugin's ``--pagedbench-cache-dir``)."""
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                   help=f"{what} (default: ${CACHE_DIR_VARIABLE}, else build; now: "
+                        f"{default_cache_dir()})")
 
 
 def _fraction(low_open: float, high_open: float):
@@ -497,17 +507,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     with results.locked():  # one writer per run: a second resume is refused
         console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
                       f"{len(plan.cases)} cases on {config.device} -> {results.path}")
-        try:
-            records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
-                                 on_record=lambda r: console.print(_progress_line(r)))
-        except runner.Interrupted as exc:
-            if args.junit_xml is not None:
-                write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
-                                f"pagedbench run {run_id} (interrupted)")
-            return _interrupted(exc, console, run_id, results, args.results_dir)
+        order = runner.missing(plan, _results_of_run(results, run_id)) if args.resume else \
+            runner.missing(plan, [])
+        with RunProgress(console, "run", order) as progress:
+            try:
+                records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
+                                     on_record=lambda r: progress.update(r, _progress_line(r)))
+            except runner.Interrupted as exc:
+                if args.junit_xml is not None:
+                    write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
+                                    f"pagedbench run {run_id} (interrupted)", progress.seconds)
+                return _interrupted(exc, console, run_id, results, args.results_dir)
         lines = [line for line in results.lines() if line.run_id == run_id]
         if args.junit_xml is not None:
-            write_junit_xml(records, args.junit_xml, f"pagedbench run {run_id}")
+            write_junit_xml(records, args.junit_xml, f"pagedbench run {run_id}",
+                            progress.seconds)
             console.print(f"JUnit XML: {args.junit_xml}")
         return _finish(records, lines, results, console, config.device)
 
@@ -549,9 +563,6 @@ def _bench_impls(args: argparse.Namespace) -> dict[str, str]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import time
-
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn, TimeRemainingColumn)
 
     writable_folder(args.results_dir, "--results-dir")
     if args.junit_xml is not None:
@@ -617,20 +628,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"device peaks: {peaks.copy_gbps:.1f} GB/s copy, "
                       f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul" if peaks
                       else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
-    order = [(i.name, c.case_id) for i in plan.impls for c in cases]
-    done: set[tuple[str, str]] = set()
     start = time.monotonic()
-    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.description}"),
-                  console=console, transient=False) as progress:
-        task = progress.add_task(f"{order[0][0]} {order[0][1]}", total=len(order))
-
+    with RunProgress(console, "bench", runner.missing(plan, [])) as progress:
         def on_record(record: ResultRecord) -> None:
-            done.add((record.impl, record.case_id))
-            following = next((f"{i} {c}" for i, c in order if (i, c) not in done), "")
-            if record.status is not Status.PASS:
-                progress.console.print(_progress_line(record))
-            progress.update(task, advance=1, description=rich_escape(following))
+            progress.update(record, None if record.status is Status.PASS
+                            else _progress_line(record))
 
         try:
             records = runner.run(plan, config, results, run_id, on_record=on_record,
@@ -638,10 +640,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except runner.Interrupted as exc:
             if args.junit_xml is not None:
                 write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
-                                f"pagedbench bench {run_id} (interrupted)")
+                                f"pagedbench bench {run_id} (interrupted)", progress.seconds)
             return _interrupted(exc, console, run_id, results, args.results_dir)
     if args.junit_xml is not None:
-        write_junit_xml(records, args.junit_xml, f"pagedbench bench {run_id}")
+        write_junit_xml(records, args.junit_xml, f"pagedbench bench {run_id}",
+                        progress.seconds)
         console.print(f"JUnit XML: {args.junit_xml}")
     lines = [line for line in results.lines() if line.run_id == run_id]
     md_path = results.path.with_suffix(".md")
@@ -716,7 +719,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     # Any device, even one this machine lacks: what each implementation declares for it
     # is worth seeing, and its availability there says why it cannot run here.
-    rows = runner.list_adapters(entries(), args.device, DEFAULT_CACHE_DIR, args.timeout)
+    rows = runner.list_adapters(entries(), args.device, args.cache_dir, args.timeout)
     if args.json:
         print(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
         return 0
@@ -828,11 +831,35 @@ def _replay_arguments(sub: argparse._SubParsersAction) -> None:
     replay_p.add_argument("--case-timeout", type=_positive_seconds, default=None,
                           metavar="SECONDS", help="the implementation's own time for the "
                           f"case (default: {runner.RunConfig.case_timeout_s:g})")
-    replay_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
-                          help=f"truth, compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
-    replay_p.add_argument("--save", action="store_true",
-                          help="keep the case as a regression case in "
-                               f"{selftest.REGRESSION_CASES} when an implementation fails it")
+    cache_dir_argument(replay_p)
+    replay_p.add_argument("--save", nargs="?", type=Path, const=True, default=None,
+                          metavar="DIR",
+                          help="keep the case as a regression case when an implementation "
+                               "fails it: in DIR, or without DIR in the checkout's "
+                               "suites/regressions/cases (an installed pagedbench needs DIR: "
+                               "nothing is written into the installed package)")
+
+
+def regression_folder(save: Path | bool) -> Path:
+    """Where ``replay --save [DIR]`` keeps a failing case: ``DIR``, or (``save`` True:
+    ``--save`` alone) the checkout's ``suites/regressions/cases`` when pagedbench runs
+    from a checkout (its ``pyproject.toml`` beside the packages' folders).
+
+    Raises
+    ------
+    PagedValueError
+        ``--save`` without ``DIR`` from an installed pagedbench (whose folders must not
+        be written), or a ``DIR`` that cannot be written.
+    """
+    if save is not True:
+        writable_folder(save, "--save")
+        return save
+    if not (selftest.CHECKOUT / "pyproject.toml").is_file():
+        raise PagedValueError("--save", None, "a folder (--save DIR)",
+                              f"--save needs a folder: pagedbench is installed at "
+                              f"{selftest.CHECKOUT}, not run from a checkout, and nothing is "
+                              "written into an installed package")
+    return selftest.REGRESSION_CASES
 
 
 def _replay_lines(record: ResultRecord) -> list[str]:
@@ -861,6 +888,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                               "no implementation")
     impls = _select(names)
     device = _checked_device(args.device or "cpu")
+    save = regression_folder(args.save) if args.save is not None else None
     case = found.case
     try:
         check_fits(case, device)
@@ -878,10 +906,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         runner.run_target(name, target, [case], config, run_id, env, records.append)
     for record in records:
         print("\n".join(_replay_lines(record)))
-        if args.save and record.status.failing:
+        if save is not None and record.status.failing:
             saved = replay.save_regression(case, record.impl, "pagedbench replay",
-                                           record.reason, selftest.REGRESSION_CASES,
-                                           str(record.status))
+                                           record.reason, save, str(record.status))
             print(f"  saved: {saved}")
     return int(exit_code(r.status for r in records))
 
@@ -900,11 +927,10 @@ def _selftest_arguments(sub: argparse._SubParsersAction) -> None:
     selftest_p.add_argument("--catalogue", type=Path, default=selftest.DEFAULT_CATALOGUE,
                             help="folder of the catalogue's distribution metadata "
                                  f"(default: {selftest.DEFAULT_CATALOGUE})")
-    selftest_p.add_argument("--output-dir", type=Path, default=DEFAULT_CACHE_DIR / "selftest",
+    selftest_p.add_argument("--output-dir", type=Path, default=default_cache_dir() / "selftest",
                             help="JUnit report, fault log and failing cases (default: "
-                                 f"{DEFAULT_CACHE_DIR / 'selftest'})")
-    selftest_p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
-                            help=f"compiler and scratch caches (default: {DEFAULT_CACHE_DIR})")
+                                 "selftest/ of the cache folder)")
+    cache_dir_argument(selftest_p, "compiler and scratch caches")
     selftest_p.add_argument("--json", type=Path, metavar="FILE",
                             help="also write the rows as JSON here")
     selftest_p.add_argument("--first-catch", action="store_true",
@@ -964,7 +990,7 @@ def main(argv: list[str] | None = None) -> int:
                 "selftest": cmd_selftest, "gate": cmd_gate}
     try:
         _writable_outputs(args)
-        apply_environment(cache_environment(getattr(args, "cache_dir", DEFAULT_CACHE_DIR),
+        apply_environment(cache_environment(getattr(args, "cache_dir", default_cache_dir()),
                                             create=args.command not in READ_ONLY_COMMANDS))
         return commands[args.command](args)
     except PagedInputError as exc:

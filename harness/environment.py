@@ -22,6 +22,11 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+#: The variable that names the cache folder when no option does (the CLI's
+#: ``--cache-dir``, the pytest plugin's ``--pagedbench-cache-dir``).
+CACHE_DIR_VARIABLE = "PAGEDBENCH_CACHE_DIR"
+#: The cache folder when neither an option nor :data:`CACHE_DIR_VARIABLE` names one.
+DEFAULT_CACHE_DIR = Path("build")
 #: Cache and scratch variables, and their folder under the cache folder.
 CACHE_FOLDERS = {
     "TRITON_CACHE_DIR": "triton-cache",
@@ -43,6 +48,13 @@ INHERITED = (
     "LC_", "CUDA_", "NVIDIA_", "HIP_", "ROCM_", "ROCR_", "OMP_", "MKL_", "KMP_",
     "TRITON_", "TORCHINDUCTOR_", "VLLM_", "FLASHINFER_", "XFORMERS_", "PAGEDBENCH_",
 )
+
+
+def default_cache_dir(inherited: Mapping[str, str] | None = None) -> Path:
+    """The cache folder of a command or test session given none: ``$PAGEDBENCH_CACHE_DIR``
+    of ``inherited`` (default: this process's environment), else ``build``."""
+    inherited = os.environ if inherited is None else inherited
+    return Path(inherited.get(CACHE_DIR_VARIABLE) or DEFAULT_CACHE_DIR)
 
 
 def cache_environment(cache_dir: Path, inherited: Mapping[str, str] | None = None, *,

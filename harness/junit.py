@@ -2,7 +2,7 @@
 show one test per (implementation, case).
 
 One ``<testsuite>`` per call, one ``<testcase classname=IMPL name=CASE_ID>`` per result
-(the last of each pair). ``fail`` is a ``<failure>``; ``error``, ``crash``, ``timeout``
+(the last of each pair), its ``time`` the result's wall time in seconds. ``fail`` is a ``<failure>``; ``error``, ``crash``, ``timeout``
 and ``harness-error`` are ``<error>`` (with the status as its ``type``);
 ``unsupported`` and ``unavailable`` are ``<skipped>``; the reason is the message, and a
 failure's or error's text adds the step and the tolerance figures (errors, allowance,
@@ -20,7 +20,7 @@ import re
 import socket
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from .record import COMPARISON_FIELDS, ResultRecord, now
@@ -50,23 +50,29 @@ def _figures(record: ResultRecord) -> str:
                      if getattr(record, name) is not None)
 
 
-def junit_xml(records: Iterable[ResultRecord], suite: str) -> str:
-    """The JUnit XML document of ``records`` as one test suite named ``suite``."""
+def junit_xml(records: Iterable[ResultRecord], suite: str,
+              seconds: Mapping[tuple[str, str], float] | None = None) -> str:
+    """The JUnit XML document of ``records`` as one test suite named ``suite``; each
+    testcase's ``time`` is its wall time from ``seconds`` (by implementation and case
+    id, :attr:`.progress.RunProgress.seconds`; 0 for a result without one, such as one
+    a resumed run already had), the suite's their sum."""
+    seconds = seconds or {}
     latest: dict[tuple[str, str], ResultRecord] = {}
     for record in records:
         latest.pop((record.impl, record.case_id), None)
         latest[(record.impl, record.case_id)] = record
     kinds = Counter(_element(r.status) for r in latest.values())
+    took = {key: seconds.get(key, 0.0) for key in latest}
     root = ET.Element("testsuites")
     tree = ET.SubElement(root, "testsuite", {
         "name": _xml_text(suite), "tests": str(len(latest)),
         "failures": str(kinds["failure"]), "errors": str(kinds["error"]),
-        "skipped": str(kinds["skipped"]), "time": "0",
+        "skipped": str(kinds["skipped"]), "time": f"{sum(took.values()):.3f}",
         "timestamp": now().isoformat(), "hostname": _xml_text(socket.gethostname())})
-    for record in latest.values():
+    for key, record in latest.items():
         case = ET.SubElement(tree, "testcase", {"classname": _xml_text(record.impl),
                                                 "name": _xml_text(record.case_id),
-                                                "time": "0"})
+                                                "time": f"{took[key]:.3f}"})
         properties = ET.SubElement(case, "properties")
         values = {"status": str(record.status), "device": record.env.device}
         if record.time_ms is not None:
@@ -85,11 +91,12 @@ def junit_xml(records: Iterable[ResultRecord], suite: str) -> str:
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
-def write_junit_xml(records: Iterable[ResultRecord], path: Path, suite: str) -> None:
+def write_junit_xml(records: Iterable[ResultRecord], path: Path, suite: str,
+                    seconds: Mapping[tuple[str, str], float] | None = None) -> None:
     """Write :func:`junit_xml` to ``path`` atomically (beside it, then renamed)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(junit_xml(records, suite), encoding="utf-8")
+    tmp.write_text(junit_xml(records, suite, seconds), encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -68,7 +68,10 @@ def cell_text(record: ResultRecord) -> str:
             + (" noisy" if t.noisy else ""))
 
 
-COLUMNS = ["case_id", "impl", "device", "device_name", "versions", "status", "reason",
+#: The case's axes each row names beside its id (CSV readers filter on them).
+CASE_COLUMNS = ["dtype", "num_q_heads", "num_kv_heads", "head_dim", "layout"]
+COLUMNS = ["case_id", *CASE_COLUMNS, "impl", "device", "device_name", "versions", "status",
+           "reason",
            "time_ms_median", "time_ms_p10", "time_ms_p90", "samples", "noisy",
            "timing_method", "max_abs_err", "max_err_ulps", "mean_err_ulps",
            "err_ratio_vs_naive", "bandwidth_gbps", "cell"]
@@ -83,6 +86,7 @@ def frame(records: Iterable[ResultRecord]) -> pd.DataFrame:
     rows = [
         {
             "case_id": r.case_id,
+            **{axis: getattr(r.paged_case(), axis) for axis in CASE_COLUMNS},
             "impl": r.impl,
             "device": r.device,
             "device_name": environment_key(r)[0],

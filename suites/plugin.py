@@ -6,7 +6,7 @@ suites without the checkout: ``pytest --pyargs pagedbench.suites.conformance --i
 In a checkout, ``suites/conftest.py`` registers this same module when pytest has not.
 
 - ``--impl NAME`` (repeatable): implementations the conformance suite checks (default:
-  all); ``--pagedbench-device cpu|cuda|cuda:N``: the device it checks them on (default
+  all; an unknown name is a usage error listing the known ones); ``--pagedbench-device cpu|cuda|cuda:N``: the device it checks them on (default
   ``cuda`` when torch sees one, else ``cpu``; a device this machine lacks is a usage
   error); ``--pagedbench-cache-dir DIR``.
 - Markers ``gpu`` (skipped without CUDA), ``slow``, ``bench``, ``vllm``.
@@ -20,8 +20,8 @@ In a checkout, ``suites/conftest.py`` registers this same module when pytest has
   ``TRITON_CACHE_DIR``, is kept). Bytecode is not written (``sys.dont_write_bytecode``,
   which pytest's assertion rewriting honours) unless the user set ``PYTHONPYCACHEPREFIX``:
   nothing is written beside the installed files; without a configuration file (an
-  installed run) pytest's own cache is off (``-p no:cacheprovider``) unless ``-o
-  cache_dir=DIR`` names one. On the CPU, Triton kernels run under its interpreter
+  installed run) pytest's own cache is off (as with ``-p no:cacheprovider``, which also
+  turns stepwise off) unless ``-o cache_dir=DIR`` names one. On the CPU, Triton kernels run under its interpreter
   (``TRITON_INTERPRET=1``, set before any kernel module is imported).
 """
 
@@ -33,10 +33,10 @@ from pathlib import Path
 
 import pytest
 
-#: The cache folder when neither the option nor the variable names one (relative to the
-#: working directory).
-DEFAULT_CACHE_DIR = Path("build")
-CACHE_DIR_VARIABLE = "PAGEDBENCH_CACHE_DIR"
+from pagedbench.harness.environment import (CACHE_DIR_VARIABLE, DEFAULT_CACHE_DIR,
+                                            apply_environment, cache_environment,
+                                            default_cache_dir)
+
 MARKERS = (
     "gpu: needs a CUDA device (skipped without one)",
     "slow: long-running; excluded from the ci hypothesis profile's budget",
@@ -51,6 +51,7 @@ WARNING_FILTERS = (
     "ignore:overflow encountered:RuntimeWarning",
 )
 _DEVICE = pytest.StashKey[str]()
+_IMPLS = pytest.StashKey[list[str]]()
 #: ``--pagedbench-device`` as parsed before the first conftest is imported.
 _early_device: str | None = None
 
@@ -72,7 +73,7 @@ def cache_dir(config: pytest.Config, option: str | None) -> Path:
     """The cache folder: ``option``, else ``$PAGEDBENCH_CACHE_DIR``, else ``build/``; a
     relative one is taken from the rootdir when pytest found a configuration file (a
     checkout), else from the working directory."""
-    chosen = Path(option or os.environ.get(CACHE_DIR_VARIABLE) or DEFAULT_CACHE_DIR)
+    chosen = Path(option) if option else default_cache_dir()
     base = config.rootpath if config.inipath is not None else config.invocation_params.dir
     return chosen if chosen.is_absolute() else base / chosen
 
@@ -81,8 +82,6 @@ def _hermetic(config: pytest.Config, option: str | None, device: str | None) -> 
     """Point every cache and scratch folder under the cache folder, stop bytecode writes
     and pick Triton's interpreter on the CPU; idempotent."""
     from hypothesis.configuration import set_hypothesis_home_dir
-
-    from pagedbench.harness.environment import apply_environment, cache_environment
 
     if sys.pycache_prefix is None:
         sys.dont_write_bytecode = True
@@ -111,8 +110,10 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     overrides = getattr(options, "override_ini", None) or []
     if early_config.inipath is None and not any(o.startswith("cache_dir=") for o in overrides):
         # No configuration file (an installed package run with --pyargs): the rootdir may
-        # be site-packages, where pytest's cache would land; run as -p no:cacheprovider.
-        early_config.pluginmanager.set_blocked("cacheprovider")
+        # be site-packages, where pytest's cache would land. Block it as ``-p
+        # no:cacheprovider`` does, which also blocks stepwise (it reads the cache at
+        # session finish); this hook runs before any plugin's pytest_configure.
+        early_config.pluginmanager.consider_pluginarg("no:cacheprovider")
 
 
 def _profiles() -> None:
@@ -149,6 +150,33 @@ def pytest_configure(config: pytest.Config) -> None:
     except PagedInputError as exc:
         raise pytest.UsageError(f"--pagedbench-device {wanted}: {exc}") from None
     config.stash[_DEVICE] = wanted
+    config.stash[_IMPLS] = _implementations(config.getoption("--impl"))
+
+
+def _implementations(wanted: list[str]) -> list[str]:
+    """``--impl``'s names, else every implementation found (built-ins, then entry
+    points; none imported).
+
+    Raises
+    ------
+    pytest.UsageError
+        A name no implementation has; the message lists the allowed ones.
+    """
+    from pagedbench.adapters import entries
+    from pagedbench.harness.selftest import register_catalogue_if_named
+
+    register_catalogue_if_named(wanted)
+    names = [e.name for e in entries()]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise pytest.UsageError(f"--impl {', '.join(unknown)}: unknown implementation; "
+                                f"choose from {', '.join(names)}")
+    return wanted or names
+
+
+def implementations(config: pytest.Config) -> list[str]:
+    """The implementations of ``--impl`` (default: all), checked when pytest configured."""
+    return config.stash[_IMPLS]
 
 
 def device(config: pytest.Config) -> str:
@@ -172,4 +200,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 __all__ = ["CACHE_DIR_VARIABLE", "DEFAULT_CACHE_DIR", "MARKERS", "cache_dir", "device",
-           "early_device"]
+           "early_device", "implementations"]

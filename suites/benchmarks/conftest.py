@@ -12,3 +12,4 @@ def vllm_api() -> VllmApi:
     """vLLM v1's allocator API (the allocator suite's cross-check uses the same), or a
     skip naming why it does not import."""
     return import_vllm_api()
+

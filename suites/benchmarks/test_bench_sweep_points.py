@@ -9,10 +9,12 @@
 
 Each item first checks the point for conformance (``harness.conformance.judge``, as the
 bench command does): a point that does not pass fails the item and is never timed;
-unsupported or unavailable points are skipped with the reason. pytest-benchmark then
-times ``run()`` with its own rounds, and ``extra_info`` carries the harness timer's
-statistics and raw samples (``harness.timing``: ``torch.utils.benchmark`` on the CPU,
-``do_bench``/CUDA graphs on a GPU), bytes moved, FLOPs, GB/s, and, once the same session
+unsupported or unavailable points are skipped with the reason. The harness timer
+(``harness.timing``: ``torch.utils.benchmark`` on the CPU, ``do_bench``/CUDA graphs on a
+GPU) times ``run()``, and its samples are pytest-benchmark's rounds (one timing per
+point: ``stats`` and ``--benchmark-compare-fail`` see what the board shows;
+:func:`~pagedbench.suites.benchmarks.recording.record_timing`). ``extra_info`` carries the
+same statistics and raw samples, bytes moved, FLOPs, GB/s, and, once the same session
 has timed them, the paging overhead against the same implementation's contiguous point
 (timed first in each workload) and the speedup over ``sdpa-contiguous`` on the same
 point (timed first at each point); with pytest-xdist those two may be absent.
@@ -33,6 +35,7 @@ from pagedbench.harness.status import Status
 from pagedbench.harness.timing import bytes_moved, flops, time_cpu, time_cuda
 from pagedbench.harness.workloads import CONTIGUOUS_TAG
 from pagedbench.reference import PagedValueError
+from pagedbench.suites.benchmarks.recording import record_timing
 
 pytestmark = pytest.mark.bench
 
@@ -88,5 +91,4 @@ def test_sweep_point(benchmark, adapters, impl, case) -> None:
         flops=flops(case), bandwidth_gbps=moved / timing.median_ms / 1e6,
         paging_overhead=timing.median_ms / ref - 1 if ref else None,
         speedup_vs=DEFAULT_BASELINE, speedup=base / timing.median_ms if base else None)
-    benchmark.pedantic(adapter.run, args=(verdict.prepared,),
-                       rounds=3 if SWEEP == "quick" else 10, warmup_rounds=1)
+    record_timing(benchmark, timing)

@@ -4,15 +4,15 @@ Kernels: ``split`` (split-KV decode, planned splits), ``split-invariant`` (fixed
 size), ``prefill`` (the GQA-packed prefill kernel run on the decode batch) and
 ``decode`` (``pagedbench-triton``, one program per sequence and KV head, for reference).
 
-- CPU: the kernels run under Triton's interpreter; one round of a small Llama-3-8B-shaped
+- CPU: the kernels run under Triton's interpreter; one wall-clock round of a small Llama-3-8B-shaped
   case (4 query heads per KV head, head_dim 128), recorded with ``timing_method
   "interpreted"`` and ``ranked: false``: an interpreter's wall clock says nothing about
   a GPU and is never compared with anything. The output is checked against the truth.
 - CUDA: Llama-3-8B decode (bf16, 32 query / 8 KV heads, head_dim 128, block_size 16,
-  every sequence at the full context) at batch 1/8/32 and contexts 4k/16k; pytest-benchmark
-  times synchronised calls, and ``extra_info`` carries the harness's CUDA-event median
-  (``triton.testing.do_bench``, L2 cleared) with ``bytes_moved``, ``flops`` and the
-  resulting GB/s (harness/timing.py). The floors these figures are compared with are in
+  every sequence at the full context) at batch 1/8/32 and contexts 4k/16k, timed by the
+  harness (``triton.testing.do_bench``, L2 cleared; harness/timing.py), whose samples
+  are pytest-benchmark's rounds (suites/benchmarks/recording.py); ``extra_info``
+  carries that median with ``bytes_moved``, ``flops`` and the resulting GB/s. The floors these figures are compared with are in
   docs/KERNELS.md.
 """
 
@@ -21,9 +21,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedbench.harness.timing import bytes_moved, flops, time_cuda
+from pagedbench.harness.timing import bytes_moved, flops, time_cuda, time_once
 from pagedbench.harness.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
+from pagedbench.suites.benchmarks.recording import record_timing
 
 pytestmark = pytest.mark.bench
 pytest.importorskip("triton")
@@ -69,17 +70,12 @@ def test_bench_triton_kernel(benchmark, kernel: str, case: PagedCase) -> None:
             "flops": flops(case)}
     if DEVICE == "cuda":
         timing = time_cuda(launch)
-
-        def call() -> None:
-            launch()
-            torch.cuda.synchronize()
-
-        benchmark.pedantic(call, rounds=20, iterations=1, warmup_rounds=2)
         info.update(timing_method=timing.method, ranked=True, cuda_median_ms=timing.median_ms,
                     bandwidth_gbps=info["bytes_moved"] / timing.median_ms / 1e6)
         assert bool(torch.isfinite(out).all())
     else:
-        benchmark.pedantic(launch, rounds=1, iterations=1)
-        info.update(timing_method="interpreted", ranked=False)
+        timing = time_once(launch)
+        info.update(timing_method=timing.method, ranked=False)
         assert_matches_truth(out, inputs, f"{kernel}:{case.case_id}")
+    record_timing(benchmark, timing)
     benchmark.extra_info.update(info)

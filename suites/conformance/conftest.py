@@ -2,8 +2,8 @@
 which device (``--pagedbench-device``; both registered by :mod:`pagedbench.suites.plugin`),
 with how many examples.
 
-Implementations are found without importing them (:func:`pagedbench.adapters.entries`);
-only the ones a test session selects are imported, when their first test runs. Naming a
+Implementations are found without importing them (:func:`pagedbench.adapters.entries`,
+through :func:`pagedbench.suites.plugin.implementations`, which checks ``--impl``); only the ones a test session selects are imported, when their first test runs. Naming a
 fault of the catalogue (``--impl fault-...``, suites/faults) puts the catalogue's
 distribution on the path first (:func:`~pagedbench.harness.selftest.register_catalogue`),
 so its entry points register it as an out-of-tree kernel is registered. Each test
@@ -18,26 +18,15 @@ import functools
 import pytest
 
 from pagedbench.adapters import Adapter, entries, load
-from pagedbench.harness.selftest import register_catalogue_if_named
 from pagedbench.suites import budget, plugin
 
 #: The device the suite checks on (``--pagedbench-device``), fixed when this is imported.
 DEVICE = plugin.early_device()
 
 
-def _selected(config: pytest.Config) -> list[str]:
-    wanted = config.getoption("--impl")
-    register_catalogue_if_named(wanted)
-    names = [e.name for e in entries()]
-    unknown = [n for n in wanted if n not in names]
-    if unknown:
-        raise pytest.UsageError(f"--impl {unknown} unknown; choose from {names}")
-    return wanted or names
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "impl" in metafunc.fixturenames:
-        metafunc.parametrize("impl", _selected(metafunc.config))
+        metafunc.parametrize("impl", plugin.implementations(metafunc.config))
 
 
 @functools.cache

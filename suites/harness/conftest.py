@@ -1,13 +1,19 @@
 """Fixtures of the harness suite: registering test-only plug-ins as an out-of-tree package
-would, and finding the worker processes of a parent."""
+would, finding the worker processes of a parent, and pagedbench's wheel with a folder
+outside the checkout to install it in (:mod:`.installed`)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from pagedbench.harness.gate_calibration import plugin_environment
+
+from . import installed
 
 PLUGINS = "pagedbench.suites.harness.plugins"
 BROKEN = "pagedbench.suites.conformance.broken_adapters"
@@ -102,3 +108,30 @@ def result(impl: str, case_id_or_case="c1", status: str = "pass", ms: float | No
     if method == "interpreted":
         changes.setdefault("interpreted", True)
     return record.model_copy(update=changes) if changes else record
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory) -> Path:
+    """pagedbench's wheel, built from the checkout once per session."""
+    dist = tmp_path_factory.mktemp("dist")
+    installed.pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
+                  str(dist), str(installed.ROOT), env=installed.quiet_env(TMPDIR=str(dist)),
+                  cwd=dist)
+    (built,) = dist.glob("pagedbench-*.whl")
+    return built
+
+
+@pytest.fixture(scope="session")
+def outside() -> Path:
+    """A folder with no pytest configuration above it, removed after the session."""
+    markers = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+    for candidate in (tempfile.gettempdir(), "/tmp", "/var/tmp"):
+        base = Path(candidate).resolve()
+        if base.is_dir() and os.access(base, os.W_OK) and not any(
+                (d / m).exists() for d in (base, *base.parents) for m in markers):
+            break
+    else:
+        pytest.skip("no writable folder outside any pytest configuration")
+    folder = Path(tempfile.mkdtemp(prefix="pagedbench-installed-", dir=base))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

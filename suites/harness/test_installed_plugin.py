@@ -1,11 +1,21 @@
-"""The pytest plugin from an installed package (issue 8, "For CI on GPU runners"):
-``pytest --pyargs pagedbench.suites.conformance --impl X`` runs from a wheel installed
-outside the checkout, in a folder of its own, and writes nothing beside the installed
-files (caches and hypothesis's database go under the working directory's ``build/``)."""
+"""The pytest plugin from an installed wheel, as a CI job runs it (issue 18, "Must show"):
+in a fresh virtual environment holding only the wheel and a user's adapter package (the
+dependencies come from this interpreter's site-packages, without pagedbench),
+``python -m pytest --pyargs pagedbench.suites.conformance --impl NAME`` ends with
+pytest's summary line and exit 0 on a correct kernel, 1 on a broken one, writes nothing
+beside the installed files, and keeps doing so with the ``-p`` options a user adds, with
+pytest-xdist and with the oldest pytest the project allows (``pytest>=8``).
+
+The environments live in a folder outside the checkout: inside it, pytest would find the
+checkout's ``pyproject.toml``, whose ``-p no:cacheprovider`` hides what an installed run
+meets. The wheel is built once per session (suites/harness/conftest.py); each environment
+once per module (suites/harness/installed.py).
+"""
 
 from __future__ import annotations
 
-import os
+import functools
+import json
 import re
 import subprocess
 import sys
@@ -13,59 +23,176 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from .installed import ROOT, Venv, quiet_env, tree
+
+#: Where downloaded wheels are kept between sessions (the oldest allowed pytest).
+WHEELHOUSE = ROOT / "build" / "wheels"
+OLDEST_PYTEST = "pytest==8.0.*"
+CONFORMANCE = ["--pyargs", "pagedbench.suites.conformance", "--pagedbench-device", "cpu"]
+#: A quick part of the suite for the runs that vary options (the full suite runs once).
+QUICK = ["-k", "test_pinned_probes"]
+def _summary(proc: subprocess.CompletedProcess[str]) -> dict[str, int]:
+    """Counts of pytest's last line (``3 passed, 1 skipped in 2.0s`` and its ``====``
+    framed form) but its warnings, asserting it is the last line printed."""
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    match = re.fullmatch(r"=*\s*((?:\d+ \w+(?:, )?)+) in [\d.]+s(?: \([\d:]+\))?\s*=*", last)
+    assert match, f"no summary line last:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return {word: int(n) for n, word in re.findall(r"(\d+) (\w+)", match.group(1))
+            if not word.startswith("warning")}  # warnings do not fail a job
 
 
-def _tree(folder: Path) -> dict[str, int]:
-    """Every file under ``folder`` with its modification time (ns)."""
-    return {str(p.relative_to(folder)): p.stat().st_mtime_ns
-            for p in folder.rglob("*") if p.is_file()}
+@functools.cache
+def _collected(*selection: str) -> int:
+    """How many tests the checkout's conformance suite has for ``selection``."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
+                           "suites/conformance", "--pagedbench-device", "cpu", *selection],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    count = re.search(r"(\d+)(?:/\d+)? tests? collected", proc.stdout)
+    assert count, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return int(count.group(1))
+
+
+def _wrote_only_build(venv: Venv, folder: str) -> None:
+    """The run wrote nothing into the installed package, and in its working folder only
+    under ``build/`` (no .pytest_cache, .hypothesis or __pycache__)."""
+    assert tree(venv.site) == venv.installed, "the run wrote into the installed package"
+    work = venv.base / folder
+    written = {p.relative_to(work).parts[0] for p in work.rglob("*") if p.is_file()}
+    assert written <= {"build"}, written
+
+
+@pytest.fixture(scope="module")
+def venv(outside, wheel) -> Venv:
+    return Venv(outside / "newest", wheel)
+
+
+def test_a_correct_kernel_passes_the_whole_suite_and_nothing_is_written_there(venv) -> None:
+    located = subprocess.run([venv.python, "-c", "import pagedbench.suites.plugin as p, "
+                              "pytest; print(p.__file__); print(pytest.__file__)"],
+                             env=venv.env, capture_output=True, text=True, check=True)
+    plugin_file, pytest_file = located.stdout.split()
+    assert Path(plugin_file).is_relative_to(venv.site)  # the wheel's, not the checkout's
+    proc = venv.pytest(*CONFORMANCE, "--impl", "mine", "-q", folder="correct")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    counts = _summary(proc)
+    # Every test the checkout's suite has for this kernel ran: passed, or skipped where
+    # it declares a case unsupported (a layout it cannot take, for example).
+    assert counts["passed"] > 0, counts
+    assert counts["passed"] + counts.get("skipped", 0) == _collected("--impl", "torch-gather")
+    assert set(counts) <= {"passed", "skipped"}, proc.stdout[-3000:]
+    _wrote_only_build(venv, "correct")
+
+
+def test_a_broken_kernel_fails_with_the_summary_line_last(venv) -> None:
+    proc = venv.pytest(*CONFORMANCE, "--impl", "mine-broken", "-q", "-x", folder="broken")
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout[-3000:]
+    assert _summary(proc)["failed"] == 1
+    assert "mine-broken" in proc.stdout
+
+
+@pytest.mark.parametrize("options", [
+    ["-p", "no:cacheprovider", "-p", "no:stepwise", "-p", "no:randomly"],
+    ["-o", "cache_dir=build/pytest-cache", "--sw"],
+], ids=["plugins-blocked", "cache-in-build-stepwise"])
+def test_options_a_user_adds_keep_the_run_whole(venv, options) -> None:
+    folder = "options-" + re.sub(r"\W", "", "".join(options))
+    proc = venv.pytest(*CONFORMANCE, "--impl", "mine", "-q", *QUICK, *options,
+                       folder=folder)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _summary(proc)["passed"] == _collected("--impl", "torch-gather", *QUICK)
+    _wrote_only_build(venv, folder)
+    if "--sw" in options:  # the cache the user asked for, under build/
+        assert (venv.base / folder / "build" / "pytest-cache").is_dir()
+
+
+def test_a_wrong_impl_or_device_is_one_usage_error(venv) -> None:
+    proc = venv.pytest(*CONFORMANCE, "--impl", "yours", folder="wrong-impl")
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, proc.stdout[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("ERROR: --impl yours: unknown implementation; choose from ")
+    assert {"torch-gather", "mine", "mine-broken"} <= set(line.split(": ")[-1].split(", "))
+    assert "collect" not in proc.stdout + proc.stderr
+    device = venv.pytest("--pyargs", "pagedbench.suites.conformance", "--pagedbench-device",
+                         "tpu", folder="wrong-device")
+    assert device.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "--pagedbench-device tpu" in device.stderr
 
 
 @pytest.mark.slow
-def test_conformance_runs_from_an_installed_wheel_and_writes_nothing_there(tmp_path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    env.update(PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1", TMPDIR=str(tmp_path))
-    pip = [sys.executable, "-m", "pip", "--no-cache-dir"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path / "dist"), str(ROOT)], env=env, check=True,
-                   capture_output=True, cwd=tmp_path)
-    (wheel,) = (tmp_path / "dist").glob("pagedbench-*.whl")
-    site = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
-                   env=env, check=True, capture_output=True, cwd=tmp_path)
-    before = _tree(site)
-    work = tmp_path / "elsewhere"
+def test_pytest_xdist_shards_the_suite(venv) -> None:
+    pytest.importorskip("xdist")
+    proc = venv.pytest(*CONFORMANCE, "--impl", "mine", "--impl", "mine-broken", *QUICK,
+                       "-n", "2", "-v", folder="xdist")
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout[-3000:]
+    quick = _collected("--impl", "torch-gather", *QUICK)
+    assert _summary(proc) == {"passed": quick, "failed": quick}, proc.stdout[-3000:]
+    assert {"[gw0]", "[gw1]"} <= set(re.findall(r"\[gw\d+\]", proc.stdout)), proc.stdout[-3000:]
+    _wrote_only_build(venv, "xdist")
+
+
+@pytest.mark.slow
+def test_the_oldest_allowed_pytest_runs_the_suite(outside, wheel) -> None:
+    WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+    found = sorted(WHEELHOUSE.glob("pytest-8.0.*-py3-none-any.whl"))
+    if not found:
+        download = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+             "-d", str(WHEELHOUSE), OLDEST_PYTEST], env=quiet_env(TMPDIR=str(outside)),
+            capture_output=True, text=True, timeout=120)
+        found = sorted(WHEELHOUSE.glob("pytest-8.0.*-py3-none-any.whl"))
+        if not found:
+            pytest.skip(f"{OLDEST_PYTEST} could not be downloaded: {download.stderr[-300:]}")
+    old = Venv(outside / "oldest", wheel, own_pytest=found[-1])
+    version = subprocess.run([old.python, "-m", "pytest", "--version"], env=old.env,
+                             capture_output=True, text=True, check=True)
+    assert "pytest 8.0." in version.stdout + version.stderr
+    passed = old.pytest(*CONFORMANCE, "--impl", "mine", "-q", *QUICK, folder="correct")
+    assert passed.returncode == 0, passed.stdout[-3000:] + passed.stderr[-3000:]
+    assert _summary(passed)["passed"] == _collected("--impl", "torch-gather", *QUICK)
+    _wrote_only_build(old, "correct")
+    broken = old.pytest(*CONFORMANCE, "--impl", "mine-broken", "-q", *QUICK,
+                        "-p", "no:stepwise", folder="broken")
+    assert broken.returncode == pytest.ExitCode.TESTS_FAILED, broken.stdout[-3000:]
+    assert "failed" in _summary(broken)
+    wrong = old.pytest(*CONFORMANCE, "--impl", "yours", folder="wrong-impl")
+    assert wrong.returncode == pytest.ExitCode.USAGE_ERROR, wrong.stdout[-2000:]
+
+
+def test_python_m_pagedbench_runs_the_command_from_the_wheel_and_the_checkout(venv) -> None:
+    for python, env in ((venv.python, venv.env), (Path(sys.executable), quiet_env())):
+        proc = subprocess.run([python, "-m", "pagedbench", "schema"], env=env,
+                              cwd=venv.base, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout)["title"].startswith("pagedbench results line")
+        usage = subprocess.run([python, "-m", "pagedbench", "nonsense"], env=env,
+                               cwd=venv.base, capture_output=True, text=True, timeout=120)
+        assert usage.returncode == 2 and usage.stderr.startswith("usage: pagedbench")
+
+
+@pytest.mark.slow
+def test_replay_save_and_list_write_only_where_they_are_told(venv) -> None:
+    work = venv.base / "replay"
     work.mkdir()
-    env["PYTHONPATH"] = str(site)
-    located = subprocess.run([sys.executable, "-c", "import pagedbench.suites.plugin as p; "
-                              "print(p.__file__)"], env=env, cwd=work, capture_output=True,
-                             text=True, check=True)
-    assert Path(located.stdout.strip()).is_relative_to(site)  # not the checkout's
-    selection = ["--impl", "torch-gather", "--pagedbench-device", "cpu", "-q"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--pyargs",
-                           "pagedbench.suites.conformance", *selection],
-                          env=env, cwd=work, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # Every test the checkout's suite has for this selection ran: passed, or skipped where
-    # torch-gather declares a case unsupported (a layout it cannot take, for example).
-    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-p",
-                                "no:cacheprovider", "suites/conformance", *selection],
-                               cwd=ROOT, capture_output=True, text=True, timeout=120)
-    count = re.search(r"(\d+) tests? collected", collected.stdout)
-    assert count, collected.stdout[-2000:] + collected.stderr[-2000:]
-    summary = re.search(r"(\d+) passed(?:, (\d+) skipped)? in", proc.stdout)
-    assert summary, proc.stdout[-2000:]
-    passed, skipped = int(summary.group(1)), int(summary.group(2) or 0)
-    assert passed > 0 and passed + skipped == int(count.group(1)), proc.stdout[-2000:]
-    assert _tree(site) == before, "the run wrote into the installed package"
-    # Whatever the run wrote in its working directory is under build/ (no .pytest_cache,
-    # no .hypothesis, no __pycache__).
-    written = {p.relative_to(work).parts[0] for p in work.rglob("*") if p.is_file()}
-    assert written <= {"build"}, written
-    unknown = subprocess.run(
-        [sys.executable, "-m", "pytest", "--pyargs", "pagedbench.suites.conformance",
-         "--pagedbench-device", "tpu"], env=env, cwd=work, capture_output=True, text=True,
-        timeout=120)
-    assert unknown.returncode == pytest.ExitCode.USAGE_ERROR
-    assert "--pagedbench-device tpu" in unknown.stderr
+    case = work / "case.json"
+    case.write_text(json.dumps({"kv_lens": [7], "q_lens": [2], "num_q_heads": 1,
+                                "num_kv_heads": 1, "head_dim": 32, "block_size": 8,
+                                "dtype": "float32", "name": "replay"}))
+
+    def pagedbench(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([venv.python, "-m", "pagedbench", *args], env=venv.env,
+                              cwd=work, capture_output=True, text=True, timeout=300)
+
+    refused = pagedbench("replay", str(case), "--impl", "mine-broken", "--save",
+                         "--cache-dir", "caches")
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "--save needs a folder" in refused.stderr
+    saved = pagedbench("replay", str(case), "--impl", "mine-broken", "--save", "kept",
+                       "--cache-dir", "caches")
+    assert saved.returncode == 1, saved.stdout[-2000:] + saved.stderr[-2000:]
+    (kept,) = (work / "kept").glob("mine-broken-*.json")
+    assert json.loads(kept.read_text())["impl"] == "mine-broken"
+    listed = pagedbench("list", "--json", "--cache-dir", "listing")
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert {"mine", "mine-broken"} <= {row["name"] for row in json.loads(listed.stdout)}
+    assert {p.name for p in work.iterdir()} == {"case.json", "kept", "caches", "listing"}
+    assert tree(venv.site) == venv.installed, "a command wrote into the installed package"

@@ -206,6 +206,9 @@ def test_report_merges_files_and_later_lines_win(tmp_path, capsys) -> None:
     rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
     assert [(r["impl"], r["status"], r["time_ms_median"]) for r in rows] == [
         ("x", "pass", "3.0"), ("y", "pass", "1.5")]
+    # The case's axes (conftest.result's case: float32, 2 query heads over 1 KV head of 8).
+    assert [[r[c] for c in ("dtype", "num_q_heads", "num_kv_heads", "head_dim", "layout")]
+            for r in rows] == [["float32", "2", "1", "8", "contiguous"]] * 2
     out = tmp_path / "board.md"
     assert main(["report", str(tmp_path / "b.jsonl"), "--output", str(out)]) == 0
     assert "**pass 1.5 ms [1.5-1.5] n=3**" in out.read_text()
