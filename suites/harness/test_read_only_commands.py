@@ -34,7 +34,8 @@ def test_read_only_commands_create_nothing_in_the_current_folder(tmp_path,
     env = {k: v for k, v in os.environ.items() if k not in CACHE_FOLDERS}
     script = ("import sys; from pagedbench.harness.cli import main; "
               "codes = [main(a) for a in (['schema'], ['report', sys.argv[1]], "
-              "['gate', '--current', sys.argv[1], '--baseline', sys.argv[1]])]; print(codes)")
+              "['gate', '--current', sys.argv[1], '--baseline', sys.argv[1], "
+              "'--allow-unjudged'])]; print(codes)")
     done = subprocess.run([sys.executable, "-P", "-c", script, str(results.path)],
                           cwd=read_only_folder, env=env, capture_output=True, text=True,
                           timeout=120)
