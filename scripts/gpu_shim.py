@@ -3,7 +3,7 @@
 ``python3 scripts/gpu_shim.py SHIM_DIR`` reads ``[tool.setuptools] package-dir`` from
 the checkout's ``pyproject.toml`` (``"pagedbench.harness" = "harness"``, ...) and makes
 ``SHIM_DIR/pagedbench/`` a folder of symbolic links, one per mapped package, to the
-checkout's folders. With ``SHIM_DIR`` on ``PYTHONPATH``, ``pagedbench`` is a namespace
+checkout's folders (and to the namespace's own ``__main__.py``). With ``SHIM_DIR`` on ``PYTHONPATH``, ``pagedbench`` is a namespace
 package (PEP 420: no ``__init__.py``, as in the installed distribution) whose
 subpackages are the checkout's own files: no install, no ``wheel``, no network. The
 links are made afresh on each call (a stale one would point into another copy).
@@ -24,7 +24,9 @@ PACKAGE = "pagedbench"
 
 
 def package_dirs(pyproject: Path) -> dict[str, Path]:
-    """``{subpackage: folder}`` for each ``pagedbench.<subpackage>`` of ``package-dir``.
+    """``{subpackage: folder}`` for each ``pagedbench.<subpackage>`` of ``package-dir``,
+    and ``{"": folder}`` for the namespace's own files (``"pagedbench" = "pagedbench"``:
+    ``__main__.py``, no ``__init__.py``).
 
     Raises
     ------
@@ -38,6 +40,13 @@ def package_dirs(pyproject: Path) -> dict[str, Path]:
         raise ValueError(f"{pyproject}: no [tool.setuptools] package-dir to shim")
     found = {}
     for name, folder in mapping.items():
+        if name == PACKAGE:
+            path = (pyproject.parent / folder).resolve()
+            if not path.is_dir() or (path / "__init__.py").exists():
+                raise ValueError(f"{pyproject}: package-dir {name!r} = {folder!r}: not a "
+                                 f"namespace folder (a folder without __init__.py) at {path}")
+            found[""] = path
+            continue
         parent, _, child = name.rpartition(".")
         if parent != PACKAGE or not child.isidentifier():
             raise ValueError(f"{pyproject}: package-dir key {name!r} is not "
@@ -61,7 +70,11 @@ def make_shim(shim_dir: Path, pyproject: Path = ROOT / "pyproject.toml") -> Path
         shutil.rmtree(package)
     package.mkdir(parents=True)
     for child, path in dirs.items():
-        (package / child).symlink_to(path, target_is_directory=True)
+        if child:
+            (package / child).symlink_to(path, target_is_directory=True)
+        else:  # the namespace's own files
+            for file in sorted(path.glob("*.py")):
+                (package / file.name).symlink_to(file)
     return shim_dir
 
 

@@ -331,8 +331,11 @@ def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     env = json.loads((out / "env.json").read_text())
     assert env["environment"]["git_sha"] == FAKE_SHA and env["environment"]["dirty"] is True
     assert env["environment"]["torch"] == torch.__version__
-    # The shim's package is the copy's own files, not this checkout's.
-    assert env["pagedbench_path"] == [str((copy / "build" / "gpu-shim" / "pagedbench").resolve())]
+    # The shim's package is the copy's own files, not this checkout's (the copy's own
+    # namespace folder, which holds only __main__.py, may stand beside it).
+    shim = str((copy / "build" / "gpu-shim" / "pagedbench").resolve())
+    assert shim in env["pagedbench_path"]
+    assert set(env["pagedbench_path"]) <= {shim, str((copy / "pagedbench").resolve())}
     peaks = env["peaks"]
     assert peaks["copy_gbps"] > 0 and peaks["bf16_tflops"] > 0
     assert env["measured"]["copy_bandwidth_gbps"] == round(peaks["copy_gbps"], 1)
