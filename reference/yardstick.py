@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from .case import PagedCase
-from .dense import _checked, dequantize, gather_kv
+from .dense import _checked, dequantize, gather_kv, visible_keys
 from .errors import PagedValueError
 from .inputs import PagedInputs
 
@@ -170,15 +170,13 @@ def naive_logits(q: torch.Tensor, k: torch.Tensor, case: PagedCase,
     if case.logits_soft_cap is not None:
         cap = case.logits_soft_cap
         scores = cap * _via_float64(torch.tanh, scores / cap)
-    pos_q = torch.arange(kv_len - q_len + first_row, kv_len - q_len + first_row + rows,
-                         device=q.device)[:, None]  # [rows, 1]
-    pos_k = torch.arange(kv_len, device=q.device)[None, :]  # [1, kv_len]
     if alibi_slopes is not None:
+        pos_q = torch.arange(kv_len - q_len + first_row, kv_len - q_len + first_row + rows,
+                             device=q.device)[:, None]  # [rows, 1]
+        pos_k = torch.arange(kv_len, device=q.device)[None, :]  # [1, kv_len]
         distance = (pos_q - pos_k).float()  # [rows, kv_len]
         scores = scores - alibi_slopes.float()[:, None, None] * distance
-    visible = pos_k <= pos_q
-    if case.sliding_window is not None:
-        visible &= pos_k > pos_q - case.sliding_window
+    visible = visible_keys(q_len, kv_len, case, q.device)[first_row : first_row + rows]
     return scores.masked_fill(~visible, float("-inf"))
 
 
