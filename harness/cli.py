@@ -322,7 +322,7 @@ def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
                         help="judge raw ms, not each CPU sample divided by the drift probe "
                              "timed after it (which cancels a shared machine's drift)")
     gate_p.add_argument("--allow-unjudged", action="store_true",
-                        help="exit 0, not 6, when no point regressed but some could not be "
+                        help="exit 0, not 7, when no point regressed but some could not be "
                              "judged (too noisy, timed on one side only, or in only one of "
                              "baseline and current); the last line still counts them")
     gate_p.add_argument("--update-baseline", action="store_true",

@@ -158,7 +158,12 @@ def _impl_fault(step: str, exc: BaseException, prefix: str = "") -> Verdict:
     return Verdict(Status.ERROR, prefix + describe_exception(exc), step, exception=exc)
 
 
-def _harness_fault(step: str, exc: BaseException) -> Verdict:
+def harness_fault(step: str, exc: BaseException) -> Verdict:
+    """pagedbench's own ``harness-error`` in ``step``: past its budget (``TimeoutError``)
+    or raised."""
+    if isinstance(exc, TimeoutError):
+        return Verdict(Status.HARNESS_ERROR, f"pagedbench's {step}: {exc}; not the "
+                       "implementation's fault", step)
     return Verdict(Status.HARNESS_ERROR, f"pagedbench's {step} failed, not the "
                    f"implementation: {describe_exception(exc)}", step, exception=exc)
 
@@ -197,7 +202,7 @@ def attempt(adapter: Adapter, case: PagedCase, device: str, claimed: Attempt, *,
     try:
         inputs = materialize(case, device, tail_poison=claimed.tail_poison, on_device=on_device)
     except Exception as exc:
-        done.verdict = _harness_fault("inputs", exc)
+        done.verdict = harness_fault("inputs", exc)
         return done
     on_step(IMPL, "prepare")
     try:
@@ -266,7 +271,7 @@ def verdict_of(case: PagedCase, claimed: Attempt, out: object,
     try:
         comparison = tolerance.compare(out, expected, case.dtype, cu_seqlens_q(case))
     except Exception as exc:
-        return _harness_fault("compare", exc)
+        return harness_fault("compare", exc)
     return Verdict(Status.PASS if comparison.passed else Status.FAIL, comparison.reason,
                    None if comparison.passed else "compare", comparison, claimed.tail_poison,
                    claimed.logits_precision, truth_site, claimed.details,
@@ -325,7 +330,7 @@ def judge(
         expected = expected_for(case, device, claimed.logits_precision, truth=truth,
                                 truth_site=truth_site, device_truth=device_truth)
     except Exception as exc:
-        return _harness_fault("truth", exc)
+        return harness_fault("truth", exc)
     done = attempt(adapter, case, device, claimed, on_step=on_step,
                    on_device=truth_site == "device", probe_nan_tail=probe_nan_tail)
     if done.verdict is not None:
@@ -371,5 +376,5 @@ def assert_conforms(adapter: Adapter, case: PagedCase, device: str, *,
 
 __all__ = ["CASE_LOGITS_MARK", "HARNESS", "IMPL", "STALE_TAIL_MARK", "Attempt", "Verdict",
            "assert_conforms", "attempt", "claims", "cu_seqlens_q", "describe_exception",
-           "expected_for", "inputs_for", "judge", "nan_tail_output_finite", "synchronize",
+           "expected_for", "harness_fault", "inputs_for", "judge", "nan_tail_output_finite", "synchronize",
            "tail_poison", "verdict_of"]

@@ -21,7 +21,7 @@ compared. For each point present in both:
 
 The samples judged: on the CPU every sample divided by the drift probe block timed right
 after it (:class:`~.timing.DriftProbe`, dense attention of the case's own shapes), when both
-sides recorded one and it moved no more, and spread no more, than the samples did
+sides recorded one and it moved no more than the samples did
 (:func:`probe_distrust`); else the raw ms, where a ``slower`` or ``faster`` that the
 divided samples contradict (their ratio on the other side of 1) is ``too noisy``.
 Another process's load or a clock change slows both about alike at that moment, so the
@@ -57,7 +57,8 @@ from pagedbench.reference import PagedValueError
 
 from .record import ResultRecord
 from .report import escape, escape_frame
-from .speed import Outcome, Speed, Thresholds, compare_samples, decide, holm
+from .speed import (Outcome, Speed, Thresholds, compare_samples, decide, holm,
+                    median_ratio)
 from .status import ExitCode, Status
 from .store import read_lines, results_of
 
@@ -232,7 +233,7 @@ class GateReport:
 
     @property
     def exit_code(self) -> ExitCode:
-        """5 when no point was in both, else 1 on a broken or slower point, else 6 when a
+        """5 when no point was in both, else 1 on a broken or slower point, else 7 when a
         point could not be judged (:attr:`unjudged`; 0 with ``allow_unjudged``), else 0."""
         if not self.points:
             return ExitCode.NOTHING_COMPARABLE
@@ -365,10 +366,6 @@ def _environment_notes(baseline: dict[PointKey, ResultRecord],
     return notes
 
 
-def _median_ratio(baseline: list[float], current: list[float]) -> float:
-    return float(np.median(current) / np.median(baseline))
-
-
 def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
             thresholds: Thresholds = Thresholds(), allow_unjudged: bool = False) -> GateReport:
     """The gate of ``current`` against ``baseline`` (see the module docstring);
@@ -390,7 +387,8 @@ def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
         base_samples, current_samples, drift = judged_samples(b, c, thresholds)
         distrust, divided = probe_distrust(b, c, thresholds), math.nan
         if distrust:
-            divided = _median_ratio(base_samples, current_samples)
+            divided = float(median_ratio(np.asarray(current_samples),
+                                         np.asarray(base_samples)))
             base_samples, current_samples = _samples(b), _samples(c)
         speed = compare_samples(base_samples, current_samples, thresholds)
         applied = math.isfinite(drift) and not distrust

@@ -254,7 +254,7 @@ class Judge:
             return self._judged(index, lambda: conformance.verdict_of(
                 case, self._claimed, out, expected, self.sites[index]), "compare")
         except TimeoutError as exc:
-            return _harness_fault("compare", exc)
+            return conformance.harness_fault("compare", exc)
 
     def _hinted(self, verdict: conformance.Verdict, case: PagedCase) -> conformance.Verdict:
         if verdict.status in REPLAYED:
@@ -303,7 +303,7 @@ class Judge:
             try:
                 self._expected = self._expected_of(index, case, site)
             except Exception as exc:
-                return self._done(_harness_fault("truth", exc), case, site, reply={"go": False})
+                return self._done(conformance.harness_fault("truth", exc), case, site, reply={"go": False})
             return Answer({"go": True}), None
         if kind == "output":
             if self._expected is None or self._passed is not None:
@@ -324,7 +324,7 @@ class Judge:
                 try:
                     self._spot = (spot, self._expected_of(index, spot, site))
                 except Exception as exc:
-                    return self._done(_harness_fault("truth", exc), case, site,
+                    return self._done(conformance.harness_fault("truth", exc), case, site,
                                       reply={"time": False})
             return Answer({"time": True, "spot": spot is not None}), None
         if kind == "timed":
@@ -369,14 +369,6 @@ class Judge:
         return self._passed, timing
 
 
-def _harness_fault(step: str, exc: BaseException) -> conformance.Verdict:
-    """pagedbench's own ``harness-error`` in ``step`` (past its budget, or raised)."""
-    if isinstance(exc, TimeoutError):
-        return conformance.Verdict(Status.HARNESS_ERROR, f"pagedbench's {step}: {exc}; not "
-                                   "the implementation's fault", step)
-    return conformance.Verdict(Status.HARNESS_ERROR, f"pagedbench's {step} failed, not the "
-                               f"implementation: {conformance.describe_exception(exc)}", step)
-
-
-__all__ = ["REPLAYED", "SPOT_EVERY", "SPOT_SEED_OFFSET", "Judge", "Outcome", "Refused", "decode_output", "encode_output",
-           "judging_state", "output_shape", "payload_bytes", "spot_case"]
+__all__ = ["REPLAYED", "SPOT_EVERY", "SPOT_SEED_OFFSET", "Judge", "Outcome", "Refused",
+           "decode_output", "encode_output", "judging_state", "output_shape", "payload_bytes",
+           "spot_case"]

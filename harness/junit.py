@@ -15,7 +15,6 @@ are written as ``\\xNN``.
 
 from __future__ import annotations
 
-import os
 import re
 import socket
 import xml.etree.ElementTree as ET
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from .record import COMPARISON_FIELDS, ResultRecord, now
 from .status import Status
+from .store import write_output
 
 #: Characters outside XML 1.0's ``Char`` production.
 _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
@@ -93,11 +93,9 @@ def junit_xml(records: Iterable[ResultRecord], suite: str,
 
 def write_junit_xml(records: Iterable[ResultRecord], path: Path, suite: str,
                     seconds: Mapping[tuple[str, str], float] | None = None) -> None:
-    """Write :func:`junit_xml` to ``path`` atomically (beside it, then renamed)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(junit_xml(records, suite, seconds), encoding="utf-8")
-    os.replace(tmp, path)
+    """Write :func:`junit_xml` to ``path`` atomically (:func:`~.store.write_output`: a
+    link refused, a failed write an ``OutputError``)."""
+    write_output(Path(path), junit_xml(records, suite, seconds))
 
 
 __all__ = ["junit_xml", "write_junit_xml"]

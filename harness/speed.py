@@ -115,7 +115,9 @@ class Speed:
     reason: str = ""
 
 
-def _median_ratio(current: np.ndarray, baseline: np.ndarray, axis: int = -1) -> np.ndarray:
+def median_ratio(current: np.ndarray, baseline: np.ndarray, axis: int = -1) -> np.ndarray:
+    """``median(current) / median(baseline)`` along ``axis`` (samples in ms, or any unit
+    both share): above 1 is slower."""
     return np.median(current, axis=axis) / np.median(baseline, axis=axis)
 
 
@@ -125,7 +127,7 @@ def ratio_interval(baseline: Sequence[float], current: Sequence[float],
     median(baseline), each side resampled on its own; seeded, so a gate is reproducible
     (Efron and Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13)."""
     result = bootstrap((np.asarray(current, float), np.asarray(baseline, float)),
-                       _median_ratio, n_resamples=thresholds.resamples, vectorized=True,
+                       median_ratio, n_resamples=thresholds.resamples, vectorized=True,
                        confidence_level=1 - thresholds.alpha, method="percentile",
                        random_state=np.random.default_rng(0))
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
