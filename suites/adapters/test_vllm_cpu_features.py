@@ -127,9 +127,16 @@ def test_fp8_support_follows_the_hosts_isa(kv_cache_dtype: str, pytestconfig) ->
 @needs_vllm
 def test_the_loaded_build_is_recorded() -> None:
     """The library vLLM loaded is read from the process's mapped files, not guessed from
-    the CPU flags, and the ISA paths this host cannot take are named."""
+    the CPU flags (and is the one vLLM's rule picks from them), and the ISA paths this host
+    cannot take are named."""
     details = ADAPTER.available("cpu").details
-    assert details["library"] == loaded_library() != "unknown"
+    # vLLM's own rule (CpuPlatform.import_kernels in vllm/platforms/cpu.py), from the CPU
+    # flags: the adapter must have read the same library off the mapped files.
+    if torch.cpu._is_avx512_supported():
+        expected = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
+    else:
+        expected = "_C_AVX2"
+    assert details["library"] == loaded_library() == expected
     amx = torch.cpu._is_amx_tile_supported()
     assert details["isa_not_here"] == ("" if amx else "amx: not on this host (no amx_tile)")
 

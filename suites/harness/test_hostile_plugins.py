@@ -47,8 +47,10 @@ TARGETS = {
 }
 FIGURES = ("status", "step", "max_abs_err", "max_err_ulps", "mean_err_ulps", "naive_abs_err",
            "err_over_allowance", "worst_index")
+#: A case budget no loaded host reaches (no plug-in here hangs: the forged messages are
+#: refused, not timed out).
 CONFIG = dict(timing=True, warmup=1, repetitions=3, time_budget_s=0.05, time_limit_s=0.5,
-              case_timeout_s=20, threads=1)
+              case_timeout_s=120, threads=1)
 
 
 def _run(impls: dict[str, str], tmp_path, name: str) -> list[ResultRecord]:
