@@ -64,7 +64,8 @@ leaderboard: $(VENV)/.installed
 	mkdir -p $(TMPDIR)
 	rm -rf $(NEW_BOARD) && mkdir -p $(NEW_BOARD)
 	$(BIN)/python -c "import json, os; from pagedbench.harness.store import environment; \
-	print(json.dumps(environment('cpu') | {'cpu_count': os.cpu_count(), \
+	from pagedbench.harness.timing import CPU_THREADS; \
+	print(json.dumps(environment('cpu') | {'threads': CPU_THREADS, 'cpu_count': os.cpu_count(), \
 	'loadavg_1_5_15': os.getloadavg()}, indent=2))" > $(NEW_BOARD)/environment.json
 	$(BIN)/pagedbench bench --results-dir $(NEW_BOARD) || test $$? -eq 1
 	rm -f $(NEW_BOARD)/*.md
