@@ -22,8 +22,9 @@ compared. For each point present in both:
 The samples judged: on the CPU every sample divided by the drift probe block timed right
 after it (:class:`~.timing.DriftProbe`, dense attention of the case's own shapes), when both
 sides recorded one and it moved no more than the samples did
-(:func:`probe_distrust`); else the raw ms, where a ``slower`` or ``faster`` that the
-divided samples contradict (their ratio on the other side of 1) is ``too noisy``.
+(:func:`probe_distrust`); else the raw ms, where a verdict that the divided samples
+contradict (:func:`contradicted`: a change on the other side of 1, or a ``same`` that
+they show slower by ``min_effect``) is ``too noisy``, never a pass.
 Another process's load or a clock change slows both about alike at that moment, so the
 ratio cancels a shared machine's drift between runs and within one, which raw times on a
 busy runner cannot do (the false-alarm and detection rates of both are measured by
@@ -126,6 +127,21 @@ def probe_distrust(baseline: ResultRecord, current: ResultRecord,
         return ""
     return (f"drift probe not applied: it moved {math.exp(drift) - 1:+.0%}, the samples "
             f"{math.exp(raw) - 1:+.0%}")
+
+
+def contradicted(outcome: Outcome, raw: float, divided: float,
+                 thresholds: Thresholds) -> bool:
+    """Whether the samples divided by a distrusted drift probe (ratio ``divided``)
+    contradict the verdict of the raw ms (``outcome``, ratio ``raw``): a ``slower`` or
+    ``faster`` whose divided ratio lies on the other side of 1, or a ``same`` whose
+    divided ratio is a slowdown of at least ``min_effect``. The second keeps a gate from
+    passing a slowdown that a faster machine hid in the raw ms: on the quiet 2-core AMD
+    EPYC the host's own speed moved by up to 1.5x between runs, and a build slowed 1.5x
+    measured the same raw ms as a golden timed in a slow spell (the probe -30%), which the
+    raw verdict passed (results/gate-calibration/quiet-2core.json, docs/gate.md)."""
+    if outcome in (Outcome.SLOWER, Outcome.FASTER):
+        return (raw - 1) * (divided - 1) <= 0
+    return outcome is Outcome.SAME and divided >= 1 + thresholds.min_effect
 
 
 def judged_samples(baseline: ResultRecord, current: ResultRecord,
@@ -401,8 +417,7 @@ def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
     adjusted = holm([speed.p_value for _, speed, *_ in judged])
     for (key, speed, drift, distrust, divided), p_value in zip(judged, adjusted):
         outcome, reason = decide(speed.ratio, p_value, speed.interval, thresholds)
-        if distrust and outcome in (Outcome.SLOWER, Outcome.FASTER) \
-                and (speed.ratio - 1) * (divided - 1) <= 0:
+        if distrust and contradicted(outcome, speed.ratio, divided, thresholds):
             outcome, reason = Outcome.NOISY, (
                 f"{distrust}; raw ms say {speed.ratio - 1:+.0%}, divided by it "
                 f"{divided - 1:+.0%}: the machine's drift cannot be told from a change")
@@ -508,6 +523,7 @@ __all__ = [
     "PointResult",
     "baseline_paths",
     "compare",
+    "contradicted",
     "device_folder",
     "judged_samples",
     "probe_distrust",
