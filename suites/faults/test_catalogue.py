@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from pagedbench.adapters import ENTRY_POINT_GROUP, load
-from pagedbench.harness import conformance, selftest
+from pagedbench.harness.verdict import conformance
+from pagedbench.harness.run import selftest
 from pagedbench.reference import PagedCase
 
 from pagedbench.suites.faults import SITE
@@ -84,7 +85,7 @@ def selftest_rows(tmp_path_factory) -> dict[str, dict]:
     """``pagedbench selftest`` in the ci profile, its rows by implementation."""
     out = tmp_path_factory.mktemp("selftest")
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedbench.harness.cli", "selftest", "--first-catch", "--json",
+        [sys.executable, "-m", "pagedbench.harness.cli.main", "selftest", "--first-catch", "--json",
          str(out / "rows.json"), "--output-dir", str(out / "run")],
         capture_output=True, text=True, timeout=1800)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr

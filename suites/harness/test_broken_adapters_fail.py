@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pagedbench.adapters import Adapter, Availability, Capabilities, load
-from pagedbench.harness import conformance
-from pagedbench.harness.record import ResultRecord
-from pagedbench.harness.runner import RunConfig, make_plan, run
-from pagedbench.harness.status import ExitCode, Status
-from pagedbench.harness.store import ResultsFile, read_lines
+from pagedbench.harness.verdict import conformance
+from pagedbench.harness.results.record import ResultRecord
+from pagedbench.harness.run.runner import RunConfig, make_plan, run
+from pagedbench.harness.verdict.status import ExitCode, Status
+from pagedbench.harness.results.store import ResultsFile, read_lines
 from pagedbench.reference import PagedCase
 
 from .conftest import BROKEN
@@ -123,7 +123,7 @@ def test_a_crash_right_after_a_result_blames_the_right_case(tmp_path) -> None:
         ("a", Status.PASS), ("b", Status.PASS), ("abort", Status.CRASH), ("d", Status.PASS)]
 
 
-CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
+CLI = [sys.executable, "-m", "pagedbench.harness.cli.main"]
 ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]
 
 

@@ -1,4 +1,4 @@
-"""harness/tolerance.py: the policy's arithmetic and its failure modes. Expected values
+"""harness/verdict/tolerance.py: the policy's arithmetic and its failure modes. Expected values
 come from numpy's float32/float16 spacing and from hand-computed bfloat16 ulps."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedbench.harness.tolerance import (
+from pagedbench.harness.verdict.tolerance import (
     ERROR_RATIO,
     ULP_FLOOR,
     Expected,

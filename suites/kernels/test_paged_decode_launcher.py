@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedbench.harness.tolerance import Expected, assert_close_report, compare
+from pagedbench.harness.verdict.tolerance import Expected, assert_close_report, compare
 from pagedbench.reference import PagedCase, materialize
 
 triton = pytest.importorskip("triton")

@@ -1,4 +1,4 @@
-"""``pagedbench simulate`` through :func:`harness.simulate.run`: JSON schema, values, files
+"""``pagedbench simulate`` through :func:`harness.capacity.simulate.run`: JSON schema, values, files
 and exit codes."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pagedbench.harness import simulate as cli
-from pagedbench.harness.cli import main
+from pagedbench.harness.capacity import simulate as cli
+from pagedbench.harness.cli.main import main
 
 REQUIRED_FIELDS = {
     "policy": str,
