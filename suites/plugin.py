@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 
 from pagedbench.harness.run.environment import (CACHE_DIR_VARIABLE, DEFAULT_CACHE_DIR,
-                                            apply_environment, cache_environment,
-                                            default_cache_dir)
+                                                apply_environment, cache_environment,
+                                                default_cache_dir)
 
 MARKERS = (
     "gpu: needs a CUDA device (skipped without one)",

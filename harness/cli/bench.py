@@ -17,10 +17,9 @@ from pagedbench.reference import DTYPES, PagedInputError, PagedValueError, check
 
 from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.harness.cases.workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
-from pagedbench.harness.cli.options import (checked_device, device_arg, int_in,
-                                            positive_int, positive_seconds,
-                                            run_and_bench_arguments, select_impls,
-                                            writable_file, writable_folder)
+from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
+                                            positive_seconds, run_and_bench_arguments,
+                                            select_impls, writable_file, writable_folder)
 from pagedbench.harness.cli.run import (interrupted, progress_line, results_of_run,
                                         warn_oversubscribed)
 from pagedbench.harness.results import report

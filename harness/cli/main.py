@@ -7,7 +7,8 @@
 ``pagedbench list``     implementations, their availability (with reasons) and capabilities.
 ``pagedbench report``   the leaderboard of stored result files (Markdown, CSV or HTML).
 ``pagedbench gate``     current results against a baseline: exit 1 on a conformance
-                        regression or a slowdown beyond noise (:mod:`pagedbench.harness.gate.compare`).
+                        regression or a slowdown beyond noise
+                        (:mod:`pagedbench.harness.gate.compare`).
 ``pagedbench schema``   the JSON Schema of a results-file line.
 ``pagedbench simulate`` KV capacity: contiguous reservation vs paged allocation on a trace.
 ``pagedbench replay``   re-run one case (a failure's case file, a result line) and show
@@ -16,13 +17,12 @@
                         catches each fault.
 
 Implementations are found without importing them and imported only in worker processes
-(:mod:`pagedbench.harness.run.worker`), so no plug-in can take a command down. Bad options and input files are
-refused with the option, the value and what is allowed (exit 2); exit codes are those of
-:class:`~pagedbench.harness.verdict.status.ExitCode`.
-Each command's options and body are in one module of this package (:mod:`.run`,
-:mod:`pagedbench.harness.run.bench`, :mod:`.results`, :mod:`pagedbench.harness.run.replay`; ``simulate``'s in
-:mod:`pagedbench.harness.capacity.simulate`); this one builds the parser and turns errors
-into exit codes.
+(:mod:`pagedbench.harness.run.worker`), so no plug-in can take a command down. Bad options and
+input files are refused with the option, the value and what is allowed (exit 2); exit codes are
+those of :class:`~pagedbench.harness.verdict.status.ExitCode`. Each command's options and body are
+in one module of this package (:mod:`.run`, :mod:`.bench`, :mod:`.results`, :mod:`.replay`;
+``simulate``'s in :mod:`pagedbench.harness.capacity.simulate`); this one builds the parser and
+turns errors into exit codes.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, er
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedbench`` console script; returns the exit code
-    (:class:`~pagedbench.harness.verdict.status.ExitCode`; ``128 + N`` when stopped by signal N)."""
+    (:class:`~pagedbench.harness.verdict.status.ExitCode`; ``128 + N`` when stopped by signal
+    N)."""
     args = _parser().parse_args(argv)
     commands = {"run": run.cmd_run, "bench": bench.cmd_bench, "list": results.cmd_list,
                 "report": results.cmd_report, "schema": results.cmd_schema,

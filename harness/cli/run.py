@@ -12,11 +12,10 @@ from rich.markup import escape as rich_escape
 from pagedbench.adapters import entries
 from pagedbench.reference import DTYPES, PagedInputError, PagedValueError, check_fits
 
-from pagedbench.harness.cases.presets import (DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES,
-                                              MODEL_PRESETS, default_cases)
-from pagedbench.harness.cli.options import (checked_device, device_arg, int_in,
-                                            positive_int, positive_seconds,
-                                            run_and_bench_arguments, run_id_arg,
+from pagedbench.harness.cases.presets import (DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS,
+                                              default_cases)
+from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
+                                            positive_seconds, run_and_bench_arguments, run_id_arg,
                                             select_impls, writable_file, writable_folder)
 from pagedbench.harness.measure.timing import oversubscribed
 from pagedbench.harness.results import report
@@ -196,7 +195,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:
-    """Warn when a CPU timing's threads oversubscribe the host (:func:`~pagedbench.harness.measure.timing.oversubscribed`)."""
+    """Warn when a CPU timing's threads oversubscribe the host
+    (:func:`~pagedbench.harness.measure.timing.oversubscribed`)."""
     warning = oversubscribed(config.threads) if config.device == "cpu" and config.timing else ""
     if warning:
         console.print(f"[yellow]warning: {rich_escape(warning)}[/]")

@@ -57,7 +57,8 @@ def baseline_paths(path: Path, devices: Iterable[str]) -> list[Path]:
 
 def read_results(paths: Iterable[Path]) -> list[ResultRecord]:
     """The result lines of ``paths`` (files or folders of ``.jsonl``), validated
-    (:func:`~pagedbench.harness.results.store.read_lines`; raises :class:`~pagedbench.harness.results.store.ResultsFileError`)."""
+    (:func:`~pagedbench.harness.results.store.read_lines`; raises
+    :class:`~pagedbench.harness.results.store.ResultsFileError`)."""
     return results_of(read_lines(paths))
 
 

@@ -20,25 +20,24 @@ compared. For each point present in both:
   ``same`` otherwise.
 
 The samples judged: on the CPU every sample divided by the drift probe block timed right
-after it (:class:`~pagedbench.harness.measure.timing.DriftProbe`, dense attention of the case's own shapes), when both
-sides recorded one and it moved no more than the samples did
-(:func:`probe_distrust`); else the raw ms, where a ``slower`` or ``faster`` that the
-divided samples contradict (their ratio on the other side of 1) is ``too noisy``.
-Another process's load or a clock change slows both about alike at that moment, so the
-ratio cancels a shared machine's drift between runs and within one, which raw times on a
-busy runner cannot do (the false-alarm and detection rates of both are measured by
-:mod:`pagedbench.harness.calibration.gate`); the table also shows the drift probe's own change, the machine's.
-Raw milliseconds are judged where a side has no drift probe (GPU timings, lines before
-schema 4) or with ``Thresholds(probe=False)`` (``--raw``).
+after it (:class:`~pagedbench.harness.measure.timing.DriftProbe`, dense attention of the case's own
+shapes), when both sides recorded one and it moved no more than the samples did
+(:func:`probe_distrust`); else the raw ms, where a ``slower`` or ``faster`` that the divided
+samples contradict (their ratio on the other side of 1) is ``too noisy``. Another process's load or
+a clock change slows both about alike at that moment, so the ratio cancels a shared machine's drift
+between runs and within one, which raw times on a busy runner cannot do (the false-alarm and
+detection rates of both are measured by :mod:`pagedbench.harness.calibration.gate`); the table also
+shows the drift probe's own change, the machine's. Raw milliseconds are judged where a side has no
+drift probe (GPU timings, lines before schema 4) or with ``Thresholds(probe=False)`` (``--raw``).
 
 The gate fails (exit 1) on any ``broken`` or ``slower`` point; with no point in common it
-says "nothing comparable" (exit 5, :class:`~pagedbench.harness.verdict.status.ExitCode`); otherwise a point it could
-not judge (``too noisy``, timed on one side only, or in only one of the baseline and the
-current results) makes it exit 7, "not judged", on its last line (``allow_unjudged``,
-``--allow-unjudged``: exit 0). Baselines live under
+says "nothing comparable" (exit 5, :class:`~pagedbench.harness.verdict.status.ExitCode`);
+otherwise a point it could not judge (``too noisy``, timed on one side only, or in only one
+of the baseline and the current results) makes it exit 7, "not judged", on its last line
+(``allow_unjudged``, ``--allow-unjudged``: exit 0). Baselines live under
 ``results/baselines/<device>/`` (:mod:`.baselines`, written by ``pagedbench gate
---update-baseline``). The false-alarm and
-detection rates of the defaults are measured by :mod:`pagedbench.harness.calibration.gate`.
+--update-baseline``). The false-alarm and detection rates of the defaults are measured by
+:mod:`pagedbench.harness.calibration.gate`.
 """
 
 from __future__ import annotations
@@ -52,8 +51,8 @@ import pandas as pd
 
 from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.results.report import escape, escape_frame
-from pagedbench.harness.measure.speed import (Outcome, Speed, Thresholds, compare_samples, decide, holm,
-                    median_ratio)
+from pagedbench.harness.measure.speed import (Outcome, Speed, Thresholds, compare_samples, decide,
+                                              holm, median_ratio)
 from pagedbench.harness.verdict.status import ExitCode, Status
 
 
@@ -93,8 +92,8 @@ def _samples(record: ResultRecord) -> list[float]:
 
 
 def _drift_probe(record: ResultRecord) -> list[float]:
-    """The record's drift probe blocks (one per sample, :class:`~pagedbench.harness.results.record.TimingStats`
-    checks), or none."""
+    """The record's drift probe blocks (one per sample,
+    :class:`~pagedbench.harness.results.record.TimingStats` checks), or none."""
     return list(record.time_ms.probe) if record.time_ms is not None else []
 
 

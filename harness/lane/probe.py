@@ -42,14 +42,16 @@ def _nvidia_smi() -> dict[str, Any]:
 
 def measure_device(device: str) -> dict[str, Any]:
     """The copy bandwidth and bf16 matrix-product rate measured on ``device``
-    (:func:`~pagedbench.harness.measure.timing.measure_peaks`, what ``pagedbench bench`` measures), the figures
-    the sweep's fractions are taken of (``bench --peaks env.json``).
+    (:func:`~pagedbench.harness.measure.timing.measure_peaks`, what ``pagedbench bench`` measures),
+    the figures the sweep's fractions are taken of (``bench --peaks env.json``).
 
-    ``peaks``: the :class:`~pagedbench.harness.results.record.DevicePeaks` fields; ``copy_bandwidth_gbps``: a
-    device-to-device ``copy_`` of :data:`~pagedbench.harness.measure.timing.COPY_BYTES` (1 GiB on CUDA), bytes read
-    plus written per second (1e9 B/s); ``bf16_tflops``: a bf16 matrix product of
-    :data:`~pagedbench.harness.measure.timing.MATMUL_N` (8192 on CUDA), 2 n^3 FLOP. Medians of ``do_bench`` (CUDA
-    events, L2 cleared) on CUDA, of ``torch.utils.benchmark`` on the CPU (rehearsal).
+    ``peaks``: the :class:`~pagedbench.harness.results.record.DevicePeaks` fields;
+    ``copy_bandwidth_gbps``: a device-to-device ``copy_`` of
+    :data:`~pagedbench.harness.measure.timing.COPY_BYTES` (1 GiB on CUDA), bytes read plus written
+    per second (1e9 B/s); ``bf16_tflops``: a bf16 matrix product of
+    :data:`~pagedbench.harness.measure.timing.MATMUL_N` (8192 on CUDA), 2 n^3 FLOP. Medians of
+    ``do_bench`` (CUDA events, L2 cleared) on CUDA, of ``torch.utils.benchmark`` on the CPU
+    (rehearsal).
     """
     from pagedbench.harness.measure.timing import COPY_BYTES, MATMUL_N, measure_peaks
 

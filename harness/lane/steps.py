@@ -21,13 +21,13 @@ A step past its budget gets SIGINT, then SIGKILL after :data:`GRACE_S`;
 run within it and the points it left out.
 
 The commit and dirtiness come from outside (no ``.git`` travels) and reach every result
-line through :data:`~pagedbench.harness.results.store.GIT_SHA_ENV`. At the end the folder is packed to at most
-:data:`MAX_FILES_BACK` plain files (:data:`KEPT_FILES`, the rest in ``logs.tar.gz``),
-``lane.json`` records every step, and a summary line starting with :data:`SUMMARY_PREFIX`
-is printed last. Exit 0 when every step passed within budget, else 1. ``--device cpu``
-is the CI rehearsal: a tiny selection (:data:`CPU_SELECTION`), budgets for a busy host.
-What the steps run is in :mod:`.sweep` (the selection, the truths and sweep steps) and
-:mod:`.probe` (the env and list steps); this module runs them, with their budgets.
+line through :data:`~pagedbench.harness.results.store.GIT_SHA_ENV`. At the end the folder is packed
+to at most :data:`MAX_FILES_BACK` plain files (:data:`KEPT_FILES`, the rest in ``logs.tar.gz``),
+``lane.json`` records every step, and a summary line starting with :data:`SUMMARY_PREFIX` is
+printed last. Exit 0 when every step passed within budget, else 1. ``--device cpu`` is the CI
+rehearsal: a tiny selection (:data:`CPU_SELECTION`), budgets for a busy host. What the steps run is
+in :mod:`.sweep` (the selection, the truths and sweep steps) and :mod:`.probe` (the env and list
+steps); this module runs them, with their budgets.
 """
 
 from __future__ import annotations

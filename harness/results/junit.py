@@ -54,8 +54,8 @@ def junit_xml(records: Iterable[ResultRecord], suite: str,
               seconds: Mapping[tuple[str, str], float] | None = None) -> str:
     """The JUnit XML document of ``records`` as one test suite named ``suite``; each
     testcase's ``time`` is its wall time from ``seconds`` (by implementation and case
-    id, :attr:`pagedbench.harness.run.progress.RunProgress.seconds`; 0 for a result without one, such as one
-    a resumed run already had), the suite's their sum."""
+    id, :attr:`pagedbench.harness.run.progress.RunProgress.seconds`; 0 for a result without one,
+    such as one a resumed run already had), the suite's their sum."""
     seconds = seconds or {}
     latest: dict[tuple[str, str], ResultRecord] = {}
     for record in records:

@@ -67,7 +67,8 @@ class ResultsFileError(PagedValueError):
 class OutputError(Exception):
     """A file pagedbench writes could not be written: a failed write (disk full, I/O
     error) or a symbolic link it refuses; the message starts with the file. Exit code
-    :attr:`~pagedbench.harness.verdict.status.ExitCode.WRITE_ERROR`: what was written before is intact."""
+    :attr:`~pagedbench.harness.verdict.status.ExitCode.WRITE_ERROR`: what was written before is
+    intact."""
 
     def __init__(self, file: Path, problem: str) -> None:
         super().__init__(f"{file}: {problem}")
@@ -159,9 +160,9 @@ def environment(device: str) -> dict[str, Any]:
     Keys: ``device`` (CPU model or GPU name), ``device_type``, ``cc`` (CUDA compute
     capability or None), ``driver`` (CUDA driver/runtime version or None), ``threads``,
     ``python``, the version of each library of
-    :data:`~pagedbench.harness.results.record.VERSION_FIELDS` (None when absent), ``git_sha``, ``dirty`` (from
-    :data:`GIT_SHA_ENV` and :data:`GIT_DIRTY_ENV` when set, else from git), ``host``
-    (:class:`~pagedbench.harness.results.record.Environment`).
+    :data:`~pagedbench.harness.results.record.VERSION_FIELDS` (None when absent), ``git_sha``,
+    ``dirty`` (from :data:`GIT_SHA_ENV` and :data:`GIT_DIRTY_ENV` when set, else from git),
+    ``host`` (:class:`~pagedbench.harness.results.record.Environment`).
     """
     device_type = torch.device(device).type
     env: dict[str, Any] = {"device_type": device_type, "cc": None, "driver": None}

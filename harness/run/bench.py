@@ -29,9 +29,9 @@ from pagedbench.reference import DTYPES, PagedCase, PagedValueError
 from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.harness.measure.speed import Thresholds
 from pagedbench.harness.measure.timing import flops
-from pagedbench.harness.cases.workloads import (BATCH_BOUNDS, CONTIGUOUS_TAG, LAYOUT_RATIOS, MAX_BATCH_SEQUENCES,
-                        MAX_SEQ_LEN, MODES, Workload, grid_workload, preset_workload,
-                        spec_workload)
+from pagedbench.harness.cases.workloads import (BATCH_BOUNDS, CONTIGUOUS_TAG, LAYOUT_RATIOS,
+                                                MAX_BATCH_SEQUENCES, MAX_SEQ_LEN, MODES, Workload,
+                                                grid_workload, preset_workload, spec_workload)
 
 GRIDS = ("full", "axes", "none")
 #: Multiple the contiguous block size is rounded up to (flash-attn's paged KV needs 256).
@@ -45,8 +45,9 @@ class Sweep:
     Attributes
     ----------
     modes, layouts : tuple[str, ...]
-        Of :data:`~pagedbench.harness.cases.workloads.MODES`; layouts of :data:`~pagedbench.harness.cases.workloads.LAYOUT_RATIOS` or
-        preset names (their heads and head_dim).
+        Of :data:`~pagedbench.harness.cases.workloads.MODES`; layouts of
+        :data:`~pagedbench.harness.cases.workloads.LAYOUT_RATIOS` or preset names (their heads and
+        head_dim).
     batch_sizes, contexts : tuple[int, ...]
         Sequences per batch; the KV length of every sequence (tokens).
     block_sizes, dtypes : tuple
@@ -143,9 +144,9 @@ class Sweep:
 
     def cases(self) -> list[PagedCase]:
         """Every point: each workload at each dtype and block size, then at its contiguous
-        block size (tagged :data:`~pagedbench.harness.cases.workloads.CONTIGUOUS_TAG`) unless a block size of the
-        sweep already holds its longest sequence;
-        points above :attr:`max_flops` left out."""
+        block size (tagged :data:`~pagedbench.harness.cases.workloads.CONTIGUOUS_TAG`) unless a
+        block size of the sweep already holds its longest sequence; points above :attr:`max_flops`
+        left out."""
         self._left_out.clear()
         cases: list[PagedCase] = []
         for workload in self.workloads():

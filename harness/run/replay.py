@@ -72,9 +72,9 @@ def hint(case: PagedCase, impl: str, folder: Path | None = None) -> str:
 
 
 def check(adapter: Adapter, case: PagedCase, device: str, impl: str) -> tolerance.Comparison:
-    """:func:`pagedbench.harness.verdict.conformance.assert_conforms` whose failure message ends with the replay
-    command (:func:`hint`); ``impl`` is the name the implementation is selected by. The
-    truth of each case is computed once per process.
+    """:func:`pagedbench.harness.verdict.conformance.assert_conforms` whose failure message ends
+    with the replay command (:func:`hint`); ``impl`` is the name the implementation is selected by.
+    The truth of each case is computed once per process.
 
     Raises
     ------

@@ -1,19 +1,19 @@
 """The runner: every implementation of a plan on every case, each in its own worker.
 
 For each implementation a worker (:mod:`.worker`, supervised by
-:class:`~.supervisor.Supervisor`) imports the adapter (the only process that does), asks ``available``, then per case ``why_unsupported``,
-``prepare``, ``run``, ``describe`` and, for a pass, the timing, and sends back only its
-output (and timings). The judge (:class:`~.judge.Judge`) runs here, in the parent: the
-truth (cached by :mod:`pagedbench.harness.verdict.truth`), the yardstick and the comparison, from inputs it draws
-itself from the case's seed, so that nothing the implementation does reaches them. Each
-result is a validated :class:`~pagedbench.harness.results.record.ResultRecord`, appended to the results file at
-once. Everything the worker does is the implementation's and shares ``case_timeout_s``
-per case (import and ``available`` once); the judge's work has ``harness_timeout_s``, and
-a worker's start-up its own. A step past its budget is recorded against its party
-(``timeout``, or ``harness-error``); a worker that dies costs the case in flight a
-``crash``, one that sends what its job does not allow an ``error``; a fault while loading
-costs every remaining case of that implementation; otherwise a fresh worker continues
-with the next case. One implementation's failure never loses another's results.
+:class:`~.supervisor.Supervisor`) imports the adapter (the only process that does), asks
+``available``, then per case ``why_unsupported``, ``prepare``, ``run``, ``describe`` and, for a
+pass, the timing, and sends back only its output (and timings). The judge (:class:`~.judge.Judge`) runs here, in the parent: the
+truth (cached by :mod:`pagedbench.harness.verdict.truth`), the yardstick and the comparison, from
+inputs it draws itself from the case's seed, so that nothing the implementation does reaches them.
+Each result is a validated :class:`~pagedbench.harness.results.record.ResultRecord`, appended to
+the results file at once. Everything the worker does is the implementation's and shares
+``case_timeout_s`` per case (import and ``available`` once); the judge's work has
+``harness_timeout_s``, and a worker's start-up its own. A step past its budget is recorded against
+its party (``timeout``, or ``harness-error``); a worker that dies costs the case in flight a
+``crash``, one that sends what its job does not allow an ``error``; a fault while loading costs
+every remaining case of that implementation; otherwise a fresh worker continues with the next case.
+One implementation's failure never loses another's results.
 
 A run records its plan when it starts and ``finished`` when it ends, so that
 :func:`run` with ``resume=True`` completes an interrupted run without redoing the
@@ -88,12 +88,15 @@ class RunConfig:
     cache_dir : Path
         Where float64 truths are cached between workers and runs.
     host_truth_bytes : int or None
-        Largest :func:`~pagedbench.harness.verdict.truth.truth_bytes` of a case whose truth is computed on the host;
-        larger ones get a device truth (:func:`~pagedbench.harness.verdict.truth.truth_site`). ``None``:
-        :func:`~pagedbench.harness.verdict.truth.host_budget_bytes` of the machine the worker runs on.
+        Largest :func:`~pagedbench.harness.verdict.truth.truth_bytes` of a case whose truth is
+        computed on the host; larger ones get a device truth
+        (:func:`~pagedbench.harness.verdict.truth.truth_site`). ``None``:
+        :func:`~pagedbench.harness.verdict.truth.host_budget_bytes` of the machine the worker runs
+        on.
     suite : str
         Recorded in each result (``"default"``, ``"gpu-lane"``, ``"bench"``, ...); in a
-        ``"bench"`` run each result also names its workload (:func:`~pagedbench.harness.cases.workloads.workload_fields`).
+        ``"bench"`` run each result also names its workload
+        (:func:`~pagedbench.harness.cases.workloads.workload_fields`).
 
     Raises
     ------
@@ -277,8 +280,8 @@ PEAKS_STEPS = ("device peaks",)
 
 def device_peaks(config: RunConfig) -> tuple[DevicePeaks | None, str]:
     """Measure the copy bandwidth and bf16 throughput of ``config.device`` in a worker
-    (:func:`~pagedbench.harness.measure.timing.measure_peaks`, with ``config.threads``): the peaks, or None and why
-    the measurement failed (a run goes on without them)."""
+    (:func:`~pagedbench.harness.measure.timing.measure_peaks`, with ``config.threads``): the peaks,
+    or None and why the measurement failed (a run goes on without them)."""
     worker_env = worker_environment(config.device, config.cache_dir)
     job = {"kind": "peaks", "device": config.device, "threads": config.threads}
     found: list[DevicePeaks] = []
@@ -304,8 +307,8 @@ def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig
     """Evaluate ``cases`` with the adapter ``target`` in worker processes, judged here
     (:class:`~.judge.Judge`), calling ``emit`` with each record as it arrives; faults
     become records too. ``peaks`` (the device's, measured once per run) go into every
-    record. A case whose truth fits nowhere (:func:`~pagedbench.harness.verdict.truth.truth_site`) is a
-    ``harness-error`` without a worker."""
+    record. A case whose truth fits nowhere (:func:`~pagedbench.harness.verdict.truth.truth_site`)
+    is a ``harness-error`` without a worker."""
     row: ListingRow | None = None
 
     def record(case: PagedCase, status: Status, reason: str, step: str | None,

@@ -34,7 +34,8 @@ from pagedbench.reference import PagedCase, PagedTypeError, PagedValueError, mat
 
 from pagedbench.harness.measure.timing import (DriftProbe, Timing, measure_peaks, time_cpu,
                                                time_cuda, time_once)
-from pagedbench.harness.results.record import DevicePeaks, ListingRow, to_json_data, validation_problem
+from pagedbench.harness.results.record import (DevicePeaks, ListingRow, to_json_data,
+                                               validation_problem)
 from pagedbench.harness.run.judge import SPOT_EVERY, encode_output, spot_case
 from pagedbench.harness.run.runner import RunConfig, error_row
 from pagedbench.harness.verdict import conformance

@@ -7,10 +7,10 @@ An implementation is to blame for ``fail``, ``error``, ``crash`` and ``timeout``
 truth, building the inputs, timing) and never the implementation's; ``unsupported`` and
 ``unavailable`` are no verdict at all. :func:`exit_code` turns a run's statuses into the
 CLI's exit code (:class:`ExitCode`, README "Verdicts and exit codes"); ``pagedbench gate`` has its
-own outcomes (:mod:`pagedbench.harness.gate.compare`) and exits 0, 1, 2, :attr:`ExitCode.NOTHING_COMPARABLE` or
-:attr:`ExitCode.UNJUDGED`.
-Any command that cannot write an output file (disk full, I/O error, a symbolic link it
-refuses) exits :attr:`ExitCode.WRITE_ERROR`, naming the file.
+own outcomes (:mod:`pagedbench.harness.gate.compare`) and exits 0, 1, 2,
+:attr:`ExitCode.NOTHING_COMPARABLE` or :attr:`ExitCode.UNJUDGED`. Any command that cannot write an
+output file (disk full, I/O error, a symbolic link it refuses) exits :attr:`ExitCode.WRITE_ERROR`,
+naming the file.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from pagedbench.suites import conftest as _session  # noqa: F401  isort: skip
 from pagedbench.adapters import entries, load
 from pagedbench.harness.verdict import conformance
 from pagedbench.harness.run.selftest import (CONTROL, DEFAULT_CATALOGUE, catalogue_entries,
-                                          register_catalogue)
+                                             register_catalogue)
 from pagedbench.harness.results.store import environment
 from pagedbench.suites.budget import TABLE
 

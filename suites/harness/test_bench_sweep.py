@@ -18,8 +18,8 @@ from pagedbench.harness.results.derived import bench_frame, fast_p, group_scores
 from pagedbench.harness.results.record import environment_key, result_key
 from pagedbench.harness.results.store import read_lines
 from pagedbench.harness.cases.workloads import (BENCH_SUITE, CONTIGUOUS_TAG, format_batch_spec,
-                                          grid_workload, parse_batch_spec, preset_workload,
-                                          spec_workload)
+                                                grid_workload, parse_batch_spec, preset_workload,
+                                                spec_workload)
 from pagedbench.reference import PagedValueError, materialize
 
 from .conftest import BROKEN, ENV, register, result

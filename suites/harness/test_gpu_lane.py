@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedbench.harness.lane import carry as gpu_carry, ingest as gpu_ingest, probe, steps as gpu_lane
+from pagedbench.harness.lane import (carry as gpu_carry, ingest as gpu_ingest, probe,
+                                     steps as gpu_lane)
 from pagedbench.harness.lane import sweep
 from pagedbench.harness.run.bench import CPU_SWEEP
 from pagedbench.harness.results import store

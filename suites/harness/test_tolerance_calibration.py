@@ -10,13 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedbench.harness.calibration.tolerance import (
-    FAULTY,
-    judge,
-    random_case,
-    truncate_toward_zero,
-    variants_for,
-)
+from pagedbench.harness.calibration.tolerance import (FAULTY, judge, random_case,
+                                                      truncate_toward_zero, variants_for)
 
 #: Random cases per dtype in `make test` (the documented command draws 1000).
 SAMPLE = 20

@@ -7,14 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedbench.harness.verdict.tolerance import (
-    ERROR_RATIO,
-    ULP_FLOOR,
-    Expected,
-    assert_close_report,
-    compare,
-    ulp,
-)
+from pagedbench.harness.verdict.tolerance import (ERROR_RATIO, ULP_FLOOR, Expected,
+                                                  assert_close_report, compare, ulp)
 
 TRUTH = torch.tensor([[[1.0, -2.0, 0.5, 0.25]]], dtype=torch.float64)  # [1, 1, 4]
 NAIVE = TRUTH + torch.tensor([0.0, 0.01, 0.0, 0.0], dtype=torch.float64)  # naive error 0.01
