@@ -1,4 +1,4 @@
-"""``python -m pagedbench``: the ``pagedbench`` command (:func:`pagedbench.harness.cli.main.main`).
+"""``python -m pagedbench``: the ``pagedbench`` command (:func:`pagedbench.harness.cli.main`).
 
 This folder is the top-level package's only file of its own: pyproject maps each other
 folder of the checkout to ``pagedbench.<folder>``, and ``pagedbench`` stays a namespace.
@@ -6,6 +6,6 @@ folder of the checkout to ``pagedbench.<folder>``, and ``pagedbench`` stays a na
 
 import sys
 
-from pagedbench.harness.cli.main import main
+from pagedbench.harness.cli import main
 
 sys.exit(main())

@@ -83,7 +83,7 @@ def run_once(work_dir: Path, run_args: list[str], impls: tuple[str, ...]) -> Pat
     """
     results = work_dir / "runs"
     before = set(results.glob("*.jsonl"))
-    argv = [sys.executable, "-m", "pagedbench.harness.cli.main", "run", *run_args,
+    argv = [sys.executable, "-m", "pagedbench.harness.cli", "run", *run_args,
             *(a for impl in impls for a in ("--impl", impl)),
             "--results-dir", str(results), "--cache-dir", str(work_dir / "cache")]
     proc = subprocess.run(argv, env=plugin_environment(work_dir / "site"),

@@ -2,6 +2,6 @@
 
 import sys
 
-from pagedbench.harness.cli.main import main
+from pagedbench.harness.cli import main
 
 sys.exit(main())

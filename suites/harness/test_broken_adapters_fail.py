@@ -123,7 +123,7 @@ def test_a_crash_right_after_a_result_blames_the_right_case(tmp_path) -> None:
         ("a", Status.PASS), ("b", Status.PASS), ("abort", Status.CRASH), ("d", Status.PASS)]
 
 
-CLI = [sys.executable, "-m", "pagedbench.harness.cli.main"]
+CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
 ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]
 
 

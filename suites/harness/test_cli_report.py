@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedbench.harness.cli.main import main
+from pagedbench.harness.cli import main
 from pagedbench.harness.results.record import json_schema
 from pagedbench.harness.verdict.status import ExitCode
 

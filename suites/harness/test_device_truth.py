@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedbench.adapters import entries, load
-from pagedbench.harness.cli import main as cli
+from pagedbench.harness import cli
 from pagedbench.harness.verdict import conformance, truth
 from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.cases.workloads import grid_workload

@@ -14,7 +14,7 @@ import pytest
 
 from pagedbench.harness.calibration import gate as calibration
 from pagedbench.harness.run.bench import CPU_TIMING
-from pagedbench.harness.cli.main import main
+from pagedbench.harness.cli import main
 from pagedbench.harness.measure.speed import Thresholds
 from pagedbench.harness.verdict.status import ExitCode
 
@@ -30,7 +30,7 @@ def _bench(tmp_path, name: str, target: str) -> str:
     env = calibration.plugin_environment(tmp_path / f"site-{name}", {"mykernel": target})
     results = tmp_path / name
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedbench.harness.cli.main", "bench", "--batch-spec", "4q1s512",
+        [sys.executable, "-m", "pagedbench.harness.cli", "bench", "--batch-spec", "4q1s512",
          "--layout", "gqa4", "--block-size", "16", "--no-contiguous", "--no-peaks",
          "--impl", "mykernel", "--results-dir", str(results),
          "--cache-dir", str(tmp_path / "build")],

@@ -24,7 +24,7 @@ from junitparser import JUnitXml
 
 from pagedbench.harness.calibration import gate as calibration
 from pagedbench.harness.gate import compare as gate
-from pagedbench.harness.cli.main import main
+from pagedbench.harness.cli import main
 from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.verdict.status import ExitCode
 from pagedbench.harness.results.store import read_lines
@@ -90,7 +90,7 @@ def test_bench_report_gate_end_to_end_fails_the_slowed_copy_only(tmp_path) -> No
     results = tmp_path / "bench"
     junit = tmp_path / "bench.xml"
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedbench.harness.cli.main", "bench", "--quick",
+        [sys.executable, "-m", "pagedbench.harness.cli", "bench", "--quick",
          "--workload", "decode-*", "--no-contiguous", "--no-peaks", "--threads", "1",
          "--repetitions", "12", "--impl", calibration.RERUN, "--impl", "sdpa-slowed-3x",
          "--results-dir", str(results), "--cache-dir", str(tmp_path / "build"),

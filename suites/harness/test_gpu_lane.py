@@ -131,7 +131,7 @@ def test_sweep_command_is_bench_on_the_grid(tmp_path: Path,
     assert f"--peaks {tmp_path / 'env.json'}" in text and "--repetitions" not in text
     assert f"--host-truth-bytes {sweep.HOST_TRUTH_BYTES['cuda']}" in text
     assert "not applied" not in text + " ".join(notes)
-    from pagedbench.harness.cli import main as cli
+    from pagedbench.harness import cli
 
     # What bench plans from these flags, on the CPU here (its max_flops leaves some out).
     device = command.index("--device") + 1

@@ -17,7 +17,7 @@ from pagedbench.harness.results.store import read_lines
 
 from .conftest import result
 
-CLI = [sys.executable, "-m", "pagedbench.harness.cli.main"]
+CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
 
 
 def properties(path) -> dict[tuple[str, str], dict[str, str]]:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pagedbench.harness.cli import main as cli
+from pagedbench.harness import cli
 from pagedbench.harness.run import runner, worker
 from pagedbench.harness.results.record import to_json_data
 from pagedbench.harness.verdict.status import ExitCode

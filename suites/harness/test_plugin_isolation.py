@@ -13,7 +13,7 @@ from pagedbench.harness.results.record import ResultRecord, RunRecord
 from pagedbench.harness.verdict.status import ExitCode
 from pagedbench.harness.results.store import read_lines
 
-CLI = [sys.executable, "-m", "pagedbench.harness.cli.main"]
+CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
 ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]
 CASE_TIMEOUT_S = 3
 #: Expected (status, words of the reason) per implementation, for both cases.

@@ -26,7 +26,7 @@ from pagedbench.reference import PagedCase
 
 from .conftest import FAULTS, RunsCode, workers_of
 
-CLI = [sys.executable, "-m", "pagedbench.harness.cli.main"]
+CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
 ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]
 
 

@@ -32,7 +32,7 @@ def test_read_only_commands_create_nothing_in_the_current_folder(tmp_path,
     results = ResultsFile(tmp_path / "r.jsonl")
     results.append(result("x", "c1", "pass", 2.0))
     env = {k: v for k, v in os.environ.items() if k not in CACHE_FOLDERS}
-    script = ("import sys; from pagedbench.harness.cli.main import main; "
+    script = ("import sys; from pagedbench.harness.cli import main; "
               "codes = [main(a) for a in (['schema'], ['report', sys.argv[1]], "
               "['gate', '--current', sys.argv[1], '--baseline', sys.argv[1], "
               "'--allow-unjudged'])]; print(codes)")

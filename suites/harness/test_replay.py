@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pagedbench.adapters import load
-from pagedbench.harness.cli import main as cli
+from pagedbench.harness import cli
 from pagedbench.harness.verdict import conformance
 from pagedbench.harness.run import replay
 from pagedbench.harness.results.record import Environment, ResultRecord
@@ -31,7 +31,7 @@ CASE = PagedCase(kv_lens=(7,), q_lens=(2,), num_q_heads=1, num_kv_heads=1, head_
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedbench.harness.cli.main", *args],
+    return subprocess.run([sys.executable, "-m", "pagedbench.harness.cli", *args],
                           capture_output=True, text=True, timeout=600, cwd=cwd)
 
 

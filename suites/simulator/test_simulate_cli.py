@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from pagedbench.harness.capacity import simulate as cli
-from pagedbench.harness.cli.main import main
+from pagedbench.harness.cli import main
 
 REQUIRED_FIELDS = {
     "policy": str,
