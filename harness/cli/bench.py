@@ -1,5 +1,6 @@
 """``pagedbench bench``: the benchmark sweep, each point checked, then timed
-(:mod:`pagedbench.harness.run.bench`)."""
+(:mod:`pagedbench.harness.run.bench`; its options back from a sweep:
+:meth:`~pagedbench.harness.run.bench.Sweep.arguments`)."""
 
 from __future__ import annotations
 
@@ -135,25 +136,6 @@ def bench_sweep(args: argparse.Namespace) -> bench.Sweep:
     if args.no_contiguous:
         changes["contiguous"] = False
     return sweep.with_(**changes)
-
-
-def sweep_arguments(sweep: bench.Sweep) -> list[str]:
-    """The options of ``pagedbench bench`` that give ``sweep``'s points back
-    (:func:`bench_sweep`'s inverse; the GPU lane's sweep step): every axis, the grid, the
-    batch specs and presets, ``--no-contiguous`` when it has no contiguous points, and its
-    workloads by name (``--workload``), so that bench adds none of its defaults. What no
-    option sets (``max_flops``, the presets' batch) is the bench device's default sweep's:
-    ``sweep`` must share it."""
-    def each(flag: str, values: Any) -> list[str]:
-        return [arg for value in values for arg in (flag, str(value))]
-
-    return [*each("--mode", sweep.modes), *each("--layout", sweep.layouts),
-            *each("--batch-size", sweep.batch_sizes), *each("--context", sweep.contexts),
-            *each("--block-size", sweep.block_sizes), *each("--dtype", sweep.dtypes),
-            "--grid", sweep.grid, *each("--batch-spec", sweep.batch_specs),
-            *each("--preset", sweep.presets),
-            *each("--workload", [w.name for w in sweep.workloads()]),
-            *([] if sweep.contiguous else ["--no-contiguous"])]
 
 
 def _bench_impls(args: argparse.Namespace) -> dict[str, str]:

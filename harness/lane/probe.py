@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from pagedbench.harness.lane import BUILD
 from pagedbench.harness.results.record import VERSION_FIELDS
-from pagedbench.harness.lane.sweep import Selection
 
 #: Modules whose distributions env.json records beside every result's libraries
 #: (:data:`~pagedbench.harness.results.record.VERSION_FIELDS`): FlashAttention 3, and
@@ -64,8 +62,8 @@ def measure_device(device: str) -> dict[str, Any]:
             "method": peaks.method}
 
 
-def environment_record(device: str, selection: Selection) -> dict[str, Any]:
-    """What ``env.json`` holds: the selection; :func:`pagedbench.harness.results.store.environment`
+def environment_record(device: str, selection: dict[str, Any]) -> dict[str, Any]:
+    """What ``env.json`` holds: the selection (``Selection.to_dict()``); :func:`pagedbench.harness.results.store.environment`
     (with the given commit); where ``pagedbench`` was imported from; torch's CUDA build;
     the GPU's SM count, L2 and memory; ``nvidia-smi`` (driver, clocks, power limit); every
     peer's installed version; :func:`measure_device`."""
@@ -90,9 +88,7 @@ def environment_record(device: str, selection: Selection) -> dict[str, Any]:
         packages[module] = None if found is None else {"distribution": found[0],
                                                        "version": found[1]}
     return {
-        "selection": {"impls": list(selection.impls), "tests": list(selection.tests),
-                      "sweep": {f.name: getattr(selection.sweep, f.name)
-                                for f in fields(selection.sweep) if f.compare}},
+        "selection": selection,
         "environment": environment(device),
         "pagedbench_path": [str(Path(p).resolve()) for p in pagedbench.__path__],
         "torch_cuda_build": torch.version.cuda,

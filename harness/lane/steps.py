@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.env_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        record = environment_record(args.device, selection)
+        record = environment_record(args.device, selection.to_dict())
         (args.out / "env.json").write_text(json.dumps(record, indent=2) + "\n")
         return 0
     if args.list_only:

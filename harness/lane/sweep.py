@@ -1,17 +1,17 @@
 """What the GPU lane runs: its :class:`Selection` (the implementations, the bench
 :class:`~pagedbench.harness.run.bench.Sweep` itself, the pytest targets), the ``truths``
 step that precomputes the sweep's host truths, the ``sweep`` step's ``pagedbench bench``
-command (the sweep's own options, :func:`~pagedbench.harness.cli.bench.sweep_arguments`)
+command (the sweep's own options, :meth:`~pagedbench.harness.run.bench.Sweep.arguments`)
 and what its results file says afterwards."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
-from pagedbench.harness.cli.bench import sweep_arguments
 from pagedbench.harness.lane import BUILD
 from pagedbench.harness.run.bench import CPU_SWEEP, GPU_SWEEP, Sweep
 
@@ -41,6 +41,12 @@ class Selection:
     sweep: Sweep
     impls: tuple[str, ...] = ()
     tests: tuple[str, ...] = GPU_TESTS
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready, as env.json records it: the sweep by its fields."""
+        return {"impls": list(self.impls), "tests": list(self.tests),
+                "sweep": {f.name: getattr(self.sweep, f.name) for f in fields(self.sweep)
+                          if f.compare}}
 
 
 #: The CUDA lane: Llama-3-8B decode shapes (32 q / 8 KV heads, head_dim 128, bf16), the
@@ -101,7 +107,7 @@ def sweep_command(python: str, device: str, impls: tuple[str, ...], selection: S
     """The sweep step's command, and notes on how it runs.
 
     ``pagedbench bench`` (each point checked against its float64 truth, then timed) on
-    ``selection.sweep`` (its own options, :func:`sweep_arguments`), ``impls`` ordered by
+    ``selection.sweep`` (its own options, :meth:`Sweep.arguments`), ``impls`` ordered by
     :func:`ordered_impls`, the host path for truths up to :data:`HOST_TRUTH_BYTES`;
     ``--peaks peaks`` (the env step's env.json) so that every fraction of peak is of what
     ``env`` measured in this call, or bench's own measurement when ``peaks`` is None.
@@ -112,7 +118,7 @@ def sweep_command(python: str, device: str, impls: tuple[str, ...], selection: S
                "--results-dir", str(results_dir), "--cache-dir", str(BUILD),
                "--case-timeout", str(CASE_TIMEOUT_S[device]),
                *flags("--impl", impls), "--baseline", baseline,
-               *sweep_arguments(selection.sweep),
+               *selection.sweep.arguments(),
                "--host-truth-bytes", str(HOST_TRUTH_BYTES[device])]
     notes = []
     if peaks is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 from pagedbench.reference import DTYPES, PagedCase, PagedValueError
@@ -166,6 +167,24 @@ class Sweep:
     def left_out(self) -> list[str]:
         """Why each point of the axes was left out (after :meth:`cases`)."""
         return list(self._left_out)
+
+    def arguments(self) -> list[str]:
+        """The options of ``pagedbench bench`` that give this sweep's points back (the
+        inverse of :func:`pagedbench.harness.cli.bench.bench_sweep`; the GPU lane's sweep
+        step): every axis, the grid, the batch specs and presets, ``--no-contiguous``
+        without contiguous points, and the workloads by name (``--workload``), so that
+        bench adds none of its defaults. What no option sets (:attr:`max_flops`, the
+        presets' batch) is the bench device's default sweep's: this one must share it."""
+        def each(flag: str, values: Iterable[object]) -> list[str]:
+            return [arg for value in values for arg in (flag, str(value))]
+
+        return [*each("--mode", self.modes), *each("--layout", self.layouts),
+                *each("--batch-size", self.batch_sizes), *each("--context", self.contexts),
+                *each("--block-size", self.block_sizes), *each("--dtype", self.dtypes),
+                "--grid", self.grid, *each("--batch-spec", self.batch_specs),
+                *each("--preset", self.presets),
+                *each("--workload", [w.name for w in self.workloads()]),
+                *([] if self.contiguous else ["--no-contiguous"])]
 
     def with_(self, **changes: object) -> Sweep:
         """A copy with some axes changed (validated again)."""
