@@ -137,6 +137,26 @@ def test_the_default_sweeps_cover_every_mode_and_layout() -> None:
     assert not CPU_SWEEP.left_out() and len(QUICK_SWEEP.cases()) == 6
 
 
+
+@pytest.mark.parametrize("changes", [
+    {},  # the CPU default: the axes grid and a preset
+    {"grid": "full", "presets": (), "modes": ("decode",), "layouts": ("llama3.1-70b-tp8",),
+     "batch_sizes": (2,), "contexts": (64, 256), "block_sizes": (16,)},  # the lane's rehearsal
+    {"grid": "none", "batch_specs": ("2q1s64", "q3s9"), "presets": (), "contiguous": False},
+    {"workload_patterns": ("*-mqa-*",), "dtypes": ("float16", "bfloat16")},
+])
+def test_a_sweeps_arguments_give_its_points_back(changes) -> None:
+    """``Sweep.arguments`` is the inverse of ``bench_sweep``: bench parses them back into a
+    sweep with the very same points (in order), whatever its defaults would add."""
+    from pagedbench.harness.cli import _parser
+    from pagedbench.harness.cli.bench import bench_sweep
+
+    sweep = CPU_SWEEP.with_(**changes)
+    args = _parser().parse_args(["bench", "--device", "cpu", *sweep.arguments()])
+    again = bench_sweep(args)
+    assert [c.case_id for c in again.cases()] == [c.case_id for c in sweep.cases()]
+    assert again.cases() and again.left_out() == sweep.left_out()
+
 def _bench(impl, case, status="pass", ms=None, **changes):
     return result(impl, case, status, ms, suite=BENCH_SUITE, workload=case.name, **changes)
 
