@@ -16,24 +16,21 @@ from pagedbench.harness.results.store import DEFAULT_RESULTS_DIR
 from pagedbench.harness.run import runner
 from pagedbench.harness.run.environment import CACHE_DIR_VARIABLE, default_cache_dir
 
-
 #: Most torch threads a worker may be given.
 MAX_THREADS = 1024
-
-
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-
-
-
 def device_arg(text: str) -> str:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (argparse type; not checked against
+    this machine: :func:`checked_device`)."""
     if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
         return text
     raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
 
 
 def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (argparse type)."""
     try:
         value = float(text)
     except ValueError:
@@ -44,6 +41,7 @@ def positive_seconds(text: str) -> float:
 
 
 def int_in(low: int, high: int):
+    """An argparse type: an integer in ``[low, high]``."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -61,6 +59,7 @@ positive_int = int_in(1, 2**62)
 
 
 def run_id_arg(text: str) -> str:
+    """A run id (``--resume``): letters, digits, ``.``, ``_``, ``-``."""
     if not _RUN_ID.fullmatch(text):
         raise argparse.ArgumentTypeError(f"must be a run id such as 20261130T041502Z-12345 "
                                          f"(letters, digits, '.', '_', '-'), got {text!r}")
@@ -68,6 +67,7 @@ def run_id_arg(text: str) -> str:
 
 
 def fraction(low_open: float, high_open: float):
+    """An argparse type: a number in the open interval ``(low_open, high_open)``."""
     def parse(text: str) -> float:
         try:
             value = float(text)
@@ -163,6 +163,8 @@ def checked_device(text: str) -> str:
 
 
 def select_impls(names: list[str]) -> dict[str, str]:
+    """``{name: target}`` of the implementations ``--impl`` names (all when none), in
+    order; raises ``PagedValueError`` naming the unknown ones."""
     known = {e.name: e.target for e in entries()}
     unknown = [n for n in names if n not in known]
     if unknown:

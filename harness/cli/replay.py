@@ -24,6 +24,7 @@ from pagedbench.harness.verdict.status import ExitCode, exit_code, exit_codes_he
 
 
 def add_replay_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench replay`` and its options."""
     replay_p = sub.add_parser(
         "replay", help="re-run one case through the conformance check, in a worker",
         description="Re-run one case (what a conformance failure message names, a result "
@@ -125,6 +126,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 # pagedbench selftest -----------------------------------------------------------------
 def add_selftest_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench selftest`` and its options."""
     selftest_p = sub.add_parser(
         "selftest", help="run the conformance suite on the fault catalogue",
         description="Run `pytest suites/conformance` on every fault of the catalogue "

@@ -62,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def progress_line(record: ResultRecord) -> str:
+    """One result as ``run`` and ``bench`` print it (rich markup)."""
     status = record.status
     detail = report.cell_text(record)
     if status is not Status.PASS:
@@ -203,4 +204,5 @@ def warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:
 
 
 def results_of_run(results: ResultsFile, run_id: str) -> list[ResultRecord]:
+    """The results ``results`` holds for ``run_id``."""
     return [r for r in results_of(results.lines()) if r.run_id == run_id]

@@ -56,7 +56,6 @@ from pagedbench.harness.measure.speed import (Outcome, Speed, Thresholds, compar
 from pagedbench.harness.verdict.status import ExitCode, Status
 
 
-
 # Points --------------------------------------------------------------------------------
 @dataclass(frozen=True, order=True)
 class PointKey:

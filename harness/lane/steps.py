@@ -157,30 +157,6 @@ def run_step(step: Step, out: Path) -> Step:
     return finish_step(step, started, step.budget_s - (time.monotonic() - started[2]))
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def pytest_command(python: str, device: str, tests: tuple[str, ...], junit: Path) -> list[str]:
     """``pytest`` on ``tests`` without benchmarks, with ``--timeout`` when pytest-timeout
     is installed and pytest-xdist workers on CUDA when it is."""
@@ -191,8 +167,6 @@ def pytest_command(python: str, device: str, tests: tuple[str, ...], junit: Path
     if device == "cuda" and find_spec("xdist") is not None:
         command += ["-n", str(XDIST_WORKERS)]
     return command
-
-
 
 
 def pack(out: Path) -> list[str]:
@@ -230,8 +204,6 @@ def _junit_counts(junit: Path) -> dict[str, int]:
     suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
     return {key: sum(int(s.get(key, 0)) for s in suites)
             for key in ("tests", "failures", "errors", "skipped")}
-
-
 
 
 def summary_line(record: dict[str, Any]) -> str:

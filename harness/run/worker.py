@@ -95,7 +95,7 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-# The job bodies ----------------------------------------------------------------------
+# The job bodies -------------------------------------------------------------------------
 def _listing(name: str, target: str, adapter: Adapter, device: str) -> ListingRow:
     """What ``adapter`` says about itself, validated as JSON data (raises
     ``ValidationError`` or whatever the adapter raises)."""
