@@ -44,7 +44,7 @@ from pagedbench.harness.run import replay
 from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.measure.timing import Timing
 from pagedbench.harness.verdict.truth import device_truth_for, truth_for
-from pagedbench.harness.run.supervisor import Answer
+from pagedbench.harness.run.protocol import Answer
 
 #: Added to a case's seed for the inputs of the spot-checked timed calls.
 SPOT_SEED_OFFSET = 0x5EED
@@ -197,7 +197,7 @@ def _bounded(work: Callable[[], Any], seconds: float, what: str) -> Any:
 
 class Judge:
     """The parent's side of one implementation's ``evaluate`` job: it answers the
-    worker's messages for each case (see :func:`~.worker.work`) and concludes an
+    worker's messages for each case (see :func:`~.jobs.work`) and concludes an
     :class:`Outcome` per case, computing truths (cached under ``cache_dir``) and
     comparisons in this process under :func:`judging_state`, each case's within
     ``harness_timeout_s`` (past it: ``harness-error`` of step ``truth``).

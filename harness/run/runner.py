@@ -1,7 +1,7 @@
 """The runner: every implementation of a plan on every case, each in its own worker.
 
 For each implementation a worker (:mod:`.worker`, supervised by
-:class:`~.supervisor.Supervisor`) imports the adapter (the only process that does), asks
+:class:`~.protocol.Supervisor`) imports the adapter (the only process that does), asks
 ``available``, then per case ``why_unsupported``, ``prepare``, ``run``, ``describe`` and, for a
 pass, the timing, and sends back only its output (and timings). The judge (:class:`~.judge.Judge`) runs here, in the parent: the
 truth (cached by :mod:`pagedbench.harness.verdict.truth`), the yardstick and the comparison, from
@@ -50,7 +50,7 @@ from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Envi
 from pagedbench.harness.results.store import ResultsFile, environment, results_of
 from pagedbench.harness.run.environment import worker_environment
 from pagedbench.harness.run.judge import Judge, Outcome, Refused
-from pagedbench.harness.run.supervisor import Answer, Fault, Supervisor
+from pagedbench.harness.run.protocol import Answer, Fault, Supervisor
 from pagedbench.harness.verdict import conformance
 from pagedbench.harness.verdict.status import Status, exit_code
 from pagedbench.harness.verdict.truth import truth_site
@@ -84,7 +84,7 @@ class RunConfig:
     harness_timeout_s : float
         pagedbench's budget per case for the judge's work in the parent: truths and
         comparisons (s). Past it: ``harness-error``. (A worker's start-up has
-        ``supervisor.STARTUP_TIMEOUT_S``.)
+        ``protocol.STARTUP_TIMEOUT_S``.)
     cache_dir : Path
         Where float64 truths are cached between workers and runs.
     host_truth_bytes : int or None
@@ -249,7 +249,7 @@ def result_record(
 
 
 def _fault_outcome(fault: Fault, config: RunConfig) -> tuple[Status, str]:
-    """Status and reason of the item a :class:`~.supervisor.Fault` hit, charged to its party."""
+    """Status and reason of the item a :class:`~.protocol.Fault` hit, charged to its party."""
     if fault.party == conformance.IMPL:
         if fault.kind == "timeout":
             return Status.TIMEOUT, (f"{fault.step} took longer than {config.case_timeout_s:g} s "

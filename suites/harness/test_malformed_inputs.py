@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pagedbench.harness import cli
-from pagedbench.harness.run import runner, worker
+from pagedbench.harness.run import jobs, runner
 from pagedbench.harness.results.record import to_json_data
 from pagedbench.harness.verdict.status import ExitCode
 from pagedbench.harness.results.store import ResultsFileError, parse_line
@@ -196,7 +196,7 @@ def test_a_numeric_version_is_recorded_as_text(version, text) -> None:
         def available(self, device: str = "cpu") -> Availability:
             return Availability(True, version=version)
 
-    row = worker._listing("numpy-version", "t:T", NumpyVersion(), "cpu")
+    row = jobs._listing("numpy-version", "t:T", NumpyVersion(), "cpu")
     assert row.version == text and type(row.version) is str
     assert _with_version(version).impl_version == text
 

@@ -1,5 +1,5 @@
-"""The parent's side of the worker protocol: a job runs in a child process
-(:mod:`.worker`) and reports over a pipe.
+"""The worker protocol: a job runs in a child process (:mod:`.worker`) and reports over a
+pipe; :class:`Supervisor` is the parent's side, :class:`Channel` the worker's end.
 
 :class:`Supervisor` starts ``python -m pagedbench.harness.run.worker`` in a new
 session (its own process group) with the environment of
@@ -96,6 +96,37 @@ class Answer(NamedTuple):
     reply: dict[str, Any] | None = None
     item_done: bool = False
 
+class Channel:
+    """The worker's ends of the pipes: messages out on ``fd``, replies in on ``replies``
+    (a binary file)."""
+
+    def __init__(self, fd: int, replies: Any) -> None:
+        self.fd, self.replies = fd, replies
+
+    def send(self, message: dict[str, Any], payload: bytes = b"") -> None:
+        """Write one message as one line, then ``payload`` (its size in ``nbytes``, when
+        there is one); exit at once when the parent is gone."""
+        if payload:
+            message = message | {"nbytes": len(payload)}
+        data = (json.dumps(message, allow_nan=False) + "\n").encode() + payload
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError:
+            os._exit(1)
+
+    def receive(self) -> dict[str, Any]:
+        """The parent's next reply; exit at once when the parent is gone."""
+        line = self.replies.readline()
+        if not line:
+            os._exit(1)
+        return json.loads(line)
+
+    def step(self, item: int | None, party: str, step: str) -> None:
+        self.send({"kind": "step", "item": item, "party": party, "step": step})
+
+
 def descendants(pid: int) -> list[int]:
     """Live (not zombie) descendants of ``pid``, from ``/proc`` (Linux; empty elsewhere)."""
     children: dict[int, list[int]] = {}
@@ -137,7 +168,7 @@ class Supervisor:
     Parameters
     ----------
     job : dict
-        JSON-ready; handed to the worker's :func:`~.worker.work`. Its ``"start"`` (default
+        JSON-ready; handed to the worker's :func:`~.jobs.work`. Its ``"start"`` (default
         0) is the first item.
     env : dict
         The worker's whole environment.
