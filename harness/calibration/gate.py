@@ -41,10 +41,10 @@ from pathlib import Path
 from pagedbench.adapters import ENTRY_POINT_GROUP
 
 from pagedbench.harness.gate.compare import compare
-from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.measure.speed import Thresholds
-from pagedbench.harness.verdict.status import ExitCode
+from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.results.store import read_lines, results_of
+from pagedbench.harness.verdict.status import ExitCode
 
 PLUGINS = "pagedbench.suites.harness.plugins.slowed"
 #: The implementations of every try: baseline, unchanged rerun, slowed by 25% and 50%.

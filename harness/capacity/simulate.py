@@ -25,8 +25,8 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.figure import Figure
 
-from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.harness.capacity.traces import generate_trace, read_trace
+from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.reference.kv_policies import (
     CONTIGUOUS_POLICIES,
     PAGED_BLOCK_SIZES,

@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from pagedbench.harness.results.record import ResultRecord
-from pagedbench.harness.results.report import escape, escape_frame
 from pagedbench.harness.measure.speed import (Outcome, Speed, Thresholds, compare_samples, decide,
                                               holm, median_ratio)
+from pagedbench.harness.results.record import ResultRecord
+from pagedbench.harness.results.report import escape, escape_frame
 from pagedbench.harness.verdict.status import ExitCode, Status
 
 

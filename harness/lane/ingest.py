@@ -33,11 +33,11 @@ import pandas as pd
 
 from pagedbench.reference import PagedValueError
 
-from pagedbench.harness.results import report
 from pagedbench.harness.lane.steps import KEPT_FILES, ROOT
+from pagedbench.harness.results import report
 from pagedbench.harness.results.record import ResultRecord
-from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.results.store import read_lines, results_of
+from pagedbench.harness.verdict.status import Status
 
 DEFAULT_RESULTS_ROOT = ROOT / "results"
 REHEARSAL_PREFIX = "rehearsal-"

@@ -26,9 +26,9 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
+from pagedbench.harness.cases.workloads import BENCH_SUITE
 from pagedbench.harness.results.record import ResultRecord, environment_key, result_key
 from pagedbench.harness.verdict.status import Status
-from pagedbench.harness.cases.workloads import BENCH_SUITE
 
 #: The implementation speedups are measured against unless another is named.
 DEFAULT_BASELINE = "sdpa-contiguous"

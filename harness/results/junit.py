@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from pagedbench.harness.results.record import COMPARISON_FIELDS, ResultRecord, now
-from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.results.store import write_output
+from pagedbench.harness.verdict.status import Status
 
 #: Characters outside XML 1.0's ``Char`` production.
 _NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")

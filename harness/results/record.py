@@ -36,9 +36,9 @@ from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from pagedbench.reference import PagedCase, PagedInputError, PagedTypeError, PagedValueError
 
+from pagedbench.harness.measure.timing import METHODS
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.status import Status
-from pagedbench.harness.measure.timing import METHODS
 
 SCHEMA_VERSION = 5
 #: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).

@@ -24,11 +24,11 @@ from typing import Any
 
 import pandas as pd
 
-from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from pagedbench.harness.results.derived import DEFAULT_BASELINE, bench_frame, fast_p, group_scores
 from pagedbench.harness.results.record import ResultRecord, RunRecord, environment_key, result_key
-from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.results.store import results_of, run_states
+from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
+from pagedbench.harness.verdict.status import Status
 
 STATUS_ORDER = [str(s) for s in Status]
 

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field, replace
 from pagedbench.reference import DTYPES, PagedCase, PagedValueError
 
 from pagedbench.harness.cases.presets import MODEL_PRESETS
-from pagedbench.harness.measure.speed import Thresholds
-from pagedbench.harness.measure.timing import flops
 from pagedbench.harness.cases.workloads import (BATCH_BOUNDS, CONTIGUOUS_TAG, LAYOUT_RATIOS,
                                                 MAX_BATCH_SEQUENCES, MAX_SEQ_LEN, MODES, Workload,
                                                 grid_workload, preset_workload, spec_workload)
+from pagedbench.harness.measure.speed import Thresholds
+from pagedbench.harness.measure.timing import flops
 
 GRIDS = ("full", "axes", "none")
 #: Multiple the contiguous block size is rounded up to (flash-attn's paged KV needs 256).

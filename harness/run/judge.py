@@ -39,12 +39,12 @@ import torch
 
 from pagedbench.reference import PagedCase
 
-from pagedbench.harness.verdict import conformance, tolerance
-from pagedbench.harness.run import replay
-from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.measure.timing import Timing
-from pagedbench.harness.verdict.truth import device_truth_for, truth_for
+from pagedbench.harness.run import replay
 from pagedbench.harness.run.protocol import Answer
+from pagedbench.harness.verdict import conformance, tolerance
+from pagedbench.harness.verdict.status import Status
+from pagedbench.harness.verdict.truth import device_truth_for, truth_for
 
 #: Added to a case's seed for the inputs of the spot-checked timed calls.
 SPOT_SEED_OFFSET = 0x5EED

@@ -40,9 +40,9 @@ import pytest
 from pagedbench.adapters import ENTRY_POINT_GROUP, Entry
 from pagedbench.reference import PagedCase, PagedValueError
 
-from pagedbench.harness.run import replay, runner
 from pagedbench.harness.results.record import Environment, ResultRecord
 from pagedbench.harness.results.store import environment
+from pagedbench.harness.run import replay, runner
 
 #: The checkout this module belongs to (the suites run from there).
 CHECKOUT = Path(__file__).resolve().parents[2]

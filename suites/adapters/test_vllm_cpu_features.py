@@ -26,8 +26,8 @@ from hypothesis import assume, example, given, note
 
 from pagedbench.adapters import entries
 from pagedbench.adapters.vllm_cpu import loaded_library
-from pagedbench.harness.run import runner
 from pagedbench.harness.cli.results import capability_matrix
+from pagedbench.harness.run import runner
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.adapters.vllm_cpu_cases import (
     ADAPTER,

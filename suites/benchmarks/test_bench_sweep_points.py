@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from pagedbench.adapters import BUILTIN, load
-from pagedbench.harness.verdict import conformance
-from pagedbench.harness.run.bench import CPU_IMPLS, default_sweep
-from pagedbench.harness.results.derived import DEFAULT_BASELINE
-from pagedbench.harness.verdict.status import Status
-from pagedbench.harness.measure.timing import bytes_moved, flops, time_cpu, time_cuda
 from pagedbench.harness.cases.workloads import CONTIGUOUS_TAG
+from pagedbench.harness.measure.timing import bytes_moved, flops, time_cpu, time_cuda
+from pagedbench.harness.results.derived import DEFAULT_BASELINE
+from pagedbench.harness.run.bench import CPU_IMPLS, default_sweep
+from pagedbench.harness.verdict import conformance
+from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedValueError
 from pagedbench.suites.benchmarks.recording import record_timing
 

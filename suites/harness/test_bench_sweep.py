@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
-from pagedbench.harness.results import report
-from pagedbench.harness.run.bench import CPU_SWEEP, QUICK_SWEEP, Sweep
-from pagedbench.harness.results.derived import bench_frame, fast_p, group_scores
-from pagedbench.harness.results.record import environment_key, result_key
-from pagedbench.harness.results.store import read_lines
 from pagedbench.harness.cases.workloads import (BENCH_SUITE, CONTIGUOUS_TAG, format_batch_spec,
                                                 grid_workload, parse_batch_spec, preset_workload,
                                                 spec_workload)
+from pagedbench.harness.results import report
+from pagedbench.harness.results.derived import bench_frame, fast_p, group_scores
+from pagedbench.harness.results.record import environment_key, result_key
+from pagedbench.harness.results.store import read_lines
+from pagedbench.harness.run.bench import CPU_SWEEP, QUICK_SWEEP, Sweep
 from pagedbench.reference import PagedValueError, materialize
 
 from .conftest import BROKEN, ENV, register, result

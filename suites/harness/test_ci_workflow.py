@@ -18,8 +18,8 @@ import yaml
 from junitparser import JUnitXml
 
 from pagedbench.adapters import BUILTIN
-from pagedbench.harness.gate import baselines
 from pagedbench.harness.cli import _parser
+from pagedbench.harness.gate import baselines
 from pagedbench.harness.verdict.status import ExitCode
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,9 +17,9 @@ import torch
 
 from pagedbench.adapters import entries, load
 from pagedbench.harness import cli
+from pagedbench.harness.cases.workloads import grid_workload
 from pagedbench.harness.verdict import conformance, truth
 from pagedbench.harness.verdict.status import Status
-from pagedbench.harness.cases.workloads import grid_workload
 from pagedbench.reference import PagedCase, PagedValueError, materialize
 
 from .conftest import BROKEN

@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from pagedbench.harness.calibration import gate as calibration
-from pagedbench.harness.run.bench import CPU_TIMING
 from pagedbench.harness.cli import main
 from pagedbench.harness.measure.speed import Thresholds
+from pagedbench.harness.run.bench import CPU_TIMING
 from pagedbench.harness.verdict.status import ExitCode
 
 PLUGIN = "pagedbench.suites.harness.plugins.slowed"

@@ -23,11 +23,11 @@ import numpy as np
 from junitparser import JUnitXml
 
 from pagedbench.harness.calibration import gate as calibration
-from pagedbench.harness.gate import compare as gate
 from pagedbench.harness.cli import main
+from pagedbench.harness.gate import compare as gate
 from pagedbench.harness.results.record import ResultRecord
-from pagedbench.harness.verdict.status import ExitCode
 from pagedbench.harness.results.store import read_lines
+from pagedbench.harness.verdict.status import ExitCode
 
 from .test_gate_verdicts import timed
 

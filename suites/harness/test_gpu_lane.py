@@ -22,8 +22,8 @@ import torch
 from pagedbench.harness.lane import (carry as gpu_carry, ingest as gpu_ingest, probe,
                                      steps as gpu_lane)
 from pagedbench.harness.lane import sweep
-from pagedbench.harness.run.bench import CPU_SWEEP
 from pagedbench.harness.results import store
+from pagedbench.harness.run.bench import CPU_SWEEP
 from pagedbench.reference import PagedValueError
 
 ROOT = gpu_lane.ROOT

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pagedbench.harness.results.record import ResultRecord
+from pagedbench.harness.results.store import ResultsFile
 from pagedbench.harness.run.runner import RunConfig, make_plan, run
 from pagedbench.harness.verdict.status import ExitCode, Status, exit_code
-from pagedbench.harness.results.store import ResultsFile
 from pagedbench.harness.verdict.truth import compute_truth
 from pagedbench.reference import PagedCase
 

@@ -12,8 +12,8 @@ from junitparser import Error, Failure, JUnitXml, Skipped
 
 from pagedbench.harness.results.junit import junit_xml
 from pagedbench.harness.results.record import ResultRecord
-from pagedbench.harness.verdict.status import ExitCode
 from pagedbench.harness.results.store import read_lines
+from pagedbench.harness.verdict.status import ExitCode
 
 from .conftest import result
 

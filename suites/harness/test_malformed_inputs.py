@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pagedbench.harness import cli
-from pagedbench.harness.run import jobs, runner
 from pagedbench.harness.results.record import to_json_data
-from pagedbench.harness.verdict.status import ExitCode
 from pagedbench.harness.results.store import ResultsFileError, parse_line
+from pagedbench.harness.run import jobs, runner
+from pagedbench.harness.verdict.status import ExitCode
 from pagedbench.harness.verdict.truth import compute_truth
 from pagedbench.reference import (PagedCase, PagedInputError, PagedTypeError, PagedValueError,
                                   materialize, reference_attention)

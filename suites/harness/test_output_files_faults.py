@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from pagedbench.harness.results import store
 from pagedbench.harness.cli import main
+from pagedbench.harness.results import store
 from pagedbench.harness.results.record import SCHEMA_VERSION, RunRecord, now
-from pagedbench.harness.verdict.status import ExitCode
 from pagedbench.harness.results.store import (OutputError, ResultsFile, ResultsFileError,
                                               read_lines, write_output)
+from pagedbench.harness.verdict.status import ExitCode
 
 from .conftest import result
 

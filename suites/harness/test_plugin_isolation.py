@@ -10,8 +10,8 @@ import subprocess
 import sys
 
 from pagedbench.harness.results.record import ResultRecord, RunRecord
-from pagedbench.harness.verdict.status import ExitCode
 from pagedbench.harness.results.store import read_lines
+from pagedbench.harness.verdict.status import ExitCode
 
 CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
 ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.harness.run.environment import cache_environment
 from pagedbench.harness.results.record import Environment, ResultRecord
 from pagedbench.harness.results.report import markdown
+from pagedbench.harness.results.store import environment, read_lines
+from pagedbench.harness.run.environment import cache_environment
 from pagedbench.harness.run.runner import RunConfig, run_target
 from pagedbench.harness.verdict.status import ExitCode, Status
-from pagedbench.harness.results.store import environment, read_lines
 from pagedbench.harness.verdict.truth import cache_path
 from pagedbench.reference import PagedCase
 

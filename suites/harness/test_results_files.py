@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 
-from pagedbench.harness.results import report
 from pagedbench.harness.cli import main
+from pagedbench.harness.results import report
 from pagedbench.harness.results.record import SCHEMA_VERSION, RunRecord, now
 from pagedbench.harness.results.store import ResultsFile, ResultsFileError, read_lines
 from pagedbench.reference import PagedCase

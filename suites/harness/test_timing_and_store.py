@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from pagedbench.harness.results import report
-from pagedbench.harness.results.store import ResultsFile, read_lines
 from pagedbench.harness.measure.timing import (DriftProbe, Timing, bytes_moved, flops,
                                                oversubscribed, time_cpu)
+from pagedbench.harness.results import report
+from pagedbench.harness.results.store import ResultsFile, read_lines
 from pagedbench.reference import PagedCase
 
 from .conftest import result

@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pagedbench.adapters import Adapter, Availability, Capabilities
 from pagedbench.adapters.base import FEATURES, Prepared
 
-from pagedbench.harness.verdict import conformance
 from pagedbench.harness.calibration.tolerance import near_correct, random_case
+from pagedbench.harness.verdict import conformance
 from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.verdict.tolerance import Expected
 from pagedbench.reference import PagedCase, materialize, naive_attention, yardstick
