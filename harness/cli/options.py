@@ -29,12 +29,17 @@ def device_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
 
 
+def _number(text: str) -> float:
+    """``text`` as a float; NaN when it is not a number (refused by every check)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
 def positive_seconds(text: str) -> float:
     """A finite number of seconds > 0 (argparse type)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
+    value = _number(text)
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
     return value
@@ -69,10 +74,7 @@ def run_id_arg(text: str) -> str:
 def fraction(low_open: float, high_open: float):
     """An argparse type: a number in the open interval ``(low_open, high_open)``."""
     def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
+        value = _number(text)
         if not (math.isfinite(value) and low_open < value < high_open):
             raise argparse.ArgumentTypeError(f"must be a number > {low_open:g} and < "
                                              f"{high_open:g}, got {text!r}")
