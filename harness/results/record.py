@@ -251,16 +251,19 @@ class _ResultFields(_Strict):
                                   f"at most {MAX_DETAILS_BYTES} bytes")
         return data
 
-    _paged: PagedCase = PrivateAttr()
+    _paged: Optional[PagedCase] = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _case_is_a_case(self, info: ValidationInfo) -> _ResultFields:
         """Parse ``case`` once (raises PagedInputError, a ValueError), unless the caller
         passes the :class:`PagedCase` it came from as ``context={"case": ...}``
         (:func:`~pagedbench.harness.run.runner.result_record`: the case is not parsed
-        again in the process that wrote it)."""
-        given = (info.context or {}).get("case")
-        self._paged = given if isinstance(given, PagedCase) else PagedCase.from_dict(self.case)
+        again in the process that wrote it). A record validated again (as a field of
+        another model) keeps the case it has."""
+        if self._paged is None:
+            given = (info.context or {}).get("case")
+            self._paged = (given if isinstance(given, PagedCase)
+                           else PagedCase.from_dict(self.case))
         return self
 
     def paged_case(self) -> PagedCase:
@@ -318,13 +321,16 @@ class Plan(_Strict):
     impls: list[PlannedImpl]
     cases: list[dict[str, JsonValue]]
 
-    _paged: list[PagedCase] = PrivateAttr()
+    _paged: Optional[list[PagedCase]] = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _cases_are_cases(self, info: ValidationInfo) -> Plan:
         """Parse each case once (or take the :class:`PagedCase` list the caller passes as
         ``context={"cases": ...}``, :func:`~pagedbench.harness.run.runner.make_plan`), and
-        refuse two with one case id (results are keyed by it)."""
+        refuse two with one case id (results are keyed by it). A plan validated again (as
+        the field of a run record) keeps the cases it has."""
+        if self._paged is not None:
+            return self
         given = (info.context or {}).get("cases")
         self._paged = (list(given) if given is not None
                        else [PagedCase.from_dict(c) for c in self.cases])
