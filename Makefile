@@ -42,16 +42,16 @@ test: $(VENV)/.installed
 # Downloads (here, never on the device) and copies into build/gpu-carry; prints the call.
 gpu-carry: $(VENV)/.installed
 	mkdir -p $(TMPDIR)
-	$(BIN)/python -m pagedbench.harness.gpu_carry --out $(BUILD)/gpu-carry
+	$(BIN)/python -m pagedbench.harness.lane.carry --out $(BUILD)/gpu-carry
 
 # FlashInfer's wheels, the sole cargo of a call of their own.
 gpu-carry-flashinfer: $(VENV)/.installed
 	mkdir -p $(TMPDIR)
-	$(BIN)/python -m pagedbench.harness.gpu_carry --flashinfer --out $(BUILD)/gpu-carry-flashinfer
+	$(BIN)/python -m pagedbench.harness.lane.carry --flashinfer --out $(BUILD)/gpu-carry-flashinfer
 
 gpu-ingest: $(VENV)/.installed
 	@test -n "$(FROM)" || { echo "usage: make gpu-ingest FROM=<the results folder brought back from the GPU machine>"; exit 2; }
-	$(BIN)/python -m pagedbench.harness.gpu_ingest "$(FROM)"
+	$(BIN)/python -m pagedbench.harness.lane.ingest "$(FROM)"
 
 # The published CPU leaderboard (docs/benchmarks.md): the default CPU sweep, then its
 # Markdown, HTML, CSV and PNG plots, and the environment it ran in. Made under build/ and
@@ -63,8 +63,8 @@ NEW_BOARD   := $(BUILD)/leaderboard-cpu
 leaderboard: $(VENV)/.installed
 	mkdir -p $(TMPDIR)
 	rm -rf $(NEW_BOARD) && mkdir -p $(NEW_BOARD)
-	$(BIN)/python -c "import json, os; from pagedbench.harness.store import environment; \
-	from pagedbench.harness.timing import CPU_THREADS; \
+	$(BIN)/python -c "import json, os; from pagedbench.harness.results.store import environment; \
+	from pagedbench.harness.measure.timing import CPU_THREADS; \
 	print(json.dumps(environment('cpu') | {'threads': CPU_THREADS, 'cpu_count': os.cpu_count(), \
 	'loadavg_1_5_15': os.getloadavg()}, indent=2))" > $(NEW_BOARD)/environment.json
 	$(BIN)/pagedbench bench --results-dir $(NEW_BOARD) || test $$? -eq 1

@@ -31,7 +31,7 @@ from .triton_decode import PagedbenchTritonAdapter
 #: again) one interpreted split-decode call may take. Measured with triton 3.9.0 on this
 #: project's 2-core CI machine (AMD EPYC, other jobs beside), process CPU time of one call
 #: on 6 reduced presets (bf16, head_dim 96-256): 8.2 ms per step (least squares; within
-#: 0.7 s of every call). 600 admits every reduced preset of :mod:`pagedbench.harness.cases`
+#: 0.7 s of every call). 600 admits every reduced preset of :mod:`pagedbench.harness.cases.presets`
 #: (at most 584 steps, about 4 s) except phi3-mini's 32 KV heads (1088 steps, 9.4 s), and
 #: no full preset.
 SPLIT_STEP_BUDGET = 600

@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import functools
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import ClassVar
@@ -46,11 +47,11 @@ from .base import (
     Prepared,
     TritonAdapter,
 )
-from .vllm_triton_carry import CarryInvalid
+from .vllm_triton_carry import CARRY_ENV, CarryInvalid, load_carried
 from .vllm_triton_import import (
     VllmTritonKernel,
     VllmTritonKernels,
-    load_kernels,
+    import_kernels,
     rocm_helpers_stubbed,
 )
 
@@ -63,6 +64,32 @@ INTERPRETER_BUDGET = InterpreterBudget(s_per_program=0.005, s_per_step=0.006, ma
 _HEAD_DIMS = frozenset({AtLeast(32)})
 _BF16_INTERPRETED = ("Triton's interpreter computes bfloat16 tl.dot wrongly: "
                      "triton-lang/triton#11584")
+
+
+def load_kernels() -> VllmTritonKernels:
+    """The installed vLLM's kernels (:func:`import_kernels`) or, where no ``vllm`` is
+    importable, the carried files named by ``PAGEDBENCH_VLLM_TRITON_CARRY``
+    (:func:`.vllm_triton_carry.load_carried`).
+
+    Raises
+    ------
+    ImportError
+        If vllm is absent and no carry is named, or triton is not installed.
+    RuntimeError
+        If the installed vLLM still disabled Triton.
+    .vllm_triton_carry.CarryInvalid
+        If the named carry is missing, partial, tampered, or does not load.
+    """
+    try:
+        return import_kernels()
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "vllm":
+            raise
+        folder = os.environ.get(CARRY_ENV)
+        if not folder:
+            raise ImportError(f"{exc}, and {CARRY_ENV} names no carried copy of its Triton "
+                              "kernels (make gpu-carry builds one)") from exc
+        return load_carried(folder)
 
 
 @functools.cache

@@ -23,8 +23,9 @@ The modules of :data:`TRITON_BOUND_MODULES` are imported afresh inside the conte
 whatever an earlier import left in ``sys.modules``; on exit every ``sys.modules`` entry,
 parent attribute, environment variable and function touched is put back. No installed
 file is edited. Checked against vLLM 0.32.0 (``vllm/triton_utils/importing.py``). Where no
-``vllm`` is importable, :func:`load_kernels` loads carried copies of the kernel files
-instead (:mod:`.vllm_triton_carry`).
+``vllm`` is importable, the adapter loads carried copies of the kernel files instead
+(:func:`.vllm_triton.load_kernels`, :mod:`.vllm_triton_carry`, which imports this module
+and is never imported by it).
 """
 
 from __future__ import annotations
@@ -269,31 +270,3 @@ def kernels_of(unified: types.ModuleType, decode: types.ModuleType,
         interventions=interventions,
         source=source,
     )
-
-
-def load_kernels() -> VllmTritonKernels:
-    """The installed vLLM's kernels (:func:`import_kernels`) or, where no ``vllm`` is
-    importable, the carried files named by ``PAGEDBENCH_VLLM_TRITON_CARRY``
-    (:func:`.vllm_triton_carry.load_carried`).
-
-    Raises
-    ------
-    ImportError
-        If vllm is absent and no carry is named, or triton is not installed.
-    RuntimeError
-        If the installed vLLM still disabled Triton.
-    .vllm_triton_carry.CarryInvalid
-        If the named carry is missing, partial, tampered, or does not load.
-    """
-    try:
-        return import_kernels()
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").partition(".")[0] != "vllm":
-            raise
-        from .vllm_triton_carry import CARRY_ENV, load_carried
-
-        folder = os.environ.get(CARRY_ENV)
-        if not folder:
-            raise ImportError(f"{exc}, and {CARRY_ENV} names no carried copy of its Triton "
-                              "kernels (make gpu-carry builds one)") from exc
-        return load_carried(folder)

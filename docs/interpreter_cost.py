@@ -33,7 +33,7 @@ from pagedbench.adapters.vllm_triton import (  # noqa: E402
     VllmDecode,
     VllmUnified,
 )
-from pagedbench.harness.cases import default_cases  # noqa: E402
+from pagedbench.harness.cases.presets import default_cases  # noqa: E402
 from pagedbench.reference import materialize  # noqa: E402
 
 WORKLOADS = {

@@ -1,3 +1,4 @@
-"""Cases, tolerance, the conformance check, truth cache, timing, statuses, the runner and
-its worker protocol, the process environment, the typed result record and its store,
-reports, the GPU lane and the CLI."""
+"""Checking, running, recording and reporting, in one sub-package per subsystem (layers
+from the bottom, each importing only those below it; docs/ARCHITECTURE.md draws them):
+``verdict``, ``cases``, ``measure``; ``results``, ``capacity``; ``run``, ``gate``;
+``calibration``, ``cli``, ``lane``."""

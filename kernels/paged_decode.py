@@ -40,7 +40,17 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .paged_features import _round_to_bf16, _tanh, bf16_via_fp32, check_paged_args, padded_dim
+from .paged_features import (
+    _load_kv_tile,
+    _logits,
+    _softmax_step,
+    _store_rows,
+    _table_blocks,
+    bf16_via_fp32,
+    check_paged_args,
+    launcher,
+    padded_dim,
+)
 
 #: Keys per loop step (logical positions, any block size). A power of two >= 16 so that
 #: ``tl.dot`` shapes are legal on a GPU; vLLM's decode tiles are 16 or 32 keys.
@@ -85,7 +95,6 @@ def _paged_decode_kernel(
     HAS_SOFT_CAP: tl.constexpr,
     BF16_VIA_FP32: tl.constexpr,
 ):
-    LOG2E: tl.constexpr = 1.4426950408889634
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, GROUP_PAD)
@@ -111,6 +120,7 @@ def _paged_decode_kernel(
         first_key = 0
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table_seq
     head_offset = kv_head.to(tl.int64) * stride_cache_head
+    no_slopes = tl.zeros([GROUP_PAD], dtype=tl.float32)  # decode has no ALiBi
 
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max, log2 units
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(s - m_i)
@@ -118,32 +128,15 @@ def _paged_decode_kernel(
     for tile_start in range((first_key // KV_TILE) * KV_TILE, kv_len, KV_TILE):
         pos = tile_start + keys  # [KV_TILE] logical key positions
         live = (pos < kv_len) & (pos >= first_key)
-        block = tl.load(
-            table_row + (pos // BLOCK_SIZE) * stride_table_block, mask=live, other=0
-        ).to(tl.int64)  # [KV_TILE] physical block of each key
-        slot_offsets = (
-            block * stride_cache_block + (pos % BLOCK_SIZE) * stride_cache_slot + head_offset
-        )  # [KV_TILE]
-        # [KV_TILE, HEAD_DIM_PAD]
-        kv_offsets = slot_offsets[:, None] + dims[None, :] * stride_cache_dim
-        kv_mask = live[:, None] & dim_ok[None, :]
-        k = tl.load(kv_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-        v = tl.load(kv_cache_ptr + stride_cache_kv + kv_offsets, mask=kv_mask, other=0.0)
-        if BF16_VIA_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # [GROUP_PAD, KV_TILE]
-        if HAS_SOFT_CAP:
-            s = logits_soft_cap * _tanh(s / logits_soft_cap)
-        s = tl.where(live[None, :], s * LOG2E, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # [GROUP_PAD, KV_TILE]
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        block = _table_blocks(table_row, stride_table_block, pos, live, BLOCK_SIZE)
+        k = _load_kv_tile(kv_cache_ptr, block, pos, live, dims, dim_ok, stride_cache_block,
+                          stride_cache_slot, head_offset, stride_cache_dim, q.dtype, BLOCK_SIZE)
+        v = _load_kv_tile(kv_cache_ptr + stride_cache_kv, block, pos, live, dims, dim_ok,
+                          stride_cache_block, stride_cache_slot, head_offset, stride_cache_dim,
+                          q.dtype, BLOCK_SIZE)
+        s = _logits(q, k, sm_scale, logits_soft_cap, no_slopes, rows, pos, live[None, :],
+                    HAS_SOFT_CAP, False)  # [GROUP_PAD, KV_TILE]
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
 
     # A row that saw no key (kv_len 0) stays all zeros (FlashAttention's convention).
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -152,11 +145,7 @@ def _paged_decode_kernel(
         + q_heads[:, None] * stride_out_head
         + dims[None, :] * stride_out_dim
     )  # [GROUP_PAD, HEAD_DIM_PAD]
-    if BF16_VIA_FP32:
-        out = _round_to_bf16(out)
-    else:
-        out = out.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + out_offsets, out, mask=row_ok[:, None] & dim_ok[None, :])
+    _store_rows(out_ptr, out_offsets, out, row_ok[:, None] & dim_ok[None, :], BF16_VIA_FP32)
 
 
 def kernel_is_interpreted() -> bool:
@@ -269,61 +258,46 @@ def plan_paged_decode(
     return DecodeLaunch(a.out, (batch, a.num_kv_heads), args, constexprs, num_warps)
 
 
-def paged_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,
-    sm_scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-) -> torch.Tensor:
-    """Decode attention (one query token per sequence) over a paged KV cache.
+paged_decode = launcher(plan_paged_decode, "paged_decode", """Decode attention (one query token per sequence) over a paged KV cache.
 
-    ``out[i, h] = softmax(sm_scale * K_i @ q[i, h]) @ V_i`` where ``K_i, V_i`` are the
-    first ``kv_lens[i]`` tokens of sequence ``i`` read through ``block_tables[i]``, and
-    query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
+``out[i, h] = softmax(sm_scale * K_i @ q[i, h]) @ V_i`` where ``K_i, V_i`` are the
+first ``kv_lens[i]`` tokens of sequence ``i`` read through ``block_tables[i]``, and
+query head ``h`` reads KV head ``h // (num_q_heads // num_kv_heads)``.
 
-    Parameters
-    ----------
-    q : Tensor[batch, num_q_heads, head_dim], float32 | float16 | bfloat16
-        The query of each sequence's last token.
-    kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], dtype of q
-        K at ``[:, 0]``, V at ``[:, 1]``; any strides (read in place).
-    block_tables : Tensor[batch, max_blocks_per_seq], int32
-        Physical block of each logical block. Entries past a sequence's last block are
-        never read.
-    kv_lens : Tensor[batch], int32
-        Keys per sequence, each in ``[0, max_blocks_per_seq * block_size]`` (not checked:
-        that would need a device-to-host copy); 0 gives a zero output row.
-    sm_scale : float
-        Scale of the logits ``q @ k``, > 0 (usually ``1 / sqrt(head_dim)``).
-    out : Tensor[batch, num_q_heads, head_dim], dtype of q, optional
-        Written in full and returned; allocated when None.
-    sliding_window : int or None
-        The query (at position ``kv_len - 1``) sees only keys ``>= kv_len - sliding_window``
-        (FlashAttention's ``window_size = (sliding_window - 1, 0)``).
-    logits_soft_cap : float or None
-        Scaled logits ``s`` become ``logits_soft_cap * tanh(s / logits_soft_cap)``
-        (Gemma 2; applied after ``sm_scale``, as in FlashInfer and vLLM).
+Parameters
+----------
+q : Tensor[batch, num_q_heads, head_dim], float32 | float16 | bfloat16
+    The query of each sequence's last token.
+kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], dtype of q
+    K at ``[:, 0]``, V at ``[:, 1]``; any strides (read in place).
+block_tables : Tensor[batch, max_blocks_per_seq], int32
+    Physical block of each logical block. Entries past a sequence's last block are
+    never read.
+kv_lens : Tensor[batch], int32
+    Keys per sequence, each in ``[0, max_blocks_per_seq * block_size]`` (not checked:
+    that would need a device-to-host copy); 0 gives a zero output row.
+sm_scale : float
+    Scale of the logits ``q @ k``, > 0 (usually ``1 / sqrt(head_dim)``).
+out : Tensor[batch, num_q_heads, head_dim], dtype of q, optional
+    Written in full and returned; allocated when None.
+sliding_window : int or None
+    The query (at position ``kv_len - 1``) sees only keys ``>= kv_len - sliding_window``
+    (FlashAttention's ``window_size = (sliding_window - 1, 0)``).
+logits_soft_cap : float or None
+    Scaled logits ``s`` become ``logits_soft_cap * tanh(s / logits_soft_cap)``
+    (Gemma 2; applied after ``sm_scale``, as in FlashInfer and vLLM).
 
-    Returns
-    -------
-    Tensor[batch, num_q_heads, head_dim], dtype of q
-        ``out`` (the given buffer, or a new one).
+Returns
+-------
+Tensor[batch, num_q_heads, head_dim], dtype of q
+    ``out`` (the given buffer, or a new one).
 
-    Raises
-    ------
-    TypeError
-        If q, kv_cache, block_tables or kv_lens is not a tensor.
-    ValueError
-        On a wrong rank, shape, dtype (block_tables and kv_lens must be int32; q and
-        kv_cache one of float32/float16/bfloat16, the same), mixed devices, sm_scale <= 0,
-        sliding_window < 1, logits_soft_cap <= 0, or an ``out`` unlike q.
-    """
-    return plan_paged_decode(
-        q, kv_cache, block_tables, kv_lens, sm_scale,
-        out=out, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-    )()
+Raises
+------
+TypeError
+    If q, kv_cache, block_tables or kv_lens is not a tensor.
+ValueError
+    On a wrong rank, shape, dtype (block_tables and kv_lens must be int32; q and
+    kv_cache one of float32/float16/bfloat16, the same), mixed devices, sm_scale <= 0,
+    sliding_window < 1, logits_soft_cap <= 0, or an ``out`` unlike q.
+""")

@@ -26,7 +26,9 @@ kernels (:mod:`~pagedbench.kernels.paged_decode` too) take their padding
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -229,6 +231,21 @@ def _store_rows(out_ptr, offsets, x, mask, BF16_VIA_FP32: tl.constexpr):
     else:
         y = x.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offsets, y, mask=mask)
+
+
+def launcher(plan: Callable[..., Callable[[], torch.Tensor]], name: str,
+             doc: str) -> Callable[..., torch.Tensor]:
+    """The launcher of a kernel from its planner, so that the arguments are declared once
+    (in ``plan``): the same signature, returning a tensor; a call validates and plans
+    (``plan(...)``) and launches at once (``plan(...)()``). ``name`` and ``doc`` are the
+    launcher's (its documentation, with the parameters' shapes and dtypes)."""
+    def launch(*args: object, **kwargs: object) -> torch.Tensor:
+        return plan(*args, **kwargs)()
+
+    launch.__name__ = launch.__qualname__ = name
+    launch.__module__, launch.__doc__ = plan.__module__, doc
+    launch.__signature__ = inspect.signature(plan).replace(return_annotation=torch.Tensor)
+    return launch
 
 
 def kernels_are_interpreted() -> bool:

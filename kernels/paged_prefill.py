@@ -42,6 +42,7 @@ from .paged_features import (
     check_paged_args,
     kernels_are_interpreted,
     launch_config,
+    launcher,
     padded_dim,
 )
 
@@ -302,62 +303,41 @@ def plan_paged_prefill(
     return PrefillLaunch(a.out, plan, (len(plan.work), a.num_kv_heads), args, constexprs)
 
 
-def paged_prefill(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    sm_scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """Causal attention of packed varlen queries over a paged KV cache.
+paged_prefill = launcher(plan_paged_prefill, "paged_prefill", """Causal attention of packed varlen queries over a paged KV cache.
 
-    Query ``j`` of sequence ``i`` (row ``cu_seqlens_q[i] + j``) sits at position
-    ``kv_lens[i] - q_len_i + j`` and attends to the keys at positions up to its own
-    (bottom-right causal), through ``block_tables[i]``; query head ``h`` reads KV head
-    ``h // (num_q_heads // num_kv_heads)``. Decodes (``q_len`` 1), chunked prefills and
-    whole prompts mix freely. Semantics of every feature: ``reference/dense.py``.
+Query ``j`` of sequence ``i`` (row ``cu_seqlens_q[i] + j``) sits at position
+``kv_lens[i] - q_len_i + j`` and attends to the keys at positions up to its own
+(bottom-right causal), through ``block_tables[i]``; query head ``h`` reads KV head
+``h // (num_q_heads // num_kv_heads)``. Decodes (``q_len`` 1), chunked prefills and
+whole prompts mix freely. Semantics of every feature: ``reference/dense.py``.
 
-    Parameters
-    ----------
-    q : Tensor[total_q, num_q_heads, head_dim], float32 | float16 | bfloat16
-    kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], q's dtype or fp8
-        Read in place through its strides; fp8 values stand for ``stored * k_scale``
-        (``v_scale``). Must already hold the queries' own keys and values.
-    block_tables : Tensor[batch, max_blocks_per_seq], int32
-    kv_lens : Tensor[batch], int32
-        Keys per sequence, each in ``[q_len_i, max_blocks_per_seq * block_size]``.
-    cu_seqlens_q : Tensor[batch + 1], int32
-        Prefix sums of the query lengths, from 0 to ``total_q``.
-    sm_scale : float
-    out, sliding_window, logits_soft_cap, alibi_slopes, sinks, k_scale, v_scale
-        As :func:`~pagedbench.kernels.paged_split_decode.paged_split_decode`, per query
-        position (a window ``W`` shows query position ``p`` the keys ``p - W + 1 .. p``).
+Parameters
+----------
+q : Tensor[total_q, num_q_heads, head_dim], float32 | float16 | bfloat16
+kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], q's dtype or fp8
+    Read in place through its strides; fp8 values stand for ``stored * k_scale``
+    (``v_scale``). Must already hold the queries' own keys and values.
+block_tables : Tensor[batch, max_blocks_per_seq], int32
+kv_lens : Tensor[batch], int32
+    Keys per sequence, each in ``[q_len_i, max_blocks_per_seq * block_size]``.
+cu_seqlens_q : Tensor[batch + 1], int32
+    Prefix sums of the query lengths, from 0 to ``total_q``.
+sm_scale : float
+out, sliding_window, logits_soft_cap, alibi_slopes, sinks, k_scale, v_scale
+    As :func:`~pagedbench.kernels.paged_split_decode.paged_split_decode`, per query
+    position (a window ``W`` shows query position ``p`` the keys ``p - W + 1 .. p``).
 
-    Returns
-    -------
-    Tensor[total_q, num_q_heads, head_dim], dtype of q
+Returns
+-------
+Tensor[total_q, num_q_heads, head_dim], dtype of q
 
-    Raises
-    ------
-    TypeError
-        If a tensor argument is not a tensor.
-    ValueError
-        Naming the parameter: wrong rank, shape or dtype, mixed devices, ``cu_seqlens_q``
-        not rising from 0 to ``total_q``, a ``q_len`` above its ``kv_len``, a kv_len out
-        of range, an invalid scale, window, cap, slope or sink vector, or an ``out``
-        unlike q.
-    """
-    return plan_paged_prefill(
-        q, kv_cache, block_tables, kv_lens, cu_seqlens_q, sm_scale, out=out,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-    )()
+Raises
+------
+TypeError
+    If a tensor argument is not a tensor.
+ValueError
+    Naming the parameter: wrong rank, shape or dtype, mixed devices, ``cu_seqlens_q``
+    not rising from 0 to ``total_q``, a ``q_len`` above its ``kv_len``, a kv_len out
+    of range, an invalid scale, window, cap, slope or sink vector, or an ``out``
+    unlike q.
+""")

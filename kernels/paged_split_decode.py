@@ -42,6 +42,7 @@ from .paged_features import (
     check_kv_lens_fit,
     check_paged_args,
     kernels_are_interpreted,
+    launcher,
     padded_dim,
 )
 from .paged_split_plan import (
@@ -344,83 +345,57 @@ def plan_paged_split_decode(
                              merge_constexprs)
 
 
-def paged_split_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,
-    sm_scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    batch_invariant: bool = False,
-    split_size: int = BATCH_INVARIANT_SPLIT_SIZE,
-    num_splits: int | None = None,
-    num_sms: int | None = None,
-) -> torch.Tensor:
-    """Decode attention (one query token per sequence) over a paged KV cache, split-KV.
+paged_split_decode = launcher(plan_paged_split_decode, "paged_split_decode", """Decode attention (one query token per sequence) over a paged KV cache, split-KV.
 
-    ``out[i, h] = softmax(logits) @ V_i`` over the first ``kv_lens[i]`` tokens of sequence
-    ``i`` read through ``block_tables[i]``; query head ``h`` reads KV head
-    ``h // (num_q_heads // num_kv_heads)``; the query sits at position ``kv_lens[i] - 1``.
-    Semantics of every feature: ``reference/dense.py``.
+``out[i, h] = softmax(logits) @ V_i`` over the first ``kv_lens[i]`` tokens of sequence
+``i`` read through ``block_tables[i]``; query head ``h`` reads KV head
+``h // (num_q_heads // num_kv_heads)``; the query sits at position ``kv_lens[i] - 1``.
+Semantics of every feature: ``reference/dense.py``.
 
-    Parameters
-    ----------
-    q : Tensor[batch, num_q_heads, head_dim], float32 | float16 | bfloat16
-    kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], q's dtype or fp8
-        K at ``[:, 0]``, V at ``[:, 1]``, any strides (read in place); float8_e4m3fn or
-        float8_e5m2 values stand for ``stored * k_scale`` (``v_scale``).
-    block_tables : Tensor[batch, max_blocks_per_seq], int32
-        Entries past a sequence's last block are never read.
-    kv_lens : Tensor[batch], int32
-        Keys per sequence, each in ``[0, max_blocks_per_seq * block_size]`` (checked on the
-        host); 0 gives a zero output row.
-    sm_scale : float
-        Scale of ``q @ k``, > 0.
-    out : Tensor[batch, num_q_heads, head_dim], dtype of q, optional
-    sliding_window : int or None
-        The query sees keys ``>= kv_len - sliding_window``.
-    logits_soft_cap : float or None
-        Scaled logits ``s`` become ``logits_soft_cap * tanh(s / logits_soft_cap)``.
-    alibi_slopes : Tensor[num_q_heads], float32, or None
-        Adds ``-slope[h] * (kv_len - 1 - key position)`` after the soft cap.
-    sinks : Tensor[num_q_heads], float32, or None
-        One extra logit per query head in the softmax denominator, with no value.
-    k_scale, v_scale : float
-        Dequantization scales of an fp8 cache; 1.0 otherwise.
-    batch_invariant : bool
-        Fixed ``split_size`` keys per split: each output row bitwise independent of the
-        other sequences of the batch.
-    split_size : int
-        Keys per split in batch-invariant mode (:data:`BATCH_INVARIANT_SPLIT_SIZE`).
-    num_splits : int or None
-        Force the balanced split count (None: :func:`plan_splits` chooses).
-    num_sms : int or None
-        SMs to plan for; None: the device's (:func:`device_sm_count`).
+Parameters
+----------
+q : Tensor[batch, num_q_heads, head_dim], float32 | float16 | bfloat16
+kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, head_dim], q's dtype or fp8
+    K at ``[:, 0]``, V at ``[:, 1]``, any strides (read in place); float8_e4m3fn or
+    float8_e5m2 values stand for ``stored * k_scale`` (``v_scale``).
+block_tables : Tensor[batch, max_blocks_per_seq], int32
+    Entries past a sequence's last block are never read.
+kv_lens : Tensor[batch], int32
+    Keys per sequence, each in ``[0, max_blocks_per_seq * block_size]`` (checked on the
+    host); 0 gives a zero output row.
+sm_scale : float
+    Scale of ``q @ k``, > 0.
+out : Tensor[batch, num_q_heads, head_dim], dtype of q, optional
+sliding_window : int or None
+    The query sees keys ``>= kv_len - sliding_window``.
+logits_soft_cap : float or None
+    Scaled logits ``s`` become ``logits_soft_cap * tanh(s / logits_soft_cap)``.
+alibi_slopes : Tensor[num_q_heads], float32, or None
+    Adds ``-slope[h] * (kv_len - 1 - key position)`` after the soft cap.
+sinks : Tensor[num_q_heads], float32, or None
+    One extra logit per query head in the softmax denominator, with no value.
+k_scale, v_scale : float
+    Dequantization scales of an fp8 cache; 1.0 otherwise.
+batch_invariant : bool
+    Fixed ``split_size`` keys per split: each output row bitwise independent of the
+    other sequences of the batch.
+split_size : int
+    Keys per split in batch-invariant mode (:data:`BATCH_INVARIANT_SPLIT_SIZE`).
+num_splits : int or None
+    Force the balanced split count (None: :func:`plan_splits` chooses).
+num_sms : int or None
+    SMs to plan for; None: the device's (:func:`device_sm_count`).
 
-    Returns
-    -------
-    Tensor[batch, num_q_heads, head_dim], dtype of q
+Returns
+-------
+Tensor[batch, num_q_heads, head_dim], dtype of q
 
-    Raises
-    ------
-    TypeError
-        If q, kv_cache, block_tables or kv_lens is not a tensor.
-    ValueError
-        Naming the parameter: wrong rank, shape or dtype, mixed devices, a kv_len out of
-        range, an invalid scale, window, cap, slope or sink vector, split option, or an
-        ``out`` unlike q.
-    """
-    return plan_paged_split_decode(
-        q, kv_cache, block_tables, kv_lens, sm_scale, out=out,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-        batch_invariant=batch_invariant, split_size=split_size, num_splits=num_splits,
-        num_sms=num_sms,
-    )()
+Raises
+------
+TypeError
+    If q, kv_cache, block_tables or kv_lens is not a tensor.
+ValueError
+    Naming the parameter: wrong rank, shape or dtype, mixed devices, a kv_len out of
+    range, an invalid scale, window, cap, slope or sink vector, split option, or an
+    ``out`` unlike q.
+""")

@@ -484,7 +484,7 @@ def materialize(
     ``on_device``: draw and build everything on ``device`` with a generator there (same
     seed, so reproducible on that device; a CUDA generator draws other values than the
     host's, a CPU one the same), so that nothing of the size of the KV pool touches the
-    host: for cases whose pool the host cannot hold (``harness/truth.py``, device truth).
+    host: for cases whose pool the host cannot hold (``harness/verdict/truth.py``, device truth).
     With ``case.alibi``, ``alibi_slopes`` holds :func:`alibi_slopes`; with
     ``case.sinks``, ``sinks`` holds logits uniform in ``[SINK_LOW, SINK_HIGH)``, drawn
     after Q from the same generator (so cases without sinks keep their values).

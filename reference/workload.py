@@ -3,7 +3,7 @@
 A trace is a sequence of :class:`Request`: prompt and output lengths, the step the request
 arrives at, an optional shared prefix, and the number of parallel samples. Reading traces
 from files and drawing them from a distribution is the harness's job
-(:mod:`pagedbench.harness.traces`); the simulator is :mod:`pagedbench.reference.simulator`.
+(:mod:`pagedbench.harness.capacity.traces`); the simulator is :mod:`pagedbench.reference.simulator`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The naive yardstick: attention at the case dtype the way a plain kernel computes it, with
 every reduction in a fixed, explicit order, so that its rounding is the same on every host.
 
-The tolerance policy (``harness/tolerance.py``) allows an implementation a multiple of the
+The tolerance policy (``harness/verdict/tolerance.py``) allows an implementation a multiple of the
 error this naive computation makes. If it called a matmul or ``torch.softmax``, its float32
 sums would run in whatever order the host's BLAS and vector units take (blocked by 8 with
 AVX2, by 16 with AVX-512, tiles with AMX), and the allowance, hence the verdict, would move

@@ -8,7 +8,7 @@
 # 2. installs the carried wheels (CARRY/wheels/*.whl, default carry build/gpu-carry, made
 #    by `make gpu-carry`) with pip --no-index --no-deps into build/gpu-site, and names
 #    CARRY/vllm-triton (vLLM's Triton kernel files) in PAGEDBENCH_VLLM_TRITON_CARRY;
-# 3. runs python -m pagedbench.harness.gpu_lane, which writes at most 8 files into DIR
+# 3. runs python -m pagedbench.harness.lane.steps, which writes at most 8 files into DIR
 #    and prints its summary last.
 # No .git travels to the machine: the commit and dirtiness come from --git-sha/--dirty or
 # PAGEDBENCH_GIT_SHA/PAGEDBENCH_GIT_DIRTY. --rehearsal: the CPU rehearsal of CI (tiny
@@ -62,9 +62,9 @@ export PYTHONPATH="$build/gpu-shim:$site${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$site/bin:$PATH" FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$build}"
 # Where vllm is not importable, the vllm-triton adapters load these (hashes checked).
 [ -d "$carry/vllm-triton" ] && export PAGEDBENCH_VLLM_TRITON_CARRY="$(cd "$carry/vllm-triton" && pwd)"
-"$python" -c "import pagedbench.harness.gpu_lane" || {
+"$python" -c "import pagedbench.harness.lane.steps" || {
   echo "gpu_lane.sh: pagedbench is not importable through $build/gpu-shim (a package the" \
        "image lacks? make gpu-carry builds its wheels into $carry/wheels)" >&2; exit 2; }
 
-exec "$python" -m pagedbench.harness.gpu_lane --out "$out" --device "$device" \
+exec "$python" -m pagedbench.harness.lane.steps --out "$out" --device "$device" \
   --git-sha "$git_sha" --dirty "$dirty"

@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from pagedbench.adapters import Adapter
-from pagedbench.harness import replay
-from pagedbench.harness.conformance import inputs_for
+from pagedbench.harness.run import replay
+from pagedbench.harness.verdict.conformance import inputs_for
 from pagedbench.reference import PagedCase
 
 #: Where observations on combinations the table does not name go, one JSON row a line,
@@ -322,7 +322,7 @@ def expect(key: tuple[str, ...], outcome: str, error: AssertionError | None, cas
 
 def check_conformance(adapter: Adapter, case: PagedCase, device: str, impl: str, probe: str,
                       root: Path) -> None:
-    """The conformance check of ``case`` (:func:`pagedbench.harness.replay.check`), held
+    """The conformance check of ``case`` (:func:`pagedbench.harness.run.replay.check`), held
     to the table as probe ``probe`` of ``adapter``'s combination (:func:`expect`)."""
     outcome, error = observe(lambda: replay.check(adapter, case, device, impl))
     key = combination(adapter, device, case=case) + (probe,)

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.harness.environment import (CACHE_DIR_VARIABLE, DEFAULT_CACHE_DIR,
-                                            apply_environment, cache_environment,
-                                            default_cache_dir)
+from pagedbench.harness.run.environment import (CACHE_DIR_VARIABLE, DEFAULT_CACHE_DIR,
+                                                apply_environment, cache_environment,
+                                                default_cache_dir)
 
 MARKERS = (
     "gpu: needs a CUDA device (skipped without one)",
@@ -163,7 +163,7 @@ def _implementations(wanted: list[str]) -> list[str]:
         A name no implementation has; the message lists the allowed ones.
     """
     from pagedbench.adapters import entries
-    from pagedbench.harness.selftest import register_catalogue_if_named
+    from pagedbench.harness.run.selftest import register_catalogue_if_named
 
     register_catalogue_if_named(wanted)
     names = [e.name for e in entries()]

@@ -21,8 +21,8 @@ from pagedbench.adapters.flash_attn import (
     flash_attn_paged,
     window_size,
 )
-from pagedbench.harness.strategies import paged_cases
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.cases.strategies import paged_cases
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, gather_kv, materialize
 
 

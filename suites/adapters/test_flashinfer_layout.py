@@ -21,8 +21,8 @@ from pagedbench.adapters.flashinfer import (
     to_flashinfer_cache,
     window_left,
 )
-from pagedbench.harness.strategies import paged_cases
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.cases.strategies import paged_cases
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, gather_kv, materialize
 
 LAYOUTS = ("NHD", "HND")

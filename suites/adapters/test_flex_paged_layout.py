@@ -18,7 +18,7 @@ import torch
 from hypothesis import example, given
 
 from pagedbench.adapters.flex_paged import CAPABILITIES, to_flex_layout
-from pagedbench.harness.strategies import paged_cases
+from pagedbench.harness.cases.strategies import paged_cases
 from pagedbench.reference import PagedCase, gather_kv, materialize
 
 

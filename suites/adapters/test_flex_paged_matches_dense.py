@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from pagedbench.adapters.flex_paged import FlexPaged
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 
 CASES = [

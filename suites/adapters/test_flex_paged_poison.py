@@ -18,8 +18,9 @@ from dataclasses import replace
 import pytest
 
 from pagedbench.adapters.flex_paged import FlexPaged
-from pagedbench.harness.conformance import tail_poison
-from pagedbench.harness.tolerance import Expected, assert_close_report, assert_matches_truth
+from pagedbench.harness.verdict.conformance import tail_poison
+from pagedbench.harness.verdict.tolerance import (Expected, assert_close_report,
+                                                  assert_matches_truth)
 from pagedbench.reference import PagedCase, PagedInputs, materialize
 
 #: Sequences 0 and 2 end inside a block (5 = 0 * 16 + 5, 90 = 5 * 16 + 10); sequence 1

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedbench.harness.conformance import judge
-from pagedbench.harness.status import Status
+from pagedbench.harness.verdict.conformance import judge
+from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase
 
 README = Path(__file__).resolve().parents[2] / "README.md"

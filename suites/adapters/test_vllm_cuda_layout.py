@@ -13,7 +13,7 @@ import torch
 
 from pagedbench.adapters.cuda_probe import installed_distribution
 from pagedbench.adapters.vllm_cuda import CAPABILITIES, VllmCudaFlashAttn, default_fa_version
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 
 

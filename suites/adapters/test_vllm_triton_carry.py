@@ -44,7 +44,7 @@ TINY = PagedCase(kv_lens=(17, 5), num_q_heads=4, num_kv_heads=2, head_dim=32,
 
 @pytest.fixture(scope="module")
 def carry(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pagedbench.harness import gpu_carry
+    from pagedbench.harness.lane import carry as gpu_carry
 
     folder = tmp_path_factory.mktemp("carry") / "vllm-triton"
     gpu_carry.copy_vllm_triton(folder)

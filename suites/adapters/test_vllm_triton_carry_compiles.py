@@ -87,7 +87,7 @@ EXPECTED = {
 
 def test_carried_kernels_compile_for_sm90(tmp_path) -> None:
     from pagedbench.adapters.vllm_triton_carry import CARRY_ENV
-    from pagedbench.harness import gpu_carry
+    from pagedbench.harness.lane import carry as gpu_carry
 
     gpu_carry.copy_vllm_triton(tmp_path / "vllm-triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -22,8 +22,8 @@ from importlib.metadata import PackageNotFoundError, version
 import pytest
 import torch
 
-from pagedbench.harness.cases import MODEL_PRESETS, preset_cases
-from pagedbench.harness.tolerance import Comparison, Expected, assert_close_report, compare
+from pagedbench.harness.cases.presets import MODEL_PRESETS, preset_cases
+from pagedbench.harness.verdict.tolerance import Comparison, Expected, assert_close_report, compare
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.feature_effect import assert_feature_matters
 

@@ -18,8 +18,8 @@ from hypothesis import example, given
 
 from pagedbench.adapters.base import Capabilities
 from pagedbench.adapters.xformers import XformersSplitK, paged_bias, xformers_paged
-from pagedbench.harness.strategies import paged_cases
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.cases.strategies import paged_cases
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, gather_kv, materialize
 
 pytest.importorskip("xformers", reason="xformers not installed (pip install xformers==0.0.35)")

@@ -9,8 +9,8 @@ import torch
 from hypothesis import strategies as st
 
 from pagedbench.adapters.vllm_cpu import VllmCpu, attention_isa
-from pagedbench.harness.strategies import paged_cases
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.cases.strategies import paged_cases
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites import peer_findings
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedbench.harness.timing import Timing
+from pagedbench.harness.measure.timing import Timing
 
 #: How pytest-benchmark names the mode of a fixture whose rounds the harness timed.
 HARNESS_MODE = "pagedbench harness timing"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedbench.harness.traces import generate_trace
+from pagedbench.harness.capacity.traces import generate_trace
 from pagedbench.reference.kv_policies import Policy
 from pagedbench.reference.simulator import simulate
 from pagedbench.reference.workload import DEFAULT_MAX_CONTEXT, Request

@@ -5,12 +5,12 @@
 ``PAGEDBENCH_BENCH_SWEEP`` = ``quick`` (default, seconds: what ``make test`` runs) or
 ``default`` (the device's sweep of ``pagedbench bench``); the device is
 ``PAGEDBENCH_BENCH_DEVICE`` (``cpu`` by default); the implementations are
-``harness.bench.CPU_IMPLS`` on the CPU, every built-in elsewhere.
+``harness.run.bench.CPU_IMPLS`` on the CPU, every built-in elsewhere.
 
-Each item first checks the point for conformance (``harness.conformance.judge``, as the
+Each item first checks the point for conformance (``harness.verdict.conformance.judge``, as the
 bench command does): a point that does not pass fails the item and is never timed;
 unsupported or unavailable points are skipped with the reason. The harness timer
-(``harness.timing``: ``torch.utils.benchmark`` on the CPU, ``do_bench``/CUDA graphs on a
+(``harness.measure.timing``: ``torch.utils.benchmark`` on the CPU, ``do_bench``/CUDA graphs on a
 GPU) times ``run()``, and its samples are pytest-benchmark's rounds (one timing per
 point: ``stats`` and ``--benchmark-compare-fail`` see what the board shows;
 :func:`~pagedbench.suites.benchmarks.recording.record_timing`). ``extra_info`` carries the
@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from pagedbench.adapters import BUILTIN, load
-from pagedbench.harness import conformance
-from pagedbench.harness.bench import CPU_IMPLS, default_sweep
-from pagedbench.harness.derived import DEFAULT_BASELINE
-from pagedbench.harness.status import Status
-from pagedbench.harness.timing import bytes_moved, flops, time_cpu, time_cuda
-from pagedbench.harness.workloads import CONTIGUOUS_TAG
+from pagedbench.harness.cases.workloads import CONTIGUOUS_TAG
+from pagedbench.harness.measure.timing import bytes_moved, flops, time_cpu, time_cuda
+from pagedbench.harness.results.derived import DEFAULT_BASELINE
+from pagedbench.harness.run.bench import CPU_IMPLS, default_sweep
+from pagedbench.harness.verdict import conformance
+from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedValueError
 from pagedbench.suites.benchmarks.recording import record_timing
 

@@ -10,7 +10,7 @@ size), ``prefill`` (the GQA-packed prefill kernel run on the decode batch) and
   a GPU and is never compared with anything. The output is checked against the truth.
 - CUDA: Llama-3-8B decode (bf16, 32 query / 8 KV heads, head_dim 128, block_size 16,
   every sequence at the full context) at batch 1/8/32 and contexts 4k/16k, timed by the
-  harness (``triton.testing.do_bench``, L2 cleared; harness/timing.py), whose samples
+  harness (``triton.testing.do_bench``, L2 cleared; harness/measure/timing.py), whose samples
   are pytest-benchmark's rounds (suites/benchmarks/recording.py); ``extra_info``
   carries that median with ``bytes_moved``, ``flops`` and the resulting GB/s. The floors these figures are compared with are in
   docs/KERNELS.md.
@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedbench.harness.timing import bytes_moved, flops, time_cuda, time_once
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.measure.timing import bytes_moved, flops, time_cuda, time_once
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.benchmarks.recording import record_timing
 

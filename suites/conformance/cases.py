@@ -11,7 +11,7 @@ import pytest
 from hypothesis import strategies as st
 
 from pagedbench.adapters import Adapter
-from pagedbench.harness.strategies import paged_cases
+from pagedbench.harness.cases.strategies import paged_cases
 from pagedbench.reference import PagedCase
 
 from .conftest import DEVICE

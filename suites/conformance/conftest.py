@@ -5,7 +5,7 @@ with how many examples.
 Implementations are found without importing them (:func:`pagedbench.adapters.entries`,
 through :func:`pagedbench.suites.plugin.implementations`, which checks ``--impl``); only the ones a test session selects are imported, when their first test runs. Naming a
 fault of the catalogue (``--impl fault-...``, suites/faults) puts the catalogue's
-distribution on the path first (:func:`~pagedbench.harness.selftest.register_catalogue`),
+distribution on the path first (:func:`~pagedbench.harness.run.selftest.register_catalogue`),
 so its entry points register it as an out-of-tree kernel is registered. Each test
 records the implementation it checked as the JUnit property ``impl`` (``pagedbench
 selftest`` reads it).

@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 # host, before any kernel imports Triton), so examples cost here what they cost there.
 from pagedbench.suites import conftest as _session  # noqa: F401  isort: skip
 from pagedbench.adapters import entries, load
-from pagedbench.harness import conformance
-from pagedbench.harness.selftest import (CONTROL, DEFAULT_CATALOGUE, catalogue_entries,
-                                          register_catalogue)
-from pagedbench.harness.store import environment
+from pagedbench.harness.results.store import environment
+from pagedbench.harness.run.selftest import (CONTROL, DEFAULT_CATALOGUE, catalogue_entries,
+                                             register_catalogue)
+from pagedbench.harness.verdict import conformance
 from pagedbench.suites.budget import TABLE
 
 from .conftest import DEVICE

@@ -21,8 +21,9 @@ import pytest
 import torch
 from hypothesis import settings
 
-from pagedbench.harness import replay, tolerance
-from pagedbench.harness.conformance import inputs_for
+from pagedbench.harness.run import replay
+from pagedbench.harness.verdict import tolerance
+from pagedbench.harness.verdict.conformance import inputs_for
 from pagedbench.reference import naive_attention
 from pagedbench.reference.case import LAYOUTS, POISONS
 from pagedbench.suites import peer_findings

@@ -1,7 +1,7 @@
 """Every available implementation agrees with float64 dense attention on every case it
-claims to support (harness/tolerance.py's policy), with NaN-poisoned unused slots and
+claims to support (harness/verdict/tolerance.py's policy), with NaN-poisoned unused slots and
 shuffled block tables. Run one implementation: ``pytest suites/conformance --impl NAME``;
-a failure ends with the ``pagedbench replay`` command of its case (harness/replay.py).
+a failure ends with the ``pagedbench replay`` command of its case (harness/run/replay.py).
 
 The search gets each implementation's example budget (``suites/budget.py``): its
 measured seconds per example against the profile's time budget.
@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
-from pagedbench.harness import replay
-from pagedbench.harness.conformance import inputs_for, nan_tail_output_finite
+from pagedbench.harness.run import replay
+from pagedbench.harness.verdict.conformance import inputs_for, nan_tail_output_finite
 
 from pagedbench.suites import peer_findings
 

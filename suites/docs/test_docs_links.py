@@ -1,6 +1,6 @@
 """Every relative link of README.md and docs/*.md resolves: to a file or folder of the
 repository, and, with ``#anchor``, to a heading of that page (GitHub's anchors). Every
-repository path a page names (``harness/runner.py``, in a code span or a code block)
+repository path a page names (``harness/run/runner.py``, in a code span or a code block)
 exists, but under ``results/``, which holds what commands write.
 
 The pages are plain Markdown read where the repository is (GitHub renders them); this
@@ -88,7 +88,7 @@ def test_slug_is_githubs(heading: str, anchor: str) -> None:
 
 
 def test_named_paths_reads_paths_and_skips_patterns() -> None:
-    text = ("`harness/runner.py`'s run, `suites/adapters/`, `adapters/<peer>.py`, "
+    text = ("`harness/run/runner.py`'s run, `suites/adapters/`, `adapters/<peer>.py`, "
             "`suites/adapters/test_<peer>_x.py`, results/gpu/<device>/, suites/x_*.py, "
             "vLLM's tests/kernels/attention/a.py and docs/KERNELS.md.")
-    assert named_paths(text) == {"harness/runner.py", "suites/adapters/", "docs/KERNELS.md"}
+    assert named_paths(text) == {"harness/run/runner.py", "suites/adapters/", "docs/KERNELS.md"}

@@ -6,8 +6,8 @@ declares for the CPU today, rendered by the command's own formatter."""
 from __future__ import annotations
 
 from pagedbench.adapters import BUILTIN, load
-from pagedbench.harness.cli import capability_matrix
-from pagedbench.harness.record import ListingRow
+from pagedbench.harness.cli.results import capability_matrix
+from pagedbench.harness.results.record import ListingRow
 from pagedbench.suites.docs.markdown import ROOT
 
 PAGE = ROOT / "docs" / "implementations.md"

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from pagedbench.adapters import ENTRY_POINT_GROUP, load
-from pagedbench.harness import conformance, selftest
+from pagedbench.harness.run import selftest
+from pagedbench.harness.verdict import conformance
 from pagedbench.reference import PagedCase
 
 from pagedbench.suites.faults import SITE

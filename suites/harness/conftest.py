@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.harness.gate_calibration import plugin_environment
+from pagedbench.harness.calibration.gate import plugin_environment
 
 from . import installed
 
@@ -73,7 +73,7 @@ def workers_of(parent_pid: int) -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if (b"pagedbench.harness.worker" in argv and b"--parent" in argv
+        if (b"pagedbench.harness.run.worker" in argv and b"--parent" in argv
                 and argv[argv.index(b"--parent") + 1] == str(parent_pid).encode()
                 and state != "Z"):
             found.append(int(proc.name))
@@ -90,10 +90,10 @@ def result(impl: str, case_id_or_case="c1", status: str = "pass", ms: float | No
            run_id: str = "r1", env: dict | None = None, **changes):
     """A valid result record for report and store tests: ``impl`` on a small case named
     ``case_id_or_case`` (or that PagedCase), with ``status`` and a median of ``ms``."""
-    from pagedbench.harness.record import Environment
-    from pagedbench.harness.runner import RunConfig, result_record
-    from pagedbench.harness.status import Status
-    from pagedbench.harness.timing import Timing
+    from pagedbench.harness.results.record import Environment
+    from pagedbench.harness.run.runner import RunConfig, result_record
+    from pagedbench.harness.verdict.status import Status
+    from pagedbench.harness.measure.timing import Timing
     from pagedbench.reference import PagedCase
 
     case = case_id_or_case if isinstance(case_id_or_case, PagedCase) else PagedCase(

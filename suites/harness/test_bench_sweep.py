@@ -12,14 +12,14 @@ import sys
 import pytest
 import torch
 
-from pagedbench.harness import report
-from pagedbench.harness.bench import CPU_SWEEP, QUICK_SWEEP, Sweep
-from pagedbench.harness.derived import bench_frame, fast_p, group_scores
-from pagedbench.harness.record import environment_key, result_key
-from pagedbench.harness.store import read_lines
-from pagedbench.harness.workloads import (BENCH_SUITE, CONTIGUOUS_TAG, format_batch_spec,
-                                          grid_workload, parse_batch_spec, preset_workload,
-                                          spec_workload)
+from pagedbench.harness.cases.workloads import (BENCH_SUITE, CONTIGUOUS_TAG, format_batch_spec,
+                                                grid_workload, parse_batch_spec, preset_workload,
+                                                spec_workload)
+from pagedbench.harness.results import report
+from pagedbench.harness.results.derived import bench_frame, fast_p, group_scores
+from pagedbench.harness.results.record import environment_key, result_key
+from pagedbench.harness.results.store import read_lines
+from pagedbench.harness.run.bench import CPU_SWEEP, QUICK_SWEEP, Sweep
 from pagedbench.reference import PagedValueError, materialize
 
 from .conftest import BROKEN, ENV, register, result
@@ -136,6 +136,26 @@ def test_the_default_sweeps_cover_every_mode_and_layout() -> None:
         assert any(part in n for n in names), part
     assert not CPU_SWEEP.left_out() and len(QUICK_SWEEP.cases()) == 6
 
+
+
+@pytest.mark.parametrize("changes", [
+    {},  # the CPU default: the axes grid and a preset
+    {"grid": "full", "presets": (), "modes": ("decode",), "layouts": ("llama3.1-70b-tp8",),
+     "batch_sizes": (2,), "contexts": (64, 256), "block_sizes": (16,)},  # the lane's rehearsal
+    {"grid": "none", "batch_specs": ("2q1s64", "q3s9"), "presets": (), "contiguous": False},
+    {"workload_patterns": ("*-mqa-*",), "dtypes": ("float16", "bfloat16")},
+])
+def test_a_sweeps_arguments_give_its_points_back(changes) -> None:
+    """``Sweep.arguments`` is the inverse of ``bench_sweep``: bench parses them back into a
+    sweep with the very same points (in order), whatever its defaults would add."""
+    from pagedbench.harness.cli import _parser
+    from pagedbench.harness.cli.bench import bench_sweep
+
+    sweep = CPU_SWEEP.with_(**changes)
+    args = _parser().parse_args(["bench", "--device", "cpu", *sweep.arguments()])
+    again = bench_sweep(args)
+    assert [c.case_id for c in again.cases()] == [c.case_id for c in sweep.cases()]
+    assert again.cases() and again.left_out() == sweep.left_out()
 
 def _bench(impl, case, status="pass", ms=None, **changes):
     return result(impl, case, status, ms, suite=BENCH_SUITE, workload=case.name, **changes)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pagedbench.adapters import Adapter, Availability, Capabilities, load
-from pagedbench.harness import conformance
-from pagedbench.harness.record import ResultRecord
-from pagedbench.harness.runner import RunConfig, make_plan, run
-from pagedbench.harness.status import ExitCode, Status
-from pagedbench.harness.store import ResultsFile, read_lines
+from pagedbench.harness.results.record import ResultRecord
+from pagedbench.harness.results.store import ResultsFile, read_lines
+from pagedbench.harness.run.runner import RunConfig, make_plan, run
+from pagedbench.harness.verdict import conformance
+from pagedbench.harness.verdict.status import ExitCode, Status
 from pagedbench.reference import PagedCase
 
 from .conftest import BROKEN

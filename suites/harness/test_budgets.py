@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from pagedbench.harness import judge
-from pagedbench.harness.record import Environment, ResultRecord
-from pagedbench.harness.runner import RunConfig, run_target
-from pagedbench.harness.status import Status
-from pagedbench.harness.store import environment
+from pagedbench.harness.results.record import Environment, ResultRecord
+from pagedbench.harness.results.store import environment
+from pagedbench.harness.run import judge
+from pagedbench.harness.run.runner import RunConfig, run_target
+from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase
 
 from .conftest import FAULTS

@@ -18,9 +18,9 @@ import yaml
 from junitparser import JUnitXml
 
 from pagedbench.adapters import BUILTIN
-from pagedbench.harness import gate
 from pagedbench.harness.cli import _parser
-from pagedbench.harness.status import ExitCode
+from pagedbench.harness.gate import baselines
+from pagedbench.harness.verdict.status import ExitCode
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / "examples" / "ci" / "gpu.yml"
@@ -50,7 +50,7 @@ def test_every_pagedbench_command_parses() -> None:
     for argv in used:
         parser.parse_args(argv[1:])
     gates = [argv for argv in used if argv[1] == "gate" and "--update-baseline" not in argv]
-    assert [argv[argv.index("--baseline") + 1] for argv in gates] == [str(gate.BASELINES_DIR)]
+    assert [argv[argv.index("--baseline") + 1] for argv in gates] == [str(baselines.BASELINES_DIR)]
 
 
 def test_conformance_runs_the_installed_suite_with_the_plugin_options() -> None:

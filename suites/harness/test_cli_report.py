@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pagedbench.harness.cli import main
-from pagedbench.harness.record import json_schema
-from pagedbench.harness.status import ExitCode
+from pagedbench.harness.results.record import json_schema
+from pagedbench.harness.verdict.status import ExitCode
 
 ROOT = Path(__file__).resolve().parents[2]
 ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]
@@ -71,7 +71,7 @@ def test_simulate_output_dir_under_a_file_or_proc_is_refused(where, tmp_path, ca
 ])
 def test_report_output_is_checked(output, message, tmp_path, capsys) -> None:
     from .conftest import result
-    from pagedbench.harness.store import ResultsFile
+    from pagedbench.harness.results.store import ResultsFile
 
     ResultsFile(tmp_path / "r.jsonl").append(result("x"))
     target = output if output.startswith("/") else str(tmp_path / output)
@@ -110,7 +110,7 @@ def test_resume_needs_a_recorded_run_and_no_selection(tmp_path, capsys) -> None:
                         str(tmp_path)], capsys)
     assert "drop --impl" in err
     from .conftest import result
-    from pagedbench.harness.store import ResultsFile
+    from pagedbench.harness.results.store import ResultsFile
 
     ResultsFile(tmp_path / "old.jsonl").append(result("x", run_id="old"))
     err = _usage_error(["run", "--resume", "old", "--results-dir", str(tmp_path)], capsys)

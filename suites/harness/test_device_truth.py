@@ -1,4 +1,4 @@
-"""The device truth (``harness/truth.py``): a point whose truth the host cannot hold is
+"""The device truth (``harness/verdict/truth.py``): a point whose truth the host cannot hold is
 drawn on the run's device and its float64 reference computed there. Forced on small cases
 on the CPU it gives the host truth's verdicts and figures for correct implementations and
 fails wrong ones; a point whose truth fits neither the host budget nor the device is left
@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from pagedbench.adapters import entries, load
-from pagedbench.harness import cli, conformance, truth
-from pagedbench.harness.status import Status
-from pagedbench.harness.workloads import grid_workload
+from pagedbench.harness import cli
+from pagedbench.harness.cases.workloads import grid_workload
+from pagedbench.harness.verdict import conformance, truth
+from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase, PagedValueError, materialize
 
 from .conftest import BROKEN

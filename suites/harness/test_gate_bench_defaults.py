@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from pagedbench.harness import gate_calibration as calibration
-from pagedbench.harness.bench import CPU_TIMING
+from pagedbench.harness.calibration import gate as calibration
 from pagedbench.harness.cli import main
-from pagedbench.harness.speed import Thresholds
-from pagedbench.harness.status import ExitCode
+from pagedbench.harness.measure.speed import Thresholds
+from pagedbench.harness.run.bench import CPU_TIMING
+from pagedbench.harness.verdict.status import ExitCode
 
 PLUGIN = "pagedbench.suites.harness.plugins.slowed"
 

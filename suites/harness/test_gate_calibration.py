@@ -2,7 +2,7 @@
 at least 19 of 20 tries, a 25% slowdown fails in at least 19 of 20).
 
 - Replayed noise: synthetic runs drawn (with replacement) from the raw samples that
-  ``python -m pagedbench.harness.gate_calibration --tries 20`` recorded on a shared
+  ``python -m pagedbench.harness.calibration.gate --tries 20`` recorded on a shared
   2-core AMD EPYC (``data/gate_noise.json``), so the within-run noise is real but
   the load does not drift between baseline and current. docs/gate.md gives the rates of the
   real 20-try command, drift included.
@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 from junitparser import JUnitXml
 
-from pagedbench.harness import gate, gate_calibration as calibration
+from pagedbench.harness.calibration import gate as calibration
 from pagedbench.harness.cli import main
-from pagedbench.harness.record import ResultRecord
-from pagedbench.harness.status import ExitCode
-from pagedbench.harness.store import read_lines
+from pagedbench.harness.gate import compare as gate
+from pagedbench.harness.results.record import ResultRecord
+from pagedbench.harness.results.store import read_lines
+from pagedbench.harness.verdict.status import ExitCode
 
 from .test_gate_verdicts import timed
 

@@ -10,11 +10,11 @@ import math
 import numpy as np
 import pytest
 
-from pagedbench.harness import gate
 from pagedbench.harness.cli import main
-from pagedbench.harness.record import TimingStats
-from pagedbench.harness.speed import Outcome, Thresholds, compare_samples, holm
-from pagedbench.harness.status import ExitCode
+from pagedbench.harness.gate import compare as gate
+from pagedbench.harness.measure.speed import Outcome, Thresholds, compare_samples, holm
+from pagedbench.harness.results.record import TimingStats
+from pagedbench.harness.verdict.status import ExitCode
 
 from .conftest import ENV, result
 

@@ -1,4 +1,4 @@
-"""The GPU lane (scripts/gpu_lane.sh, ``pagedbench.harness.gpu_lane``): its budgets fit one
+"""The GPU lane (scripts/gpu_lane.sh, ``pagedbench.harness.lane.steps``): its budgets fit one
 10-minute command with room to rerun it, it packs what it writes into the 8 files that
 come back, and its CPU rehearsal runs from a bare copy of the checkout with a python that
 cannot import pagedbench, recording the commit it is given."""
@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedbench.harness import gpu_carry, gpu_ingest, gpu_lane, store
+from pagedbench.harness.lane import (carry as gpu_carry, ingest as gpu_ingest, probe,
+                                     steps as gpu_lane)
+from pagedbench.harness.lane import sweep
+from pagedbench.harness.results import store
+from pagedbench.harness.run.bench import CPU_SWEEP
 from pagedbench.reference import PagedValueError
 
 ROOT = gpu_lane.ROOT
@@ -49,10 +53,10 @@ def test_cuda_budgets_fit_one_call_and_a_rerun() -> None:
 def test_gpu_tests_are_the_gpu_suites() -> None:
     """Every pytest target of the CUDA lane exists; harness, allocator, simulator and
     reference suites stay in CI."""
-    for target in gpu_lane.CUDA_SELECTION.tests:
+    for target in sweep.CUDA_SELECTION.tests:
         assert (ROOT / target).exists(), target
         assert target.split("/")[1] in ("kernels", "conformance", "adapters"), target
-    assert {"suites/kernels", "suites/conformance"} <= set(gpu_lane.CUDA_SELECTION.tests)
+    assert {"suites/kernels", "suites/conformance"} <= set(sweep.CUDA_SELECTION.tests)
 
 
 def test_step_past_its_budget_is_stopped(tmp_path: Path) -> None:
@@ -71,13 +75,13 @@ def test_step_past_its_budget_is_stopped(tmp_path: Path) -> None:
 def test_bad_arguments_are_refused(tmp_path: Path, device: str, sha: str | None,
                                    match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        gpu_lane.run_lane(tmp_path, device, gpu_lane.CPU_SELECTION, [], git_sha=sha)
+        gpu_lane.run_lane(tmp_path, device, sweep.CPU_SELECTION, [], git_sha=sha)
 
 
 def test_used_output_folder_is_refused(tmp_path: Path) -> None:
     (tmp_path / "lane.json").write_text("{}")
     with pytest.raises(ValueError, match=r"new or empty folder.*lane\.json"):
-        gpu_lane.run_lane(tmp_path, "cpu", gpu_lane.CPU_SELECTION, [])
+        gpu_lane.run_lane(tmp_path, "cpu", sweep.CPU_SELECTION, [])
 
 
 def test_pack_leaves_at_most_eight_plain_files(tmp_path: Path) -> None:
@@ -111,11 +115,11 @@ def test_sweep_command_is_bench_on_the_grid(tmp_path: Path,
                                             capsys: pytest.CaptureFixture) -> None:
     """The sweep is ``pagedbench bench`` on the selection's grid (Llama-3-8B decode heads,
     bf16, batch 1-256 x kv 1k-32k x block sizes 16/64 and contiguous), our kernels first,
-    its peaks the env step's; the points bench plans are :func:`lane_sweep`'s, the ones
-    the truths step precomputes on the host among them."""
+    its peaks the env step's; the points bench plans from the command are the selection's
+    own sweep's."""
     impls = ("torch-gather", "xformers", "pagedbench-triton", "sdpa-contiguous",
              "pagedbench-triton-split")
-    command, notes = gpu_lane.sweep_command("python", "cuda", impls, gpu_lane.CUDA_SELECTION,
+    command, notes = sweep.sweep_command("python", "cuda", impls, sweep.CUDA_SELECTION,
                                             tmp_path / "r", tmp_path / "env.json")
     assert command[:4] == ["python", "-m", "pagedbench.harness.cli", "bench"] and not notes
     text = " ".join(command)
@@ -125,7 +129,7 @@ def test_sweep_command_is_bench_on_the_grid(tmp_path: Path,
     assert "--batch-size 256 --context 4096" in text and "--context 1024 --block-size 16" in text
     assert "--block-size 64 --dtype bfloat16" in text and "--grid full" in text
     assert f"--peaks {tmp_path / 'env.json'}" in text and "--repetitions" not in text
-    assert f"--host-truth-bytes {gpu_lane.HOST_TRUTH_BYTES['cuda']}" in text
+    assert f"--host-truth-bytes {sweep.HOST_TRUTH_BYTES['cuda']}" in text
     assert "not applied" not in text + " ".join(notes)
     from pagedbench.harness import cli
 
@@ -133,20 +137,20 @@ def test_sweep_command_is_bench_on_the_grid(tmp_path: Path,
     device = command.index("--device") + 1
     assert cli.main([*command[3:device], "cpu", *command[device + 1:], "--dry-run"]) == 0
     planned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode-")]
-    on_cpu = gpu_lane.lane_sweep(gpu_lane.CUDA_SELECTION, "cpu").cases()
+    on_cpu = sweep.CUDA_SELECTION.sweep.with_(max_flops=CPU_SWEEP.max_flops).cases()
     assert planned == [c.case_id for c in on_cpu] and planned
-    cases = gpu_lane.lane_sweep(gpu_lane.CUDA_SELECTION, "cuda").cases()
+    cases = sweep.CUDA_SELECTION.sweep.cases()
     assert len(cases) == 5 * 4 * 3 and {c.case_id for c in on_cpu} < {c.case_id for c in cases}
     heads = {(c.num_q_heads, c.num_kv_heads, c.head_dim, c.dtype, c.q_lens_or_decode[0])
              for c in cases}
     assert heads == {(32, 8, 128, "bfloat16", 1)}
     assert {c.block_size for c in cases} >= {16, 64} and len({c.block_size for c in cases}) > 2
-    command, _ = gpu_lane.sweep_command("python", "cuda", (), gpu_lane.CUDA_SELECTION,
+    command, _ = sweep.sweep_command("python", "cuda", (), sweep.CUDA_SELECTION,
                                         tmp_path / "r")  # list found nothing: not run
     assert "--impl" not in command and "--baseline sdpa-contiguous" in " ".join(command)
-    command, notes = gpu_lane.sweep_command("python", "cpu", ("torch-gather",),
-                                            gpu_lane.CPU_SELECTION, tmp_path / "r")
-    assert command[-2:] == ["--repetitions", str(gpu_lane.REHEARSAL_REPETITIONS)]
+    command, notes = sweep.sweep_command("python", "cpu", ("torch-gather",),
+                                            sweep.CPU_SELECTION, tmp_path / "r")
+    assert command[-2:] == ["--repetitions", str(sweep.REHEARSAL_REPETITIONS)]
     assert "--baseline torch-gather" in " ".join(command) and "--peaks" not in command
     assert notes == ["env measured no peaks: the sweep measures its own"]
 
@@ -154,35 +158,35 @@ def test_sweep_command_is_bench_on_the_grid(tmp_path: Path,
 def test_sweep_coverage_lists_pairs_not_run(tmp_path: Path) -> None:
     """A sweep stopped at its budget: the planned (implementation, point) pairs without a
     result are what did not run; the points bench left out come from its start record."""
-    from pagedbench.harness.record import SCHEMA_VERSION, RunRecord, now
-    from pagedbench.harness.runner import RunConfig, make_plan, result_record
-    from pagedbench.harness.status import Status
-    from pagedbench.harness.store import ResultsFile
+    from pagedbench.harness.results.record import SCHEMA_VERSION, RunRecord, now
+    from pagedbench.harness.run.runner import RunConfig, make_plan, result_record
+    from pagedbench.harness.verdict.status import Status
+    from pagedbench.harness.results.store import ResultsFile
 
-    cases = gpu_lane.lane_sweep(gpu_lane.CPU_SELECTION, "cpu").cases()
+    cases = sweep.CPU_SELECTION.sweep.cases()
     plan = make_plan({"a": "x:A", "b": "x:B"}, cases)
     results = ResultsFile(tmp_path / "sweep.jsonl")
     results.append(RunRecord(kind="run", schema_version=SCHEMA_VERSION, run_id="r",
                              timestamp=now(), event="started", plan=plan, config={},
                              exit_code=None, counts=None, left_out=["huge: too big"]))
-    from pagedbench.harness.record import Environment
+    from pagedbench.harness.results.record import Environment
 
     env = Environment.model_validate(store.environment("cpu") | {"threads": 1})
     for case in cases[:3]:
         results.append(result_record(run_id="r", env=env, config=RunConfig(), name="a",
                                      target="x:A", case=case, status=Status.UNSUPPORTED))
-    coverage = gpu_lane.sweep_coverage(tmp_path / "sweep.jsonl")
+    coverage = sweep.sweep_coverage(tmp_path / "sweep.jsonl")
     assert coverage == {"not_run": [f"a:{cases[3].case_id}",
                                     *(f"b:{c.case_id}" for c in cases)],
                         "left_out": ["huge: too big"]}
-    assert gpu_lane.sweep_coverage(tmp_path / "missing.jsonl") == {"not_run": [],
+    assert sweep.sweep_coverage(tmp_path / "missing.jsonl") == {"not_run": [],
                                                                    "left_out": []}
     md = tmp_path / "sweep.md"  # bench wrote none: it was stopped
-    assert gpu_lane.write_sweep_markdown(tmp_path / "sweep.jsonl", md)
+    assert sweep.write_sweep_markdown(tmp_path / "sweep.jsonl", md)
     text = md.read_text()
     assert text.startswith("# pagedbench bench (GPU lane sweep, stopped at its budget)")
     assert "Unfinished run r: 3 of 8 results" in text
-    assert not gpu_lane.write_sweep_markdown(tmp_path / "sweep.jsonl", md)  # never replaced
+    assert not sweep.write_sweep_markdown(tmp_path / "sweep.jsonl", md)  # never replaced
 
 
 def test_available_impls_of_a_listing(tmp_path: Path) -> None:
@@ -190,9 +194,9 @@ def test_available_impls_of_a_listing(tmp_path: Path) -> None:
     listing.write_text(json.dumps([{"name": "x", "available": True},
                                    {"name": "y", "available": False},
                                    {"name": "z", "available": True}]))
-    assert gpu_lane.available_impls(listing) == ("x", "z")
+    assert probe.available_impls(listing) == ("x", "z")
     listing.write_text("")  # killed before it wrote anything
-    assert gpu_lane.available_impls(listing) == ()
+    assert probe.available_impls(listing) == ()
 
 
 def test_commit_and_driver_come_from_outside(tmp_path: Path,
@@ -223,12 +227,12 @@ def test_nvidia_smi_fields_are_named(tmp_path: Path, monkeypatch: pytest.MonkeyP
                    "3201 MHz, 1980 MHz, 3201 MHz, 700.00 W, P0'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    found = gpu_lane._nvidia_smi()
+    found = probe._nvidia_smi()
     assert found["name"] == "NVIDIA H200" and found["driver_version"] == "580.159.03"
     assert found["clocks.max.sm"] == "1980 MHz" and found["pstate"] == "P0"
-    assert list(found) == list(gpu_lane.NVIDIA_SMI_FIELDS)
+    assert list(found) == list(probe.NVIDIA_SMI_FIELDS)
     smi.write_text("#!/bin/sh\necho 'no devices' >&2; exit 9\n")
-    assert gpu_lane._nvidia_smi() == {"error": "nvidia-smi exit 9: no devices"}
+    assert probe._nvidia_smi() == {"error": "nvidia-smi exit 9: no devices"}
 
 
 def bare_copy(dest: Path) -> str:
@@ -349,7 +353,7 @@ def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     assert {(r["env"]["git_sha"], r["env"]["dirty"]) for r in results} == {(FAKE_SHA, True)}
     # The sweep is bench on the rehearsal's grid, its fractions of env's measured peaks,
     # its truths from the host (kv64, precomputed by the truths step) and the device (kv256).
-    cases = gpu_lane.lane_sweep(gpu_lane.CPU_SELECTION, "cpu").cases()
+    cases = sweep.CPU_SELECTION.sweep.cases()
     assert [r["case_id"] for r in results] == [c.case_id for c in cases]
     assert {r["suite"] for r in results} == {"bench"} and len(results) == 4
     assert [r["truth"] for r in results] == ["host", "host", "device", "device"]

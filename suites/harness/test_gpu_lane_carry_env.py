@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pagedbench.adapters.vllm_triton_carry import CARRY_ENV
-from pagedbench.harness.gpu_lane import ROOT
+from pagedbench.harness.lane.steps import ROOT
 
 FAKE_SHA = "0123456789abcdef0123456789abcdef01234567"
 

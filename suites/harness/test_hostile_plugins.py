@@ -11,11 +11,11 @@ import warnings
 import pytest
 import torch
 
-from pagedbench.harness.record import ResultRecord
-from pagedbench.harness.runner import RunConfig, make_plan, run
-from pagedbench.harness.status import ExitCode, Status, exit_code
-from pagedbench.harness.store import ResultsFile
-from pagedbench.harness.truth import compute_truth
+from pagedbench.harness.results.record import ResultRecord
+from pagedbench.harness.results.store import ResultsFile
+from pagedbench.harness.run.runner import RunConfig, make_plan, run
+from pagedbench.harness.verdict.status import ExitCode, Status, exit_code
+from pagedbench.harness.verdict.truth import compute_truth
 from pagedbench.reference import PagedCase
 
 HOSTILE = "pagedbench.suites.harness.plugins.hostile"

@@ -10,10 +10,10 @@ import xml.etree.ElementTree as ET
 
 from junitparser import Error, Failure, JUnitXml, Skipped
 
-from pagedbench.harness.junit import junit_xml
-from pagedbench.harness.record import ResultRecord
-from pagedbench.harness.status import ExitCode
-from pagedbench.harness.store import read_lines
+from pagedbench.harness.results.junit import junit_xml
+from pagedbench.harness.results.record import ResultRecord
+from pagedbench.harness.results.store import read_lines
+from pagedbench.harness.verdict.status import ExitCode
 
 from .conftest import result
 

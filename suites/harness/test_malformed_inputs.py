@@ -17,11 +17,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pagedbench.harness import cli, runner
-from pagedbench.harness.record import to_json_data
-from pagedbench.harness.status import ExitCode
-from pagedbench.harness.store import ResultsFileError, parse_line
-from pagedbench.harness.truth import compute_truth
+from pagedbench.harness import cli
+from pagedbench.harness.results.record import to_json_data
+from pagedbench.harness.results.store import ResultsFileError, parse_line
+from pagedbench.harness.run import jobs, runner
+from pagedbench.harness.verdict.status import ExitCode
+from pagedbench.harness.verdict.truth import compute_truth
 from pagedbench.reference import (PagedCase, PagedInputError, PagedTypeError, PagedValueError,
                                   materialize, reference_attention)
 from pagedbench.reference.inputs import footprint_bytes
@@ -177,7 +178,7 @@ def test_adapter_metadata_becomes_json_or_is_refused(value) -> None:
 
 
 def _with_version(version):
-    from pagedbench.harness.record import ResultRecord
+    from pagedbench.harness.results.record import ResultRecord
 
     return ResultRecord.model_validate(result("x").model_dump() | {"impl_version": version})
 
@@ -195,7 +196,7 @@ def test_a_numeric_version_is_recorded_as_text(version, text) -> None:
         def available(self, device: str = "cpu") -> Availability:
             return Availability(True, version=version)
 
-    row = runner._listing("numpy-version", "t:T", NumpyVersion(), "cpu")
+    row = jobs._listing("numpy-version", "t:T", NumpyVersion(), "cpu")
     assert row.version == text and type(row.version) is str
     assert _with_version(version).impl_version == text
 

@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from pagedbench.harness import store
 from pagedbench.harness.cli import main
-from pagedbench.harness.record import SCHEMA_VERSION, RunRecord, now
-from pagedbench.harness.status import ExitCode
-from pagedbench.harness.store import (OutputError, ResultsFile, ResultsFileError, read_lines,
-                                      write_output)
+from pagedbench.harness.results import store
+from pagedbench.harness.results.record import SCHEMA_VERSION, RunRecord, now
+from pagedbench.harness.results.store import (OutputError, ResultsFile, ResultsFileError,
+                                              read_lines, write_output)
+from pagedbench.harness.verdict.status import ExitCode
 
 from .conftest import result
 
@@ -128,7 +128,7 @@ def test_a_second_writer_of_a_run_is_refused_naming_the_holder(tmp_path) -> None
 def test_the_holder_named_is_the_other_process(tmp_path) -> None:
     results = ResultsFile(tmp_path / "r.jsonl")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from pagedbench.harness.store import ResultsFile\n"
+        [sys.executable, "-c", "import sys; from pagedbench.harness.results.store import ResultsFile\n"
          "with ResultsFile(sys.argv[1]).locked():\n print('held', flush=True)\n "
          "sys.stdin.read()", str(results.path)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -144,7 +144,7 @@ def test_the_holder_named_is_the_other_process(tmp_path) -> None:
 
 
 def test_a_concurrent_resume_is_refused_with_exit_2(tmp_path, capsys) -> None:
-    from pagedbench.harness.runner import RunConfig, make_plan
+    from pagedbench.harness.run.runner import RunConfig, make_plan
     from pagedbench.reference import PagedCase
 
     case = PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,

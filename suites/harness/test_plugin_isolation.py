@@ -9,9 +9,9 @@ import json
 import subprocess
 import sys
 
-from pagedbench.harness.record import ResultRecord, RunRecord
-from pagedbench.harness.status import ExitCode
-from pagedbench.harness.store import read_lines
+from pagedbench.harness.results.record import ResultRecord, RunRecord
+from pagedbench.harness.results.store import read_lines
+from pagedbench.harness.verdict.status import ExitCode
 
 CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
 ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]

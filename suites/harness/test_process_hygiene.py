@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.harness.environment import cache_environment
-from pagedbench.harness.record import Environment, ResultRecord
-from pagedbench.harness.report import markdown
-from pagedbench.harness.runner import RunConfig, run_target
-from pagedbench.harness.status import ExitCode, Status
-from pagedbench.harness.store import environment, read_lines
-from pagedbench.harness.truth import cache_path
+from pagedbench.harness.results.record import Environment, ResultRecord
+from pagedbench.harness.results.report import markdown
+from pagedbench.harness.results.store import environment, read_lines
+from pagedbench.harness.run.environment import cache_environment
+from pagedbench.harness.run.runner import RunConfig, run_target
+from pagedbench.harness.verdict.status import ExitCode, Status
+from pagedbench.harness.verdict.truth import cache_path
 from pagedbench.reference import PagedCase
 
 from .conftest import FAULTS, RunsCode, workers_of

@@ -10,8 +10,8 @@ import time
 from junitparser import JUnitXml
 from rich.console import Console
 
-from pagedbench.harness.junit import junit_xml
-from pagedbench.harness.progress import RunProgress
+from pagedbench.harness.results.junit import junit_xml
+from pagedbench.harness.run.progress import RunProgress
 from pagedbench.reference import PagedCase
 
 from .conftest import result

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.harness.environment import CACHE_FOLDERS
-from pagedbench.harness.store import ResultsFile
+from pagedbench.harness.results.store import ResultsFile
+from pagedbench.harness.run.environment import CACHE_FOLDERS
 
 from .conftest import result
 

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from pagedbench.adapters import load
-from pagedbench.harness import cli, conformance, replay
-from pagedbench.harness.record import Environment, ResultRecord
-from pagedbench.harness.runner import RunConfig, run_target
-from pagedbench.harness.store import environment
+from pagedbench.harness import cli
+from pagedbench.harness.results.record import Environment, ResultRecord
+from pagedbench.harness.results.store import environment
+from pagedbench.harness.run import replay
+from pagedbench.harness.run.runner import RunConfig, run_target
+from pagedbench.harness.verdict import conformance
 from pagedbench.reference import PagedCase, PagedValueError
 from pagedbench.suites.faults import SITE
 from pagedbench.suites.faults.masking import CausalOneAhead

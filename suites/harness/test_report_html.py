@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
+from pagedbench.harness.cases.workloads import BENCH_SUITE, CONTIGUOUS_TAG, grid_workload
 from pagedbench.harness.cli import main
-from pagedbench.harness.store import ResultsFile
-from pagedbench.harness.workloads import BENCH_SUITE, CONTIGUOUS_TAG, grid_workload
+from pagedbench.harness.results.store import ResultsFile
 
 from .conftest import result
 

@@ -10,10 +10,10 @@ import warnings
 
 import pytest
 
-from pagedbench.harness import report
 from pagedbench.harness.cli import main
-from pagedbench.harness.record import SCHEMA_VERSION, RunRecord, now
-from pagedbench.harness.store import ResultsFile, ResultsFileError, read_lines
+from pagedbench.harness.results import report
+from pagedbench.harness.results.record import SCHEMA_VERSION, RunRecord, now
+from pagedbench.harness.results.store import ResultsFile, ResultsFileError, read_lines
 from pagedbench.reference import PagedCase
 
 from .conftest import ENV, result
@@ -173,7 +173,7 @@ def test_fastest_is_never_bolded_across_cpu_and_gpu() -> None:
 
 
 def test_a_report_of_an_unfinished_run_says_so(tmp_path) -> None:
-    from pagedbench.harness.runner import make_plan
+    from pagedbench.harness.run.runner import make_plan
 
     cases = [PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
                        dtype="float32", name=n) for n in ("c1", "c2")]
@@ -223,7 +223,7 @@ def test_resume_refuses_a_target_the_registry_does_not_name(tmp_path, capsys, na
     """Issue 24 item 7: a results file is data, not a list of programs: an edited plan
     naming a target that is not the registered adapter of its name is refused (exit 2,
     naming file and line) before anything is imported or written."""
-    from pagedbench.harness.runner import RunConfig, make_plan
+    from pagedbench.harness.run.runner import RunConfig, make_plan
 
     case = PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
                      dtype="float32")

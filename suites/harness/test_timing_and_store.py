@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from pagedbench.harness import report
-from pagedbench.harness.store import ResultsFile, read_lines
-from pagedbench.harness.timing import (DriftProbe, Timing, bytes_moved, flops, oversubscribed,
-                                       time_cpu)
+from pagedbench.harness.measure.timing import (DriftProbe, Timing, bytes_moved, flops,
+                                               oversubscribed, time_cpu)
+from pagedbench.harness.results import report
+from pagedbench.harness.results.store import ResultsFile, read_lines
 from pagedbench.reference import PagedCase
 
 from .conftest import result
@@ -33,7 +33,7 @@ def test_time_cpu_measures_a_known_sleep() -> None:
 def test_time_cpu_times_the_drift_probe_after_every_block(monkeypatch) -> None:
     import time
 
-    from pagedbench.harness import timing as timing_module
+    from pagedbench.harness.measure import timing as timing_module
 
     calls = []
     fn = lambda: (calls.append("fn"), time.sleep(0.01))  # noqa: E731
@@ -59,7 +59,7 @@ def test_time_cpu_times_the_drift_probe_after_every_block(monkeypatch) -> None:
 def test_time_cpu_resizes_its_blocks_when_the_one_call_estimate_was_short(monkeypatch) -> None:
     import time
 
-    from pagedbench.harness import timing as timing_module
+    from pagedbench.harness.measure import timing as timing_module
 
     # Estimated at 1 ms, each call takes 10 ms: blocks planned at 0.2 s / 10 = 20 ms hold
     # 20 calls (200 ms, over 2 x 20 ms), so the next blocks hold int(20 / 10) = 2 calls
@@ -177,7 +177,7 @@ def test_non_finite_figures_are_written_as_null(tmp_path) -> None:
 
 
 def test_cells_show_the_spread_samples_and_the_noise_flag() -> None:
-    from pagedbench.harness.timing import Timing
+    from pagedbench.harness.measure.timing import Timing
 
     record = result("a", "c1", "pass", 1.0)
     noisy = Timing((1.0, 1.0, 2.0, 3.0, 9.0), "torch_timer")  # IQR 2 > 10% of median 2
@@ -253,7 +253,7 @@ def _fake_do_bench(cold_ms, graph_ms, calls):
 def test_time_cuda_picks_cold_l2_or_graph_replay(monkeypatch, cold, graph, method,
                                                  median) -> None:
     """The CPU-side logic of the GPU timer (no GPU here: the timers are stand-ins)."""
-    from pagedbench.harness import timing
+    from pagedbench.harness.measure import timing
 
     calls: list = []
     monkeypatch.setattr(timing, "_do_bench", _fake_do_bench(cold, graph, calls))
@@ -267,7 +267,7 @@ def test_time_cuda_picks_cold_l2_or_graph_replay(monkeypatch, cold, graph, metho
 
 
 def test_roofline_floor_is_the_slower_of_bytes_and_flops() -> None:
-    from pagedbench.harness.timing import DevicePeaks, roofline_floor_ms
+    from pagedbench.harness.measure.timing import DevicePeaks, roofline_floor_ms
 
     peaks = DevicePeaks(copy_gbps=100.0, bf16_tflops=2.0, method="torch_timer")
     # 1e9 bytes at 100 GB/s: 10 ms; 1e12 FLOPs at 2 TFLOP/s: 500 ms.

@@ -1,4 +1,4 @@
-"""A sample of the tolerance calibration (``python -m pagedbench.harness.calibration``
+"""A sample of the tolerance calibration (``python -m pagedbench.harness.calibration.tolerance``
 runs the full one): implementations that are correct up to rounding always pass, one that
 keeps its softmax sum and accumulator in bf16/fp16 fails on long contexts."""
 
@@ -10,13 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedbench.harness.calibration import (
-    FAULTY,
-    judge,
-    random_case,
-    truncate_toward_zero,
-    variants_for,
-)
+from pagedbench.harness.calibration.tolerance import (FAULTY, judge, random_case,
+                                                      truncate_toward_zero, variants_for)
 
 #: Random cases per dtype in `make test` (the documented command draws 1000).
 SAMPLE = 20

@@ -1,4 +1,4 @@
-"""harness/tolerance.py: the policy's arithmetic and its failure modes. Expected values
+"""harness/verdict/tolerance.py: the policy's arithmetic and its failure modes. Expected values
 come from numpy's float32/float16 spacing and from hand-computed bfloat16 ulps."""
 
 from __future__ import annotations
@@ -7,14 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pagedbench.harness.tolerance import (
-    ERROR_RATIO,
-    ULP_FLOOR,
-    Expected,
-    assert_close_report,
-    compare,
-    ulp,
-)
+from pagedbench.harness.verdict.tolerance import (ERROR_RATIO, ULP_FLOOR, Expected,
+                                                  assert_close_report, compare, ulp)
 
 TRUTH = torch.tensor([[[1.0, -2.0, 0.5, 0.25]]], dtype=torch.float64)  # [1, 1, 4]
 NAIVE = TRUTH + torch.tensor([0.0, 0.01, 0.0, 0.0], dtype=torch.float64)  # naive error 0.01

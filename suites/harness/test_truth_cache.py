@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedbench.harness.truth import cache_path, compute_truth, truth_for
+from pagedbench.harness.verdict.truth import cache_path, compute_truth, truth_for
 from pagedbench.reference import PagedCase
 
 from .conftest import RunsCode

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pagedbench.adapters import entries
-from pagedbench.harness import runner
+from pagedbench.harness.run import runner
 
 PLANTED = """\
 from pathlib import Path

@@ -24,10 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pagedbench.adapters import Adapter, Availability, Capabilities
 from pagedbench.adapters.base import FEATURES, Prepared
 
-from pagedbench.harness import conformance
-from pagedbench.harness.calibration import near_correct, random_case
-from pagedbench.harness.status import Status
-from pagedbench.harness.tolerance import Expected
+from pagedbench.harness.calibration.tolerance import near_correct, random_case
+from pagedbench.harness.verdict import conformance
+from pagedbench.harness.verdict.status import Status
+from pagedbench.harness.verdict.tolerance import Expected
 from pagedbench.reference import PagedCase, materialize, naive_attention, yardstick
 from pagedbench.reference.case import LAYOUTS
 from pagedbench.reference.yardstick import SUM_ORDERS, ordered_sum, yardstick_attention
@@ -176,7 +176,7 @@ REORDERED = [Reordered(order, form) for form in ("naive", "tiled") for order in 
 #: Probes the naive form is not a correct implementation of: its probabilities, rounded to
 #: float16 one by one, sum past 1, so outputs near 65504 overflow (FlashAttention's
 #: same-precision reference, which rounds them too, would); the yardstick of such a
-#: sequence is not finite and the floor alone judges it (harness/tolerance.py).
+#: sequence is not finite and the floor alone judges it (harness/verdict/tolerance.py).
 NAIVE_OVERFLOWS = ("fp16-near-65504",)
 
 
@@ -214,7 +214,7 @@ def test_reordered_references_pass_every_probe(adapter: Reordered) -> None:
     assert not failed, failed
 
 
-#: Calibration cases per dtype (``python -m pagedbench.harness.calibration`` draws 1000).
+#: Calibration cases per dtype (``python -m pagedbench.harness.calibration.tolerance`` draws 1000).
 CALIBRATION_SAMPLE = 12
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pagedbench.adapters import BUILTIN, load
-from pagedbench.harness.cases import default_cases
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.cases.presets import default_cases
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 
 triton = pytest.importorskip("triton")

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedbench.harness.tolerance import Comparison, assert_matches_truth
+from pagedbench.harness.verdict.tolerance import Comparison, assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.feature_effect import assert_feature_matters
 

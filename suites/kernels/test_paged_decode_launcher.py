@@ -11,13 +11,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedbench.harness.tolerance import Expected, assert_close_report, compare
+from pagedbench.harness.verdict.tolerance import Expected, assert_close_report, compare
 from pagedbench.reference import PagedCase, materialize
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from pagedbench.kernels import paged_decode as pd  # noqa: E402
+from pagedbench.kernels import paged_features  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INTERPRETED = pd.kernel_is_interpreted()
@@ -79,7 +80,7 @@ def test_interpreted_bfloat16_passes_and_needs_the_workaround(inputs):
 @triton.jit
 def _round_kernel(x_ptr, y_ptr, N: tl.constexpr):
     offsets = tl.arange(0, N)
-    tl.store(y_ptr + offsets, pd._round_to_bf16(tl.load(x_ptr + offsets)))
+    tl.store(y_ptr + offsets, paged_features._round_to_bf16(tl.load(x_ptr + offsets)))
 
 
 def test_round_to_bf16_matches_torch_bit_for_bit():

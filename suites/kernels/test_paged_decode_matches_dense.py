@@ -16,7 +16,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 
 pytest.importorskip("triton")

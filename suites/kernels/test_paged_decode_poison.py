@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize, new_output
 
 pytest.importorskip("triton")

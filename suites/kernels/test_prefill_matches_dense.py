@@ -1,4 +1,4 @@
-"""The paged prefill kernel agrees with float64 dense attention (harness/tolerance.py).
+"""The paged prefill kernel agrees with float64 dense attention (harness/verdict/tolerance.py).
 
 Causal bottom-right over varlen queries (reference/dense.py): whole prompts (``q_len ==
 kv_len``), chunked prefill (``q_len < kv_len``), multi-token decode and single-token
@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.budget import by_profile
 

@@ -1,4 +1,4 @@
-"""The split-KV decode kernel agrees with float64 dense attention (harness/tolerance.py).
+"""The split-KV decode kernel agrees with float64 dense attention (harness/verdict/tolerance.py).
 
 Every case is materialized with NaN in every unused slot and block tables drawn from a
 shuffled pool (reference/inputs.py), so a read past ``kv_len`` or through a padded table
@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedbench.harness.tolerance import assert_matches_truth
+from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.budget import by_profile
 

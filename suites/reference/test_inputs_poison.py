@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedbench.harness.strategies import paged_cases
+from pagedbench.harness.cases.strategies import paged_cases
 from pagedbench.reference import PagedCase, gather_kv, materialize, new_output
 from pagedbench.reference.case import LAYOUTS, POISONS
 from pagedbench.reference.inputs import _move, poison_value

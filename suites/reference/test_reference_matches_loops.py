@@ -18,7 +18,7 @@ import math
 import pytest
 from hypothesis import given, settings
 
-from pagedbench.harness.strategies import paged_cases
+from pagedbench.harness.cases.strategies import paged_cases
 from pagedbench.reference import PagedCase, materialize, naive_attention, reference_attention
 
 

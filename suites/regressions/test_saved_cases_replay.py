@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from pagedbench.adapters import BUILTIN, ENTRY_POINT_GROUP, entries, load
-from pagedbench.harness import conformance, replay
-from pagedbench.harness.selftest import DEFAULT_CATALOGUE
+from pagedbench.harness.run import replay
+from pagedbench.harness.run.selftest import DEFAULT_CATALOGUE
+from pagedbench.harness.verdict import conformance
 from pagedbench.reference import PagedCase
 
 SAVED = sorted((Path(__file__).parent / "cases").glob("*.json"))

@@ -1,4 +1,4 @@
-"""``pagedbench simulate`` through :func:`harness.simulate.run`: JSON schema, values, files
+"""``pagedbench simulate`` through :func:`harness.capacity.simulate.run`: JSON schema, values, files
 and exit codes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pagedbench.harness import simulate as cli
+from pagedbench.harness.capacity import simulate as cli
 from pagedbench.harness.cli import main
 
 REQUIRED_FIELDS = {

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.harness.traces import generate_trace
+from pagedbench.harness.capacity.traces import generate_trace
 from pagedbench.reference.kv_policies import Policy
 from pagedbench.reference.simulator import compare_policies
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.harness.traces import generate_trace, read_trace
+from pagedbench.harness.capacity.traces import generate_trace, read_trace
 from pagedbench.reference.kv_policies import Policy
 from pagedbench.reference.simulator import simulate
 from pagedbench.reference.workload import Request, TraceError

@@ -35,7 +35,7 @@ class PatchesCompare(_Zeros):
     name = "patches-compare"
 
     def __init__(self) -> None:
-        from pagedbench.harness import conformance, tolerance
+        from pagedbench.harness.verdict import conformance, tolerance
 
         real = tolerance.compare
 
@@ -52,7 +52,7 @@ class PatchesExpectedOf(_Zeros):
     name = "patches-expected-of"
 
     def __init__(self) -> None:
-        from pagedbench.harness.tolerance import Expected
+        from pagedbench.harness.verdict.tolerance import Expected
 
         real = Expected.of.__func__
 
@@ -69,8 +69,8 @@ class PatchesResultRecord(_Zeros):
     name = "patches-result-record"
 
     def __init__(self) -> None:
-        from pagedbench.harness import runner
-        from pagedbench.harness.status import Status
+        from pagedbench.harness.run import runner
+        from pagedbench.harness.verdict.status import Status
 
         real = runner.result_record
 
@@ -88,7 +88,7 @@ class ZeroesTheTruth(_Zeros):
     name = "zeroes-the-truth"
 
     def prepare(self, inputs):
-        from pagedbench.harness.tolerance import Expected
+        from pagedbench.harness.verdict.tolerance import Expected
 
         size = inputs.q.shape[0] * inputs.q.shape[1] * inputs.case.v_head_dim
         for found in gc.get_objects():

@@ -1,4 +1,4 @@
-"""Test-only adapters that measure the regression gate (``harness/gate_calibration.py``):
+"""Test-only adapters that measure the regression gate (``harness/calibration/gate.py``):
 ``sdpa-contiguous`` unchanged under another name, and slowed by a fixed fraction.
 
 A slowed adapter runs ``sdpa-contiguous`` and then busy-waits (a loop on

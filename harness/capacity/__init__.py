@@ -1,0 +1,1 @@
+"""KV capacity simulation front-end: request traces and ``pagedbench simulate``."""

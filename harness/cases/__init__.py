@@ -1,0 +1,2 @@
+"""Cases: model presets and the default job, hypothesis strategies, benchmark
+workloads."""

@@ -1,0 +1,270 @@
+"""``pagedbench bench``: the benchmark sweep, each point checked, then timed
+(:mod:`pagedbench.harness.run.bench`; its options back from a sweep:
+:meth:`~pagedbench.harness.run.bench.Sweep.arguments`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape as rich_escape
+
+from pagedbench.adapters import entries
+from pagedbench.reference import DTYPES, PagedInputError, PagedValueError, check_fits
+
+from pagedbench.harness.cases.presets import MODEL_PRESETS
+from pagedbench.harness.cases.workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
+from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
+                                            positive_seconds, run_and_bench_arguments,
+                                            select_impls, writable_file, writable_folder)
+from pagedbench.harness.cli.run import (interrupted, progress_line, results_of_run,
+                                        warn_oversubscribed)
+from pagedbench.harness.results import report
+from pagedbench.harness.results.derived import DEFAULT_BASELINE
+from pagedbench.harness.results.junit import write_junit_xml
+from pagedbench.harness.results.record import DevicePeaks, ResultRecord
+from pagedbench.harness.results.store import ResultsFile, new_run_id, write_output
+from pagedbench.harness.run import bench, runner
+from pagedbench.harness.run.progress import RunProgress
+from pagedbench.harness.verdict.status import Status, exit_code, exit_codes_help
+from pagedbench.harness.verdict.truth import HOST_TRUTH_FRACTION, truth_site
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench bench`` and its options."""
+    _bench_arguments(sub.add_parser(
+        "bench", help="benchmark sweep: block size x batch x GQA layout x context x mode x dtype",
+        description=bench.__doc__.split("\n\n")[0], epilog=exit_codes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def _batch_spec(text: str) -> str:
+    try:
+        parse_batch_spec(text)
+    except PagedInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    cpu, gpu = bench.CPU_SWEEP, bench.GPU_SWEEP
+
+    def axis(flag: str, dest: str, help: str, **kw: Any) -> None:
+        p.add_argument(flag, dest=dest, action="append", default=[], help=help, **kw)
+
+    def show(values: tuple) -> str:
+        return " ".join(map(str, values))
+
+    p.add_argument("--impl", action="append", default=[], metavar="NAME",
+                   help="implementation to time (repeatable; default on the CPU: "
+                        f"{', '.join(bench.CPU_IMPLS)}; on a GPU: all)")
+    p.add_argument("--baseline", default=DEFAULT_BASELINE, metavar="NAME",
+                   help=f"speedups are against it; run too if not chosen (default: "
+                        f"{DEFAULT_BASELINE})")
+    p.add_argument("--device", type=device_arg, default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--quick", action="store_true",
+                   help="a seconds-long sweep (2 workloads, 2 block sizes, float32) with short "
+                        "timings, for smoke tests; the axis options still apply")
+    axis("--mode", "modes", f"grid mode (repeatable; default CPU: {show(cpu.modes)})",
+         choices=list(MODES))
+    axis("--layout", "layouts", "GQA layout or preset heads (repeatable; default CPU: "
+         f"{show(cpu.layouts)})", choices=[*LAYOUT_RATIOS, *MODEL_PRESETS], metavar="LAYOUT")
+    axis("--batch-size", "batch_sizes", f"sequences per batch (repeatable; default CPU: "
+         f"{show(cpu.batch_sizes)}, GPU: {show(gpu.batch_sizes)})", type=positive_int)
+    axis("--context", "contexts", f"KV tokens per sequence (repeatable; default CPU: "
+         f"{show(cpu.contexts)}, GPU: {show(gpu.contexts)})", type=positive_int)
+    axis("--block-size", "block_sizes", f"block size (repeatable; default CPU: "
+         f"{show(cpu.block_sizes)}, GPU: {show(gpu.block_sizes)})", type=positive_int)
+    axis("--dtype", "dtypes", f"dtype (repeatable; default CPU: {show(cpu.dtypes)}, GPU: "
+         f"{show(gpu.dtypes)})", choices=list(DTYPES))
+    axis("--batch-spec", "batch_specs", "a vLLM batch-spec workload such as 8q1s1k or "
+         "2q2k_32q1s1k, with every --layout (repeatable); alone (no --mode, --batch-size or "
+         "--context) it replaces the grid", type=_batch_spec, metavar="SPEC")
+    axis("--preset", "presets", "a ragged decode batch with a model preset's heads "
+         "(repeatable); alone it replaces the grid", choices=list(MODEL_PRESETS),
+         metavar="NAME")
+    axis("--workload", "workload_patterns", "keep workloads whose name matches this shell "
+         "pattern, e.g. 'decode-*' or '*-mqa-*' (repeatable)", metavar="PATTERN")
+    p.add_argument("--grid", choices=list(bench.GRIDS), default=None,
+                   help="full: every combination of the grid axes; axes: one axis at a time "
+                        "around the first values (CPU default); none: no grid workloads")
+    p.add_argument("--no-contiguous", action="store_true",
+                   help="skip each workload's contiguous point (no paging overhead then)")
+    p.add_argument("--no-peaks", action="store_true",
+                   help="do not measure the device's copy bandwidth and bf16 throughput")
+    p.add_argument("--peaks", type=Path, default=None, metavar="FILE",
+                   help="take the device's peaks from FILE instead of measuring them: a JSON "
+                        "object with copy_gbps, bf16_tflops and method, at its top or under "
+                        "'peaks' (the GPU lane's env.json, measured in the same call)")
+    p.add_argument("--host-truth-bytes", type=int_in(0, 2**62), default=None,
+                   metavar="BYTES",
+                   help="largest truth (inputs plus one sequence's float64 work) computed on "
+                        "the host; larger points get their truth on the device (default: "
+                        f"{HOST_TRUTH_FRACTION:g} of the host's memory)"),
+    p.add_argument("--dry-run", action="store_true", help="print the points and exit")
+    p.add_argument("--repetitions", type=int_in(1, 100_000), default=None, metavar="N",
+                   help="CPU timing samples per point, as the time limit allows (default: "
+                        f"{bench.CPU_TIMING['default']['repetitions']}; pagedbench gate "
+                        "judges points with at least --min-samples of them)")
+    p.add_argument("--min-time", type=positive_seconds, default=None, metavar="SECONDS",
+                   help="CPU: measure each point for at least this long (default: "
+                        f"{bench.CPU_TIMING['default']['time_budget_s']:g})")
+    run_and_bench_arguments(p, "point")
+
+
+def bench_sweep(args: argparse.Namespace) -> bench.Sweep:
+    """The sweep of ``pagedbench bench``'s options: the device's default (or ``--quick``'s)
+    with each axis given replaced; ``--batch-spec``/``--preset`` without a grid axis option
+    replace the grid (raises ``PagedValueError`` naming the option of a bad value)."""
+    sweep = bench.default_sweep(args.device, args.quick)
+    changes: dict[str, Any] = {}
+    for dest in ("modes", "layouts", "batch_sizes", "contexts", "block_sizes", "dtypes",
+                 "batch_specs", "presets", "workload_patterns"):
+        if getattr(args, dest):
+            changes[dest] = tuple(dict.fromkeys(getattr(args, dest)))
+    grid_given = any(getattr(args, d) for d in ("modes", "batch_sizes", "contexts"))
+    if args.grid:
+        changes["grid"] = args.grid
+    elif (args.batch_specs or args.presets) and not grid_given:
+        changes["grid"] = "none"
+    if (args.batch_specs or args.grid == "none") and not args.presets:
+        changes.setdefault("presets", ())
+    if args.no_contiguous:
+        changes["contiguous"] = False
+    return sweep.with_(**changes)
+
+
+def _bench_impls(args: argparse.Namespace) -> dict[str, str]:
+    known = {e.name: e.target for e in entries()}
+    if args.baseline not in known:
+        raise PagedValueError("--baseline", args.baseline, f"among {list(known)}")
+    if args.impl:
+        chosen = select_impls(args.impl)
+    elif args.device == "cpu":
+        chosen = {n: t for n, t in known.items() if n in bench.CPU_IMPLS}
+    else:
+        chosen = known
+    return {args.baseline: known[args.baseline], **chosen}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import time
+
+    writable_folder(args.results_dir, "--results-dir")
+    if args.junit_xml is not None:
+        writable_file(args.junit_xml, "--junit-xml")
+    device = checked_device(args.device)
+    sweep = bench_sweep(args)
+    cases = sweep.cases()
+    impls = _bench_impls(args)
+    console = Console(highlight=False, soft_wrap=True, stderr=False)
+    if args.dry_run:
+        for case in cases:
+            print(case.case_id)
+        for note in sweep.left_out():
+            print(f"left out: {note}")
+        console.print(f"{len(cases)} points x {len(impls)} implementations "
+                      f"({', '.join(impls)})")
+        return 0
+    if not cases:
+        raise PagedValueError("bench options", "no point", "options that keep at least one "
+                              "point", "the options leave no point to time (--workload "
+                              f"{list(sweep.workload_patterns)}, --grid {sweep.grid}; see "
+                              "--dry-run)")
+    left_out, kept = sweep.left_out(), []
+    for case in cases:  # a point whose truth fits neither the host budget nor the device
+        try:
+            check_fits(case, device)
+            truth_site(case, device, args.host_truth_bytes)
+        except PagedInputError as exc:
+            left_out.append(f"{case.case_id}: {exc}")
+        else:
+            kept.append(case)
+    for note in left_out:
+        console.print(f"[yellow]left out: {rich_escape(note)}[/]")
+    if not kept:
+        raise PagedValueError("bench options", "no point", "a point that fits",
+                              f"every point was left out ({'; '.join(left_out)})")
+    cases = kept
+    defaults = runner.RunConfig()
+    timing = bench.CPU_TIMING["quick" if args.quick else "default"] if device == "cpu" else {}
+    if args.repetitions:
+        timing = {**timing, "repetitions": args.repetitions}
+    config = runner.RunConfig(
+        device=device, suite=BENCH_SUITE, cache_dir=args.cache_dir,
+        host_truth_bytes=args.host_truth_bytes,
+        threads=args.threads or defaults.threads,
+        case_timeout_s=args.case_timeout or defaults.case_timeout_s,
+        **({**timing, "time_budget_s": args.min_time,
+            "time_limit_s": max(args.min_time, defaults.time_limit_s)} if args.min_time
+           else timing))
+    plan = runner.make_plan(impls, cases)
+    run_id = new_run_id()
+    results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    warn_oversubscribed(config, console)
+    console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
+                  f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
+    peaks = None
+    if args.peaks is not None:
+        peaks = peaks_file(args.peaks)
+        console.print(f"device peaks from {args.peaks}: {peaks.copy_gbps:.1f} GB/s copy, "
+                      f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul")
+    elif not args.no_peaks:
+        peaks, why = runner.device_peaks(config)
+        console.print(f"device peaks: {peaks.copy_gbps:.1f} GB/s copy, "
+                      f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul" if peaks
+                      else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
+    start = time.monotonic()
+    with RunProgress(console, "bench", runner.missing(plan, [])) as progress:
+        def on_record(record: ResultRecord) -> None:
+            progress.update(record, None if record.status is Status.PASS
+                            else progress_line(record))
+
+        try:
+            records = runner.run(plan, config, results, run_id, on_record=on_record,
+                                 peaks=peaks, left_out=left_out)
+        except runner.Interrupted as exc:
+            if args.junit_xml is not None:
+                write_junit_xml(results_of_run(results, run_id), args.junit_xml,
+                                f"pagedbench bench {run_id} (interrupted)", progress.seconds)
+            return interrupted(exc, console, run_id, results, args.results_dir)
+    if args.junit_xml is not None:
+        write_junit_xml(records, args.junit_xml, f"pagedbench bench {run_id}",
+                        progress.seconds)
+        console.print(f"JUnit XML: {args.junit_xml}")
+    lines = [line for line in results.lines() if line.run_id == run_id]
+    md_path = results.path.with_suffix(".md")
+    write_output(md_path, report.markdown(lines, title=f"pagedbench bench ({device})",
+                                          baseline=args.baseline))
+    counts = {str(s): n for s in Status
+              if (n := sum(r.status is s for r in records))}
+    timed = [r for r in records if r.time_ms is not None and r.status is Status.PASS]
+    noisy = sum(bool(r.time_ms.noisy) for r in timed)
+    code = exit_code(r.status for r in records)
+    console.print(
+        f"bench {run_id}: {len(records)} results ({', '.join(f'{n} {s}' for s, n in counts.items())}), "
+        f"{len(timed)} timed ({noisy} noisy) in {time.monotonic() - start:.0f} s; exit "
+        f"{int(code)}; results {results.path}, report {md_path}")
+    return int(code)
+
+
+def peaks_file(path: Path) -> DevicePeaks:
+    """The device peaks in ``path`` (``--peaks``): a JSON object of
+    :class:`~pagedbench.harness.results.record.DevicePeaks`, at its top or under ``"peaks"``.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``--peaks`` and the file when it cannot be read or holds no valid peaks.
+    """
+    try:
+        data = json.loads(path.read_text())
+        data = data.get("peaks", data) if isinstance(data, dict) else data
+        return DevicePeaks.model_validate(data)
+    except (OSError, ValueError) as exc:  # ValidationError is a ValueError
+        raise PagedValueError("--peaks", str(path), "a JSON file of copy_gbps, bf16_tflops "
+                              "and method", f"--peaks {path}: {exc}") from None

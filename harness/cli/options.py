@@ -1,0 +1,175 @@
+"""Option types and checks the commands share: devices, seconds, counts, run ids,
+fractions, cache and output folders, the implementations chosen."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import tempfile
+from pathlib import Path
+
+from pagedbench.adapters import entries
+from pagedbench.reference import PagedInputError, PagedValueError, resolve_device
+
+from pagedbench.harness.results.store import DEFAULT_RESULTS_DIR
+from pagedbench.harness.run import runner
+from pagedbench.harness.run.environment import CACHE_DIR_VARIABLE, default_cache_dir
+
+#: Most torch threads a worker may be given.
+MAX_THREADS = 1024
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def device_arg(text: str) -> str:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (argparse type; not checked against
+    this machine: :func:`checked_device`)."""
+    if text == "cpu" or text == "cuda" or (text.startswith("cuda:") and text[5:].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+
+
+def _number(text: str) -> float:
+    """``text`` as a float; NaN when it is not a number (refused by every check)."""
+    try:
+        return float(text)
+    except ValueError:
+        return math.nan
+
+
+def positive_seconds(text: str) -> float:
+    """A finite number of seconds > 0 (argparse type)."""
+    value = _number(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
+def int_in(low: int, high: int):
+    """An argparse type: an integer in ``[low, high]``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer >= {low}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low} and <= {high}, "
+                                             f"got {value}")
+        return value
+    return parse
+
+
+positive_int = int_in(1, 2**62)
+
+
+def run_id_arg(text: str) -> str:
+    """A run id (``--resume``): letters, digits, ``.``, ``_``, ``-``."""
+    if not _RUN_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be a run id such as 20261130T041502Z-12345 "
+                                         f"(letters, digits, '.', '_', '-'), got {text!r}")
+    return text
+
+
+def fraction(low_open: float, high_open: float):
+    """An argparse type: a number in the open interval ``(low_open, high_open)``."""
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not (math.isfinite(value) and low_open < value < high_open):
+            raise argparse.ArgumentTypeError(f"must be a number > {low_open:g} and < "
+                                             f"{high_open:g}, got {text!r}")
+        return value
+    return parse
+
+
+def cache_dir_argument(p: argparse.ArgumentParser,
+                       what: str = "truth, compiler and scratch caches") -> None:
+    """``--cache-dir DIR``, the same on every command that writes caches: ``what`` goes
+    there (default: ``$PAGEDBENCH_CACHE_DIR``, else ``build`` of the working directory,
+    as the pytest plugin's ``--pagedbench-cache-dir``)."""
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(),
+                   help=f"{what} (default: ${CACHE_DIR_VARIABLE}, else build; now: "
+                        f"{default_cache_dir()})")
+
+
+def run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
+    """The options ``run`` and ``bench`` share; ``unit`` names what they run (``case`` or
+    ``point``)."""
+    p.add_argument("--threads", type=int_in(1, MAX_THREADS), default=None,
+                   help="torch threads per worker (default: "
+                        f"{runner.RunConfig.threads}: more wait for preempted threads on a "
+                        "shared host; docs/gate.md)")
+    p.add_argument("--case-timeout", type=positive_seconds, default=None, metavar="SECONDS",
+                   help=f"the implementation's own time per {unit} (import and available, "
+                        "then prepare, run, describe, timing); past it: 'timeout' (default: "
+                        f"{runner.RunConfig.case_timeout_s:g})")
+    p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
+                   help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
+    cache_dir_argument(p)
+    p.add_argument("--junit-xml", type=Path, metavar="FILE",
+                   help="also write the verdicts as JUnit XML, one testcase per "
+                        f"(implementation, {unit}), for CI test reports")
+
+
+def writable_folder(path: Path, option: str) -> None:
+    """Create ``path`` if missing and check that a file can be written in it.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``option`` and ``path``: it is a file, lies under a file, or cannot be
+        written (``/proc``, permissions).
+    """
+    if path.exists() and not path.is_dir():
+        raise PagedValueError(option, str(path), "a folder",
+                              f"{option} {path} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise PagedValueError(option, str(path), "a folder pagedbench can create and write to",
+                              f"{option} {path}: cannot create or write there "
+                              f"({exc.strerror or exc})") from None
+
+
+def writable_file(path: Path, option: str) -> None:
+    """Check that ``path`` can be written: not a folder, in an existing writable folder.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``option`` and ``path``.
+    """
+    if path.is_dir():
+        raise PagedValueError(option, str(path), "a file", f"{option} {path} is a folder")
+    if not path.parent.is_dir():
+        raise PagedValueError(option, str(path), "a file in an existing folder",
+                              f"{option} folder {path.parent} does not exist")
+    try:
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise PagedValueError(option, str(path), "a file in a folder pagedbench can write to",
+                              f"{option} {path}: cannot write there "
+                              f"({exc.strerror or exc})") from None
+
+
+def checked_device(text: str) -> str:
+    """``text`` once this machine has that device (before any worker starts)."""
+    try:
+        resolve_device(text)
+    except PagedInputError as exc:
+        raise PagedValueError("--device", text, exc.allowed, f"--device {text}: {exc}") from None
+    return text
+
+
+def select_impls(names: list[str]) -> dict[str, str]:
+    """``{name: target}`` of the implementations ``--impl`` names (all when none), in
+    order; raises ``PagedValueError`` naming the unknown ones."""
+    known = {e.name: e.target for e in entries()}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise PagedValueError("--impl", unknown, f"among {list(known)}",
+                              f"--impl {unknown} unknown; choose from {list(known)}")
+    return {n: known[n] for n in dict.fromkeys(names)} if names else known

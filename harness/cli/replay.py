@@ -1,0 +1,177 @@
+"""``pagedbench replay`` (one case again, through the conformance check, in a worker)
+and ``pagedbench selftest`` (the conformance suite against the fault catalogue)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from pagedbench.reference import PagedInputError, PagedValueError, check_fits
+
+from pagedbench.harness.cli.options import (cache_dir_argument, checked_device, device_arg,
+                                            positive_seconds, select_impls, writable_file,
+                                            writable_folder)
+from pagedbench.harness.results import report
+from pagedbench.harness.results.record import COMPARISON_FIELDS, Environment, ResultRecord
+from pagedbench.harness.results.store import environment, new_run_id
+from pagedbench.harness.run import replay, runner, selftest
+from pagedbench.harness.run.environment import default_cache_dir
+from pagedbench.harness.verdict.status import ExitCode, exit_code, exit_codes_help
+
+
+def add_replay_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench replay`` and its options."""
+    replay_p = sub.add_parser(
+        "replay", help="re-run one case through the conformance check, in a worker",
+        description="Re-run one case (what a conformance failure message names, a result "
+                    "line, or a regression case) through the conformance check in a "
+                    "worker, as `pagedbench run` does, and show the verdict and figures.",
+        epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    replay_p.add_argument("case", type=Path, metavar="CASE.json",
+                          help="a PagedCase as JSON, a whole result line, or a regression "
+                               "case (suites/regressions/cases)")
+    replay_p.add_argument("--impl", action="append", default=[], metavar="NAME",
+                          help="implementation to run it on (repeatable; default: the one "
+                               "a result line or regression case names)")
+    replay_p.add_argument("--device", type=device_arg, default=None,
+                          help="cpu (default), cuda or cuda:N; checked against this machine")
+    replay_p.add_argument("--case-timeout", type=positive_seconds, default=None,
+                          metavar="SECONDS", help="the implementation's own time for the "
+                          f"case (default: {runner.RunConfig.case_timeout_s:g})")
+    cache_dir_argument(replay_p)
+    replay_p.add_argument("--save", nargs="?", type=Path, const=True, default=None,
+                          metavar="DIR",
+                          help="keep the case as a regression case when an implementation "
+                               "fails it: in DIR, or without DIR in the checkout's "
+                               "suites/regressions/cases (an installed pagedbench needs DIR: "
+                               "nothing is written into the installed package)")
+
+
+def regression_folder(save: Path | bool) -> Path:
+    """Where ``replay --save [DIR]`` keeps a failing case: ``DIR``, or (``save`` True:
+    ``--save`` alone) the checkout's ``suites/regressions/cases`` when pagedbench runs
+    from a checkout (its ``pyproject.toml`` beside the packages' folders).
+
+    Raises
+    ------
+    PagedValueError
+        ``--save`` without ``DIR`` from an installed pagedbench (whose folders must not
+        be written), or a ``DIR`` that cannot be written.
+    """
+    if save is not True:
+        writable_folder(save, "--save")
+        return save
+    if not (selftest.CHECKOUT / "pyproject.toml").is_file():
+        raise PagedValueError("--save", None, "a folder (--save DIR)",
+                              f"--save needs a folder: pagedbench is installed at "
+                              f"{selftest.CHECKOUT}, not run from a checkout, and nothing is "
+                              "written into an installed package")
+    return selftest.REGRESSION_CASES
+
+
+def _replay_lines(record: ResultRecord) -> list[str]:
+    """A verdict and its figures, as ``pagedbench replay`` prints them."""
+    head = f"{record.impl} on {record.case_id} ({record.device}): {record.status}"
+    lines = [head + (f" in {record.step}" if record.step else "")]
+    if record.reason:
+        lines.append(f"  reason: {record.reason}")
+    figures = {name: getattr(record, name) for name in COMPARISON_FIELDS}
+    if figures.get("max_err_ulps") is not None:
+        lines.append("  " + ", ".join(f"{name} {value:.4g}" if isinstance(value, float)
+                                      else f"{name} {value}"
+                                      for name, value in figures.items() if value is not None))
+    if record.impl_details:
+        lines.append(f"  details: {json.dumps(record.impl_details, sort_keys=True)}")
+    return lines
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    found = replay.load(args.case)
+    names = args.impl or ([found.impl] if found.impl else [])
+    selftest.register_catalogue_if_named(names)
+    if not names:
+        raise PagedValueError("--impl", None, "an implementation name",
+                              f"--impl NAME is needed: {args.case} is a bare case and names "
+                              "no implementation")
+    impls = select_impls(names)
+    device = checked_device(args.device or "cpu")
+    save = regression_folder(args.save) if args.save is not None else None
+    case = found.case
+    try:
+        check_fits(case, device)
+    except PagedInputError as exc:
+        raise PagedValueError("CASE", str(args.case), exc.allowed, f"CASE {args.case}: {exc}") from None
+    defaults = runner.RunConfig()
+    config = runner.RunConfig(device=device, timing=False, cache_dir=args.cache_dir,
+                              case_timeout_s=args.case_timeout or defaults.case_timeout_s,
+                              suite="replay")
+    env = Environment.model_validate(environment(device) | {"threads": config.threads})
+    print(f"case {case.case_id}: {json.dumps(case.to_dict(), sort_keys=True)}")
+    records: list[ResultRecord] = []
+    run_id = new_run_id()
+    for name, target in impls.items():
+        runner.run_target(name, target, [case], config, run_id, env, records.append)
+    for record in records:
+        print("\n".join(_replay_lines(record)))
+        if save is not None and record.status.failing:
+            saved = replay.save_regression(case, record.impl, "pagedbench replay",
+                                           record.reason, save, str(record.status))
+            print(f"  saved: {saved}")
+    return int(exit_code(r.status for r in records))
+
+
+# pagedbench selftest -----------------------------------------------------------------
+def add_selftest_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench selftest`` and its options."""
+    selftest_p = sub.add_parser(
+        "selftest", help="run the conformance suite on the fault catalogue",
+        description="Run `pytest suites/conformance` on every fault of the catalogue "
+                    "(suites/faults) and on its fault-free control; print which property "
+                    "caught each fault, its shrunk case and the seconds it took. Exit 1 "
+                    "when a fault is missed or the control fails.",
+        epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    selftest_p.add_argument("--hypothesis-profile", default="ci", metavar="NAME",
+                            help="hypothesis profile of the run (default: ci)")
+    selftest_p.add_argument("--catalogue", type=Path, default=selftest.DEFAULT_CATALOGUE,
+                            help="folder of the catalogue's distribution metadata "
+                                 f"(default: {selftest.DEFAULT_CATALOGUE})")
+    selftest_p.add_argument("--output-dir", type=Path, default=default_cache_dir() / "selftest",
+                            help="JUnit report, fault log and failing cases (default: "
+                                 "selftest/ of the cache folder)")
+    cache_dir_argument(selftest_p, "compiler and scratch caches")
+    selftest_p.add_argument("--json", type=Path, metavar="FILE",
+                            help="also write the rows as JSON here")
+    selftest_p.add_argument("--first-catch", action="store_true",
+                            help="pinned properties first, and stop checking a fault at "
+                                 "the first property that fails on it (minutes, not tens "
+                                 "of minutes; what make test runs)")
+    selftest_p.add_argument("--save-regressions", action="store_true",
+                            help="keep the case the search found for each fault in "
+                                 f"{selftest.REGRESSION_CASES} (replacing its earlier one)")
+
+
+def cmd_selftest(args: argparse.Namespace) -> int:
+    if args.json:
+        writable_file(args.json, "--json")
+    try:
+        rows = selftest.run(args.catalogue, args.output_dir, args.cache_dir,
+                            args.hypothesis_profile, first_catch=args.first_catch)
+    except RuntimeError as exc:
+        print(f"pagedbench selftest: {exc}", file=sys.stderr)
+        return int(ExitCode.HARNESS_FAULT)
+    print(report.escape_frame(pd.DataFrame(selftest.table(rows))).to_markdown(index=False))
+    if args.json:
+        args.json.write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
+    if args.save_regressions:
+        config = runner.RunConfig(timing=False, cache_dir=args.cache_dir, suite="selftest")
+        for path in selftest.save_regressions(rows, selftest.REGRESSION_CASES, config):
+            print(f"saved: {path}")
+    caught = sum(r.verdict == "caught" for r in rows)
+    faults = sum(r.name != selftest.CONTROL for r in rows)
+    print(f"\n{caught} of {faults} faults caught ({args.hypothesis_profile} profile); "
+          f"{sum(r.seconds for r in rows):.0f} s")
+    return int(ExitCode.CLEAN if selftest.passed(rows) else ExitCode.CONFORMANCE_FAILURE)

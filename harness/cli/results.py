@@ -1,0 +1,214 @@
+"""The commands that read: ``pagedbench list`` (implementations, availability,
+capabilities), ``report`` (leaderboards of stored result files), ``schema`` (the JSON
+Schema of a results line) and ``gate`` (current results against a baseline,
+:mod:`pagedbench.harness.gate.compare`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pagedbench.adapters import entries
+from pagedbench.reference import PagedValueError
+
+from pagedbench.harness.cli.options import (cache_dir_argument, device_arg, fraction, int_in,
+                                            positive_seconds, writable_file)
+from pagedbench.harness.gate import baselines, compare as gate
+from pagedbench.harness.measure.speed import Thresholds
+from pagedbench.harness.results import plots, report
+from pagedbench.harness.results.derived import DEFAULT_BASELINE
+from pagedbench.harness.results.record import ListingRow, json_schema
+from pagedbench.harness.results.store import read_lines, write_output
+from pagedbench.harness.run import runner
+from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
+from pagedbench.harness.verdict.status import GATE_EXIT_MEANING, ExitCode, exit_codes_help
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench list``, ``report``, ``schema`` and ``gate`` and their options."""
+    list_p = sub.add_parser("list", help="implementations, availability and capabilities")
+    list_p.add_argument("--device", type=device_arg, default="cpu",
+                        help="device to check availability on: cpu, cuda or cuda:N")
+    list_p.add_argument("--json", action="store_true", help="machine-readable output")
+    list_p.add_argument("--timeout", type=positive_seconds, default=runner.LIST_TIMEOUT_S,
+                        metavar="SECONDS", help="each implementation's time to import and "
+                        f"answer; past it: 'timeout' (default: {runner.LIST_TIMEOUT_S:g})")
+    cache_dir_argument(list_p, "compiler and scratch caches of the workers that answer")
+    report_p = sub.add_parser("report", help="leaderboard from stored result files")
+    report_p.add_argument("paths", nargs="+", type=Path,
+                          help=".jsonl result files or folders of them (merged in order)")
+    report_p.add_argument("--format", choices=["md", "csv", "html"], default="md",
+                          help="md: leaderboard + summary (+ bench tables); csv: one row per "
+                               "result with derived figures; html: one standalone page of "
+                               "tables and plots")
+    report_p.add_argument("--baseline", default=DEFAULT_BASELINE, metavar="NAME",
+                          help="implementation speedups are measured against (default: "
+                               f"{DEFAULT_BASELINE})")
+    report_p.add_argument("--output", type=Path, help="write here instead of stdout")
+    report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
+                          help="also write the bench plots there as PNG files")
+    sub.add_parser("schema", help="JSON Schema of a results-file line (docs/results.md)")
+    _gate_arguments(sub.add_parser(
+        "gate", help="current results against a baseline: exit 1 on a conformance "
+        "regression or a slowdown", description=gate.__doc__.split("\n\n")[0],
+        epilog=exit_codes_help(GATE_EXIT_MEANING),
+        formatter_class=argparse.RawDescriptionHelpFormatter))
+
+
+def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
+    defaults = Thresholds()
+    gate_p.add_argument("--baseline", type=Path, required=True, metavar="FILE_OR_DIR",
+                        help="the golden: a .jsonl file, a folder of them, or a folder of "
+                             f"device folders such as {baselines.BASELINES_DIR} (the folder of "
+                             "each current device is read)")
+    gate_p.add_argument("--current", type=Path, required=True, metavar="FILE_OR_DIR",
+                        help="the results to judge: a .jsonl file or a folder of them")
+    gate_p.add_argument("--alpha", type=fraction(0, 1), default=defaults.alpha,
+                        help="family-wise significance level of the U tests "
+                             f"(default: {defaults.alpha:g})")
+    gate_p.add_argument("--min-effect", type=fraction(0, math.inf),
+                        default=defaults.min_effect, metavar="FRACTION",
+                        help="smallest change of the median that counts, e.g. 0.1 for 10%% "
+                             f"(default: {defaults.min_effect:g})")
+    gate_p.add_argument("--min-samples", type=int_in(2, 2**31), default=defaults.min_samples,
+                        metavar="N", help="fewest samples on either side that are judged "
+                        f"(default: {defaults.min_samples})")
+    gate_p.add_argument("--raw", action="store_true",
+                        help="judge raw ms, not each CPU sample divided by the drift probe "
+                             "timed after it (which cancels a shared machine's drift)")
+    gate_p.add_argument("--allow-unjudged", action="store_true",
+                        help="exit 0, not 7, when no point regressed but some could not be "
+                             "judged (too noisy, timed on one side only, or in only one of "
+                             "baseline and current); the last line still counts them")
+    gate_p.add_argument("--update-baseline", action="store_true",
+                        help="after comparing, write the current results as the new golden "
+                             "(--baseline's file, or <folder>/<device>/"
+                             f"{baselines.BASELINE_FILE}) and exit 0")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    # Any device, even one this machine lacks: what each implementation declares for it
+    # is worth seeing, and its availability there says why it cannot run here.
+    rows = runner.list_adapters(entries(), args.device, args.cache_dir, args.timeout)
+    if args.json:
+        print(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
+        return 0
+    print(capability_matrix(rows))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    missing = [str(p) for p in args.paths if not p.exists()]
+    if missing:
+        raise PagedValueError("paths", missing, "existing files or folders",
+                              f"no such file or folder: {', '.join(missing)}")
+    if args.output:
+        writable_file(args.output, "--output")
+    lines = list(read_lines(args.paths))
+    if args.format == "csv":
+        text = report.csv_text(lines, args.baseline)
+    elif args.format == "html":
+        text = report.html(lines, baseline=args.baseline)
+    else:
+        text = report.markdown(lines, baseline=args.baseline)
+    if args.output:
+        write_output(args.output, text)
+    else:
+        print(text)
+    if args.plots_dir:
+        for section in report.sections(lines, args.baseline):
+            prefix = "" if len(report.sections(lines, args.baseline)) == 1 else (
+                re.sub(r"[^A-Za-z0-9]+", "-", section["title"]).strip("-")[:60] + "-")
+            for path in plots.save(section["bench"], section["scores"], args.plots_dir, prefix):
+                print(f"plot: {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(json_schema(), indent=2, sort_keys=True))
+    return 0
+
+
+def capability_matrix(rows: list[ListingRow]) -> str:
+    """Markdown table: implementations x (availability, version, library build and ISA
+    paths with those this host cannot take, devices, dtypes, block sizes, head dims,
+    modes, features), from ``pagedbench list`` rows."""
+    def join(values: Any) -> str:
+        if values is None:
+            return "any"
+        if not isinstance(values, list):
+            return str(values)
+        steps = {b - a for a, b in zip(values, values[1:])} if all(
+            isinstance(v, int) for v in values) else set()
+        if len(values) > 6 and len(steps) == 1:
+            return f"{values[0]}..{values[-1]} step {steps.pop()}"
+        return ", ".join(map(str, values)) or "-"
+
+    def paths(row: ListingRow) -> str:
+        # The library build and ISA paths an implementation names (impl_details), and
+        # those this host cannot take.
+        named = (row.details.get(key) for key in ("library", "cpu_isa", "isa", "isa_not_here"))
+        return "; ".join(str(value) for value in named if value) or "-"
+
+    def axes(row: ListingRow) -> dict[str, str]:
+        caps = row.capabilities
+        if caps is None:
+            return {}
+        return {
+            "devices": join(caps.get("devices")),
+            "dtypes": join(caps.get("dtypes")),
+            "block sizes": join(caps.get("block_sizes")),
+            "head dims": join(caps.get("head_dims")),
+            "modes": join(caps.get("modes")),
+            "features": join(caps.get("features")),
+            "kv cache": join(caps.get("kv_cache_dtypes")),
+            "NaN-safe tail": "yes" if caps.get("nan_safe_tail") else f"no ({STALE_TAIL_MARK})",
+            "logits": ("float32" if caps.get("logits_precision", "float32") == "float32"
+                       else f"case dtype ({CASE_LOGITS_MARK})"),
+        }
+
+    table = pd.DataFrame([
+        {
+            "implementation": row.name,
+            "available": "yes" + (" (interp.)" if row.interpreted else "") if row.available
+            else f"no: {row.reason}" if row.status == "unavailable"
+            else f"{row.status}: {row.reason}",
+            "version": row.version,
+            "build, ISA paths": paths(row),
+            **axes(row),
+        }
+        for row in rows
+    ])
+    return report.escape_frame(table.fillna("?")).to_markdown(index=False)
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    thresholds = Thresholds(alpha=args.alpha, min_effect=args.min_effect,
+                            min_samples=args.min_samples, probe=not args.raw)
+    if not args.current.exists():
+        raise PagedValueError("--current", str(args.current), "an existing file or folder",
+                              f"--current {args.current}: no such file or folder")
+    if not args.baseline.exists() and not args.update_baseline:
+        raise PagedValueError("--baseline", str(args.baseline), "an existing file or folder",
+                              f"--baseline {args.baseline}: no such file or folder (create "
+                              "the golden with --update-baseline)")
+    current = baselines.read_results([args.current])
+    sources = baselines.baseline_paths(args.baseline, {r.env.device for r in current})
+    result = gate.compare(baselines.read_results(sources), current, thresholds,
+                          allow_unjudged=args.allow_unjudged)
+    print(result.markdown())
+    if args.update_baseline:
+        for path in baselines.write_baseline(current, args.baseline):
+            print(f"baseline written: {path}")
+        return int(ExitCode.CLEAN)
+    if result.exit_code is ExitCode.NOTHING_COMPARABLE:
+        read = ", ".join(map(str, sources)) or f"none for these devices under {args.baseline}"
+        print(f"read: baseline {read}; current {args.current}", file=sys.stderr)
+    return int(result.exit_code)

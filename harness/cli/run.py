@@ -1,0 +1,208 @@
+"""``pagedbench run``: check and time implementations on model-preset cases (``--resume
+RUN_ID`` finishes an interrupted run); what ``run`` and ``bench`` print as they go."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape as rich_escape
+
+from pagedbench.adapters import entries
+from pagedbench.reference import DTYPES, PagedInputError, PagedValueError, check_fits
+
+from pagedbench.harness.cases.presets import (DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS,
+                                              default_cases)
+from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
+                                            positive_seconds, run_and_bench_arguments, run_id_arg,
+                                            select_impls, writable_file, writable_folder)
+from pagedbench.harness.measure.timing import oversubscribed
+from pagedbench.harness.results import report
+from pagedbench.harness.results.junit import write_junit_xml
+from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord
+from pagedbench.harness.results.store import (ResultsFile, ResultsFileError, new_run_id,
+                                              results_of, run_states, write_output)
+from pagedbench.harness.run import runner
+from pagedbench.harness.run.progress import RunProgress
+from pagedbench.harness.verdict.status import ExitCode, Status, exit_code, exit_codes_help
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench run`` and its options."""
+    run_p = sub.add_parser("run", help="check and time implementations on model-preset cases",
+                           epilog=exit_codes_help(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    run_p.add_argument("--impl", action="append", default=[], metavar="NAME",
+                       help="implementation to run (repeatable; default: all)")
+    run_p.add_argument("--preset", action="append", default=[], choices=list(MODEL_PRESETS),
+                       metavar="NAME", help=f"model preset (repeatable; default: all of {', '.join(MODEL_PRESETS)})")
+    run_p.add_argument("--device", type=device_arg, default=None,
+                       help="cpu (default), cuda or cuda:N; checked against this machine")
+    run_p.add_argument("--block-size", action="append", type=positive_int, default=[],
+                       help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))})")
+    run_p.add_argument("--dtype", action="append", default=[], choices=list(DTYPES),
+                       help=f"dtype (repeatable; default: {' '.join(DEFAULT_DTYPES)})")
+    run_p.add_argument("--no-timing", action="store_const", const=True, default=None,
+                       help="check correctness only")
+    run_p.add_argument("--repetitions", type=int_in(1, 100_000), default=None,
+                       help="CPU timing samples per case, as the time limit of "
+                            f"{runner.RunConfig.time_limit_s:g} s allows (at least "
+                            f"{runner.RunConfig.time_budget_s:g} s of blocks of calls; "
+                            f"default: {runner.RunConfig.repetitions})")
+    run_p.add_argument("--harness-timeout", type=positive_seconds, default=None,
+                       metavar="SECONDS",
+                       help="pagedbench's own time per case (truth and compare, in the "
+                            "judging parent); past it: 'harness-error' (default: "
+                            f"{runner.RunConfig.harness_timeout_s:g})")
+    run_p.add_argument("--resume", type=run_id_arg, metavar="RUN_ID",
+                       help="finish the interrupted run RUN_ID of --results-dir with its "
+                            "recorded selection, skipping the results it already has")
+    run_and_bench_arguments(run_p, "case")
+
+
+def progress_line(record: ResultRecord) -> str:
+    """One result as ``run`` and ``bench`` print it (rich markup)."""
+    status = record.status
+    detail = report.cell_text(record)
+    if status is not Status.PASS:
+        detail += f": {record.reason}"
+    return (f"[{status.colour}]{rich_escape(record.impl):<22}[/] "
+            f"{rich_escape(record.case_id):<58} {rich_escape(detail)}")
+
+
+def _finish(records: list[ResultRecord], lines: list, results: ResultsFile,
+            console: Console, device: str) -> int:
+    """Write and print the report of a run; its exit code."""
+    text = report.markdown(lines, title=f"pagedbench leaderboard ({device})")
+    md_path = results.path.with_suffix(".md")
+    write_output(md_path, text)
+    print(f"\n{text}")
+    console.print(f"results: {results.path}  report: {md_path}")
+    code = exit_code(r.status for r in records)
+    failing = sorted({r.impl for r in records if r.status.failing})
+    if code is ExitCode.CONFORMANCE_FAILURE:
+        console.print(f"[red]conformance failures in: {', '.join(failing)}[/]")
+    elif code is ExitCode.HARNESS_FAULT:
+        console.print("[yellow]harness errors (pagedbench's own fault, see the reasons)[/]")
+    elif code is ExitCode.NOTHING_RAN:
+        console.print("[red]nothing ran: every implementation was unavailable or every case "
+                      "unsupported (a CI lane that checks nothing must not pass)[/]")
+    return int(code)
+
+
+def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, ResultsFile]:
+    given = [flag for flag, value in (("--impl", args.impl), ("--preset", args.preset),
+                                      ("--block-size", args.block_size), ("--dtype", args.dtype),
+                                      ("--device", args.device), ("--no-timing", args.no_timing),
+                                      ("--threads", args.threads),
+                                      ("--repetitions", args.repetitions),
+                                      ("--case-timeout", args.case_timeout),
+                                      ("--harness-timeout", args.harness_timeout)) if value]
+    if given:
+        raise PagedValueError("--resume", given,
+                              "only --results-dir, --cache-dir and --junit-xml beside it",
+                              f"--resume finishes the run with its recorded selection and "
+                              f"settings; drop {', '.join(given)}")
+    results = ResultsFile(args.results_dir / f"{args.resume}.jsonl")
+    if not results.path.is_file():
+        raise PagedValueError("--resume", args.resume, "a run in --results-dir",
+                              f"--resume {args.resume}: no {results.path} (is --results-dir "
+                              "the folder that run wrote to?)")
+    starts = [(number, line) for number, line in results.numbered_lines()
+              if isinstance(line, RunRecord) and line.run_id == args.resume
+              and line.event == "started"]
+    if not starts or starts[-1][1].plan is None:
+        raise PagedValueError("--resume", args.resume, "a run that recorded its start",
+                              f"--resume {args.resume}: {results.path} records no start with "
+                              "a plan (written before schema_version 2?)")
+    number, start = starts[-1]
+    known = {e.name: e.target for e in entries()}
+    for impl in start.plan.impls:  # a results file is data: it names adapters, never adds one
+        if known.get(impl.name) != impl.target:
+            raise ResultsFileError(
+                results.path, number, f"the plan's {impl.name!r} = {impl.target!r} is not a "
+                f"registered adapter (registered: {known.get(impl.name) or 'no such name'}); "
+                "--resume runs only the built-in and installed adapters")
+    config = runner.RunConfig.from_dict(start.config or {}, args.cache_dir)
+    return start.plan, config, results
+
+
+def interrupted(exc: runner.Interrupted, console: Console, run_id: str, results: ResultsFile,
+                 results_dir: Path) -> int:
+    """Say how to finish an interrupted run; its exit code (128 + the signal)."""
+    console.print(f"[yellow]{exc}: the results so far are in {results.path}; finish the "
+                  f"run with: pagedbench run --resume {run_id} --results-dir {results_dir}[/]")
+    return 128 + exc.signum
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    writable_folder(args.results_dir, "--results-dir")
+    if args.junit_xml is not None:
+        writable_file(args.junit_xml, "--junit-xml")
+    console = Console(highlight=False, soft_wrap=True)
+    if args.resume:
+        plan, config, results = _resume_target(args)
+        checked_device(config.device)
+        run_id = args.resume
+        state = run_states(results.lines())[run_id]
+        if state.finished is not None and state.results >= plan.size:
+            console.print(f"run {run_id} already finished ({state.results} results); "
+                          "nothing to resume")
+    else:
+        device = checked_device(args.device or "cpu")
+        impls = select_impls(args.impl)
+        cases = default_cases(list(dict.fromkeys(args.preset)) or None,
+                              tuple(dict.fromkeys(args.block_size)) or DEFAULT_BLOCK_SIZES,
+                              tuple(dict.fromkeys(args.dtype)) or DEFAULT_DTYPES)
+        for case in cases:
+            try:
+                check_fits(case, device)
+            except PagedInputError as exc:
+                option = "--block-size" if exc.parameter == "block_size" else "--preset"
+                raise PagedValueError(option, exc.value, exc.allowed,
+                                      f"{option} {exc.value}: {exc}") from None
+        defaults = runner.RunConfig()
+        config = runner.RunConfig(
+            device=device, timing=not args.no_timing, cache_dir=args.cache_dir,
+            threads=args.threads or defaults.threads,
+            repetitions=args.repetitions or defaults.repetitions,
+            case_timeout_s=args.case_timeout or defaults.case_timeout_s,
+            harness_timeout_s=args.harness_timeout or defaults.harness_timeout_s)
+        plan = runner.make_plan(impls, cases)
+        run_id = new_run_id()
+        results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    warn_oversubscribed(config, console)
+    with results.locked():  # one writer per run: a second resume is refused
+        console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
+                      f"{len(plan.cases)} cases on {config.device} -> {results.path}")
+        order = runner.missing(plan, results_of_run(results, run_id)) if args.resume else \
+            runner.missing(plan, [])
+        with RunProgress(console, "run", order) as progress:
+            try:
+                records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
+                                     on_record=lambda r: progress.update(r, progress_line(r)))
+            except runner.Interrupted as exc:
+                if args.junit_xml is not None:
+                    write_junit_xml(results_of_run(results, run_id), args.junit_xml,
+                                    f"pagedbench run {run_id} (interrupted)", progress.seconds)
+                return interrupted(exc, console, run_id, results, args.results_dir)
+        lines = [line for line in results.lines() if line.run_id == run_id]
+        if args.junit_xml is not None:
+            write_junit_xml(records, args.junit_xml, f"pagedbench run {run_id}",
+                            progress.seconds)
+            console.print(f"JUnit XML: {args.junit_xml}")
+        return _finish(records, lines, results, console, config.device)
+
+
+def warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:
+    """Warn when a CPU timing's threads oversubscribe the host
+    (:func:`~pagedbench.harness.measure.timing.oversubscribed`)."""
+    warning = oversubscribed(config.threads) if config.device == "cpu" and config.timing else ""
+    if warning:
+        console.print(f"[yellow]warning: {rich_escape(warning)}[/]")
+
+
+def results_of_run(results: ResultsFile, run_id: str) -> list[ResultRecord]:
+    """The results ``results`` holds for ``run_id``."""
+    return [r for r in results_of(results.lines()) if r.run_id == run_id]

@@ -1,0 +1,255 @@
+"""The tolerance policy: when is an implementation's output correct? (The one place.)
+
+An output at dtype T passes when every element ``e`` of every sequence ``i`` satisfies
+
+    |out_e - truth_e| <= ERROR_RATIO * yardstick_i + ULP_FLOOR[T] * ulp_T(max(|truth_e|, rms_i))
+
+- ``truth``: float64 dense attention on the same (already rounded) inputs;
+- ``yardstick_i``: the largest error on sequence ``i`` of naive attention at T with its
+  logits in float32, every sum in a fixed order so that no host's BLAS moves it, the worse
+  of two single-accumulator channel orders (:func:`~pagedbench.reference.yardstick_attention`,
+  ``reference/yardstick.py``): FlashAttention's
+  "at most twice the error of a same-precision PyTorch implementation"
+  (``tests/test_flash_attn.py``), except that FlashAttention's reference also rounds the
+  logits to T, which hides a low-precision accumulator (docs/tolerance.md has the
+  measurement); an implementation that declares it computes its logits in T
+  (``Capabilities.logits_precision = "case"``) is held to that yardstick instead. A
+  sequence whose yardstick is not finite is held to the floor alone: NaN never widens an
+  allowance;
+- the floor: ``ULP_FLOOR[T]`` units in the last place of T at the truth's magnitude, floored
+  at the sequence's RMS ``rms_i``, so that an exact yardstick (kv_len 1, window 1) still
+  admits the rounding of the result every kernel makes (a truncating one included), and
+  elements near zero get an absolute floor at the sequence's scale. It plays the part of
+  FlashAttention-3's dtype-scaled ``fwd_atol = 2 * |(ref + 0.3) - 0.3 - ref|``
+  (``hopper/test_flash_attn.py``) without vanishing for large outputs;
+- any NaN or Inf in the output fails; wrong shape or dtype fails before any value.
+
+Errors are also reported in ulps of T at the same magnitude: the largest, and the mean
+signed error toward larger magnitude (``sign(truth) * (out - truth)``), whose sign shows a
+rounding mode (truncation toward zero: about -0.3 to -0.5; round to nearest: about 0).
+The constants are calibrated by ``python -m pagedbench.harness.calibration.tolerance``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pagedbench.reference import DTYPES, PagedInputs, reference_attention, yardstick_attention
+
+#: k in ``k * yardstick + floor``: FlashAttention's factor for the forward output.
+ERROR_RATIO = 2.0
+#: Units in the last place of the output dtype added to every element's allowance. In
+#: float16 and bfloat16 the output's own rounding dominates a correct kernel's error, so two
+#: ulps cover a truncating conversion. In float32 nothing dominates: a kernel's float32
+#: arithmetic (its exp, tanh and summation order) and the yardstick's differ by up to a few
+#: hundred float32 ulps at the sequence's scale, 2**-15 of it (docs/tolerance.md).
+ULP_FLOOR = {"float32": 256.0, "float16": 2.0, "bfloat16": 2.0}
+#: Mantissa bits and smallest normal exponent of each output dtype (IEEE 754; bfloat16
+#: has float32's exponent range).
+_FORMAT = {"float32": (23, -126), "float16": (10, -14), "bfloat16": (7, -126)}
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What an output of one case is judged against, both ``Tensor[total_q, num_q_heads,
+    head_dim]`` on the CPU: ``truth`` (float64) and ``naive`` (the yardstick, case dtype)."""
+
+    truth: torch.Tensor
+    naive: torch.Tensor
+
+    @classmethod
+    def of(cls, inputs: PagedInputs, logits_precision: str = "float32", *,
+           where_they_are: bool = False) -> Expected:
+        """Compute both from ``inputs``, moved to the CPU first or, with
+        ``where_they_are``, on their own device (results brought to the CPU); the
+        yardstick's logits in ``logits_precision`` (``reference.yardstick_attention``:
+        ``"float32"``, or ``"case"`` for an implementation that declares it computes them
+        in the case dtype)."""
+        there = inputs if where_they_are else inputs.to("cpu")
+        truth = reference_attention(there)
+        return cls(truth.cpu(), yardstick_attention(there, truth, logits_precision).cpu())
+
+
+def ulp(magnitude: torch.Tensor, dtype: str) -> torch.Tensor:
+    """Spacing of ``dtype`` at ``|magnitude|``, elementwise, float64 (subnormal spacing
+    below the smallest normal; ``magnitude`` is any float tensor).
+
+    Raises
+    ------
+    ValueError
+        If ``dtype`` is not one of :data:`~pagedbench.reference.DTYPES`.
+    """
+    if dtype not in _FORMAT:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    mantissa_bits, min_exponent = _FORMAT[dtype]
+    magnitude = magnitude.double().abs()
+    _, exponent = torch.frexp(magnitude)  # |x| = m * 2**exponent, m in [0.5, 1); 0 gives 0
+    exponent = torch.where(magnitude > 0, exponent - 1, min_exponent)  # floor(log2|x|)
+    exponent = torch.clamp(exponent, min=min_exponent)  # subnormals: the normal min
+    return torch.ldexp(torch.ones_like(magnitude, dtype=torch.float64),
+                       exponent - mantissa_bits)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The outcome of comparing one output with the truth.
+
+    Attributes
+    ----------
+    passed : bool
+    reason : str
+        Empty when passed; otherwise what failed, with the figures.
+    max_abs_err, max_rel_err : float
+        Against the float64 truth over all rows; ``nan`` when the output is not finite or
+        misshaped. Relative error is ``|out - truth| / (|truth| + 1e-6)``.
+    max_err_ulps, mean_err_ulps : float
+        The largest error, and the mean signed error toward larger magnitude, in ulps of
+        the case dtype at ``max(|truth|, rms of the sequence)``.
+    naive_abs_err : float
+        The binding sequence's yardstick (its naive error), ``nan`` if not finite.
+    err_ratio_vs_naive : float
+        The largest per-sequence ``max|out - truth| / yardstick`` (``inf`` when a
+        yardstick is 0 and the error is not).
+    allowed_abs_err : float
+        The allowance of the binding element (the one closest to, or furthest past, its
+        allowance).
+    err_over_allowance : float
+        ``|out - truth| / allowance`` of the binding element: <= 1 passes.
+    worst_index : tuple[int, int, int, int] or None
+        The binding element as ``(sequence, query row in the sequence, head, channel)``;
+        for a non-finite output, the first non-finite element.
+    """
+
+    passed: bool
+    reason: str
+    max_abs_err: float
+    max_rel_err: float
+    max_err_ulps: float
+    mean_err_ulps: float
+    naive_abs_err: float
+    err_ratio_vs_naive: float
+    allowed_abs_err: float
+    err_over_allowance: float
+    worst_index: tuple[int, ...] | None
+
+
+def compare(
+    out: object,
+    expected: Expected,
+    dtype: str,
+    cu_seqlens_q: torch.Tensor | None = None,
+) -> Comparison:
+    """Judge ``out`` against ``expected`` under the policy above, sequence by sequence.
+
+    Parameters
+    ----------
+    out : Tensor[total_q, num_q_heads, head_dim], case dtype
+        Anything else (a tuple, None) fails as a wrong output type.
+    expected : Expected
+    dtype : str
+        The case dtype name; the output must have it.
+    cu_seqlens_q : Tensor[batch + 1], int, or None
+        Row ranges of the sequences; ``None`` judges all rows as one sequence.
+    """
+    truth = expected.truth.double().cpu()
+    nan = float("nan")
+
+    def fail(reason: str, index: tuple[int, ...] | None = None) -> Comparison:
+        return Comparison(False, reason, nan, nan, nan, nan, nan, nan, nan, nan, index)
+
+    if not isinstance(out, torch.Tensor):
+        return fail(f"output is a {type(out).__name__}, not a tensor")
+    if tuple(out.shape) != tuple(truth.shape):
+        return fail(f"output shape {tuple(out.shape)} != expected {tuple(truth.shape)}")
+    if str(out.dtype).removeprefix("torch.") != dtype:
+        return fail(f"output dtype {out.dtype} != case dtype {dtype}")
+    if truth.numel() == 0:  # no query rows at all: nothing to get wrong
+        return Comparison(True, "", 0.0, 0.0, 0.0, 0.0, nan, 0.0, nan, 0.0, None)
+    bounds = [0, truth.shape[0]] if cu_seqlens_q is None else [int(b) for b in cu_seqlens_q]
+    out64 = out.detach().double().cpu()
+    finite = torch.isfinite(out64)
+    if not bool(finite.all()):
+        row, head, channel = (int(i) for i in (~finite).nonzero()[0])
+        seq = max(s for s in range(len(bounds) - 1) if bounds[s] <= row)
+        index = (seq, row - bounds[seq], head, channel)
+        count = int((~finite).sum())
+        return fail(f"{count} non-finite output elements (first at sequence {index[0]}, "
+                    f"row {index[1]}, head {index[2]}, channel {index[3]})", index)
+
+    diff = out64 - truth  # [total_q, hq, d]
+    naive_diff = (expected.naive.double().cpu() - truth).abs()  # NaN where not finite
+    units = torch.empty_like(truth)  # ulp of each element at its policy magnitude
+    allowed = torch.empty_like(truth)
+    worst_ratio, yards = 0.0, {}
+    for seq, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        if hi == lo:
+            continue
+        t = truth[lo:hi]
+        rms = float(t.pow(2).mean().sqrt())
+        units[lo:hi] = ulp(torch.clamp(t.abs(), min=rms), dtype)
+        yard = float(naive_diff[lo:hi].max())
+        yards[seq] = yard
+        yard = yard if math.isfinite(yard) else 0.0  # no finite yardstick: the floor alone
+        allowed[lo:hi] = ERROR_RATIO * yard + ULP_FLOOR[dtype] * units[lo:hi]
+        err = float(diff[lo:hi].abs().max())
+        ratio = err / yard if yard > 0 else (0.0 if err == 0 else float("inf"))
+        worst_ratio = max(worst_ratio, ratio)
+    over = diff.abs() / allowed  # [total_q, hq, d]
+    flat = int(over.argmax())
+    row, rest = divmod(flat, over.shape[1] * over.shape[2])
+    head, channel = divmod(rest, over.shape[2])
+    seq = max(s for s in range(len(bounds) - 1) if bounds[s] <= row < bounds[s + 1])
+    index = (seq, row - bounds[seq], head, channel)
+    yard = yards[seq]
+    err, allowance, ratio = (float(x.flatten()[flat]) for x in (diff.abs(), allowed, over))
+    signed_ulps = torch.sign(truth) * diff / units
+    passed = ratio <= 1.0
+    reason = "" if passed else (
+        f"sequence {seq}: error {err:.3g} ({err / float(units.flatten()[flat]):.1f} ulps) at "
+        f"row {index[1]}, head {head}, channel {channel} exceeds its allowance "
+        f"{allowance:.3g} = {ERROR_RATIO:g} x its naive {dtype} error {yard:.3g} + "
+        f"{ULP_FLOOR[dtype]:g} ulps"
+    )
+    return Comparison(
+        passed=passed,
+        reason=reason,
+        max_abs_err=float(diff.abs().max()),
+        max_rel_err=float((diff.abs() / (truth.abs() + 1e-6)).max()),
+        max_err_ulps=float((diff.abs() / units).max()),
+        mean_err_ulps=float(signed_ulps.mean()),
+        naive_abs_err=yard,
+        err_ratio_vs_naive=worst_ratio,
+        allowed_abs_err=allowance,
+        err_over_allowance=ratio,
+        worst_index=index,
+    )
+
+
+def assert_close_report(out: object, expected: Expected, dtype: str, label: str,
+                        cu_seqlens_q: torch.Tensor | None = None) -> Comparison:
+    """:func:`compare`, raising ``AssertionError`` with ``label`` and the figures on
+    failure; returns the comparison otherwise."""
+    result = compare(out, expected, dtype, cu_seqlens_q)
+    if not result.passed:
+        raise AssertionError(
+            f"{label}: {result.reason} (max rel error {result.max_rel_err:.3g}, "
+            f"ratio vs naive {result.err_ratio_vs_naive:.3g})"
+        )
+    return result
+
+
+def assert_matches_truth(out: torch.Tensor, inputs: PagedInputs, label: str) -> Comparison:
+    """Judge ``out`` against the truth and yardstick of ``inputs`` (computed on the CPU),
+    sequence by sequence; everything is derived from the inputs, so no caller can forget
+    the per-sequence row ranges.
+
+    Raises
+    ------
+    AssertionError
+        With ``label`` and the figures, when the output fails the policy.
+    """
+    return assert_close_report(out, Expected.of(inputs), inputs.case.dtype, label,
+                               inputs.cu_seqlens_q.cpu())
