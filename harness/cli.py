@@ -10,6 +10,8 @@
                         regression or a slowdown beyond noise (:mod:`.gate`).
 ``pagedbench schema``   the JSON Schema of a results-file line.
 ``pagedbench simulate`` KV capacity: contiguous reservation vs paged allocation on a trace.
+``pagedbench tune``     the block size per workload, from measured kernel time and simulated
+                        capacity together (:mod:`.tune`).
 ``pagedbench replay``   re-run one case (a failure's case file, a result line) and show
                         the verdict and its figures.
 ``pagedbench selftest`` run the conformance suite on the fault catalogue: which property
@@ -46,7 +48,7 @@ from pagedbench.adapters import entries
 from pagedbench.reference import (DTYPES, PagedInputError, PagedValueError, check_fits,
                                   resolve_device)
 
-from . import bench, gate, plots, replay, report, runner, selftest, simulate
+from . import bench, gate, plots, replay, report, runner, selftest, simulate, tune
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
 from .derived import DEFAULT_BASELINE
 from .workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
@@ -179,6 +181,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter))
     simulate.add_arguments(sub.add_parser(
         "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
+    tune_p = sub.add_parser(
+        "tune", help="block size per workload from measured kernel time and simulated capacity",
+        description=tune.__doc__.split("\n\n")[0], epilog=exit_codes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune.add_arguments(tune_p)
+    cache_dir_argument(tune_p)
     _replay_arguments(sub)
     _selftest_arguments(sub)
     return parser
@@ -986,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
     (:class:`~.status.ExitCode`; ``128 + N`` when stopped by signal N)."""
     args = _parser().parse_args(argv)
     commands = {"run": cmd_run, "bench": cmd_bench, "list": cmd_list, "report": cmd_report,
-                "schema": cmd_schema, "simulate": simulate.run, "replay": cmd_replay,
+                "schema": cmd_schema, "simulate": simulate.run, "tune": tune.run, "replay": cmd_replay,
                 "selftest": cmd_selftest, "gate": cmd_gate}
     try:
         _writable_outputs(args)
