@@ -23,7 +23,7 @@ for the device its timings come from: CPU timings make a CPU-serving recommendat
 results of two devices are never mixed (:func:`kernel_models`).
 
 The points benched when no results folder is given (:func:`bench_cases`): the corners of
-the region every workload's decode steps span, and each workload's median step, as ragged
+the region every workload's decode steps span, and their median step, as ragged
 decode batches with the preset's heads; docs/tune.md has the details.
 """
 
@@ -59,18 +59,20 @@ from .traces import generate_trace, read_trace
 TUNE_SCHEMA_VERSION = 1
 DEFAULT_PRESET = "llama3.1-8b"
 DEFAULT_IMPL = "vllm-cpu"
-#: KV memory (GiB), ``pagedbench simulate``'s default; vLLM's CPU backend takes it from
-#: ``VLLM_CPU_KVCACHE_SPACE`` (GiB; vllm/envs.py).
-DEFAULT_KV_BUDGET_GIB = 4.0
+#: KV memory (GiB; vLLM's CPU backend takes it from ``VLLM_CPU_KVCACHE_SPACE``): 1 GiB,
+#: 8192 tokens of llama3.1-8b in bf16, keeps the largest batch tune benches near 22k KV
+#: tokens (shared prefixes are read once per sequence), minutes on 2 cores.
+DEFAULT_KV_BUDGET_GIB = 1.0
+#: 128 is vLLM's CPU default (vllm/platforms/cpu.py), 16 its CUDA default.
 DEFAULT_BLOCK_SIZES = (16, 32, 64, 128)
-DEFAULT_NUM_REQUESTS = 200
+DEFAULT_NUM_REQUESTS = 100
 DEFAULT_OUTPUT_DIR = Path("results/tune")
 PLOT_NAME = "tune.png"
 JSON_NAME = "tune.json"
-#: CPU timing of the points tune benches (``RunConfig`` fields): 9 samples over at least
-#: 0.2 s each, enough for a p10 and p90; one torch thread (a shared host's extra threads
-#: wait on preempted ones, docs/gate.md).
-TUNE_TIMING = {"repetitions": 9, "time_budget_s": 0.2, "time_limit_s": 3.0, "threads": 1}
+#: CPU timing of the points tune benches (``RunConfig`` fields): 7 samples over at least
+#: 0.1 s, enough for a p10 and p90; one torch thread (a shared host's extra threads wait
+#: on preempted ones, docs/gate.md).
+TUNE_TIMING = {"repetitions": 7, "time_budget_s": 0.1, "time_limit_s": 3.0, "threads": 1}
 KV_CACHE_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _GIB = 2**30
 
@@ -483,7 +485,7 @@ def batch_case(preset: ModelPreset, sequences: int, kv_tokens: int, block_size: 
 def bench_batches(steps_by_workload: dict[str, Sequence[DecodeStep]]) -> list[tuple[int, int]]:
     """The ``(sequences, kv_tokens)`` batches to measure so that every step lies inside
     their convex hull: the corners of the region the steps span, rounded outwards,
-    and each workload's median step (by KV tokens) for accuracy inside.
+    and the median step of them all (by KV tokens) for accuracy inside.
 
     The region: ``sequences`` in ``[b_min, b_max]``, ``kv_tokens`` between
     ``c_lo * sequences`` and ``min(c_hi * sequences, t_max)``, with ``c_lo`` and ``c_hi``
@@ -506,10 +508,8 @@ def bench_batches(steps_by_workload: dict[str, Sequence[DecodeStep]]) -> list[tu
     knee = math.floor(t_max / c_hi)
     if knee > b_min:
         corners.append((knee, t_max))
-    for steps in steps_by_workload.values():
-        if steps:
-            middle = sorted(steps, key=lambda s: (s.kv_tokens, s.sequences))[len(steps) // 2]
-            corners.append((middle.sequences, middle.kv_tokens))
+    middle = sorted(every, key=lambda s: (s.kv_tokens, s.sequences))[len(every) // 2]
+    corners.append((middle.sequences, middle.kv_tokens))
     if b_min == b_max:  # one batch size: a second one makes the region an area
         corners += [(b_min + 1, b_min + 1 + math.floor(c_lo * b_min)), (b_min + 1, t_max + 1)]
     found = sorted({(bb, max(tt, bb)) for bb, tt in corners})

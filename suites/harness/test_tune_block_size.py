@@ -144,7 +144,7 @@ def test_tune_benched_batches_cover_every_simulated_step() -> None:
     times = tune.KernelModel(16, points).times_ms(np.array([s.sequences for s in every]),
                                                   np.array([s.kv_tokens for s in every]))
     assert times[:, 0] == pytest.approx([1.0 + s.kv_tokens for s in every], rel=1e-9)
-    assert len(batches) <= 5 + len(steps)
+    assert len(batches) <= 6  # five corners and the median step
     assert all(t >= b for b, t in batches)
 
 
