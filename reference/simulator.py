@@ -12,7 +12,7 @@ accounting in :class:`PolicyResult`'s.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from .errors import PagedValueError
@@ -107,6 +107,7 @@ def simulate(
     kv_budget_tokens: int,
     max_context: int = DEFAULT_MAX_CONTEXT,
     seed: int = 0,
+    on_decode: Callable[[Sequence[LiveRequest]], None] | None = None,
 ) -> PolicyResult:
     """Replay ``trace`` under ``policy`` with continuous batching.
 
@@ -147,6 +148,11 @@ def simulate(
         Longest sequence, prompt + output tokens (``Max`` reserves this per sample).
     seed : int
         Seeds the allocator's block placement (does not change any count).
+    on_decode : callable or None
+        Called after the decode of every step that decoded something (step 2), with the
+        running requests that stored a token: each of their ``n`` samples then holds
+        ``prompt_len + generated`` tokens (the kernel batch of that step;
+        ``pagedbench tune`` times it).
 
     Returns
     -------
@@ -190,6 +196,8 @@ def simulate(
             preemptions += 1
             preempted.add(victim.index)
             waiting.appendleft(victim)
+        if on_decode is not None and running:
+            on_decode(running)
 
         if not victims:
             while waiting and memory.admit(waiting[0]):

@@ -11,6 +11,8 @@
                         (:mod:`pagedbench.harness.gate.compare`).
 ``pagedbench schema``   the JSON Schema of a results-file line.
 ``pagedbench simulate`` KV capacity: contiguous reservation vs paged allocation on a trace.
+``pagedbench tune``     the block size per workload, from measured kernel time and simulated
+                        capacity together (:mod:`pagedbench.harness.capacity.tune`).
 ``pagedbench replay``   re-run one case (a failure's case file, a result line) and show
                         the verdict and its figures.
 ``pagedbench selftest`` run the conformance suite on the fault catalogue: which property
@@ -37,9 +39,9 @@ from pathlib import Path
 
 from pagedbench.reference import PagedInputError
 
-from pagedbench.harness.capacity import simulate
+from pagedbench.harness.capacity import simulate, tune
 from pagedbench.harness.cli import bench, replay, results, run
-from pagedbench.harness.cli.options import writable_folder
+from pagedbench.harness.cli.options import cache_dir_argument, writable_folder
 from pagedbench.harness.results.store import OutputError
 from pagedbench.harness.run.environment import (apply_environment, cache_environment,
                                                 default_cache_dir)
@@ -56,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     results.add_parsers(sub)
     simulate.add_arguments(sub.add_parser(
         "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
+    tune_parser = sub.add_parser(
+        "tune", help="block size per workload from measured kernel time and simulated capacity",
+        description=tune.__doc__.split("\n\n")[0], epilog=exit_codes_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    tune.add_arguments(tune_parser)
+    cache_dir_argument(tune_parser)
     replay.add_replay_parser(sub)
     replay.add_selftest_parser(sub)
     return parser
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     commands = {"run": run.cmd_run, "bench": bench.cmd_bench, "list": results.cmd_list,
                 "report": results.cmd_report, "schema": results.cmd_schema,
-                "simulate": simulate.run, "replay": replay.cmd_replay,
+                "simulate": simulate.run, "tune": tune.run, "replay": replay.cmd_replay,
                 "selftest": replay.cmd_selftest, "gate": results.cmd_gate}
     try:
         _writable_outputs(args)
