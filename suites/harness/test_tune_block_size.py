@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from pagedbench.harness.capacity import tune
-from pagedbench.harness.cases import MODEL_PRESETS
+from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.harness.cli import main
-from pagedbench.harness.store import ResultsFile
+from pagedbench.harness.results.store import ResultsFile
 from pagedbench.reference.workload import Request
 
 from .conftest import ENV, result
