@@ -125,9 +125,11 @@ def _parser() -> argparse.ArgumentParser:
     run_p.add_argument("--device", type=_device, default=None,
                        help="cpu (default), cuda or cuda:N; checked against this machine")
     run_p.add_argument("--block-size", action="append", type=_positive_int, default=[],
-                       help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))})")
+                       help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))}, "
+                            "or the preset's own)")
     run_p.add_argument("--dtype", action="append", default=[], choices=list(DTYPES),
-                       help=f"dtype (repeatable; default: {' '.join(DEFAULT_DTYPES)})")
+                       help=f"dtype (repeatable; default: {' '.join(DEFAULT_DTYPES)}, or the "
+                            "preset's own)")
     run_p.add_argument("--no-timing", action="store_const", const=True, default=None,
                        help="check correctness only")
     run_p.add_argument("--repetitions", type=_int_in(1, 100_000), default=None,
@@ -484,8 +486,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         device = _checked_device(args.device or "cpu")
         impls = _select(args.impl)
         cases = default_cases(list(dict.fromkeys(args.preset)) or None,
-                              tuple(dict.fromkeys(args.block_size)) or DEFAULT_BLOCK_SIZES,
-                              tuple(dict.fromkeys(args.dtype)) or DEFAULT_DTYPES)
+                              tuple(dict.fromkeys(args.block_size)) or None,
+                              tuple(dict.fromkeys(args.dtype)) or None)
         for case in cases:
             try:
                 check_fits(case, device)
@@ -775,9 +777,10 @@ def capability_matrix(rows: list[ListingRow]) -> str:
         return ", ".join(map(str, values)) or "-"
 
     def paths(row: ListingRow) -> str:
-        # The library build and ISA paths an implementation names (impl_details), and
-        # those this host cannot take.
-        named = (row.details.get(key) for key in ("library", "cpu_isa", "isa", "isa_not_here"))
+        # The library build and ISA paths an implementation names (impl_details), those
+        # this host cannot take, and where its kernel files came from.
+        named = (row.details.get(key)
+                 for key in ("library", "cpu_isa", "isa", "isa_not_here", "source"))
         return "; ".join(str(value) for value in named if value) or "-"
 
     def axes(row: ListingRow) -> dict[str, str]:
