@@ -90,9 +90,9 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ModelPreset("deepseek-v3-mla-tp8", 16, 1, 576, 61, _HF.format("deepseek-ai/DeepSeek-V3"),
                     "MLA: 128 q heads / 8 GPUs, latent KV head 576 (512 + 64 rope) for Q/K, "
                     "512 for V; here V is its own tensor, not the first 512 channels of K; "
-                    "block sizes 1 (SGLang's token pool), 16, 64; float16 too, which the "
+                    "block sizes 1 (SGLang's token pool), 16, 64; float16, which the "
                     "interpreted MLA peers run on the CPU (not bfloat16: triton#11584)",
-                    head_dim_v=512, block_sizes=(1, 16, 64), dtypes=("bfloat16", "float16")),
+                    head_dim_v=512, block_sizes=(1, 16, 64), dtypes=("float16",)),
     )
 }
 
