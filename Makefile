@@ -31,16 +31,24 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -c "import torch, triton, vllm._custom_ops; print('torch', torch.__version__, 'triton', triton.__version__)"
 	touch $@
 
-run: $(VENV)/.installed
+# SGLang's Triton kernel files, from its pinned wheel (sha256 per file in the module; the
+# adapter checks them again before use and never imports sglang).
+SGLANG_FILES := $(BUILD)/sglang-triton/.extracted
+$(SGLANG_FILES): adapters/sglang_triton_load.py $(VENV)/.installed
+	$(BIN)/python -m pagedbench.adapters.sglang_triton_load --wheels $(BUILD)/wheels \
+	  --out $(BUILD)/sglang-triton
+	touch $@
+
+run: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
 	$(BIN)/pagedbench run
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
 	$(BIN)/pytest
 
 # Downloads (here, never on the device) and copies into build/gpu-carry; prints the call.
-gpu-carry: $(VENV)/.installed
+gpu-carry: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
 	$(BIN)/python -m pagedbench.harness.lane.carry --out $(BUILD)/gpu-carry
 
@@ -60,7 +68,7 @@ gpu-ingest: $(VENV)/.installed
 # board shows the failure.
 LEADERBOARD := results/leaderboard-cpu
 NEW_BOARD   := $(BUILD)/leaderboard-cpu
-leaderboard: $(VENV)/.installed
+leaderboard: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
 	rm -rf $(NEW_BOARD) && mkdir -p $(NEW_BOARD)
 	$(BIN)/python -c "import json, os; from pagedbench.harness.results.store import environment; \

@@ -34,6 +34,8 @@ BUILTIN: dict[str, str] = {
     "vllm-unified": "pagedbench.adapters.vllm_triton:VllmUnified",
     "vllm-decode": "pagedbench.adapters.vllm_triton:VllmDecode",
     "vllm-chunked-prefill": "pagedbench.adapters.vllm_triton:VllmChunkedPrefill",
+    "sglang-decode": "pagedbench.adapters.sglang_triton:SglangDecode",
+    "sglang-extend": "pagedbench.adapters.sglang_triton:SglangExtend",
     "flashinfer-nhd": "pagedbench.adapters.flashinfer:FlashInferNHD",
     "flashinfer-hnd": "pagedbench.adapters.flashinfer:FlashInferHND",
     "flash-attn2": "pagedbench.adapters.flash_attn:FlashAttn2",

@@ -47,6 +47,7 @@ from .base import (
     Prepared,
     TritonAdapter,
 )
+from .sglang_triton import grouped_head_tile_straddles
 from .vllm_triton_carry import CARRY_ENV, CarryInvalid, load_carried
 from .vllm_triton_import import (
     VllmTritonKernel,
@@ -310,7 +311,10 @@ class VllmDecode(_VllmTritonAdapter):
         dtypes=frozenset({"float32", "float16", "bfloat16"}),
         head_dims=_HEAD_DIMS,
         modes=frozenset({"decode"}),
-        features=frozenset({"logits_soft_cap"}),  # not empty_kv: kv_len 0 comes out NaN
+        # Not empty_kv: kv_len 0 comes out NaN. head_dim_v: V is read from its own
+        # buffer with BLOCK_DV channels (is_mla=False, as the adapter calls it; vLLM's
+        # TRITON_MLA backend passes is_mla=True with V the first 512 channels of K).
+        features=frozenset({"logits_soft_cap", "head_dim_v"}),
         logits_precision="case",
     )
 
@@ -318,13 +322,18 @@ class VllmDecode(_VllmTritonAdapter):
     def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
         return kernels.decode
 
+    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
+        # The grouped stage 1 is SGLang's, head tiling included.
+        return super().why_unsupported(case, device) + grouped_head_tile_straddles(case)
+
     def interpreter_work(self, case: PagedCase) -> InterpretedWork:
         return launch.decode_work(case)
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """Bind the call on the NHD views of ``inputs.kv_cache`` (no copy); allocates
         ``out`` (NaN), ``lse [batch, num_q_heads]`` and ``attn_logits [batch, num_q_heads,
-        num_kv_splits, head_dim + 1]`` (float32), and unit K/V scales.
+        num_kv_splits, v_head_dim + 1]`` (float32: each split's output and, last, its
+        log-sum-exp), and unit K/V scales.
         ``facts["num_kv_splits"]`` is the split count (:func:`.decode_num_kv_splits`).
 
         Raises
@@ -350,7 +359,7 @@ class VllmDecode(_VllmTritonAdapter):
             req_to_token=inputs.block_tables,
             b_seq_len=inputs.kv_lens,
             attn_logits=torch.empty(case.batch_size, case.num_q_heads, splits,
-                                    case.head_dim + 1, dtype=torch.float32,
+                                    case.v_head_dim + 1, dtype=torch.float32,
                                     device=inputs.device),
             num_kv_splits=splits,
             sm_scale=inputs.scale,

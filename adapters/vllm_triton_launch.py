@@ -94,7 +94,7 @@ def decode_work(case: PagedCase) -> InterpretedWork:
     programs = case.batch_size * (head_programs * splits + case.num_q_heads)
     steps = head_programs * sum(
         splits * _cdiv(_cdiv(kv, splits), DECODE_KV_TILE) for kv in case.kv_lens)
-    return InterpretedWork(programs, steps, case.head_dim / 64)
+    return InterpretedWork(programs, steps, (case.head_dim + case.v_head_dim) / 128)
 
 
 def chunked_work(case: PagedCase) -> InterpretedWork:

@@ -5,10 +5,11 @@ Usage (from the repository root, after ``make .venv/.installed``)::
     .venv/bin/python docs/interpreter_cost.py triton   # pagedbench-triton, bf16
     .venv/bin/python docs/interpreter_cost.py vllm     # the three vLLM kernels, fp16
     .venv/bin/python docs/interpreter_cost.py paged    # pagedbench-triton-split, -prefill
+    .venv/bin/python docs/interpreter_cost.py sglang   # sglang-decode, fp16
 
 For each default-job model preset case the adapter admits on the CPU (``triton`` and
-``paged``: the bf16 cases of ``pagedbench run``; ``vllm``: their reduced forms in
-float16, since the interpreter cannot run vLLM's kernels in bfloat16), it times one
+``paged``: the bf16 cases of ``pagedbench run``; ``vllm`` and ``sglang``: their reduced
+forms in float16, since the interpreter cannot run those kernels in bfloat16), it times one
 ``run()`` in process CPU time (the interpreter compiles nothing, so one untimed call per
 adapter suffices), prints the launch's programs and key-loop steps, the time, the
 budget's estimate and their ratio, then the least-squares fit of ``seconds = a *
@@ -26,6 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is im
 
 import numpy as np  # noqa: E402
 
+from pagedbench.adapters.sglang_triton import SglangDecode  # noqa: E402
 from pagedbench.adapters.triton_decode import TritonPagedDecode  # noqa: E402
 from pagedbench.adapters.triton_paged import TritonPrefill, TritonSplitDecode  # noqa: E402
 from pagedbench.adapters.vllm_triton import (  # noqa: E402
@@ -36,11 +38,13 @@ from pagedbench.adapters.vllm_triton import (  # noqa: E402
 from pagedbench.harness.cases.presets import default_cases  # noqa: E402
 from pagedbench.reference import materialize  # noqa: E402
 
+REDUCED_FP16 = list(dict.fromkeys(c.with_(dtype="float16") for c in default_cases()
+                                  if c.tag == "reduced"))
 WORKLOADS = {
     "triton": ([TritonPagedDecode()], default_cases()),
     "paged": ([TritonSplitDecode(), TritonPrefill()], default_cases()),
-    "vllm": ([VllmUnified(), VllmDecode(), VllmChunkedPrefill()],
-             [c.with_(dtype="float16") for c in default_cases() if c.tag == "reduced"]),
+    "vllm": ([VllmUnified(), VllmDecode(), VllmChunkedPrefill()], REDUCED_FP16),
+    "sglang": ([SglangDecode()], REDUCED_FP16),
 }
 
 

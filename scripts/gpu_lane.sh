@@ -62,6 +62,8 @@ export PYTHONPATH="$build/gpu-shim:$site${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$site/bin:$PATH" FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$build}"
 # Where vllm is not importable, the vllm-triton adapters load these (hashes checked).
 [ -d "$carry/vllm-triton" ] && export PAGEDBENCH_VLLM_TRITON_CARRY="$(cd "$carry/vllm-triton" && pwd)"
+# SGLang's Triton kernel files (sha256 checked by adapters/sglang_triton_load.py).
+[ -d "$carry/sglang-triton" ] && export PAGEDBENCH_SGLANG_TRITON_DIR="$(cd "$carry/sglang-triton" && pwd)"
 "$python" -c "import pagedbench.harness.lane.steps" || {
   echo "gpu_lane.sh: pagedbench is not importable through $build/gpu-shim (a package the" \
        "image lacks? make gpu-carry builds its wheels into $carry/wheels)" >&2; exit 2; }

@@ -31,11 +31,18 @@ class ModelPreset:
         Short id used in case ids and ``--preset``.
     num_q_heads, num_kv_heads, head_dim : int
     num_layers : int
-        Decoder layers (KV bytes per token = 2 * layers * num_kv_heads * head_dim * bytes).
+        Decoder layers (KV bytes per token = layers * num_kv_heads * (head_dim +
+        v_head_dim) * bytes).
     source : str
         The published config the numbers come from.
     notes : str
         Features of the model not yet exercised by the preset's cases.
+    head_dim_v : int or None
+        V's head dim when it differs from Q/K's (MLA); None: ``head_dim``.
+    block_sizes : tuple[int, ...] or None
+        The block sizes of its default cases; None: :data:`DEFAULT_BLOCK_SIZES`.
+    dtypes : tuple[str, ...] or None
+        The dtypes of its default cases; None: :data:`DEFAULT_DTYPES`.
     """
 
     name: str
@@ -45,10 +52,18 @@ class ModelPreset:
     num_layers: int
     source: str
     notes: str = ""
+    head_dim_v: int | None = None
+    block_sizes: tuple[int, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """Bytes of K and V per token over all layers (bytes)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return (self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim)
+                * dtype_bytes)
 
 
 _HF = "https://huggingface.co/{}/blob/main/config.json"
@@ -70,6 +85,14 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
                     "MHA; hidden_size 3072 / 32 heads = head_dim 96"),
         ModelPreset("gemma2-9b", 16, 8, 256, 42, _HF.format("google/gemma-2-9b"),
                     "attn_logit_softcapping 50 and sliding_window 4096 not exercised yet"),
+        # MLA with the weights absorbed, as the decode kernels see it: 128 query heads
+        # over 8 GPUs, one latent KV head of kv_lora_rank 512 + qk_rope_head_dim 64.
+        ModelPreset("deepseek-v3-mla-tp8", 16, 1, 576, 61, _HF.format("deepseek-ai/DeepSeek-V3"),
+                    "MLA: 128 q heads / 8 GPUs, latent KV head 576 (512 + 64 rope) for Q/K, "
+                    "512 for V; here V is its own tensor, not the first 512 channels of K; "
+                    "block sizes 1 (SGLang's token pool), 16, 64; float16, which the "
+                    "interpreted MLA peers run on the CPU (not bfloat16: triton#11584)",
+                    head_dim_v=512, block_sizes=(1, 16, 64), dtypes=("float16",)),
     )
 }
 
@@ -119,7 +142,7 @@ def preset_cases(
     max_kv_len: int = DEFAULT_MAX_KV_LEN,
     reduced: bool = False,
 ) -> list[PagedCase]:
-    """Decode cases of ``preset``: one per (dtype, block_size).
+    """Decode cases of ``preset``: one per (dtype, block_size), with its ``head_dim_v``.
 
     With ``reduced=True`` the batch and contexts shrink to :data:`REDUCED_BATCH_SIZE` and
     :data:`REDUCED_MAX_KV_LEN`, and the case id ends in ``-reduced``.
@@ -133,6 +156,7 @@ def preset_cases(
             num_q_heads=preset.num_q_heads,
             num_kv_heads=preset.num_kv_heads,
             head_dim=preset.head_dim,
+            head_dim_v=preset.head_dim_v,
             block_size=block_size,
             dtype=dtype,
             name=preset.name,
@@ -145,10 +169,12 @@ def preset_cases(
 
 def default_cases(
     presets: list[str] | None = None,
-    block_sizes: tuple[int, ...] = DEFAULT_BLOCK_SIZES,
-    dtypes: tuple[str, ...] = DEFAULT_DTYPES,
+    block_sizes: tuple[int, ...] | None = None,
+    dtypes: tuple[str, ...] | None = None,
 ) -> list[PagedCase]:
-    """The default job: every preset's full cases, each followed by its reduced form.
+    """The default job: every preset's full cases, each followed by its reduced form, at
+    ``block_sizes`` and in ``dtypes`` (None: each preset's own, else
+    :data:`DEFAULT_BLOCK_SIZES` / :data:`DEFAULT_DTYPES`).
 
     Raises
     ------
@@ -162,6 +188,8 @@ def default_cases(
     cases = []
     for name in names:
         preset = MODEL_PRESETS[name]
-        cases += preset_cases(preset, block_sizes, dtypes)
-        cases += preset_cases(preset, block_sizes, dtypes, reduced=True)
+        sizes = block_sizes or preset.block_sizes or DEFAULT_BLOCK_SIZES
+        types = dtypes or preset.dtypes or DEFAULT_DTYPES
+        cases += preset_cases(preset, sizes, types)
+        cases += preset_cases(preset, sizes, types, reduced=True)
     return cases

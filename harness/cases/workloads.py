@@ -153,6 +153,8 @@ class Workload:
         One of :data:`MODES`.
     batch_spec : str or None
         The vLLM batch-spec string of the lengths (None for a ragged preset batch).
+    head_dim_v : int or None
+        V's head dim where it differs from ``head_dim`` (an MLA preset's), else None.
     """
 
     name: str
@@ -164,6 +166,7 @@ class Workload:
     layout: str
     mode: str
     batch_spec: str | None
+    head_dim_v: int | None = None
 
     @property
     def batch_size(self) -> int:
@@ -191,8 +194,9 @@ class Workload:
         decode = all(q == 1 for q in self.q_lens)
         return PagedCase(kv_lens=self.kv_lens, q_lens=None if decode else self.q_lens,
                          num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                         head_dim=self.head_dim, block_size=block_size, dtype=dtype,
-                         seed=self.seed, name=self.name, tag=tag)
+                         head_dim=self.head_dim, head_dim_v=self.head_dim_v,
+                         block_size=block_size, dtype=dtype, seed=self.seed, name=self.name,
+                         tag=tag)
 
 
 def layout_heads(layout: str) -> tuple[int, int, int]:
@@ -288,7 +292,8 @@ def preset_workload(preset: str, batch_size: int, max_kv_len: int) -> Workload:
     kv_lens = draw_kv_lens(batch_size, max_kv_len, None, zlib.crc32(name.encode()))
     return Workload(name=name, q_lens=(1,) * batch_size, kv_lens=kv_lens,
                     num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    layout=preset, mode="decode", batch_spec=None)
+                    layout=preset, mode="decode", batch_spec=None,
+                    head_dim_v=MODEL_PRESETS[preset].head_dim_v)
 
 
 #: The ``suite`` of results written by ``pagedbench bench``.

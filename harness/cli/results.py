@@ -152,9 +152,10 @@ def capability_matrix(rows: list[ListingRow]) -> str:
         return ", ".join(map(str, values)) or "-"
 
     def paths(row: ListingRow) -> str:
-        # The library build and ISA paths an implementation names (impl_details), and
-        # those this host cannot take.
-        named = (row.details.get(key) for key in ("library", "cpu_isa", "isa", "isa_not_here"))
+        # The library build and ISA paths an implementation names (impl_details), those
+        # this host cannot take, and where its kernel files came from.
+        named = (row.details.get(key)
+                 for key in ("library", "cpu_isa", "isa", "isa_not_here", "source"))
         return "; ".join(str(value) for value in named if value) or "-"
 
     def axes(row: ListingRow) -> dict[str, str]:

@@ -40,9 +40,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run_p.add_argument("--device", type=device_arg, default=None,
                        help="cpu (default), cuda or cuda:N; checked against this machine")
     run_p.add_argument("--block-size", action="append", type=positive_int, default=[],
-                       help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))})")
+                       help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))}, "
+                            "or the preset's own)")
     run_p.add_argument("--dtype", action="append", default=[], choices=list(DTYPES),
-                       help=f"dtype (repeatable; default: {' '.join(DEFAULT_DTYPES)})")
+                       help=f"dtype (repeatable; default: {' '.join(DEFAULT_DTYPES)}, or the "
+                            "preset's own)")
     run_p.add_argument("--no-timing", action="store_const", const=True, default=None,
                        help="check correctness only")
     run_p.add_argument("--repetitions", type=int_in(1, 100_000), default=None,
@@ -153,8 +155,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         device = checked_device(args.device or "cpu")
         impls = select_impls(args.impl)
         cases = default_cases(list(dict.fromkeys(args.preset)) or None,
-                              tuple(dict.fromkeys(args.block_size)) or DEFAULT_BLOCK_SIZES,
-                              tuple(dict.fromkeys(args.dtype)) or DEFAULT_DTYPES)
+                              tuple(dict.fromkeys(args.block_size)) or None,
+                              tuple(dict.fromkeys(args.dtype)) or None)
         for case in cases:
             try:
                 check_fits(case, device)

@@ -18,6 +18,9 @@ the lane needs beyond the image is built here, once, and named in the call's ``c
   adapters' stand-ins for the vLLM modules they import. Never committed. The lane names
   it in ``PAGEDBENCH_VLLM_TRITON_CARRY``, whence the vllm-triton adapters load it
   (:mod:`pagedbench.adapters.vllm_triton_carry`).
+- ``sglang-triton/``: SGLang's Triton kernel files as ``make`` extracted them from the
+  pinned wheel (:mod:`pagedbench.adapters.sglang_triton_load`, sha256 checked on copy and
+  again before use), named by the lane in ``PAGEDBENCH_SGLANG_TRITON_DIR``.
 - ``--flashinfer``: FlashInfer (:data:`FLASHINFER`) into its own folder
   (``build/gpu-carry-flashinfer``), for a second call on the machine still warm from the
   first, whose ``build/gpu-site`` (ignored, kept between calls) already holds pydantic:
@@ -50,6 +53,7 @@ from pagedbench.adapters.vllm_triton_carry import (
     read_carry,
     unmet_names,
 )
+from pagedbench.adapters import sglang_triton_load as sglang_load
 from pagedbench.adapters.vllm_triton_import import KERNEL_MODULES
 
 from pagedbench.harness.lane.steps import ROOT, TOTAL_BUDGET_S
@@ -188,6 +192,21 @@ def check_size(carry: Path, tree: int, limit: int = CARRY_LIMIT_BYTES) -> int:
     return total
 
 
+def copy_sglang_triton(dest: Path) -> None:
+    """Copy SGLang's kernel files (:data:`~pagedbench.adapters.sglang_triton_load.FILES`,
+    each checked against its sha256) from where ``make`` extracted them into ``dest``.
+
+    Raises
+    ------
+    SglangFilesInvalid
+        If a file is missing or changed (``make`` extracts them afresh).
+    """
+    for module, data in sglang_load.read_files(sglang_load.files_dir()).items():
+        target = dest / sglang_load.module_path(module)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
 def lane_command(carry: Path, root: Path = ROOT) -> str:
     """The command to run on the GPU machine, in the copied checkout: this checkout's
     commit and dirtiness filled in (the machine has no git history to read them from),
@@ -210,6 +229,7 @@ def build(out: Path, flashinfer: bool) -> int:
     wheels = download_wheels(requirements, out / "wheels")
     if not flashinfer:
         copy_vllm_triton(out / "vllm-triton")
+        copy_sglang_triton(out / "sglang-triton")
     total = check_size(out, tree_bytes())
     for wheel in wheels:
         print(f"{wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.name}")
@@ -235,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         build(out, args.flashinfer)
-    except (CarryTooLarge, CarryInvalid, FileNotFoundError, PackageNotFoundError,
-            subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+    except (CarryTooLarge, CarryInvalid, sglang_load.SglangFilesInvalid, FileNotFoundError,
+            PackageNotFoundError, subprocess.CalledProcessError,
+            subprocess.TimeoutExpired) as exc:
         print(f"gpu_carry: {exc}", file=sys.stderr)
         return 1
     print(f"copy this checkout with {out.relative_to(ROOT)} to the GPU machine and run there, "

@@ -65,7 +65,8 @@ def test_cpu_needs_the_interpreter_set_before_import():
 
 
 def test_every_reduced_preset_fits_the_interpreter_budget():
-    reduced = [c for c in default_cases() if c.tag == "reduced"]
+    # The MLA preset's head_dim 576 is outside the kernel's head dims (unsupported there).
+    reduced = [c for c in default_cases() if c.tag == "reduced" and c.head_dim_v is None]
     assert reduced, "the default cases have no reduced presets to check"
     for case in reduced:
         assert TritonPagedDecode().why_unsupported(case, "cpu") == [], case.case_id
@@ -76,7 +77,7 @@ def test_interpreter_budget_rejects_by_step_count():
     lengths, exceed the budget; of the full presets only llama3.1-70b-tp8 (one KV head)
     fits, the purpose the budget's comment states."""
     adapter = TritonPagedDecode()
-    full = [c for c in default_cases() if c.tag != "reduced"]
+    full = [c for c in default_cases() if c.tag != "reduced" and c.head_dim_v is None]
     for case in full:
         steps = sum(math.ceil(n / KV_TILE) for n in case.kv_lens) * case.num_kv_heads
         reasons = adapter.why_unsupported(case, "cpu")

@@ -113,7 +113,9 @@ def test_interpreter_budgets_admit_the_presets_as_documented():
     block_size 16 only."""
     split, prefill = TritonSplitDecode(), TritonPrefill()
     admitted = {split.name: set(), prefill.name: set()}
-    for case in default_cases():
+    # The MLA preset's head_dim 576 is outside the kernels' head dims (unsupported there).
+    cases = [c for c in default_cases() if c.head_dim_v is None]
+    for case in cases:
         size = torch.empty((), dtype=case.kv_torch_dtype).element_size()
         split_steps = plan_splits(case.kv_lens, case.num_kv_heads, case.head_dim,
                                   size).steps(case.kv_lens, case.num_kv_heads, None)
@@ -130,7 +132,7 @@ def test_interpreter_budgets_admit_the_presets_as_documented():
                 assert f"{steps} key-loop steps" in reasons[0], reasons
             if not reasons:
                 admitted[adapter.name].add((case.name, case.block_size, case.tag))
-    reduced = {(c.name, c.block_size, c.tag) for c in default_cases() if c.tag}
+    reduced = {(c.name, c.block_size, c.tag) for c in cases if c.tag}
     assert admitted[split.name] == {r for r in reduced if r[0] != "phi3-mini"}
     assert admitted[prefill.name] == reduced | {
         ("llama3.1-70b-tp8", 16, ""), ("llama3.1-70b-tp8", 32, ""), ("qwen2.5-7b", 16, "")}

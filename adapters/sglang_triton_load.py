@@ -1,0 +1,351 @@
+"""SGLang's Triton attention kernels, loaded from its wheel's files without importing SGLang.
+
+``import sglang`` pulls in its whole server, so the adapters never import it. At install
+time the Makefile's venv step runs ``python -m pagedbench.adapters.sglang_triton_load``:
+``pip download --no-deps`` of the pinned wheel (:data:`SGLANG_VERSION`, :data:`WHEEL_TAGS`)
+into ``build/wheels``, then the files of :data:`FILES` extracted into
+``build/sglang-triton`` (:data:`DEFAULT_DIR`; ``PAGEDBENCH_SGLANG_TRITON_DIR`` names
+another folder, as the GPU lane's carry does). :func:`load_kernels` checks every file's
+sha256 against :data:`FILES` before executing any, then executes those verified bytes
+(``linecache`` primed, so that Triton's ``inspect.getsource`` reads them too) and leaves
+``sys.modules`` as it was: ``import sglang`` still fails in the process.
+
+The files import two SGLang modules that pull in most of SGLang; :func:`stand_ins` builds
+stand-ins holding only the names the files use, each with SGLang 0.5.23's meaning, and
+:func:`unmet_names` lists any use they do not cover (a test holds it empty):
+
+- ``sglang.srt.utils`` (``sglang/srt/utils/common.py``): ``is_hip`` (torch built for
+  ROCm), ``is_cuda``, ``get_device_core_count`` (the CUDA device's multiprocessor count,
+  0 without one), ``is_gfx95_supported`` / ``is_gfx1250_supported`` (False: the adapters
+  refuse ROCm builds of torch, and the files ask only when ``is_hip()``);
+- ``sglang.srt.environ`` (``sglang/srt/environ.py``): ``envs``, the environment variables
+  the files read, each parsed as SGLang's ``EnvBool`` / ``EnvFloat`` with its default
+  (each is read only on ROCm paths, behind ``is_hip()`` or a gfx check);
+- ``sglang``, ``sglang.srt``, ``sglang.kernels``, ``sglang.kernels.ops``,
+  ``sglang.kernels.ops.attention``: empty packages, so the files' imports of each other
+  resolve. ``sglang.srt.runtime_context`` is imported inside ``_keep_scheduler_splits``,
+  reached on ROCm only (:data:`UNREACHED_IMPORTS`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import linecache
+import os
+import subprocess
+import sys
+import types
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .vllm_triton_import import sys_modules_restored
+
+SGLANG_VERSION = "0.5.23"
+#: The one wheel of that release (CPython 3.11, manylinux 2.34, x86-64): pip matches each
+#: tag exactly, so the same file is fetched whatever the host's interpreter.
+WHEEL_TAGS = ("--python-version", "3.11", "--implementation", "cp", "--abi", "cp311",
+              "--platform", "manylinux_2_34_x86_64", "--only-binary=:all:")
+#: Module -> sha256 of its file in sglang 0.5.23's wheel. Order: dependencies first.
+FILES: dict[str, str] = {
+    "sglang.kernels.ops.attention.score_mod":
+        "127e2e6466bbfac3c2189cc4f2a9d7751fd819b30d25de65378d66ae63bbafa6",
+    "sglang.kernels.ops.attention.metadata":
+        "8aa5db57763f5ecfb01a05beba74791d0bf3921952c789d8a8432abf25c231ca",
+    "sglang.kernels.ops.attention.decode_attention":
+        "7a3b66ce3daabbb027efd860411cd9abe4b399b1f2cfc3ed5c6c01731eb9fa0a",
+    "sglang.kernels.ops.attention.extend_attention":
+        "be3baffc80ef9fe484d0b896842522b02bf671785088e05a66ca4dcdb2e8a9b3",
+}
+DIR_ENV = "PAGEDBENCH_SGLANG_TRITON_DIR"
+DEFAULT_DIR = Path(__file__).resolve().parent.parent / "build" / "sglang-triton"
+UNREACHED_IMPORTS = {
+    "sglang.srt.runtime_context": "decode_attention._keep_scheduler_splits imports it; only "
+                                  "ROCm's tuned MLA path calls that",
+}
+_PACKAGES = ("sglang", "sglang.srt", "sglang.kernels", "sglang.kernels.ops",
+             "sglang.kernels.ops.attention")
+#: The environment variables the files read through ``envs``: name -> (SGLang's default,
+#: its parser's type).
+ENV_VARS: dict[str, tuple[object, type]] = {
+    "SGLANG_TRITON_DECODE_ATTN_STATIC_KV_SPLITS": (False, bool),
+    "SGLANG_MLA_DECODE_TUNE": (False, bool),
+    "SGLANG_FORCE_LEAN_GRID_CU_MULT": (1.0, float),
+    "SGLANG_TRITON_FP8_PREFILL_ATTN": (True, bool),
+    "SGLANG_TRITON_COMPACT_EXTEND_ATTENTION": (True, bool),
+}
+
+
+class SglangFilesInvalid(ValueError):
+    """The kernel files cannot be used: missing, changed, or they do not load with the
+    stand-ins; the message names the file."""
+
+
+def module_path(module: str) -> str:
+    """A module's file inside the wheel (``sglang/.../name.py``)."""
+    return module.replace(".", "/") + ".py"
+
+
+def files_dir() -> Path:
+    """Where the extracted files are: ``$PAGEDBENCH_SGLANG_TRITON_DIR`` or :data:`DEFAULT_DIR`."""
+    return Path(os.environ.get(DIR_ENV) or DEFAULT_DIR)
+
+
+def read_files(folder: Path) -> dict[str, bytes]:
+    """Module -> the bytes of its file under ``folder``, each checked against :data:`FILES`.
+
+    Raises
+    ------
+    SglangFilesInvalid
+        If a file is absent or its sha256 differs from the pinned one.
+    """
+    sources = {}
+    for module, digest in FILES.items():
+        path = folder / module_path(module)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise SglangFilesInvalid(
+                f"{path}: {exc.strerror}; `make` (the venv step) extracts sglang "
+                f"{SGLANG_VERSION}'s kernel files there") from None
+        got = hashlib.sha256(data).hexdigest()
+        if got != digest:
+            raise SglangFilesInvalid(f"{path}: sha256 {got} differs from sglang "
+                                     f"{SGLANG_VERSION}'s {digest}")
+        sources[module] = data
+    return sources
+
+
+class _EnvVar:
+    """One of SGLang's ``EnvBool`` / ``EnvFloat`` fields: :meth:`get` reads the variable,
+    or returns the default when it is unset."""
+
+    def __init__(self, name: str, default: object, kind: type) -> None:
+        self.name, self.default, self.kind = name, default, kind
+
+    def get(self) -> object:
+        value = os.environ.get(self.name)
+        if value is None:
+            return self.default
+        if self.kind is bool:
+            if value.lower() in ("true", "1", "yes", "y"):
+                return True
+            if value.lower() in ("false", "0", "no", "n"):
+                return False
+            raise ValueError(f'{self.name}: "{value}" is not a valid boolean value')
+        return self.kind(value)
+
+
+def _module(name: str, doc: str, **names: object) -> types.ModuleType:
+    module = types.ModuleType(name, f"pagedbench stand-in: {doc}")
+    module.__dict__.update(names)
+    return module
+
+
+def _core_count(device_id: int = 0) -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device_id).multi_processor_count
+    return 0
+
+
+def stand_ins() -> dict[str, types.ModuleType]:
+    """The stand-in modules (module docstring), by module name."""
+    import torch
+
+    modules = {name: _module(name, "a package of SGLang's kernel files") for name in _PACKAGES}
+    for name, module in modules.items():
+        module.__path__ = []
+        module.__package__ = name
+    envs = types.SimpleNamespace(**{name: _EnvVar(name, default, kind)
+                                    for name, (default, kind) in ENV_VARS.items()})
+    modules |= {
+        "sglang.srt.environ": _module("sglang.srt.environ", "the variables the kernels read",
+                                      envs=envs),
+        "sglang.srt.utils": _module(
+            "sglang.srt.utils", "the device questions the kernels ask",
+            is_hip=lambda: torch.version.hip is not None,
+            is_cuda=lambda: torch.cuda.is_available() and torch.version.cuda is not None,
+            is_gfx95_supported=lambda: False,
+            is_gfx1250_supported=lambda: False,
+            get_device_core_count=_core_count),
+    }
+    for name, module in modules.items():
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(modules[parent], child, module)
+    return modules
+
+
+@dataclass(frozen=True)
+class SglangTritonKernels:
+    """The loaded modules.
+
+    Attributes
+    ----------
+    decode : types.ModuleType
+        ``decode_attention`` (``decode_attention_fwd``, ``_fwd_kernel_stage1``, ...).
+    extend : types.ModuleType
+        ``extend_attention`` (``extend_attention_fwd``, ``_fwd_kernel``, ...).
+    metadata : types.ModuleType
+        ``metadata`` (``get_num_kv_splits_triton``, the backend's split heuristic).
+    version : str
+    source : str
+        What results record: the version, and that each file was checked.
+    folder : Path
+        Where the files were read.
+    """
+
+    decode: types.ModuleType
+    extend: types.ModuleType
+    metadata: types.ModuleType
+    version: str
+    source: str
+    folder: Path
+
+
+def load_kernels(folder: Path | None = None) -> SglangTritonKernels:
+    """The kernel modules from ``folder`` (default :func:`files_dir`), sha256-checked.
+
+    Raises
+    ------
+    SglangFilesInvalid
+        As :func:`read_files`, or if a file fails to load with the stand-ins.
+    ImportError
+        If triton is not installed.
+    """
+    import triton  # noqa: F401  (the files need it; fail here with its own error)
+
+    folder = Path(folder or files_dir()).resolve()
+    sources = read_files(folder)
+    modules = stand_ins()
+    loaded: dict[str, types.ModuleType] = {}
+    with sys_modules_restored((*modules, *FILES)):
+        sys.modules.update(modules)
+        for name, data in sources.items():
+            path = str(folder / module_path(name))
+            text = data.decode()
+            linecache.cache[path] = (len(text), None, text.splitlines(True), path)
+            module = types.ModuleType(name)
+            module.__file__ = path
+            module.__package__ = name.rpartition(".")[0]
+            sys.modules[name] = module
+            try:
+                exec(compile(data, path, "exec"), module.__dict__)  # noqa: S102 (verified bytes)
+            except (ImportError, AttributeError, NameError, SyntaxError) as exc:
+                raise SglangFilesInvalid(f"{path}: does not load with pagedbench's stand-ins "
+                                         f"for SGLang ({type(exc).__name__}: {exc})") from exc
+            loaded[name] = module
+    attention = "sglang.kernels.ops.attention."
+    return SglangTritonKernels(
+        decode=loaded[attention + "decode_attention"],
+        extend=loaded[attention + "extend_attention"],
+        metadata=loaded[attention + "metadata"],
+        version=SGLANG_VERSION,
+        source=f"sglang {SGLANG_VERSION} wheel files, sha256-checked",
+        folder=folder,
+    )
+
+
+def unmet_names(sources: dict[str, bytes]) -> list[str]:
+    """Each use in the files of an SGLang module or name that neither a loaded file, a
+    stand-in nor :data:`UNREACHED_IMPORTS` provides (``from sglang.x import y``, ``import
+    sglang.x``, attributes of ``envs``), as ``"<file>:<line>: <name>"``; empty when the
+    stand-ins cover the files."""
+    modules = stand_ins()
+    envs = modules["sglang.srt.environ"].envs
+    provided = {*modules, *sources}
+    unmet = []
+    for module, data in sources.items():
+        found: list[tuple[int, str]] = []
+        for node in ast.walk(ast.parse(data, module_path(module))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang"):
+                if node.module in UNREACHED_IMPORTS:
+                    continue
+                if node.module not in provided:
+                    found.append((node.lineno, f"module {node.module}"))
+                elif node.module in modules:
+                    found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
+                              if not hasattr(modules[node.module], a.name)]
+            elif isinstance(node, ast.Import):
+                found += [(node.lineno, f"module {a.name}") for a in node.names
+                          if a.name.startswith("sglang") and a.name not in provided]
+            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id == "envs" and not hasattr(envs, node.attr)):
+                found.append((node.lineno, f"envs.{node.attr}"))
+        unmet += [f"{module_path(module)}:{line}: {what}" for line, what in sorted(found)]
+    return unmet
+
+
+def extract(wheel: Path, out: Path) -> list[Path]:
+    """Write the files of :data:`FILES` from ``wheel`` under ``out`` (their wheel paths),
+    each checked against its pinned sha256 first; returns the paths written.
+
+    Raises
+    ------
+    SglangFilesInvalid
+        If a file is missing from the wheel or differs from its pinned sha256.
+    """
+    written = []
+    with zipfile.ZipFile(wheel) as archive:
+        for module, digest in FILES.items():
+            member = module_path(module)
+            try:
+                data = archive.read(member)
+            except KeyError:
+                raise SglangFilesInvalid(f"{wheel}: has no {member}") from None
+            got = hashlib.sha256(data).hexdigest()
+            if got != digest:
+                raise SglangFilesInvalid(f"{wheel}: {member} has sha256 {got}, not {digest}")
+            target = out / member
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+            written.append(target)
+    return written
+
+
+def download_wheel(dest: Path, run: Callable[..., object] = subprocess.run) -> Path:
+    """``pip download --no-deps`` of sglang :data:`SGLANG_VERSION`'s wheel into ``dest``
+    (install time only; pip's cache is the caller's ``PIP_CACHE_DIR``).
+
+    Raises
+    ------
+    subprocess.CalledProcessError
+        If pip fails (no network, no such release).
+    FileNotFoundError
+        If pip succeeded but left no wheel of that version in ``dest``.
+    """
+    run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *WHEEL_TAGS,
+         "--dest", str(dest), f"sglang=={SGLANG_VERSION}"], check=True)
+    wheels = sorted(dest.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    if not wheels:
+        raise FileNotFoundError(f"no sglang-{SGLANG_VERSION}-*.whl in {dest}")
+    return wheels[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pagedbench.adapters.sglang_triton_load",
+        description=f"Download sglang {SGLANG_VERSION}'s wheel and extract its Triton "
+                    "attention kernel files (sha256-checked).")
+    parser.add_argument("--wheels", type=Path, default=DEFAULT_DIR.parent / "wheels",
+                        help="where the wheel is downloaded (default build/wheels)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR,
+                        help="where the files go (default build/sglang-triton)")
+    args = parser.parse_args(argv)
+    try:
+        wheel = download_wheel(args.wheels)
+        for path in extract(wheel, args.out):
+            print(path)
+    except (SglangFilesInvalid, FileNotFoundError, subprocess.CalledProcessError) as exc:
+        print(f"sglang_triton_load: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
