@@ -46,7 +46,7 @@ from pagedbench.adapters import entries
 from pagedbench.reference import (DTYPES, PagedInputError, PagedValueError, check_fits,
                                   resolve_device)
 
-from . import bench, gate, plots, replay, report, runner, selftest, simulate
+from . import bench, gate, plots, replay, report, runner, selftest, shard, simulate
 from .cases import DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS, default_cases
 from .derived import DEFAULT_BASELINE
 from .workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
@@ -56,7 +56,7 @@ from .environment import (CACHE_DIR_VARIABLE, apply_environment, cache_environme
 from .junit import write_junit_xml
 from .progress import RunProgress
 from .record import (COMPARISON_FIELDS, DevicePeaks, Environment, ListingRow, Plan,
-                     ResultRecord, RunRecord, json_schema)
+                     ResultRecord, RunRecord, Shard, json_schema)
 from .speed import Thresholds
 from .status import GATE_EXIT_MEANING, ExitCode, Status, exit_code, exit_codes_help
 from .store import (DEFAULT_RESULTS_DIR, OutputError, ResultsFile, ResultsFileError,
@@ -258,6 +258,13 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     _run_and_bench_arguments(p, "point")
 
 
+def _shard_spec(text: str) -> shard.ShardSpec:
+    try:
+        return shard.parse_spec(text)
+    except PagedValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
     """The options ``run`` and ``bench`` share; ``unit`` names what they run (``case`` or
     ``point``)."""
@@ -275,6 +282,10 @@ def _run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
     p.add_argument("--junit-xml", type=Path, metavar="FILE",
                    help="also write the verdicts as JUnit XML, one testcase per "
                         f"(implementation, {unit}), for CI test reports")
+    p.add_argument("--shard", type=_shard_spec, default=None, metavar="K/N",
+                   help=f"run only the K-th of N parts of the (implementation, {unit}) "
+                        "pairs, balanced by expected cost and the same on every machine; "
+                        "report and gate merge the N results files (docs/ci.md)")
 
 
 def cache_dir_argument(p: argparse.ArgumentParser,
@@ -429,7 +440,8 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
                                       ("--threads", args.threads),
                                       ("--repetitions", args.repetitions),
                                       ("--case-timeout", args.case_timeout),
-                                      ("--harness-timeout", args.harness_timeout)) if value]
+                                      ("--harness-timeout", args.harness_timeout),
+                                      ("--shard", args.shard)) if value]
     if given:
         raise PagedValueError("--resume", given,
                               "only --results-dir, --cache-dir and --junit-xml beside it",
@@ -467,6 +479,20 @@ def _interrupted(exc: runner.Interrupted, console: Console, run_id: str, results
     return 128 + exc.signum
 
 
+def _shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id: str,
+              console: Console) -> tuple[Shard | None, set[tuple[str, str]] | None]:
+    """``--shard K/N``'s record and pairs of ``plan`` (a resumed run's: those it recorded);
+    ``(None, None)`` for the whole plan."""
+    if getattr(args, "resume", None):  # run --resume (bench has none)
+        return None, shard.recorded_pairs(plan, results.lines(), run_id)
+    if args.shard is None:
+        return None, None
+    part, pairs = shard.shard_record(plan, args.shard), shard.pairs_of(plan, args.shard)
+    console.print(f"shard {args.shard} of plan {part.plan_sha256[:12]}: {len(pairs)} of "
+                  f"{plan.size} (implementation, point) pairs")
+    return part, pairs
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     writable_folder(args.results_dir, "--results-dir")
     if args.junit_xml is not None:
@@ -477,7 +503,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         _checked_device(config.device)
         run_id = args.resume
         state = run_states(results.lines())[run_id]
-        if state.finished is not None and state.results >= plan.size:
+        if state.finished is not None and state.results >= state.planned:
             console.print(f"run {run_id} already finished ({state.results} results); "
                           "nothing to resume")
     else:
@@ -503,16 +529,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = runner.make_plan(impls, cases)
         run_id = new_run_id()
         results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    part, pairs = _shard_of(args, plan, results, run_id, console)
     _warn_oversubscribed(config, console)
     with results.locked():  # one writer per run: a second resume is refused
         console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
                       f"{len(plan.cases)} cases on {config.device} -> {results.path}")
         order = runner.missing(plan, _results_of_run(results, run_id)) if args.resume else \
             runner.missing(plan, [])
+        order = order if pairs is None else [p for p in order if p in pairs]
         with RunProgress(console, "run", order) as progress:
             try:
                 records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
-                                     on_record=lambda r: progress.update(r, _progress_line(r)))
+                                     on_record=lambda r: progress.update(r, _progress_line(r)),
+                                     shard=part, pairs=pairs)
             except runner.Interrupted as exc:
                 if args.junit_xml is not None:
                     write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
@@ -615,6 +644,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plan = runner.make_plan(impls, cases)
     run_id = new_run_id()
     results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    part, pairs = _shard_of(args, plan, results, run_id, console)
     _warn_oversubscribed(config, console)
     console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
@@ -629,14 +659,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul" if peaks
                       else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
     start = time.monotonic()
-    with RunProgress(console, "bench", runner.missing(plan, [])) as progress:
+    order = [p for p in runner.missing(plan, []) if pairs is None or p in pairs]
+    with RunProgress(console, "bench", order) as progress:
         def on_record(record: ResultRecord) -> None:
             progress.update(record, None if record.status is Status.PASS
                             else _progress_line(record))
 
         try:
             records = runner.run(plan, config, results, run_id, on_record=on_record,
-                                 peaks=peaks, left_out=left_out)
+                                 peaks=peaks, left_out=left_out, shard=part, pairs=pairs)
         except runner.Interrupted as exc:
             if args.junit_xml is not None:
                 write_junit_xml(_results_of_run(results, run_id), args.junit_xml,
@@ -701,8 +732,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
         raise PagedValueError("--baseline", str(args.baseline), "an existing file or folder",
                               f"--baseline {args.baseline}: no such file or folder (create "
                               "the golden with --update-baseline)")
+    shard.check_merge([args.current])
     current = gate.read_results([args.current])
     sources = gate.baseline_paths(args.baseline, {r.env.device for r in current})
+    shard.check_merge(sources)
     result = gate.compare(gate.read_results(sources), current, thresholds,
                           allow_unjudged=args.allow_unjudged)
     print(result.markdown())
@@ -734,6 +767,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                               f"no such file or folder: {', '.join(missing)}")
     if args.output:
         writable_file(args.output, "--output")
+    shard.check_merge(args.paths)
     lines = list(read_lines(args.paths))
     if args.format == "csv":
         text = report.csv_text(lines, args.baseline)

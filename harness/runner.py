@@ -32,7 +32,7 @@ import math
 import signal
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from functools import partial
 from pathlib import Path
@@ -47,7 +47,7 @@ from pagedbench.reference import PagedCase, PagedTypeError, PagedValueError, mat
 from . import conformance
 from .environment import worker_environment
 from .record import (SCHEMA_VERSION, DevicePeaks, Environment, ListingRow, Plan, PlannedImpl,
-                     ResultRecord, RunRecord, comparison_figures, now, to_json_data,
+                     ResultRecord, RunRecord, Shard, comparison_figures, now, to_json_data,
                      validation_problem)
 from .status import Status, exit_code
 from .store import ResultsFile, environment, results_of
@@ -577,7 +577,8 @@ def missing(plan: Plan, records: Iterable[ResultRecord]) -> list[tuple[str, str]
 def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
         on_record: Callable[[ResultRecord], None] | None = None, *,
         resume: bool = False, peaks: DevicePeaks | None = None,
-        left_out: list[str] | None = None) -> list[ResultRecord]:
+        left_out: list[str] | None = None, shard: Shard | None = None,
+        pairs: Collection[tuple[str, str]] | None = None) -> list[ResultRecord]:
     """Evaluate every implementation of ``plan`` on every case, appending each record to
     ``results`` as it arrives (and passing it to ``on_record``, for progress).
 
@@ -585,7 +586,9 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     only the others are run. Records ``started`` (with the plan) or ``resumed`` first
     (with ``peaks``, the device's, measured by :func:`device_peaks`) and ``finished``
     (with the exit code) last; ``left_out`` (points the caller left out, with why) goes
-    into the ``started`` record. Returns every result of the run.
+    into the ``started`` record. With ``pairs`` (implementation name, case id), only
+    those pairs of the plan run: a shard (:mod:`.shard`), whose ``shard`` the ``started``
+    record names. Returns every result of the run.
 
     Raises
     ------
@@ -596,11 +599,13 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     records = ([r for r in results_of(results.lines()) if r.run_id == run_id]
                if resume else [])
     done = {(r.impl, r.case_id) for r in records}
+    if pairs is not None:  # another shard's pairs count as done
+        done |= {(i.name, c.case_id) for i in plan.impls for c in plan.paged_cases()} - set(pairs)
     results.append(RunRecord(
         kind="run", schema_version=SCHEMA_VERSION, run_id=run_id, timestamp=now(),
         event="resumed" if resume else "started", plan=None if resume else plan,
         config=config.to_dict(), exit_code=None, counts=None, device_peaks=peaks,
-        left_out=None if resume else left_out))
+        left_out=None if resume else left_out, shard=None if resume else shard))
 
     def emit(record: ResultRecord) -> None:
         results.append(record)

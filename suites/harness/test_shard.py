@@ -1,0 +1,182 @@
+"""``--shard K/N`` (harness/shard.py): a plan's (implementation, point) pairs split into N
+balanced parts, the same on every machine, and merged back by ``report`` and ``gate``,
+which refuse a missing shard, a pair measured twice and a shard of another plan (exit 2,
+the files named)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from pagedbench.harness import shard
+from pagedbench.harness.cli import main
+from pagedbench.harness.record import Plan, ResultRecord, RunRecord
+from pagedbench.harness.runner import make_plan
+from pagedbench.harness.status import ExitCode
+from pagedbench.harness.store import read_lines
+from pagedbench.reference import PagedCase, PagedValueError
+
+#: Six points of very different sizes: 1 to 6 sequences of 64 keys, 2 KV heads of 32.
+CASES = [PagedCase(kv_lens=(64,) * n, num_q_heads=4, num_kv_heads=2, head_dim=32,
+                   block_size=16, dtype="float32", name=f"b{n}") for n in range(1, 7)]
+IMPLS = {"a": "m:A", "b": "m:B"}
+#: The quick sweep's decode workload (3 points) with its baseline: 6 pairs, seconds each.
+BENCH = ["bench", "--quick", "--workload", "decode-*", "--impl", "torch-gather",
+         "--no-peaks"]
+
+
+def test_shards_partition_the_plan_and_balance_it_within_one_pair() -> None:
+    plan = make_plan(IMPLS, CASES)
+    every = {(i, c.case_id) for i in IMPLS for c in CASES}
+    for count in (1, 2, 3, 5, 12, 13):
+        shards = shard.assign(plan, count)
+        assert len(shards) == count and set().union(*shards) == every
+        assert sum(map(len, shards)) == len(every)  # disjoint
+        cost = {c.case_id: shard.pair_cost(c) for c in CASES}
+        loads = [sum(cost[case] for _, case in part) for part in shards]
+        assert max(loads) - min(loads) <= max(cost.values())  # greedy, largest first
+
+
+def test_the_same_plan_gives_the_same_shards_and_hash_whatever_its_order() -> None:
+    plan = make_plan(IMPLS, CASES)
+    again = Plan.model_validate_json(plan.model_dump_json())
+    assert shard.assign(again, 3) == shard.assign(plan, 3)
+    assert shard.plan_sha256(again) == shard.plan_sha256(plan)
+    reordered = make_plan(IMPLS, CASES[::-1])
+    assert shard.assign(reordered, 3) == shard.assign(plan, 3)  # pairs sorted by cost
+    assert shard.plan_sha256(reordered) != shard.plan_sha256(plan)  # another plan
+
+
+def test_two_shards_of_two_equal_pairs_take_one_each() -> None:
+    plan = make_plan({"a": "m:A"}, [CASES[0], replace(CASES[0], name="twin")])
+    first, second = shard.assign(plan, 2)
+    assert len(first) == len(second) == 1 and first != second
+
+
+@pytest.mark.parametrize("text", ["0/2", "3/2", "1/0", "a/b", "1", "1/2/3", "-1/2"])
+def test_a_bad_shard_is_refused_naming_the_option(text) -> None:
+    with pytest.raises(PagedValueError, match="--shard"):
+        shard.parse_spec(text)
+
+
+def test_a_bad_shard_on_the_command_line_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*BENCH, "--shard", "3/2"])
+    assert exit_.value.code == ExitCode.USAGE_ERROR
+    assert "--shard" in capsys.readouterr().err
+
+
+def _bench(tmp_path: Path, folder: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pagedbench.harness.cli", *BENCH, "--results-dir",
+         str(tmp_path / folder), "--cache-dir", str(tmp_path / "build"), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(proc: subprocess.Popen) -> None:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == ExitCode.CLEAN, out[-3000:]
+
+
+def _verdicts(*paths: Path) -> dict[tuple[str, str], str]:
+    return {(r.impl, r.case_id): str(r.status) for r in read_lines(paths)
+            if isinstance(r, ResultRecord)}
+
+
+def _started(folder: Path) -> RunRecord:
+    (line,) = [line for line in read_lines([folder])
+               if isinstance(line, RunRecord) and line.event == "started"]
+    return line
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The unsharded bench in ``whole/``, and shards 1/2 and 2/2 run at the same time in
+    two processes, in ``one/`` and ``two/``."""
+    base = tmp_path_factory.mktemp("shards")
+    procs = [_bench(base, "whole"), _bench(base, "one", "--shard", "1/2"),
+             _bench(base, "two", "--shard", "2/2")]
+    for proc in procs:
+        _wait(proc)
+    return base
+
+
+def test_merged_shards_give_the_unsharded_verdicts(runs: Path, capsys) -> None:
+    whole, one, two = _verdicts(runs / "whole"), _verdicts(runs / "one"), _verdicts(runs / "two")
+    assert len(whole) == 6 and set(whole.values()) == {"pass"}
+    assert one.keys().isdisjoint(two) and len(one) == len(two) == 3
+    assert one | two == whole
+    plan = _started(runs / "whole").plan
+    for index, folder in ((1, "one"), (2, "two")):
+        started = _started(runs / folder)
+        assert started.plan == plan  # each shard records the whole plan
+        assert (started.shard.index, started.shard.count, started.shard.pairs) == (index, 2, 3)
+        assert started.shard.plan_sha256 == shard.plan_sha256(plan)
+    assert main(["report", str(runs / "one"), str(runs / "two")]) == ExitCode.CLEAN
+    board = capsys.readouterr().out
+    for impl, case_id in whole:
+        assert impl in board and case_id in board
+
+
+def test_gate_merges_a_folder_of_shards(runs: Path, tmp_path: Path, capsys) -> None:
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for folder in ("one", "two"):
+        for file in (runs / folder).glob("*.jsonl"):
+            shutil.copy(file, merged)
+    code = main(["gate", "--baseline", str(runs / "whole"), "--current", str(merged)])
+    assert code in (ExitCode.CLEAN, ExitCode.UNJUDGED), capsys.readouterr().out[-2000:]
+
+
+def _refused(argv: list[str], capsys, *named: object) -> str:
+    assert main(argv) == ExitCode.USAGE_ERROR
+    err = capsys.readouterr().err
+    for thing in named:
+        assert str(thing) in err, err
+    return err
+
+
+def test_a_missing_shard_is_refused_by_report_and_gate(runs: Path, capsys) -> None:
+    (one,) = (runs / "one").glob("*.jsonl")
+    err = _refused(["report", str(runs / "one")], capsys, "shard 2/2 missing", one)
+    assert "1/2 in" in err
+    _refused(["gate", "--baseline", str(runs / "whole"), "--current", str(runs / "one")],
+             capsys, "shard 2/2 missing", one)
+
+
+def test_a_pair_measured_twice_is_refused_naming_both_files(runs: Path, tmp_path: Path,
+                                                            capsys) -> None:
+    (one,) = (runs / "one").glob("*.jsonl")
+    twice = tmp_path / "twice"
+    twice.mkdir()
+    for folder in ("one", "two"):
+        for file in (runs / folder).glob("*.jsonl"):
+            shutil.copy(file, twice)
+    copy = tmp_path / "copy.jsonl"
+    shutil.copy(one, copy)
+    _refused(["report", str(runs / "one"), str(runs / "two"), str(copy)], capsys,
+             "measured twice", one, copy)
+    shutil.copy(one, twice / "again.jsonl")
+    _refused(["gate", "--baseline", str(runs / "whole"), "--current", str(twice)], capsys,
+             "measured twice", twice / "again.jsonl", twice / one.name)
+
+
+def test_a_shard_of_another_plan_is_refused(runs: Path, tmp_path: Path, capsys) -> None:
+    (two,) = (runs / "two").glob("*.jsonl")
+    other = tmp_path / "other.jsonl"
+    lines = []
+    for text in two.read_text().splitlines():
+        data = json.loads(text)
+        if data.get("event") == "started":
+            data["plan"]["cases"] = data["plan"]["cases"][:-1]  # one point fewer
+            data["shard"]["plan_sha256"] = shard.plan_sha256(Plan.model_validate(data["plan"]))
+        lines.append(json.dumps(data))
+    other.write_text("\n".join(lines) + "\n")
+    _refused(["report", str(runs / "one"), str(other)], capsys, "not a shard of the plan",
+             other)
