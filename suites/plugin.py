@@ -23,7 +23,7 @@ In a checkout, ``suites/conftest.py`` registers this same module when pytest has
   installed run) pytest's own cache is off (as with ``-p no:cacheprovider``, which also
   turns stepwise off) unless ``-o cache_dir=DIR`` names one. On the CPU, Triton kernels run under its interpreter
   (``TRITON_INTERPRET=1``, set before any kernel module is imported).
-- pytest-xdist (``pytest -n N --dist loadgroup``, docs/running.md): worker ``gwK`` gets
+- pytest-xdist (``pytest -n N --dist loadfile``, docs/running.md): worker ``gwK`` gets
   a temp folder of its own (``xdist-gwK`` under the temp folder: TorchInductor's
   precompiled headers live there) and, with GPUs, one GPU (``CUDA_VISIBLE_DEVICES``,
   :func:`pagedbench.harness.devices.xdist_worker_gpu`) unless ``--pagedbench-device

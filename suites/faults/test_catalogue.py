@@ -38,8 +38,6 @@ EVERYDAY = (
 #: Bounds on a fault's shrunk case: a batch and a case id a reader takes in at a glance.
 MAX_SHRUNK_BATCH, MAX_SHRUNK_ID = 8, 80
 MAX_SECONDS = 60.0
-#: The tests of one self-test run: one pytest-xdist worker (``--dist loadgroup``) runs it.
-SELFTEST = pytest.mark.xdist_group("selftest")
 
 
 
@@ -98,12 +96,10 @@ def selftest_rows(tmp_path_factory) -> dict[str, dict]:
     return rows
 
 
-@SELFTEST
 def test_selftest_control_passes(selftest_rows) -> None:
     assert selftest_rows[selftest.CONTROL]["verdict"] == "passed", selftest_rows[selftest.CONTROL]
 
 
-@SELFTEST
 @pytest.mark.parametrize("fault", FAULTS)
 def test_selftest_catches_fault(selftest_rows, fault) -> None:
     row = selftest_rows[fault]

@@ -280,10 +280,6 @@ def probe_wheel(folder: Path) -> Path:
     return wheel
 
 
-#: The tests of the one rehearsal: one pytest-xdist worker (``--dist loadgroup``) runs it.
-REHEARSAL = pytest.mark.xdist_group("gpu-lane-rehearsal")
-
-
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """scripts/gpu_lane.sh --rehearsal from a bare copy, run from outside it, with one
@@ -308,14 +304,12 @@ def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return {"copy": copy, "how": how, "probe": probe, "done": done, "out": out}
 
 
-@REHEARSAL
 def test_rehearsal_python_cannot_import_pagedbench(rehearsal: dict) -> None:
     probe = rehearsal["probe"]
     assert probe.returncode != 0
     assert "No module named 'pagedbench'" in probe.stderr, probe.stderr
 
 
-@REHEARSAL
 def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     done, out, copy = rehearsal["done"], rehearsal["out"], rehearsal["copy"]
     assert done.returncode == 0, done.stdout + done.stderr
@@ -377,7 +371,6 @@ def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     assert (copy / "build" / "gpu-site" / f"{PROBE}.py").read_text() == "CARRIED = True\n"
 
 
-@REHEARSAL
 def test_ingest_refuses_a_rehearsal(rehearsal: dict, tmp_path: Path) -> None:
     with pytest.raises(PagedValueError, match="CPU rehearsal, not a GPU run"):
         gpu_ingest.ingest(rehearsal["out"], tmp_path)
@@ -387,7 +380,6 @@ def test_ingest_refuses_a_rehearsal(rehearsal: dict, tmp_path: Path) -> None:
     assert not (tmp_path / "gpu").exists()
 
 
-@REHEARSAL
 def test_ingest_of_a_rehearsal_is_marked_as_one(rehearsal: dict, tmp_path: Path) -> None:
     out = rehearsal["out"]
     lane = json.loads((out / "lane.json").read_text())

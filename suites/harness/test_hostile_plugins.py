@@ -18,9 +18,6 @@ from pagedbench.harness.store import ResultsFile
 from pagedbench.harness.truth import compute_truth
 from pagedbench.reference import PagedCase
 
-#: One pytest-xdist worker (``--dist loadgroup``) runs the built-in alone, once.
-pytestmark = pytest.mark.xdist_group("hostile-plugins")
-
 HOSTILE = "pagedbench.suites.harness.plugins.hostile"
 BUILTIN = {"sdpa-contiguous": "pagedbench.adapters.torch_sdpa:SdpaContiguous"}
 #: Two tiny cases (bf16, GQA 2, partly filled last blocks).

@@ -25,9 +25,6 @@ import pytest
 
 from .installed import ROOT, Venv, quiet_env, tree
 
-#: One pytest-xdist worker (``--dist loadgroup``) builds this module's venvs, once.
-pytestmark = pytest.mark.xdist_group("installed-plugin")
-
 #: Where downloaded wheels are kept between sessions (the oldest allowed pytest).
 WHEELHOUSE = ROOT / "build" / "wheels"
 OLDEST_PYTEST = "pytest==8.0.*"

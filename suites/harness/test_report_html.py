@@ -19,9 +19,6 @@ from pagedbench.harness.workloads import BENCH_SUITE, CONTIGUOUS_TAG, grid_workl
 
 from .conftest import result
 
-#: One pytest-xdist worker (``--dist loadgroup``) renders the board and its plots, once.
-pytestmark = pytest.mark.xdist_group("report-html")
-
 #: matplotlib's first two line colours (C0, C1), as RGB in [0, 1].
 C0, C1 = np.array([0x1F, 0x77, 0xB4]) / 255, np.array([0xFF, 0x7F, 0x0E]) / 255
 

@@ -1,11 +1,13 @@
 """``--shard K/N`` (harness/shard.py): a plan's (implementation, point) pairs split into N
 balanced parts, the same on every machine, and merged back by ``report`` and ``gate``,
 which refuse a missing shard, a pair measured twice and a shard of another plan (exit 2,
-the files named)."""
+the files named). The shards are run by examples/ci/gpu-matrix.yml's steps, on a CPU."""
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -15,12 +17,14 @@ from pathlib import Path
 import pytest
 
 from pagedbench.harness import shard
-from pagedbench.harness.cli import main
+from pagedbench.harness.cli import _parser, main
 from pagedbench.harness.record import Plan, ResultRecord, RunRecord
 from pagedbench.harness.runner import make_plan
 from pagedbench.harness.status import ExitCode
 from pagedbench.harness.store import read_lines
 from pagedbench.reference import PagedCase, PagedValueError
+
+from . import test_ci_matrix_workflow as matrix
 
 #: Six points of very different sizes: 1 to 6 sequences of 64 keys, 2 KV heads of 32.
 CASES = [PagedCase(kv_lens=(64,) * n, num_q_heads=4, num_kv_heads=2, head_dim=32,
@@ -95,15 +99,45 @@ def _started(folder: Path) -> RunRecord:
     return line
 
 
+def _shell(script: str, cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _env(base: Path) -> dict[str, str]:
+    """This environment's ``pagedbench`` first on ``PATH``, caches under ``base``."""
+    bin_dir = str(Path(sys.executable).parent)
+    return {**os.environ, "PATH": os.pathsep.join([bin_dir, os.environ["PATH"]]),
+            "PAGEDBENCH_CACHE_DIR": str(base / "build"), "SHARDS": "2",
+            "GITHUB_STEP_SUMMARY": str(base / "summary.md")}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """The unsharded bench in ``whole/``, and shards 1/2 and 2/2 run at the same time in
-    two processes, in ``one/`` and ``two/``."""
+    """The unsharded bench in ``whole/``, and shards 1/2 and 2/2 at the same time in two
+    processes, each run by examples/ci/gpu-matrix.yml's shard step (its CPU stand-in: the
+    same bench, ``SHARDS`` 2) in a workspace of its own; their results folders are then
+    ``one/`` and ``two/``."""
     base = tmp_path_factory.mktemp("shards")
-    procs = [_bench(base, "whole"), _bench(base, "one", "--shard", "1/2"),
-             _bench(base, "two", "--shard", "2/2")]
+    script = matrix.stand_in(matrix.step(matrix.SHARD_JOB, "One shard of the sweep")["run"])
+    argv = [a.replace("${{ matrix.shard }}/$SHARDS", "1/2")
+            for a in shlex.split(script[script.index("pagedbench bench"):].split("\\")[0])[1:]]
+    assert vars(_parser().parse_args(argv)) == vars(_parser().parse_args(BENCH)) | {
+        "shard": shard.ShardSpec(1, 2)}  # the workflow's bench is this module's
+    procs = [_bench(base, "whole")]
+    for index in (1, 2):
+        workspace = base / f"workspace{index}"
+        workspace.mkdir()
+        filled = script.replace("${{ matrix.gpu }}", "cpu").replace("${{ matrix.shard }}",
+                                                                    str(index))
+        procs.append(_shell(filled, workspace, _env(base)))
     for proc in procs:
         _wait(proc)
+    for index, name in ((1, "one"), (2, "two")):
+        uploaded = list((base / f"workspace{index}" / "build" / "bench").glob("*.jsonl"))
+        assert [f.name.split("-")[:2] for f in uploaded] == [["cpu", f"shard{index}"]]
+        (base / name).mkdir()
+        shutil.copy(uploaded[0], base / name)  # the upload
     return base
 
 
@@ -125,13 +159,17 @@ def test_merged_shards_give_the_unsharded_verdicts(runs: Path, capsys) -> None:
 
 
 def test_gate_merges_a_folder_of_shards(runs: Path, tmp_path: Path, capsys) -> None:
+    """The merged shards against themselves (the unsharded run's timings, taken at the
+    same time on a loaded host, may differ beyond noise): every point judged, none moved."""
     merged = tmp_path / "merged"
     merged.mkdir()
     for folder in ("one", "two"):
         for file in (runs / folder).glob("*.jsonl"):
             shutil.copy(file, merged)
-    code = main(["gate", "--baseline", str(runs / "whole"), "--current", str(merged)])
-    assert code in (ExitCode.CLEAN, ExitCode.UNJUDGED), capsys.readouterr().out[-2000:]
+    code = main(["gate", "--baseline", str(merged), "--current", str(merged)])
+    out = capsys.readouterr().out
+    assert code in (ExitCode.CLEAN, ExitCode.UNJUDGED), out[-2000:]
+    assert "6 points compared" in out.strip().splitlines()[-1], out[-2000:]  # both shards'
 
 
 def _refused(argv: list[str], capsys, *named: object) -> str:
@@ -180,3 +218,22 @@ def test_a_shard_of_another_plan_is_refused(runs: Path, tmp_path: Path, capsys) 
     other.write_text("\n".join(lines) + "\n")
     _refused(["report", str(runs / "one"), str(other)], capsys, "not a shard of the plan",
              other)
+
+
+def test_the_matrix_workflow_merge_job_runs_on_the_shards(runs: Path, tmp_path: Path) -> None:
+    """examples/ci/gpu-matrix.yml's merge job on the shards' uploads, downloaded into one
+    folder: its report and gate steps (the gate against the union itself: the committed
+    baselines are another machine's)."""
+    shards = tmp_path / "build" / "shards"
+    shards.mkdir(parents=True)
+    for name in ("one", "two"):
+        for file in (runs / name).glob("*.jsonl"):
+            shutil.copy(file, shards)
+    env = _env(tmp_path)
+    for name in ("Leaderboard of every device", "Gate against results/baselines/<device>/"):
+        script = matrix.stand_in(matrix.step(matrix.MERGE_JOB, name)["run"])
+        out, _ = (proc := _shell(script, tmp_path, env)).communicate(timeout=300)
+        allowed = {0, int(ExitCode.UNJUDGED)} if name.startswith("Gate") else {0}
+        assert proc.returncode in allowed, (name, out[-3000:])
+    board = (tmp_path / "build" / "leaderboard.md").read_text()
+    assert "torch-gather" in board and board in (tmp_path / "summary.md").read_text()

@@ -31,9 +31,6 @@ from pagedbench.kernels.paged_features import kernels_are_interpreted
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.ahead_of_time import compile_like_launch
 
-#: One pytest-xdist worker (``--dist loadgroup``) compiles the kernels, once.
-pytestmark = pytest.mark.xdist_group("triton-compile")
-
 assert not kernels_are_interpreted()
 
 
