@@ -43,9 +43,13 @@ run: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
 	$(BIN)/pagedbench run
 
+# `make test JOBS=N`: pytest-xdist's N workers (--dist loadfile: a file's tests on one
+# worker, so a module fixture is built once; suites/plugin.py gives each worker its temp
+# folder and GPU); JOBS=1: one process, no xdist.
+JOBS ?= 2
 test: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
-	$(BIN)/pytest
+	$(BIN)/pytest $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
 # Downloads (here, never on the device) and copies into build/gpu-carry; prints the call.
 gpu-carry: $(VENV)/.installed $(SGLANG_FILES)

@@ -23,6 +23,12 @@ In a checkout, ``suites/conftest.py`` registers this same module when pytest has
   installed run) pytest's own cache is off (as with ``-p no:cacheprovider``, which also
   turns stepwise off) unless ``-o cache_dir=DIR`` names one. On the CPU, Triton kernels run under its interpreter
   (``TRITON_INTERPRET=1``, set before any kernel module is imported).
+- pytest-xdist (``pytest -n N --dist loadfile``, docs/running.md): worker ``gwK`` gets
+  a temp folder of its own (``xdist-gwK`` under the temp folder: TorchInductor's
+  precompiled headers live there) and, with GPUs, one GPU (``CUDA_VISIBLE_DEVICES``,
+  :func:`pagedbench.harness.run.devices.xdist_worker_gpu`) unless ``--pagedbench-device
+  cuda:N`` names one. The compiler caches and hypothesis's database stay shared: they
+  write each entry atomically (a temporary file renamed), and ``ci`` has no database.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedbench.harness.run.devices import visible_gpus, xdist_worker_gpu
 from pagedbench.harness.run.environment import (CACHE_DIR_VARIABLE, DEFAULT_CACHE_DIR,
                                                 apply_environment, cache_environment,
                                                 default_cache_dir)
@@ -50,6 +57,9 @@ WARNING_FILTERS = (
     "ignore:invalid value encountered:RuntimeWarning",
     "ignore:overflow encountered:RuntimeWarning",
 )
+#: What pytest-xdist sets in a worker's environment before the worker configures pytest
+#: (a process the worker starts inherits it, with the worker's temp folder and GPU).
+XDIST_WORKER_VARIABLE = "PYTEST_XDIST_WORKER"
 _DEVICE = pytest.StashKey[str]()
 _IMPLS = pytest.StashKey[list[str]]()
 #: ``--pagedbench-device`` as parsed before the first conftest is imported.
@@ -87,6 +97,10 @@ def _hermetic(config: pytest.Config, option: str | None, device: str | None) -> 
         sys.dont_write_bytecode = True
     root = cache_dir(config, option)
     env = cache_environment(root)
+    worker = os.environ.get(XDIST_WORKER_VARIABLE)
+    if worker and Path(env["TMPDIR"]).name != f"xdist-{worker}":
+        env["TMPDIR"] = str(Path(env["TMPDIR"]) / f"xdist-{worker}")
+        Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
     if device == "cpu" or (device is None and not _cuda_visible()):
         env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET", "1")
     apply_environment(env)
@@ -99,12 +113,25 @@ def _cuda_visible() -> bool:
     return torch.cuda.is_available()
 
 
+def _pin_xdist_worker_gpu(device: str | None) -> None:
+    """In pytest-xdist worker ``gwK``, ``CUDA_VISIBLE_DEVICES`` = the K-th visible GPU
+    (modulo their number), before anything asks CUDA; nothing outside a worker, without
+    GPUs, or when ``device`` names one (``cuda:N``)."""
+    worker = os.environ.get(XDIST_WORKER_VARIABLE)
+    if not worker or (device or "").startswith("cuda:"):
+        return
+    gpu = xdist_worker_gpu(worker, visible_gpus())
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     """Before the first conftest is imported (when loaded from the entry point)."""
     global _early_device
     options = early_config.known_args_namespace
     _early_device = getattr(options, "pagedbench_device", None)
+    _pin_xdist_worker_gpu(_early_device)
     _hermetic(early_config, getattr(options, "pagedbench_cache_dir", None),
               getattr(options, "pagedbench_device", None))
     overrides = getattr(options, "override_ini", None) or []
@@ -135,6 +162,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """Caches (again: a checkout's conftest registers this plugin after the initial
     conftests), markers, warning filters, profiles (before hypothesis's own plugin
     applies ``--hypothesis-profile``) and the device."""
+    _pin_xdist_worker_gpu(config.getoption("--pagedbench-device"))
     _hermetic(config, config.getoption("--pagedbench-cache-dir"),
               config.getoption("--pagedbench-device"))
     for marker in MARKERS:
@@ -199,5 +227,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip_gpu)
 
 
-__all__ = ["CACHE_DIR_VARIABLE", "DEFAULT_CACHE_DIR", "MARKERS", "cache_dir", "device",
-           "early_device", "implementations"]
+__all__ = ["CACHE_DIR_VARIABLE", "DEFAULT_CACHE_DIR", "MARKERS", "XDIST_WORKER_VARIABLE",
+           "cache_dir", "device", "early_device", "implementations"]

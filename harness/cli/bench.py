@@ -22,7 +22,7 @@ from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, 
                                             positive_seconds, run_and_bench_arguments,
                                             select_impls, writable_file, writable_folder)
 from pagedbench.harness.cli.run import (interrupted, progress_line, results_of_run,
-                                        warn_oversubscribed)
+                                        shard_of, warn_oversubscribed)
 from pagedbench.harness.results import report
 from pagedbench.harness.results.derived import DEFAULT_BASELINE
 from pagedbench.harness.results.junit import write_junit_xml
@@ -205,6 +205,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plan = runner.make_plan(impls, cases)
     run_id = new_run_id()
     results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    part, pairs = shard_of(args, plan, results, run_id, console)
     warn_oversubscribed(config, console)
     console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
@@ -219,14 +220,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul" if peaks
                       else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
     start = time.monotonic()
-    with RunProgress(console, "bench", runner.missing(plan, [])) as progress:
+    order = [p for p in runner.missing(plan, []) if pairs is None or p in pairs]
+    with RunProgress(console, "bench", order) as progress:
         def on_record(record: ResultRecord) -> None:
             progress.update(record, None if record.status is Status.PASS
                             else progress_line(record))
 
         try:
             records = runner.run(plan, config, results, run_id, on_record=on_record,
-                                 peaks=peaks, left_out=left_out)
+                                 peaks=peaks, left_out=left_out, shard=part, pairs=pairs)
         except runner.Interrupted as exc:
             if args.junit_xml is not None:
                 write_junit_xml(results_of_run(results, run_id), args.junit_xml,

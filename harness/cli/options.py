@@ -12,6 +12,7 @@ from pathlib import Path
 from pagedbench.adapters import entries
 from pagedbench.reference import PagedInputError, PagedValueError, resolve_device
 
+from pagedbench.harness.results import shard
 from pagedbench.harness.results.store import DEFAULT_RESULTS_DIR
 from pagedbench.harness.run import runner
 from pagedbench.harness.run.environment import CACHE_DIR_VARIABLE, default_cache_dir
@@ -109,6 +110,18 @@ def run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
     p.add_argument("--junit-xml", type=Path, metavar="FILE",
                    help="also write the verdicts as JUnit XML, one testcase per "
                         f"(implementation, {unit}), for CI test reports")
+    p.add_argument("--shard", type=shard_spec, default=None, metavar="K/N",
+                   help=f"run only the K-th of N parts of the (implementation, {unit}) "
+                        "pairs, balanced by expected cost and the same on every machine; "
+                        "report and gate merge the N results files (docs/ci.md)")
+
+
+def shard_spec(text: str) -> shard.ShardSpec:
+    """``--shard K/N`` (:func:`~pagedbench.harness.results.shard.parse_spec`)."""
+    try:
+        return shard.parse_spec(text)
+    except PagedValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def writable_folder(path: Path, option: str) -> None:

@@ -22,7 +22,7 @@ from pagedbench.harness.cli.options import (cache_dir_argument, device_arg, frac
                                             positive_seconds, writable_file)
 from pagedbench.harness.gate import baselines, compare as gate
 from pagedbench.harness.measure.speed import Thresholds
-from pagedbench.harness.results import plots, report
+from pagedbench.harness.results import plots, report, shard
 from pagedbench.harness.results.derived import DEFAULT_BASELINE
 from pagedbench.harness.results.record import ListingRow, json_schema
 from pagedbench.harness.results.store import read_lines, write_output
@@ -111,6 +111,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                               f"no such file or folder: {', '.join(missing)}")
     if args.output:
         writable_file(args.output, "--output")
+    shard.check_merge(args.paths)
     lines = list(read_lines(args.paths))
     if args.format == "csv":
         text = report.csv_text(lines, args.baseline)
@@ -200,8 +201,10 @@ def cmd_gate(args: argparse.Namespace) -> int:
         raise PagedValueError("--baseline", str(args.baseline), "an existing file or folder",
                               f"--baseline {args.baseline}: no such file or folder (create "
                               "the golden with --update-baseline)")
+    shard.check_merge([args.current])
     current = baselines.read_results([args.current])
     sources = baselines.baseline_paths(args.baseline, {r.env.device for r in current})
+    shard.check_merge(sources)
     result = gate.compare(baselines.read_results(sources), current, thresholds,
                           allow_unjudged=args.allow_unjudged)
     print(result.markdown())

@@ -20,7 +20,8 @@ from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, 
 from pagedbench.harness.measure.timing import oversubscribed
 from pagedbench.harness.results import report
 from pagedbench.harness.results.junit import write_junit_xml
-from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord
+from pagedbench.harness.results import shard
+from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord, Shard
 from pagedbench.harness.results.store import (ResultsFile, ResultsFileError, new_run_id,
                                               results_of, run_states, write_output)
 from pagedbench.harness.run import runner
@@ -100,7 +101,8 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
                                       ("--threads", args.threads),
                                       ("--repetitions", args.repetitions),
                                       ("--case-timeout", args.case_timeout),
-                                      ("--harness-timeout", args.harness_timeout)) if value]
+                                      ("--harness-timeout", args.harness_timeout),
+                                      ("--shard", args.shard)) if value]
     if given:
         raise PagedValueError("--resume", given,
                               "only --results-dir, --cache-dir and --junit-xml beside it",
@@ -148,7 +150,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         checked_device(config.device)
         run_id = args.resume
         state = run_states(results.lines())[run_id]
-        if state.finished is not None and state.results >= plan.size:
+        if state.finished is not None and state.results >= state.planned:
             console.print(f"run {run_id} already finished ({state.results} results); "
                           "nothing to resume")
     else:
@@ -174,16 +176,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = runner.make_plan(impls, cases)
         run_id = new_run_id()
         results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
+    part, pairs = shard_of(args, plan, results, run_id, console)
     warn_oversubscribed(config, console)
     with results.locked():  # one writer per run: a second resume is refused
         console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
                       f"{len(plan.cases)} cases on {config.device} -> {results.path}")
         order = runner.missing(plan, results_of_run(results, run_id)) if args.resume else \
             runner.missing(plan, [])
+        order = order if pairs is None else [p for p in order if p in pairs]
         with RunProgress(console, "run", order) as progress:
             try:
                 records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
-                                     on_record=lambda r: progress.update(r, progress_line(r)))
+                                     on_record=lambda r: progress.update(r, progress_line(r)),
+                                     shard=part, pairs=pairs)
             except runner.Interrupted as exc:
                 if args.junit_xml is not None:
                     write_junit_xml(results_of_run(results, run_id), args.junit_xml,
@@ -195,6 +200,20 @@ def cmd_run(args: argparse.Namespace) -> int:
                             progress.seconds)
             console.print(f"JUnit XML: {args.junit_xml}")
         return _finish(records, lines, results, console, config.device)
+
+
+def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id: str,
+             console: Console) -> tuple[Shard | None, set[tuple[str, str]] | None]:
+    """``--shard K/N``'s record and pairs of ``plan`` (a resumed run's: those it recorded);
+    ``(None, None)`` for the whole plan."""
+    if getattr(args, "resume", None):  # run --resume (bench has none)
+        return None, shard.recorded_pairs(plan, results.lines(), run_id)
+    if args.shard is None:
+        return None, None
+    part, pairs = shard.shard_record(plan, args.shard), shard.pairs_of(plan, args.shard)
+    console.print(f"shard {args.shard} of plan {part.plan_sha256[:12]}: {len(pairs)} of "
+                  f"{plan.size} (implementation, point) pairs")
+    return part, pairs
 
 
 def warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:

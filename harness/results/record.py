@@ -40,7 +40,7 @@ from pagedbench.harness.measure.timing import METHODS
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.status import Status
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 #: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).
 MAX_DETAILS_BYTES = 64 * 1024
 #: Deepest nesting accepted in adapter metadata (a self-referencing dict would recurse).
@@ -195,7 +195,7 @@ class _ResultFields(_Strict):
     """The fields of a result line other than the comparison's figures."""
 
     kind: Literal["result"]
-    schema_version: Literal[5]
+    schema_version: Literal[6]
     run_id: str
     suite: str
     impl: str
@@ -350,12 +350,21 @@ class Plan(_Strict):
         return len(self.impls) * len(self.cases)
 
 
+class Shard(_Strict):
+    """The part of its plan a sharded run measured (``--shard K/N``, :mod:`.shard`)."""
+
+    index: int = Field(ge=1, description="K of --shard K/N, from 1")
+    count: int = Field(ge=1, description="N of --shard K/N")
+    plan_sha256: str = Field(description="SHA-256 of the whole plan's JSON (harness/results/shard.py)")
+    pairs: int = Field(ge=0, description="(implementation, case) pairs of this shard")
+
+
 class RunRecord(_Strict):
     """One event of a run: ``started`` (with the plan and configuration), ``resumed``,
     ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
 
     kind: Literal["run"]
-    schema_version: Literal[5]
+    schema_version: Literal[6]
     run_id: str
     event: Literal["started", "resumed", "interrupted", "finished"]
     timestamp: AwareDatetime
@@ -370,6 +379,9 @@ class RunRecord(_Strict):
         "mode a grid point cannot take); null otherwise")
     exit_code: Optional[int]
     counts: Optional[dict[Status, int]]
+    shard: Optional[Shard] = Field(
+        default=None, description="started, of a run with --shard K/N: which part of the "
+        "plan (the whole plan is in plan) it runs; null otherwise")
 
 
 #: A line of a results file: a result or a run event.
@@ -461,6 +473,7 @@ __all__ = [
     "PlannedImpl",
     "ResultRecord",
     "RunRecord",
+    "Shard",
     "TimingStats",
     "comparison_figures",
     "environment_key",

@@ -11,6 +11,8 @@ ranked; speed is shown only for ``pass``. Bench results add paging
 overhead and GB/s vs block size, latency vs batch size, workload-group scores and fast_p
 (:mod:`.derived`); the HTML page embeds the plots of :mod:`.plots`. A run that has not
 recorded its end is named as unfinished; failure and unsupported reasons are listed.
+With several environments a table across them comes first: the cases every one ran
+(:func:`across_devices`), one column per implementation and device.
 Every Markdown cell is escaped (HTML, ``|``, newlines; :func:`escape`) and every HTML text
 escaped, since case ids and reasons come from user input and from implementations.
 """
@@ -152,6 +154,19 @@ def leaderboard(df: pd.DataFrame) -> pd.DataFrame:
     return table.fillna("")
 
 
+def across_devices(df: pd.DataFrame) -> pd.DataFrame:
+    """The :func:`leaderboard` of the cases every environment of ``df`` has a result on,
+    columns ``impl@device name``: one row compares the devices (the merged shards of a CI
+    matrix, docs/ci.md). Empty with fewer than two environments or no case they share."""
+    envs = environments(df)
+    if len(envs) < 2:
+        return pd.DataFrame()
+    shared = set.intersection(*(set(df.loc[(df["device_name"] == name)
+                                           & (df["versions"] == versions), "case_id"])
+                                for name, versions in envs))
+    return leaderboard(df[df["case_id"].isin(shared)]) if shared else pd.DataFrame()
+
+
 def summary(df: pd.DataFrame) -> pd.DataFrame:
     """Implementations x statuses: how many cases ended in each status; then, over the
     passes, the largest error in ulps of the output dtype and the mean signed error in
@@ -213,6 +228,11 @@ _LEGEND = (
     f"`{CASE_LOGITS_MARK}`: the implementation declares that it computes its logits in "
     "the case dtype, and was judged against a naive yardstick that does the same "
     "(docs/tolerance.md).")
+
+
+_ACROSS = ("The cases every device (and set of library versions) below has a result on, "
+           "one column per implementation and device; each device's own section follows, "
+           "with its conditions. Bold: fastest of the row on its device.")
 
 
 def _spread(value: float, low: float, high: float, fmt: str) -> str:
@@ -335,6 +355,10 @@ def markdown(lines: list[ResultRecord | RunRecord], title: str = "pagedbench lea
     if not found:
         return "\n".join([*head, "No results.", ""])
     body: list[str] = []
+    shared = across_devices(frame(results_of(lines)))
+    if not shared.empty:
+        body += ["## Across devices", "", escape(_ACROSS), "", escape_frame(shared).to_markdown(),
+                 ""]
     for section in found:
         body += [f"## {escape(section['title'])}", ""]
         for table_title, note, table in section["tables"]:
@@ -377,6 +401,11 @@ def html(lines: list[ResultRecord | RunRecord], title: str = "pagedbench leaderb
     found = sections(lines, baseline)
     if not found:
         parts.append("<p>No results.</p>")
+    shared = across_devices(frame(results_of(lines)))
+    if not shared.empty:
+        parts.append(f"<h2>Across devices</h2><p class='note'>{h(_ACROSS)}</p>"
+                     + re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>",
+                              shared.to_html(escape=True, border=0, classes="board")))
     for section in found:
         parts.append(f"<h2>{h(section['title'])}</h2>")
         for table_title, note, table in section["tables"]:

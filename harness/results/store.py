@@ -315,7 +315,8 @@ def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
     """A line of an older version as the current version. Version 1 had no ``kind``,
     ``step`` or comparison figures; versions 1 and 2 had no bench fields, and their
     timings no samples (``[]``), IQR or noise flag (null); versions 1 to 3 no drift probe
-    (``[]``); fields added later with a default (``truth``) take it."""
+    (``[]``); fields added later with a default (``truth``, a run's ``shard``)
+    take it."""
     data = {**data, "schema_version": SCHEMA_VERSION}
     if found == 1:
         data = {"kind": "result", **data}
@@ -449,7 +450,10 @@ class RunState:
 
     @property
     def planned(self) -> int | None:
-        """Results the finished run holds, when its start (and plan) was read."""
+        """Results the finished run holds, when its start (and plan) was read: its
+        shard's pairs for a run with ``--shard``."""
+        if self.started is not None and self.started.shard is not None:
+            return self.started.shard.pairs
         return self.started.plan.size if self.started and self.started.plan else None
 
 

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shlex
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,7 +57,12 @@ def write_case(case: PagedCase, folder: Path | None = None) -> Path:
     folder = replay_dir() if folder is None else Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / case_file_name(case)
-    path.write_text(json.dumps(case.to_dict(), indent=1) + "\n")
+    # Written beside it and renamed: processes failing on the same case (pytest-xdist's
+    # workers) never show a reader half a file.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=folder)
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(case.to_dict(), indent=1) + "\n")
+    os.replace(tmp, path)
     return path
 
 

@@ -30,7 +30,7 @@ import math
 import signal
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from pagedbench.harness.measure.timing import (CPU_THREADS, Timing, bytes_moved,
                                                roofline_floor_ms)
 from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Environment,
                                                ListingRow, Plan, PlannedImpl, ResultRecord,
-                                               RunRecord, comparison_figures, now,
+                                               RunRecord, Shard, comparison_figures, now,
                                                validation_problem)
 from pagedbench.harness.results.store import ResultsFile, environment, results_of
 from pagedbench.harness.run.environment import worker_environment
@@ -407,7 +407,8 @@ def missing(plan: Plan, records: Iterable[ResultRecord]) -> list[tuple[str, str]
 def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
         on_record: Callable[[ResultRecord], None] | None = None, *,
         resume: bool = False, peaks: DevicePeaks | None = None,
-        left_out: list[str] | None = None) -> list[ResultRecord]:
+        left_out: list[str] | None = None, shard: Shard | None = None,
+        pairs: Collection[tuple[str, str]] | None = None) -> list[ResultRecord]:
     """Evaluate every implementation of ``plan`` on every case, appending each record to
     ``results`` as it arrives (and passing it to ``on_record``, for progress).
 
@@ -415,7 +416,9 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     only the others are run. Records ``started`` (with the plan) or ``resumed`` first
     (with ``peaks``, the device's, measured by :func:`device_peaks`) and ``finished``
     (with the exit code) last; ``left_out`` (points the caller left out, with why) goes
-    into the ``started`` record. Returns every result of the run.
+    into the ``started`` record. With ``pairs`` (implementation name, case id), only
+    those pairs of the plan run: a shard (:mod:`.shard`), whose ``shard`` the ``started``
+    record names. Returns every result of the run.
 
     Raises
     ------
@@ -426,11 +429,13 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     records = ([r for r in results_of(results.lines()) if r.run_id == run_id]
                if resume else [])
     done = {(r.impl, r.case_id) for r in records}
+    if pairs is not None:  # another shard's pairs count as done
+        done |= {(i.name, c.case_id) for i in plan.impls for c in plan.paged_cases()} - set(pairs)
     results.append(RunRecord(
         kind="run", schema_version=SCHEMA_VERSION, run_id=run_id, timestamp=now(),
         event="resumed" if resume else "started", plan=None if resume else plan,
         config=config.to_dict(), exit_code=None, counts=None, device_peaks=peaks,
-        left_out=None if resume else left_out))
+        left_out=None if resume else left_out, shard=None if resume else shard))
 
     def emit(record: ResultRecord) -> None:
         results.append(record)

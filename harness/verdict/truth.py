@@ -141,15 +141,22 @@ def _open_regular(path: Path):
     return os.fdopen(fd, "rb")
 
 
-def _write_atomically(path: Path, write: Callable[[object], None]) -> None:
+def _write_atomically(path: Path, write: Callable[[object], None], *,
+                      exclusive: bool = False) -> None:
     """``write(file)`` into a fresh temporary file beside ``path`` (mode 0600), then rename
-    it over ``path``; the temporary file is removed if anything fails (raises OSError)."""
+    it over ``path`` (``exclusive``: link it there, raising FileExistsError when another
+    process made ``path`` first); the temporary file is removed if anything fails (raises
+    OSError)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+            Path(tmp).unlink()
+        else:
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -160,15 +167,21 @@ def cache_secret(cache_dir: Path) -> bytes:
     made on first use; a key file that is not :data:`KEY_BYTES` bytes in a regular file is
     replaced (the entries it signed are then recomputed)."""
     path = Path(cache_dir) / "truth" / ".key"
+    missing = False
     try:
         with _open_regular(path) as f:
             key = f.read(KEY_BYTES + 1)
         if len(key) == KEY_BYTES:
             return key
+    except FileNotFoundError:
+        missing = True
     except (OSError, ValueError):
         pass
     key = secrets.token_bytes(KEY_BYTES)
-    _write_atomically(path, lambda f: f.write(key))
+    try:  # a missing key is made exclusively: processes sharing the folder share one key
+        _write_atomically(path, lambda f: f.write(key), exclusive=missing)
+    except FileExistsError:
+        return cache_secret(cache_dir)
     return key
 
 

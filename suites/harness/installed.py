@@ -63,7 +63,8 @@ def tree(folder: Path) -> dict[str, int]:
 
 def quiet_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
+           if k not in ("PYTHONPATH", "PYTEST_ADDOPTS", "PYTEST_PLUGINS")
+           and not k.startswith("PYTEST_XDIST_")}  # this session's worker, under -n N
     return {**env, "PIP_DISABLE_PIP_VERSION_CHECK": "1", **extra}
 
 

@@ -201,10 +201,27 @@ def test_two_devices_never_merge_in_keys_or_reports() -> None:
     text = report.markdown([epyc, xeon, newer])
     assert text.count("## cpu0 (torch 2;") == 1 and text.count("## Intel Xeon") == 1
     assert text.count("## cpu0 (torch 9;") == 1
-    for ms in ("3 ms", "1 ms", "2 ms"):
-        assert text.count(f"pass {ms}") == 1
+    for ms in ("3 ms", "1 ms", "2 ms"):  # in its device's section and in the table across
+        assert text.count(f"pass {ms}") == 2
     columns = report.leaderboard(report.frame([epyc, xeon, newer])).columns
     assert list(columns) == ["k@cpu0#1", "k@Intel Xeon", "k@cpu0#3"]
+
+
+def test_the_table_across_devices_holds_the_cases_every_device_ran() -> None:
+    shared, epyc_only = (grid_workload("decode", "gqa4", 2, 64).case(bs, "float32")
+                         for bs in (16, 32))
+    xeon = ENV | {"device": "Intel Xeon"}
+    records = [_bench("k", shared, ms=3.0), _bench("k", epyc_only, ms=4.0),
+               _bench("k", shared, ms=1.0, env=xeon), _bench("j", shared, ms=2.0, env=xeon)]
+    table = report.across_devices(report.frame(records))
+    assert list(table.index) == [shared.case_id]
+    assert list(table.columns) == ["k@cpu0", "k@Intel Xeon", "j@Intel Xeon"]
+    assert table.loc[shared.case_id, "k@cpu0"].startswith("pass 3 ms")
+    assert table.loc[shared.case_id, "k@Intel Xeon"].startswith("**pass 1 ms")  # fastest there
+    text = report.markdown(records)
+    across = text.split("## Across devices", 1)[1].split("\n## ", 1)[0]
+    assert shared.case_id in across and epyc_only.case_id not in across
+    assert report.across_devices(report.frame(records[:2])).empty  # one device
 
 
 def test_bench_checks_every_point_first_and_times_only_passes(tmp_path) -> None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +17,13 @@ POINTS = "test_sweep_point and decode and bs16 and (torch-gather or sdpa-contigu
 
 
 def _bench(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    # Without pytest-xdist's variables: pytest-benchmark turns itself off in a process that
+    # has PYTEST_XDIST_WORKER (this session's, under pytest -n N).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST_")}
     return subprocess.run(
         [sys.executable, "-m", "pytest", "suites/benchmarks/test_bench_sweep_points.py",
          "-q", "-k", POINTS, f"--benchmark-storage=file://{tmp_path / 'storage'}", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.bench

@@ -1,0 +1,222 @@
+"""Sharding a plan over machines (``pagedbench run|bench --shard K/N``) and merging the
+shards back (``pagedbench report``, ``pagedbench gate``).
+
+- :func:`assign`: the plan's (implementation, case) pairs in N shards balanced by
+  expected cost, greedily, largest first, onto the least loaded shard (the LPT rule, within
+  4/3 of the best balance: Graham, "Bounds on multiprocessing timing anomalies", 1969).
+  A pair's cost is :func:`pair_cost`, the bytes its case moves
+  (:func:`~.timing.bytes_moved`) plus a fixed cost per pair: computed from the case alone,
+  integers only, ties broken by names, so every machine given the same plan makes the same
+  shards. (The interpreter cost model of Triton adapters needs the adapter, which the
+  parent never imports.)
+- Each shard's run records the whole plan and a :class:`~.record.Shard`: K, N, the plan's
+  SHA-256 (:func:`plan_sha256`) and its number of pairs; it runs only its pairs.
+- :func:`check_merge`: sharded runs read together must be of one plan and one N, every
+  shard present on every device that ran one, and no pair measured twice on one device;
+  else :class:`ShardMergeError` (exit 2) naming the files. Runs without ``--shard`` are
+  not checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedbench.reference import PagedCase, PagedValueError
+
+from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord, Shard
+from pagedbench.harness.results.store import numbered_lines
+from pagedbench.harness.measure.timing import bytes_moved
+
+#: What every pair costs beside its bytes (bytes): a worker's call overhead, so that
+#: shards of many tiny points are balanced by their count.
+PAIR_COST_BYTES = 1 << 20
+_SPEC = re.compile(r"(\d+)/(\d+)")
+
+Pair = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """``--shard K/N``: the K-th (from 1) of N shards."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.index <= self.count:
+            raise PagedValueError("--shard", f"{self.index}/{self.count}",
+                                  "K/N with 1 <= K <= N")
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def parse_spec(text: str) -> ShardSpec:
+    """``"K/N"`` as a :class:`ShardSpec` (argparse's ``type=``).
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``--shard`` for anything but ``K/N`` with ``1 <= K <= N``.
+    """
+    found = _SPEC.fullmatch(text.strip())
+    if found is None:
+        raise PagedValueError("--shard", text, "K/N with 1 <= K <= N, e.g. 1/4")
+    return ShardSpec(int(found.group(1)), int(found.group(2)))
+
+
+def plan_sha256(plan: Plan) -> str:
+    """SHA-256 (hex) of ``plan``'s JSON with sorted keys: the same plan, the same hash."""
+    text = json.dumps(plan.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def pair_cost(case: PagedCase) -> int:
+    """Expected cost of one pair on ``case`` (bytes): :func:`~.timing.bytes_moved` plus
+    :data:`PAIR_COST_BYTES`."""
+    return bytes_moved(case) + PAIR_COST_BYTES
+
+
+def assign(plan: Plan, count: int) -> list[set[Pair]]:
+    """The plan's (implementation name, case id) pairs in ``count`` shards (index 0 is
+    shard 1/N): largest :func:`pair_cost` first (ties: implementation, then case id), each
+    onto the shard with the least cost so far (ties: the lowest index)."""
+    if count < 1:
+        raise PagedValueError("count", count, "an int >= 1")
+    costs = {c.case_id: pair_cost(c) for c in plan.paged_cases()}
+    pairs = sorted(((costs[case], impl.name, case) for impl in plan.impls for case in costs),
+                   key=lambda p: (-p[0], p[1], p[2]))
+    shards: list[set[Pair]] = [set() for _ in range(count)]
+    loads = [(0, i) for i in range(count)]
+    for cost, impl, case in pairs:
+        load, index = heapq.heappop(loads)
+        shards[index].add((impl, case))
+        heapq.heappush(loads, (load + cost, index))
+    return shards
+
+
+def pairs_of(plan: Plan, spec: ShardSpec) -> set[Pair]:
+    """The pairs shard ``spec`` of ``plan`` runs (:func:`assign`)."""
+    return assign(plan, spec.count)[spec.index - 1]
+
+
+def shard_record(plan: Plan, spec: ShardSpec) -> Shard:
+    """What the ``started`` line of shard ``spec`` of ``plan`` records."""
+    return Shard(index=spec.index, count=spec.count, plan_sha256=plan_sha256(plan),
+                 pairs=len(pairs_of(plan, spec)))
+
+
+def recorded_pairs(plan: Plan, lines: Iterable[ResultRecord | RunRecord],
+                   run_id: str) -> set[Pair] | None:
+    """The pairs run ``run_id`` runs, from its last ``started`` line among ``lines``
+    (``--resume``): its shard's (:func:`pairs_of` of ``plan``), or None for a run without
+    ``--shard``.
+
+    Raises
+    ------
+    PagedValueError
+        If ``plan`` is not the plan the shard was made of (its hash differs).
+    """
+    starts = [line for line in lines if isinstance(line, RunRecord)
+              and line.run_id == run_id and line.event == "started"]
+    shard = starts[-1].shard if starts else None
+    if shard is None:
+        return None
+    if plan_sha256(plan) != shard.plan_sha256:
+        raise PagedValueError("--resume", run_id, "a shard of the plan it recorded",
+                              f"--resume {run_id}: its plan's hash is not the "
+                              f"{shard.plan_sha256[:12]} its shard recorded")
+    return pairs_of(plan, ShardSpec(shard.index, shard.count))
+
+
+class ShardMergeError(PagedValueError):
+    """Shards that do not make one plan: of another plan or N, missing, or measuring a
+    pair twice on one device; the message names the files (exit 2)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__("results files", "shards", "the shards of one plan, each once "
+                         "per device", problem)
+
+
+@dataclass
+class _Run:
+    file: Path
+    line: int
+    shard: Shard
+    devices: set[str]
+
+
+def check_merge(paths: Iterable[Path]) -> None:
+    """Check that the sharded runs among ``paths`` (results files or folders of them)
+    merge into their plan: one plan hash and one N among them, on each device (the name
+    in the results' environment) that ran a shard every shard 1..N (a shard without pairs
+    counts everywhere), and no (implementation, case) measured by two runs on one device.
+
+    Raises
+    ------
+    ShardMergeError
+        Naming the files of a shard of another plan or N, the device and the shards
+        missing (and the files of those present), or the two files of a pair measured
+        twice.
+    ResultsFileError
+        From reading a file (:func:`~.store.numbered_lines`).
+    """
+    runs: dict[str, _Run] = {}
+    results: list[tuple[Path, int, ResultRecord]] = []
+    for file, number, line in numbered_lines(paths):
+        if isinstance(line, RunRecord) and line.event == "started" and line.shard is not None:
+            runs[line.run_id] = _Run(file, number, line.shard, set())
+        elif isinstance(line, ResultRecord):
+            results.append((file, number, line))
+    if not runs:
+        return
+    first = next(iter(runs.values()))
+    for run in runs.values():
+        if (run.shard.plan_sha256, run.shard.count) != (first.shard.plan_sha256,
+                                                        first.shard.count):
+            raise ShardMergeError(
+                f"{run.file}:{run.line}: shard {run.shard.index}/{run.shard.count} of plan "
+                f"{run.shard.plan_sha256[:12]} is not a shard of the plan of {first.file} "
+                f"(shard {first.shard.index}/{first.shard.count} of plan "
+                f"{first.shard.plan_sha256[:12]}): merge only the shards of one plan")
+    seen: dict[tuple[str, str, str], tuple[Path, int, str]] = {}
+    for file, number, record in results:
+        run = runs.get(record.run_id)
+        if run is None:
+            continue
+        run.devices.add(record.env.device)
+        key = (record.env.device, record.impl, record.case_id)
+        before = seen.setdefault(key, (file, number, record.run_id))
+        if before[::2] != (file, record.run_id):  # another run, or a copy of this one
+            raise ShardMergeError(
+                f"{record.impl} on {record.case_id} was measured twice on "
+                f"{record.env.device}: {before[0]}:{before[1]} and {file}:{number}: give "
+                "each shard once")
+    by_device: dict[str, dict[int, list[Path]]] = defaultdict(lambda: defaultdict(list))
+    for run in runs.values():
+        for device in run.devices:
+            by_device[device][run.shard.index].append(run.file)
+    empty = {run.shard.index for run in runs.values() if run.shard.pairs == 0}
+    for device, present in sorted(by_device.items()):
+        absent = [k for k in range(1, first.shard.count + 1) if k not in present
+                  and k not in empty]
+        if absent:
+            have = "; ".join(f"{k}/{first.shard.count} in {', '.join(map(str, files))}"
+                             for k, files in sorted(present.items()))
+            raise ShardMergeError(
+                f"plan {first.shard.plan_sha256[:12]} on {device}: shard"
+                f"{'s' if len(absent) > 1 else ''} "
+                f"{', '.join(f'{k}/{first.shard.count}' for k in absent)} missing (have "
+                f"{have})")
+
+
+__all__ = ["PAIR_COST_BYTES", "ShardMergeError", "ShardSpec", "assign", "check_merge",
+           "pair_cost", "pairs_of", "parse_spec", "plan_sha256", "recorded_pairs",
+           "shard_record"]
