@@ -34,6 +34,27 @@ from pagedbench.suites import peer_findings
 from .cases import pinned_case
 from .conftest import DEVICE
 
+#: Shared blocks (issue 20): a common prompt prefix (prefix caching), a beam-search fork
+#: sharing all but its last block, many sequences on one shared prompt, and forks placed
+#: past the block ids where 16-bit table entries wrap; on decode rows, and with prefill
+#: rows on the shared prompt.
+SHARED_PROBES = {
+    "shared-prefix": (lambda bs: (2 * bs + 3, 3 * bs + 1, 2 * bs + 5), 4, 2,
+                      {"shared_blocks": (0, 2, 2)}),
+    "shared-fork": (lambda bs: (3 * bs + 2, 3 * bs + 5, 3 * bs + 1), 4, 2,
+                    {"shared_blocks": (0, 3, 3)}),
+    "shared-fork-mha": (lambda bs: (3 * bs + 2, 3 * bs + 5, 3 * bs + 1), 2, 2,
+                        {"shared_blocks": (0, 3, 3)}),
+    "shared-prompt-6": (lambda bs: tuple(2 * bs + k for k in range(1, 7)), 4, 2,
+                        {"shared_blocks": (0, 2, 2, 2, 2, 2)}),
+    "shared-prefix-prefill": (lambda bs: (2 * bs + 3, 3 * bs + 1, 2 * bs + 5), 4, 2,
+                              {"shared_blocks": (0, 2, 2), "q_lens": (1, 5, 3)}),
+    "shared-block-id-32767": (lambda bs: (3 * bs + 1, 3 * bs + 2), 2, 1,
+                              {"shared_blocks": (0, 3), "min_block_id": 32766}),
+    "shared-block-id-65535": (lambda bs: (3 * bs + 1, 3 * bs + 2), 2, 1,
+                              {"shared_blocks": (0, 3), "min_block_id": 65534}),
+}
+
 #: name -> (kv_lens(block_size), num_q_heads, num_kv_heads, other fields). Lengths and
 #: fields may depend on the block size the implementation takes (callables of it).
 PROBES = {
@@ -47,6 +68,7 @@ PROBES = {
                        {"min_block_id": 32766, "poison": "inf"}),
     "block-id-65535": (lambda bs: (3 * bs + 1, 2), 2, 1,
                        {"min_block_id": 65534, "poison": "-inf"}),
+    **SHARED_PROBES,
     **{f"poison-{p}": (lambda bs: (bs + 1, 2 * bs - 1, 3), 4, 2, {"poison": p})
        for p in POISONS},
     # More than 64 blocks per sequence (long 16-bit contexts and the split thresholds:
@@ -135,27 +157,11 @@ PROBES |= {
     for feature, fields in FEATURE_FIELDS.items() for mode in ("decode", "prefill")
     for heads in HEADS}
 
-#: Shared blocks (issue 20): a common prompt prefix (prefix caching), a beam-search fork
-#: sharing all but its last block, many sequences on one shared prompt, and forks placed
-#: past the block ids where 16-bit table entries wrap; on decode rows, and with prefill
-#: rows on the shared prompt.
-PROBES |= {
-    "shared-prefix": (lambda bs: (2 * bs + 3, 3 * bs + 1, 2 * bs + 5), 4, 2,
-                      {"shared_blocks": (0, 2, 2)}),
-    "shared-fork": (lambda bs: (3 * bs + 2, 3 * bs + 5, 3 * bs + 1), 4, 2,
-                    {"shared_blocks": (0, 3, 3)}),
-    "shared-fork-mha": (lambda bs: (3 * bs + 2, 3 * bs + 5, 3 * bs + 1), 2, 2,
-                        {"shared_blocks": (0, 3, 3)}),
-    "shared-prompt-6": (lambda bs: tuple(2 * bs + k for k in range(1, 7)), 4, 2,
-                        {"shared_blocks": (0, 2, 2, 2, 2, 2)}),
-    "shared-prefix-prefill": (lambda bs: (2 * bs + 3, 3 * bs + 1, 2 * bs + 5), 4, 2,
-                              {"shared_blocks": (0, 2, 2), "q_lens": (1, 5, 3)}),
-    "shared-block-id-32767": (lambda bs: (3 * bs + 1, 3 * bs + 2), 2, 1,
-                              {"shared_blocks": (0, 3), "min_block_id": 32766}),
-    "shared-block-id-65535": (lambda bs: (3 * bs + 1, 3 * bs + 2), 2, 1,
-                              {"shared_blocks": (0, 3), "min_block_id": 65534}),
-}
-
+#: The order tests run in (what ``pagedbench selftest --first-catch`` stops at first): the
+#: degenerate rows, the block ids, shared blocks and one window on prefill rows first.
+_FIRST = [*list(PROBES)[: list(PROBES).index("shared-block-id-65535") + 1],
+          "prefill-window-1-near0-mha"]
+PROBES = {name: PROBES[name] for name in _FIRST} | PROBES
 
 #: The probes every implementation gets in every profile: one per kind of edge.
 CORE = ("empty-kv", "empty-q", "unseen-rows", "block-id-65535", "offset-1e4", "window-1",

@@ -195,7 +195,7 @@ class BlockKeyedScratch(PagedKernel):
     def attend(self, inputs):
         case = inputs.case
         cu = inputs.cu_seqlens_q.tolist()
-        scratch = {}  # (block id, row from the last) -> (sequence, logits [hq, slots])
+        scratch = {}  # block id -> (sequence, logits [hq, q_len, slots]), rows from the last
         written = []
         for i, kv_len in enumerate(inputs.kv_lens.tolist()):
             q = self.queries(inputs, cu[i], cu[i + 1]).float()  # [q_len, hq, d]
@@ -208,19 +208,19 @@ class BlockKeyedScratch(PagedKernel):
             logits = self.logits(q, k, case, pos_q, pos_k, kv_len, inputs.alibi_slopes)
             blocks = self.block_ids(self.block_table(inputs, i), pos_k, case.block_size)
             for block in blocks.unique().tolist():
-                for row in range(q_len):
-                    scratch[block, q_len - 1 - row] = (i, logits[:, row, blocks == block])
+                scratch[block] = (i, logits[:, :, blocks == block])
             written.append((blocks, logits, v))
         out = torch.empty(case.total_q, case.num_q_heads, case.head_dim,
                           dtype=case.torch_dtype, device=inputs.device)
         for i, (blocks, logits, v) in enumerate(written):
             q_len = logits.shape[1]
             for block in blocks.unique().tolist():
-                for row in range(q_len):
-                    owner, saved = scratch[block, q_len - 1 - row]
-                    if owner != i and saved.shape[-1] == int((blocks == block).sum()):
-                        self.fired()
-                        logits[:, row, blocks == block] = saved
+                owner, saved = scratch[block]
+                cols = blocks == block
+                rows = min(q_len, saved.shape[1])
+                if owner != i and rows and saved.shape[-1] == int(cols.sum()):
+                    self.fired()
+                    logits[:, q_len - rows :, cols] = saved[:, saved.shape[1] - rows :]
             state = self.reduce(logits, v, inputs.sinks, case, q_len)
             out[cu[i] : cu[i + 1]] = state.o.to(case.torch_dtype)
         return out
