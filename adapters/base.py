@@ -135,6 +135,12 @@ class Capabilities:
         ``kv_len`` still fails), records ``tail_poison: "stale"``, marks the passes, and
         checks that the declaration is still true. vLLM fixed this class of fault in its
         CUDA kernel (vllm-project/vllm#641).
+    shared_blocks : bool
+        True (the default) when block tables may point to the same physical block, as
+        prefix caching and beam-search forks make them (``PagedCase.shared_blocks``).
+        False declares that the implementation keys some state by physical block id
+        (scratch, a cache, a scale table) and so cannot take shared blocks: such cases
+        are then ``unsupported`` with that reason.
     logits_precision : str
         ``"float32"`` (the default: the logits and softmax are computed in float32, as a
         tensor-core Q.K^T accumulates) or ``"case"``: the implementation computes them in
@@ -168,6 +174,7 @@ class Capabilities:
     layouts: frozenset[str] = frozenset({"contiguous"})
     max_num_blocks: int | None = None
     batch_invariant: bool = False
+    shared_blocks: bool = True
     notes: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -236,6 +243,10 @@ class Capabilities:
             reasons.append(self._noted(
                 "max_num_blocks", f"num_blocks {case.pool_blocks} not supported "
                                   f"(supported: <= {self.max_num_blocks})"))
+        if case.shared_blocks is not None and not self.shared_blocks:
+            reasons.append(self._noted(
+                "shared_blocks", f"shared blocks {list(case.shared_blocks)} not supported "
+                                 "(block tables that point to the same physical block)"))
         if device_type == "cuda" and self.min_compute_capability is not None:
             reasons += self._compute_capability_reasons(torch.device(device).index)
         return reasons
@@ -277,6 +288,7 @@ class Capabilities:
             "layouts": [layout for layout in LAYOUTS if layout in self.layouts],
             "max_num_blocks": self.max_num_blocks,
             "batch_invariant": self.batch_invariant,
+            "shared_blocks": self.shared_blocks,
             "notes": dict(self.notes),
         }
 

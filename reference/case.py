@@ -141,6 +141,17 @@ class PagedCase:
         16-bit table entry wraps (32767 signed, 65535 unsigned) or where ``block *
         block_stride`` passes 2**31 elements, which a random placement in a big pool
         rarely reaches. 0 by default.
+    shared_blocks : tuple[int, ...] or None
+        Physical blocks shared between sequences, ``[batch]``: sequence ``i``'s first
+        ``shared_blocks[i]`` logical blocks are sequence ``i - 1``'s own physical blocks
+        (the same ids in both tables, hence the same K and V), as prefix caching shares a
+        common prompt and a beam-search fork shares all but its last block (Kwon et al.,
+        SOSP 2023, s. 4.4; vLLM's ``docs/design/prefix_caching.md``). Entry 0 is 0; only
+        full blocks are shared: ``shared_blocks[i] * block_size <= min(kv_lens[i - 1],
+        kv_lens[i])``. Chains share further back: ``(0, 2, 2)`` puts the first two blocks
+        of all three sequences in the same two physical blocks. The truth is unchanged: a
+        sequence's logical K/V is what its table points to. ``None`` (or all zeros): every
+        sequence has its own blocks.
     seed : int
         Seeds the values of Q, K, V and the block placement.
     name : str
@@ -218,11 +229,20 @@ class PagedCase:
     logit_offset: float = 0.0
     layout: str = "contiguous"
     poison: str = "nan"
+    shared_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_lens", _int_tuple("kv_lens", self.kv_lens))
         if self.q_lens is not None:
             object.__setattr__(self, "q_lens", _int_tuple("q_lens", self.q_lens))
+        if self.shared_blocks is not None:
+            shared = _int_tuple("shared_blocks", self.shared_blocks)
+            object.__setattr__(self, "shared_blocks", shared if any(shared) else None)
+            if len(shared) != len(self.kv_lens):
+                raise PagedValueError(
+                    "shared_blocks", shared, f"{len(self.kv_lens)} entries, one per kv_lens",
+                    f"shared_blocks has {len(shared)} entries but kv_lens has "
+                    f"{len(self.kv_lens)}")
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "seed",
                      "sliding_window", "num_blocks", "head_dim_v", "min_block_id"):
             if getattr(self, name) is not None:
@@ -298,6 +318,8 @@ class PagedCase:
                     name, value, "1.0 with kv_cache_dtype 'auto'",
                     f"{name}={value} needs an fp8 kv_cache_dtype ('fp8_e4m3' or 'fp8_e5m2'); "
                     "with kv_cache_dtype 'auto' it must be 1.0")
+        if self.shared_blocks is not None:
+            self._check_shared_blocks()
         need = self.min_block_id + self.min_num_blocks
         if self.num_blocks is not None and self.num_blocks < need:
             raise PagedValueError(
@@ -305,6 +327,24 @@ class PagedCase:
                 f"num_blocks={self.num_blocks} is below the {self.min_num_blocks} blocks "
                 f"the kv_lens need (plus one padding block) above min_block_id "
                 f"{self.min_block_id}")
+
+    def _check_shared_blocks(self) -> None:
+        """Refuse ``shared_blocks`` entries that are negative, share into the first
+        sequence, or share more full blocks than either neighbour holds."""
+        shared, bs = self.shared_blocks, self.block_size
+        if shared[0] != 0:
+            raise PagedValueError("shared_blocks", shared, "entry 0 equal to 0",
+                                  "shared_blocks[0] must be 0: sequence 0 has no sequence "
+                                  "before it to share blocks with")
+        for i in range(1, len(shared)):
+            most = min(self.kv_lens[i - 1], self.kv_lens[i]) // bs
+            if not 0 <= shared[i] <= most:
+                raise PagedValueError(
+                    f"shared_blocks[{i}]", shared[i], f"in 0..{most}",
+                    f"shared_blocks[{i}]={shared[i]}: only full blocks are shared, and "
+                    f"sequences {i - 1} and {i} (kv_lens {self.kv_lens[i - 1]} and "
+                    f"{self.kv_lens[i]}, block_size {bs}) have {most} full blocks in "
+                    f"common at most; allowed: 0..{most}")
 
     # Derived axes ---------------------------------------------------------------------
     @property
@@ -366,9 +406,15 @@ class PagedCase:
         return max(1, *self.blocks_per_seq)
 
     @property
+    def num_shared_blocks(self) -> int:
+        """Table entries that point to another sequence's block (0 without sharing)."""
+        return 0 if self.shared_blocks is None else sum(self.shared_blocks)
+
+    @property
     def min_num_blocks(self) -> int:
-        """Blocks the sequences need, plus the one that table padding points to."""
-        return sum(self.blocks_per_seq) + 1
+        """Blocks the sequences need (a shared block counted once), plus the one that
+        table padding points to."""
+        return sum(self.blocks_per_seq) - self.num_shared_blocks + 1
 
     @property
     def pool_blocks(self) -> int:
@@ -438,6 +484,8 @@ class PagedCase:
             parts.append(f"off{self.logit_offset:+g}")
         if self.min_block_id:
             parts.append(f"min-block{self.min_block_id}")
+        if self.shared_blocks is not None:
+            parts.append("share" + ".".join(map(str, self.shared_blocks)))
         if self.layout != "contiguous":
             parts.append(self.layout.replace("_", "-"))
         if self.poison != "nan":
@@ -452,6 +500,7 @@ class PagedCase:
         out = asdict(self)
         out["kv_lens"] = list(self.kv_lens)
         out["q_lens"] = None if self.q_lens is None else list(self.q_lens)
+        out["shared_blocks"] = None if self.shared_blocks is None else list(self.shared_blocks)
         return out
 
     @classmethod
@@ -478,7 +527,7 @@ class PagedCase:
             raise PagedValueError("case", sorted(data), f"all of {required}",
                                   f"case is missing fields {missing} (required: {required})")
         data = dict(data)
-        for name in ("kv_lens", "q_lens"):
+        for name in ("kv_lens", "q_lens", "shared_blocks"):
             if isinstance(data.get(name), list):
                 data[name] = tuple(data[name])
         return cls(**data)

@@ -274,18 +274,46 @@ def _allocate(case: PagedCase) -> tuple[list[list[int]], list[list[int]], int]:
     padding_block = allocator.block_table(_PADDING_SEQ)[0]
 
     slots: list[list[int]] = [[] for _ in case.kv_lens]
+    shared = case.shared_blocks or (0,) * case.batch_size
+    # A sequence that shares blocks starts as a fork once the sequence whose own table
+    # holds those blocks (the one before it, or further back along a chain sharing at
+    # least as many) holds exactly them, full and committed, as a beam forks or a prompt
+    # hits the prefix cache; the others start now.
+    waiting = [i for i in range(case.batch_size) if shared[i]]
+    parent = {}
+    for i in waiting:
+        j = i - 1
+        while j > 0 and shared[j] >= shared[i]:
+            j -= 1
+        parent[i] = j
     for i in range(case.batch_size):
-        allocator.add_sequence(i)
+        if not shared[i]:
+            allocator.add_sequence(i)
     # Append in rounds of one block per sequence, in a seeded random order each round,
     # as a serving engine interleaves requests.
     rng = random.Random(case.seed + 1)
-    pending = list(range(case.batch_size))
+    pending = [i for i in range(case.batch_size) if i not in waiting]
+
+    def fork_ready() -> None:
+        for i in list(waiting):
+            j = parent[i]
+            if j not in waiting and len(slots[j]) == shared[i] * bs:
+                allocator.fork(j, i)
+                slots[i] = list(slots[j])
+                waiting.remove(i)
+                pending.append(i)
+
+    fork_ready()
     while pending:
         rng.shuffle(pending)
         for i in pending:
             take = min(case.block_size, case.kv_lens[i] - len(slots[i]))
             slots[i].extend(allocator.append_tokens(i, take))
+            if waiting:
+                allocator.commit(i, len(slots[i]))
+        fork_ready()
         pending = [i for i in pending if len(slots[i]) < case.kv_lens[i]]
+    assert not waiting, f"sequences {waiting} never forked"  # a bug here, not bad input
     tables = [[low + b for b in allocator.block_table(i)] for i in range(case.batch_size)]
     slots = [[low * bs + s for s in seq] for seq in slots]
     return tables, slots, low + padding_block
@@ -473,7 +501,11 @@ def materialize(
     and rounded to it. A ``logit_offset`` sets channel 0 of every Q and K row (see
     :class:`PagedCase`). Block tables come from
     :class:`~pagedbench.reference.allocator.BlockAllocator` with a shuffled free list,
-    over the blocks from ``case.min_block_id`` up. ``case.poison`` fills every slot
+    over the blocks from ``case.min_block_id`` up; with ``case.shared_blocks`` a
+    sequence starts as a fork (:meth:`~pagedbench.reference.allocator.BlockAllocator.fork`)
+    of the one whose blocks it shares, and the K/V of its shared tokens are what their
+    first owner wrote (its own draws for them are discarded, so its other tokens have the
+    values of the unshared case). ``case.poison`` fills every slot
     without a live token and everything the ``layout`` allocates around the tensors.
     ``tail_poison`` chooses what fills the V half of the unused slots at the end of each
     sequence's partly filled last block: ``"nan"`` (the case's poison, the strict
@@ -518,15 +550,17 @@ def materialize(
 
     kv_dtype = case.kv_torch_dtype
     kv_cache = _cache_view(case, fill, where)
-    for n, seq_slots in zip(case.kv_lens, slots):
+    shared = case.shared_blocks or (0,) * case.batch_size
+    for n, seq_slots, first in zip(case.kv_lens, slots, shared):
         slot = torch.tensor(seq_slots, dtype=torch.int64, device=where)
         block, offset = slot // bs, slot % bs  # [n] each
         k = torch.randn(n, hkv, d, generator=gen, device=where) * channel_gain * case.qk_magnitude
         v = torch.randn(n, hkv, dv, generator=gen, device=where) * case.v_magnitude
         if case.logit_offset:
             k[..., 0] = offset_channel
-        kv_cache[block, 0, offset, :, :d] = _store(k, case.k_scale, kv_dtype)
-        kv_cache[block, 1, offset, :, :dv] = _store(v, case.v_scale, kv_dtype)
+        own = slice(first * bs, n)  # a shared block holds the K/V its first owner wrote
+        kv_cache[block[own], 0, offset[own], :, :d] = _store(k[own], case.k_scale, kv_dtype)
+        kv_cache[block[own], 1, offset[own], :, :dv] = _store(v[own], case.v_scale, kv_dtype)
     if tail_poison == "stale":
         stale_gen = torch.Generator(device=where).manual_seed(case.seed + 2)
         for n, table in zip(case.kv_lens, tables):
@@ -570,3 +604,49 @@ def materialize(
         sinks=sinks,
     )
     return inputs if resolve_device(device).type == "cpu" else inputs.to(device)
+
+
+def unshare_blocks(inputs: PagedInputs) -> PagedInputs:
+    """The same problem with every shared block copied to a fresh block of its own: each
+    table entry that repeats a block an earlier entry (of any sequence) already uses is
+    pointed to a copy of that block appended after the pool. The logical K/V, the truth
+    and every other tensor are unchanged; the case is ``inputs.case`` with
+    ``shared_blocks`` cleared and ``num_blocks`` the new pool's size. For the metamorphic
+    check that sharing changes no output bit of a batch-invariant kernel.
+
+    Returns
+    -------
+    PagedInputs
+        ``kv_cache : Tensor[num_blocks + copies, 2, block_size, num_kv_heads,
+        cache_head_dim]`` (contiguous), new ``block_tables`` and ``slot_mapping``.
+
+    Raises
+    ------
+    PagedTypeError
+        If ``inputs`` is not a :class:`PagedInputs`.
+    """
+    if not isinstance(inputs, PagedInputs):
+        raise PagedTypeError("inputs", inputs, "a PagedInputs (see materialize)")
+    case, bs = inputs.case, inputs.case.block_size
+    cache = inputs.kv_cache.cpu()
+    tables = inputs.block_tables.cpu().tolist()
+    seen: set[int] = set()
+    copies: list[int] = []
+    for row, used in zip(tables, case.blocks_per_seq):
+        for j in range(used):
+            if row[j] in seen:
+                copies.append(row[j])
+                row[j] = cache.shape[0] + len(copies) - 1
+            seen.add(row[j])
+    fresh = torch.cat([cache, cache[copies]]) if copies else cache.clone()
+    slots = [row[t // bs] * bs + t % bs for row, n in zip(tables, case.kv_lens)
+             for t in range(n)]
+    unshared = case.with_(shared_blocks=None, num_blocks=fresh.shape[0])
+    device = inputs.device
+    return PagedInputs(
+        case=unshared, q=inputs.q, kv_cache=fresh.to(device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        kv_lens=inputs.kv_lens, cu_seqlens_q=inputs.cu_seqlens_q,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        padding_block=inputs.padding_block, alibi_slopes=inputs.alibi_slopes,
+        sinks=inputs.sinks)

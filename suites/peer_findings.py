@@ -227,6 +227,36 @@ ROWS = [
         "smallest_case": "the edge probe window-bs+1: fp16, sliding window bs+1, qk_magnitude 30, logit_offset -1e4",
         "cause": "decode rows mask the keys outside the sliding window with -10000, not -inf (kernel_paged_attention_2d in vllm/v1/attention/ops/chunked_prefill_paged_decode.py): with logits near -1e4 those keys get weight",
     },
+    *({
+        "impl": "vllm-chunked-prefill",
+        "version": "0.32.0",
+        "build": "*",
+        "isa": "*",
+        "probe": f"window-{w}-mha",
+        "outcome": "fault",
+        "smallest_case": f"the edge probe window-{w}-mha: fp16, 2/2 heads, sliding window {w}, qk_magnitude 30, logit_offset -1e4 (window-bs-1-mha and window-bs+1-mha pass at ratio 1)",
+        "cause": "as window-1 at ratio 2: decode rows mask the keys outside the sliding window with -10000, not -inf (kernel_paged_attention_2d in vllm/v1/attention/ops/chunked_prefill_paged_decode.py)",
+    } for w in ("1", "2")),
+    {
+        "impl": "vllm-unified",
+        "version": "0.32.0",
+        "build": "*",
+        "isa": "*",
+        "probe": "*",
+        "outcome": "pass",
+        "smallest_case": "",
+        "cause": "every probe not listed passes (the shared-block probes and un-sharing included)",
+    },
+    *({
+        "impl": "vllm-unified",
+        "version": "0.32.0",
+        "build": "*",
+        "isa": "interpreter",
+        "probe": f"prefill-window-2bs-below0-{heads}",
+        "outcome": "fault",
+        "smallest_case": f"kv_lens (65,), q_lens (17,), {q}/2 heads, head_dim 64, block 16, fp16, sliding window 32, qk_magnitude 30, logit_offset -1e4: row 15 (position 63, whose window is exactly blocks 2 and 3) NaN in every head",
+        "cause": "not yet analysed; seen under Triton's interpreter on the CPU. The same row passes with logits near 0, with window 17, and as a decode row; the other prefill-window probes pass",
+    } for heads, q in (("mha", 2), ("gqa", 4))),
 ]
 
 FINDINGS = [Finding(**row) for row in ROWS]

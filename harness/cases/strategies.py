@@ -173,6 +173,9 @@ def paged_cases(
         values |= {"qk_magnitude": draw(st.sampled_from(QK_MAGNITUDES)),
                    "v_magnitude": draw(st.sampled_from(V_MAGNITUDES)),
                    "logit_offset": draw(st.sampled_from(LOGIT_OFFSETS))}
+    # Shared blocks (issue 20), in every box where the implementation takes them.
+    if capabilities is None or capabilities.shared_blocks:
+        values |= draw(shared_blocks(kv_lens, block_size))
     return PagedCase(
         kv_lens=kv_lens,
         q_lens=q_lens,
@@ -192,3 +195,18 @@ def paged_cases(
         seed=seed,
         name="hyp",
     )
+
+
+# Shared blocks (issue 20) -------------------------------------------------------------
+@st.composite
+def shared_blocks(draw: st.DrawFn, kv_lens: tuple[int, ...],
+                  block_size: int) -> dict[str, tuple[int, ...]]:
+    """``{"shared_blocks": ...}`` for a batch of ``kv_lens``, or ``{}`` (no sharing, what
+    hypothesis shrinks toward): each sequence shares with the one before it none, all
+    (a beam fork sharing every full block), or some of the full blocks both hold
+    (:attr:`PagedCase.shared_blocks`)."""
+    most = [0] + [min(a, b) // block_size for a, b in zip(kv_lens, kv_lens[1:])]
+    if max(most) == 0 or not draw(st.booleans()):
+        return {}
+    shared = tuple(draw(st.one_of(st.just(m), st.integers(0, m))) for m in most)
+    return {"shared_blocks": shared} if any(shared) else {}

@@ -1,10 +1,13 @@
-"""Pinned probes at the edges of the input space (issue 7), for every implementation:
-degenerate rows, high block ids and every poison, more than 64 blocks, the logit range,
-sliding windows of 1, 2 and block_size +- 1, non-contiguous layouts, unusual shapes, and
-the metamorphic properties (batch invariance, q = 0, a single visible key); long 16-bit
-contexts and the split thresholds are in ``test_pinned_probes``. Random search rarely
-lands on these, so each is placed. A probe an implementation does not declare (a feature, a layout, a shape,
-its interpreter budget) is skipped with the ``unsupported`` reason, never failed.
+"""Pinned probes at the edges of the input space (issues 7 and 20), for every
+implementation: degenerate rows, high block ids and every poison, more than 64 blocks,
+the logit range, sliding windows of 1, 2 and block_size +- 1 on decode rows and on
+prefill rows beside them, the features with decode-only shortcuts (sinks, ALiBi, soft
+cap, fp8 scales) on prefill rows, each at GQA ratio 1 and 2, shared blocks,
+non-contiguous layouts, unusual shapes, and the metamorphic properties (batch
+invariance, un-sharing blocks, q = 0, a single visible key); long 16-bit contexts and
+the split thresholds are in ``test_pinned_probes``. Random search rarely lands on these,
+so each is placed. A probe an implementation does not declare (a feature, a layout, a
+shape, its interpreter budget) is skipped with the ``unsupported`` reason, never failed.
 Implementations that run interpreted or compile per shape get only the :data:`CORE` probes
 in the ``ci`` profile (seconds to minutes per case), every probe and property in the others.
 A peer's probes are held to ``suites/peer_findings.py`` for its build and ISA path (known
@@ -26,10 +29,32 @@ from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.conformance import inputs_for
 from pagedbench.reference import naive_attention
 from pagedbench.reference.case import LAYOUTS, POISONS
+from pagedbench.reference.inputs import unshare_blocks
 from pagedbench.suites import peer_findings
 
 from .cases import pinned_case
 from .conftest import DEVICE
+
+#: Shared blocks (issue 20): a common prompt prefix (prefix caching), a beam-search fork
+#: sharing all but its last block, many sequences on one shared prompt, and forks placed
+#: past the block ids where 16-bit table entries wrap; on decode rows, and with prefill
+#: rows on the shared prompt.
+SHARED_PROBES = {
+    "shared-prefix": (lambda bs: (2 * bs + 3, 3 * bs + 1, 2 * bs + 5), 4, 2,
+                      {"shared_blocks": (0, 2, 2)}),
+    "shared-fork": (lambda bs: (3 * bs + 2, 3 * bs + 5, 3 * bs + 1), 4, 2,
+                    {"shared_blocks": (0, 3, 3)}),
+    "shared-fork-mha": (lambda bs: (3 * bs + 2, 3 * bs + 5, 3 * bs + 1), 2, 2,
+                        {"shared_blocks": (0, 3, 3)}),
+    "shared-prompt-6": (lambda bs: tuple(2 * bs + k for k in range(1, 7)), 4, 2,
+                        {"shared_blocks": (0, 2, 2, 2, 2, 2)}),
+    "shared-prefix-prefill": (lambda bs: (2 * bs + 3, 3 * bs + 1, 2 * bs + 5), 4, 2,
+                              {"shared_blocks": (0, 2, 2), "q_lens": (1, 5, 3)}),
+    "shared-block-id-32767": (lambda bs: (3 * bs + 1, 3 * bs + 2), 2, 1,
+                              {"shared_blocks": (0, 3), "min_block_id": 32766}),
+    "shared-block-id-65535": (lambda bs: (3 * bs + 1, 3 * bs + 2), 2, 1,
+                              {"shared_blocks": (0, 3), "min_block_id": 65534}),
+}
 
 #: name -> (kv_lens(block_size), num_q_heads, num_kv_heads, other fields). Lengths and
 #: fields may depend on the block size the implementation takes (callables of it).
@@ -44,6 +69,7 @@ PROBES = {
                        {"min_block_id": 32766, "poison": "inf"}),
     "block-id-65535": (lambda bs: (3 * bs + 1, 2), 2, 1,
                        {"min_block_id": 65534, "poison": "-inf"}),
+    **SHARED_PROBES,
     **{f"poison-{p}": (lambda bs: (bs + 1, 2 * bs - 1, 3), 4, 2, {"poison": p})
        for p in POISONS},
     # More than 64 blocks per sequence (long 16-bit contexts and the split thresholds:
@@ -90,10 +116,58 @@ PROBES = {
                     {"head_dim": 576, "head_dim_v": 512, "dtype": "bfloat16"}),
 }
 
+#: Heads of the probes run once per GQA path: real decode kernels take one code path for
+#: ratio 1 (an elementwise product and sum) and another for ratio > 1 (a matrix product).
+HEADS = {"mha": (2, 2), "gqa": (4, 2)}
+#: The logit-range probes above (all at ratio 2), again at ratio 1.
+LOGIT_RANGE = ("sm-scale-1e-3", "sm-scale-1e3", "logits-far-from-0", "fp32-logits-far-from-0",
+               "offset+1e4", "offset-1e4", "soft-cap-below-logits", "soft-cap-above-logits",
+               "fp16-near-65504", "window-1", "window-2", "window-bs-1", "window-bs+1")
+PROBES |= {f"{name}-mha": (PROBES[name][0], *HEADS["mha"], PROBES[name][3])
+           for name in LOGIT_RANGE}
+
+#: Sliding windows on prefill rows beside decode rows (issue 20): lengths of the decode
+#: row, a chunk of block_size + 1 rows and a whole prompt of 2 * block_size, so that
+#: every window starts and ends on a block boundary for some row; 1, 2, block_size +- 1
+#: and 2 * block_size (the decode row of kv_len 3 * block_size then sees exactly blocks
+#: 1 and 2, block 0 all masked), with logits near 0 and far below it (an all-masked
+#: tile's running max is -inf there, not a number near the logits).
+WINDOWS = (("1", 1), ("2", 2), ("bs-1", lambda bs: max(1, bs - 1)), ("bs+1", lambda bs: bs + 1),
+           ("2bs", lambda bs: 2 * bs))
+LOGITS = {"near0": {}, "below0": {"qk_magnitude": 30.0, "logit_offset": -1e4}}
+PROMPT_ROWS = {"q_lens": lambda bs: (1, bs + 1, 2 * bs)}
+PROBES |= {
+    f"prefill-window-{name}-{logits}-{heads}": (
+        lambda bs: (3 * bs, 4 * bs + 1, 2 * bs), *HEADS[heads],
+        {**PROMPT_ROWS, "sliding_window": window, **LOGITS[logits]})
+    for name, window in WINDOWS for logits in LOGITS for heads in HEADS}
+
+#: Features with a decode-only shortcut in real kernels, on decode rows alone and on
+#: prefill rows beside decode rows, at each GQA path.
+FEATURE_FIELDS = {
+    "sinks": {"sinks": True},
+    "alibi": {"alibi": True},
+    "soft-cap": {"logits_soft_cap": 5.0, "qk_magnitude": 3.0},
+    "fp8-e4m3": {"kv_cache_dtype": "fp8_e4m3", "k_scale": 0.5, "v_scale": 0.25},
+    "fp8-e5m2": {"kv_cache_dtype": "fp8_e5m2", "k_scale": 2.0, "v_scale": 0.25},
+}
+PROBES |= {
+    f"{feature}-{mode}-{heads}": (
+        lambda bs: (bs + 3, 2 * bs + 1, 5), *HEADS[heads],
+        {**fields, **({"q_lens": lambda bs: (1, bs + 1, 5)} if mode == "prefill" else {})})
+    for feature, fields in FEATURE_FIELDS.items() for mode in ("decode", "prefill")
+    for heads in HEADS}
+
+#: The order tests run in (what ``pagedbench selftest --first-catch`` stops at first): the
+#: degenerate rows, the block ids, shared blocks and one window on prefill rows first.
+_FIRST = [*list(PROBES)[: list(PROBES).index("shared-block-id-65535") + 1],
+          "prefill-window-1-near0-mha"]
+PROBES = {name: PROBES[name] for name in _FIRST} | PROBES
 
 #: The probes every implementation gets in every profile: one per kind of edge.
 CORE = ("empty-kv", "empty-q", "unseen-rows", "block-id-65535", "offset-1e4", "window-1",
-        "layout-every_other_block", "fp32-logits-far-from-0")
+        "layout-every_other_block", "fp32-logits-far-from-0", "prefill-window-2bs-below0-mha",
+        "shared-fork")
 
 
 @pytest.mark.parametrize("probe", list(PROBES))
@@ -145,6 +219,29 @@ def test_batch_invariance(adapter, impl) -> None:
                 f"others join (max diff {(batched.double() - single.double()).abs().max():.3g})")
         tolerance.assert_matches_truth(batched, alone_inputs.to("cpu"),
                                        f"{adapter.name}:batched")
+
+
+def test_unsharing_blocks_changes_no_bit(adapter, impl) -> None:
+    """Copying every shared block to a fresh block id (``unshare_blocks``: the same
+    logical K/V, no table entry repeated) changes no output bit of an implementation
+    that declares ``batch_invariant`` (nothing it computes for a sequence depends on
+    where its blocks lie or who else holds them); for the others both outputs are
+    judged against the truth."""
+    _skip_if_slow_in_ci(adapter)
+    case = pinned_case(adapter, lambda bs: (3 * bs + 2, 3 * bs + 5, 2 * bs + 1, 3), 4, 2,
+                       "unshare", shared_blocks=(0, 3, 2, 0))
+    shared_inputs = inputs_for(adapter, case, DEVICE)
+    unshared_inputs = unshare_blocks(shared_inputs)
+    shared = adapter.run(adapter.prepare(shared_inputs))
+    unshared = adapter.run(adapter.prepare(unshared_inputs))
+    with _replay_hint(case, impl):
+        if adapter.capabilities(DEVICE).batch_invariant:
+            assert torch.equal(shared, unshared), (
+                f"{adapter.name} declares batch_invariant but un-sharing the blocks changes "
+                f"its output (max diff {(shared.double() - unshared.double()).abs().max():.3g})")
+        tolerance.assert_matches_truth(shared, shared_inputs.to("cpu"), f"{adapter.name}:shared")
+        tolerance.assert_matches_truth(unshared, unshared_inputs.to("cpu"),
+                                       f"{adapter.name}:unshared")
 
 
 def _first_sequence(inputs):

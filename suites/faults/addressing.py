@@ -179,6 +179,53 @@ class NonContiguousQuery(PagedKernel):
         return dense[start:stop]
 
 
-__all__ = ["BlockIds16Bit", "BlockSizeAssumed16", "GqaHeadTileBleed", "LastBlockUnmasked",
-           "NanTailTimesZero", "NonContiguousQuery", "ShortSequenceZeros",
+class BlockKeyedScratch(PagedKernel):
+    """Keeps each block's logits in scratch keyed by the physical block id (and the
+    query row, counted from the last), written for every sequence first and read back
+    for the softmax, as a split-KV kernel sizes its workspace per block: right while
+    every block belongs to one sequence, wrong when tables share a block (prefix
+    caching, a beam fork), where the sequence written last overwrites the others'
+    logits. Imitates kekzl/imp#1189 (per-block state kept in a pool indexed by block id,
+    read back at that id for a block that is not the one it was written for)."""
+
+    name = "fault-block-keyed-scratch"
+    imitates = "kekzl/imp#1189"
+    trigger = "block tables that share a physical block"
+
+    def attend(self, inputs):
+        case = inputs.case
+        cu = inputs.cu_seqlens_q.tolist()
+        scratch = {}  # block id -> (sequence, logits [hq, q_len, slots]), rows from the last
+        written = []
+        for i, kv_len in enumerate(inputs.kv_lens.tolist()):
+            q = self.queries(inputs, cu[i], cu[i + 1]).float()  # [q_len, hq, d]
+            q_len = q.shape[0]
+            pos_k = self.positions(kv_len, case.block_size, q_len)
+            k, v = self.gather(inputs, i, pos_k, q_len)
+            heads = self.kv_heads(case.num_q_heads, case.num_kv_heads)
+            k, v = k[:, heads], v[:, heads]
+            pos_q = torch.arange(kv_len - q_len, kv_len)
+            logits = self.logits(q, k, case, pos_q, pos_k, kv_len, inputs.alibi_slopes)
+            blocks = self.block_ids(self.block_table(inputs, i), pos_k, case.block_size)
+            for block in blocks.unique().tolist():
+                scratch[block] = (i, logits[:, :, blocks == block])
+            written.append((blocks, logits, v))
+        out = torch.empty(case.total_q, case.num_q_heads, case.head_dim,
+                          dtype=case.torch_dtype, device=inputs.device)
+        for i, (blocks, logits, v) in enumerate(written):
+            q_len = logits.shape[1]
+            for block in blocks.unique().tolist():
+                owner, saved = scratch[block]
+                cols = blocks == block
+                rows = min(q_len, saved.shape[1])
+                if owner != i and rows and saved.shape[-1] == int(cols.sum()):
+                    self.fired()
+                    logits[:, q_len - rows :, cols] = saved[:, saved.shape[1] - rows :]
+            state = self.reduce(logits, v, inputs.sinks, case, q_len)
+            out[cu[i] : cu[i + 1]] = state.o.to(case.torch_dtype)
+        return out
+
+
+__all__ = ["BlockIds16Bit", "BlockKeyedScratch", "BlockSizeAssumed16", "GqaHeadTileBleed",
+           "LastBlockUnmasked", "NanTailTimesZero", "NonContiguousQuery", "ShortSequenceZeros",
            "StaleBlockTable"]

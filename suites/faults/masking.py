@@ -65,6 +65,26 @@ class SlidingWindowOneTooMany(PagedKernel):
         return super().visible(pos_q, pos_k, kv_len, case.with_(sliding_window=window + 1))
 
 
+class WindowOnDecodeOnly(PagedKernel):
+    """Applies the sliding window to decode rows only: a prefill chunk (several query
+    rows) attends causally to every key before it, as a prefill path that takes a
+    ``sliding_window`` argument and does not mask with it. Imitates
+    vllm-project/vllm#4405 (the prefix-prefill Triton kernel that chunked prefill and
+    prefix caching run did not apply the sliding window; the decode kernel did)."""
+
+    name = "fault-window-on-decode-only"
+    imitates = "vllm-project/vllm#4405"
+    trigger = "a sliding window shorter than the keys before some row of a prefill chunk"
+
+    def visible(self, pos_q, pos_k, kv_len, case):
+        window = case.sliding_window
+        if window is None or pos_q.numel() < 2:
+            return super().visible(pos_q, pos_k, kv_len, case)
+        if int(pos_q.max()) >= window:
+            self.fired()
+        return super().visible(pos_q, pos_k, kv_len, case.with_(sliding_window=None))
+
+
 class SoftCapAfterMask(PagedKernel):
     """Applies the soft cap after masking, so a masked logit becomes ``-cap`` instead of
     staying ``-inf`` and masked keys get weight ``exp(-cap - max)``. Imitates
@@ -182,4 +202,5 @@ class FullyMaskedRowAverages(PagedKernel):
 
 __all__ = ["AlibiFromChunkStart", "AlibiIgnored", "CausalOneAhead", "CausalTopLeft",
            "FiniteMaskSentinel", "FullyMaskedRowAverages",
-           "SinksIgnoredInPrefill", "SlidingWindowOneTooMany", "SoftCapAfterMask"]
+           "SinksIgnoredInPrefill", "SlidingWindowOneTooMany", "SoftCapAfterMask",
+           "WindowOnDecodeOnly"]

@@ -142,5 +142,46 @@ class KvLenZeroNan(PagedKernel):
         return acc / total[..., None]
 
 
+class MaskedTileMaxZero(PagedKernel):
+    """Runs the online softmax over tiles of one block and, to keep ``exp(-inf - -inf)``
+    from making NaN, replaces the max of a tile whose keys a row sees none of (a tile
+    outside its sliding window or past its causal edge) by 0 instead of leaving the
+    running max alone. Exact while the logits lie near 0; when every logit a row sees is
+    far below 0 the running max is then 0, every weight underflows to 0 and the row comes
+    out 0. Imitates the all-masked-row guard of flashinfer-ai/flashinfer#4401 (a masked
+    row's max must not become a number the valid logits sit far below)."""
+
+    name = "fault-masked-tile-max-zero"
+    imitates = "flashinfer-ai/flashinfer#4401"
+    trigger = "a tile of keys a row sees none of, with that row's logits far below 0"
+
+    def reduce(self, logits, v, sinks, case, q_len):
+        hq, q_len, n = logits.shape
+        starts = range(0, n, case.block_size)
+        dead = [~torch.isfinite(logits[..., s : s + case.block_size]).any(-1) for s in starts]
+        live_row = torch.isfinite(logits).any(-1)  # [hq, q_len]
+        if not any(bool((d & live_row).any()) for d in dead):
+            return super().reduce(logits, v, sinks, case, q_len)
+        self.fired()
+        m = torch.full((hq, q_len), NEG_INF)
+        total = torch.zeros(hq, q_len)
+        acc = torch.zeros(q_len, hq, v.shape[-1])
+        for s in starts:
+            tile = logits[..., s : s + case.block_size]  # [hq, q_len, tile]
+            tile_max = tile.amax(-1)
+            tile_max = torch.where(torch.isfinite(tile_max), tile_max, 0.0)  # the fault
+            new = torch.maximum(m, tile_max)
+            alpha = torch.exp(m - new)  # 0 where m was -inf
+            p = torch.exp(tile - new[..., None])
+            total = total * alpha + p.sum(-1)
+            acc = acc * alpha.T[..., None] + torch.einsum("hqk,khd->qhd", p,
+                                                          v[s : s + case.block_size])
+            m = new
+        o = self.normalize(acc, total.T)
+        lse = torch.where(total > 0, m + torch.log(total), NEG_INF).T  # [q_len, hq]
+        state = State(o, lse)
+        return state if sinks is None else merge(state, self.sink_state(sinks, state))
+
+
 __all__ = ["Fp8ScalesIgnoredInPrefill", "KvLenZeroNan", "LowPrecisionAccumulator",
-           "QkReductionLowPrecision", "SplitKvEmptyMerge", "merge_unguarded"]
+           "MaskedTileMaxZero", "QkReductionLowPrecision", "SplitKvEmptyMerge", "merge_unguarded"]

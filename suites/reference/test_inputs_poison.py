@@ -36,7 +36,8 @@ def test_materialize_poisons_every_slot_without_a_live_token(case: PagedCase) ->
         for i, n in enumerate(case.kv_lens) for t in range(n)
     ]
     assert inputs.slot_mapping.tolist() == expected_slots
-    assert len(set(expected_slots)) == sum(case.kv_lens), "two tokens share a slot"
+    shared_slots = case.num_shared_blocks * bs  # a shared block's slots, once per sharer
+    assert len(set(expected_slots)) == sum(case.kv_lens) - shared_slots, "two tokens share a slot"
     assert min(expected_slots + [case.min_block_id * bs]) >= case.min_block_id * bs
     # [num_blocks * block_size, hkv, cache_head_dim] for K and V
     k = inputs.kv_cache[:, 0].reshape(-1, case.num_kv_heads, case.cache_head_dim)
@@ -201,6 +202,9 @@ def test_gather_kv_returns_the_values_written_at_each_slot() -> None:
         ("sm_scale", -1.0, "sm_scale"),
         ("logits_soft_cap", float("inf"), "logits_soft_cap"),
         ("seed", 2**70, "seed must be in"),
+        ("shared_blocks", (1,), "shared_blocks\\[0\\] must be 0"),
+        ("shared_blocks", (0, 0), "shared_blocks has 2 entries"),
+        ("shared_blocks", 2, "shared_blocks must be a list or tuple"),
     ],
 )
 def test_paged_case_rejects_bad_input_naming_the_parameter(field, value, message) -> None:
