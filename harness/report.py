@@ -25,6 +25,7 @@ from typing import Any
 import pandas as pd
 
 from .conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
+from .fp8_interpreter import FP8_POISON_MARK, poison_reads_finite
 from .derived import DEFAULT_BASELINE, bench_frame, fast_p, group_scores
 from .record import ResultRecord, RunRecord, environment_key, result_key
 from .status import Status
@@ -58,7 +59,8 @@ def cell_text(record: ResultRecord) -> str:
     if status is not Status.PASS:
         return str(status)
     mark = "pass" + (STALE_TAIL_MARK if record.tail_poison == "stale" else "") + (
-        CASE_LOGITS_MARK if record.logits_precision == "case" else "")
+        CASE_LOGITS_MARK if record.logits_precision == "case" else "") + (
+        FP8_POISON_MARK if poison_reads_finite(record.paged_case(), record.interpreted) else "")
     if record.interpreted:
         return f"{mark} (interp.)"
     if record.time_ms_median is None or record.time_ms is None:
@@ -212,7 +214,11 @@ _LEGEND = (
     "values in those slots instead of NaN (K there stays NaN). "
     f"`{CASE_LOGITS_MARK}`: the implementation declares that it computes its logits in "
     "the case dtype, and was judged against a naive yardstick that does the same "
-    "(docs/tolerance.md).")
+    "(docs/tolerance.md). "
+    f"`{FP8_POISON_MARK}`: ran under Triton's interpreter on an fp8 cache, whose fp8 "
+    "decode reads the NaN/Inf poison of unused slots as a large finite number (0x7F: 480 "
+    "in E4M3), so a read past kv_len showed as a large value, and one multiplied by a "
+    "zero weight not at all (results/fp8-interpreter, docs/edges.md).")
 
 
 def _spread(value: float, low: float, high: float, fmt: str) -> str:
