@@ -99,11 +99,13 @@ def test_the_search_fills_its_seconds_at_the_measured_speed(per_example_s, examp
 
 
 def test_the_table_sizes_only_the_first_run():
-    """A guess of 0.125 s per example sizes the first run for half the 30 s (120
-    examples); the implementation runs at 0.0625 s, so the refill fills the 22.5 s left
-    (360 examples)."""
-    search, _ = _search(0.0625, guess_s=0.125)
-    assert search.runs == [120, 360] and search.examples == 480
+    """A guess of 1 s per example sizes the first run for half the 30 s (15 examples);
+    the implementation runs at 0.25 s, so the refill fills the 26.25 s left (105). A
+    guess of 0.125 s (120 examples) is held to twice the floor: 16."""
+    search, _ = _search(0.25, guess_s=1.0)
+    assert search.runs == [15, 105] and search.examples == 120
+    search, _ = _search(0.25, guess_s=0.125)
+    assert search.runs == [16, 104] and search.examples == 120
 
 
 def test_each_refill_draws_new_examples_and_a_small_space_ends_the_search():
@@ -121,7 +123,8 @@ def test_a_profile_without_seconds_gets_one_run_of_its_own_max_examples(monkeypa
     assert search.seconds is None and search.bounds == (1, settings().max_examples)
     assert budget.timed_search("x", seconds_override=4.0).seconds == 4.0
     monkeypatch.setattr(budget, "profile", lambda: "nightly")
-    assert budget.timed_search("mid", table={"mid": 0.1}).first_count() == 3000
+    assert budget.timed_search("mid", table={"mid": 2.0}).first_count() == 150
+    assert budget.timed_search("fast", table={"fast": 0.1}).first_count() == 200
 
 
 def test_every_implementation_is_in_the_table():
