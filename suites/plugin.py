@@ -8,7 +8,8 @@ In a checkout, ``suites/conftest.py`` registers this same module when pytest has
 - ``--impl NAME`` (repeatable): implementations the conformance suite checks (default:
   all; an unknown name is a usage error listing the known ones); ``--pagedbench-device cpu|cuda|cuda:N``: the device it checks them on (default
   ``cuda`` when torch sees one, else ``cpu``; a device this machine lacks is a usage
-  error); ``--pagedbench-cache-dir DIR``.
+  error); ``--pagedbench-search-seconds S``: seconds of conformance search per
+  implementation (default: the profile's); ``--pagedbench-cache-dir DIR``.
 - Markers ``gpu`` (skipped without CUDA), ``slow``, ``bench``, ``vllm``.
 - Hypothesis profiles (``--hypothesis-profile NAME``, else ``HYPOTHESIS_PROFILE``):
   ``ci`` (default: no deadline, since interpreted and compiled kernels are slow at first
@@ -33,6 +34,8 @@ In a checkout, ``suites/conftest.py`` registers this same module when pytest has
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -73,10 +76,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pagedbench-device", default=None, metavar="DEVICE",
                     help="cpu, cuda or cuda:N: where the conformance suite runs "
                          "(default: cuda when torch sees one, else cpu)")
+    group.addoption("--pagedbench-search-seconds", type=_positive_seconds, default=None,
+                    metavar="SECONDS",
+                    help="seconds of conformance search per implementation (default: the "
+                         "hypothesis profile's: ci 30, nightly 600; suites/budget.py)")
     group.addoption("--pagedbench-cache-dir", default=None, metavar="DIR",
                     help=f"caches, temp files and hypothesis's database (default: "
                          f"${CACHE_DIR_VARIABLE}, else {DEFAULT_CACHE_DIR}/ of the rootdir "
                          "or working directory)")
+
+
+def _positive_seconds(text: str) -> float:
+    """``--pagedbench-search-seconds``'s value: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds above 0 (e.g. 30)")
+    return value
+
+
+def search_seconds(config: pytest.Config) -> float | None:
+    """``--pagedbench-search-seconds``, or ``None`` (the profile's seconds apply)."""
+    return config.getoption("--pagedbench-search-seconds")
 
 
 def cache_dir(config: pytest.Config, option: str | None) -> Path:
@@ -228,4 +251,4 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 __all__ = ["CACHE_DIR_VARIABLE", "DEFAULT_CACHE_DIR", "MARKERS", "XDIST_WORKER_VARIABLE",
-           "cache_dir", "device", "early_device", "implementations"]
+           "cache_dir", "device", "early_device", "implementations", "search_seconds"]

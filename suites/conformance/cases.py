@@ -18,14 +18,18 @@ from .conftest import DEVICE
 
 
 def case_strategy(adapter: Adapter) -> st.SearchStrategy[PagedCase]:
-    """The cases the search draws for ``adapter``: within its capabilities, smaller
-    where it runs interpreted."""
+    """The cases the search draws for ``adapter``: within its capabilities, from the
+    edge box (degenerate rows, fresh prefills, layouts, poisons, a V head dim of its own,
+    every declared option at once now and then) and one logit regime of the pinned
+    probes' at a time (``harness/cases/strategies.py``); smaller where it runs interpreted."""
     interpreted = adapter.is_interpreted(DEVICE)
     return paged_cases(
         adapter.capabilities(DEVICE),
         max_batch=3 if interpreted else 4,
         max_kv_len=80 if interpreted else 300,
         max_kv_heads=1 if interpreted else 2,
+        edges=True,
+        logit_regimes=True,
     )
 
 

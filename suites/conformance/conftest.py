@@ -1,6 +1,6 @@
 """Fixtures of the conformance suite: which implementations to check (``--impl``), on
 which device (``--pagedbench-device``; both registered by :mod:`pagedbench.suites.plugin`),
-with how many examples.
+with how many examples (:func:`search_budget`).
 
 Implementations are found without importing them (:func:`pagedbench.adapters.entries`,
 through :func:`pagedbench.suites.plugin.implementations`, which checks ``--impl``); only the ones a test session selects are imported, when their first test runs. Naming a
@@ -52,12 +52,34 @@ def adapter(impl: str) -> Adapter:
     return instance
 
 
+#: ``(impl, examples, seconds used, seconds of budget, runs)`` of each search this
+#: session ran, for the terminal summary.
+_SEARCHES = pytest.StashKey[list[tuple[str, int, float, float | None, list[int]]]]()
+
+
 @pytest.fixture
-def example_budget(impl: str) -> dict[str, int]:
-    """``max_examples`` for ``impl``'s conformance search in the profile in force
-    (``suites/budget.py``); empty for a profile without a time budget."""
-    count = budget.examples_for(impl, budget.seconds_per_example())
-    return {} if count is None else {"max_examples": count}
+def search_budget(impl: str, request: pytest.FixtureRequest, record_property):
+    """``impl``'s conformance search in the profile in force, filling its seconds
+    (:class:`~pagedbench.suites.budget.TimedSearch`); afterwards the examples it checked
+    and the seconds it used are the JUnit properties ``search_examples`` and
+    ``search_seconds`` and a line of the terminal summary."""
+    search = budget.timed_search(impl, plugin.search_seconds(request.config))
+    yield search
+    record_property("search_examples", search.examples)
+    record_property("search_seconds", round(search.elapsed_s, 2))
+    request.config.stash.setdefault(_SEARCHES, []).append(
+        (impl, search.examples, search.elapsed_s, search.seconds, search.runs))
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    searches = config.stash.get(_SEARCHES, [])
+    if not searches:
+        return
+    terminalreporter.section(f"pagedbench search (profile {budget.profile()})")
+    for impl, examples, used, seconds, runs in searches:
+        limit = "the profile's max_examples" if seconds is None else f"{seconds:g} s"
+        terminalreporter.line(f"{impl}: {examples} examples in {used:.1f} s "
+                              f"(budget {limit}; runs of {'+'.join(map(str, runs))})")
 
 
 @pytest.fixture(autouse=True)

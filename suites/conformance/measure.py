@@ -1,6 +1,7 @@
 """Measure the seconds one example of ``test_paged_matches_dense`` takes per
-implementation, and write the table the example budgets are derived from
-(``example_seconds.json`` beside this file; ``suites/budget.py`` reads it).
+implementation, and write the table that sizes the first run of each search
+(``example_seconds.json`` beside this file; ``suites/budget.py`` reads it as a first
+guess, and the search then fills its seconds at the speed it measures).
 
     python -m pagedbench.suites.conformance.measure [--impl NAME ...] [--examples N]
 

@@ -3,8 +3,8 @@ claims to support (harness/verdict/tolerance.py's policy), with NaN-poisoned unu
 shuffled block tables. Run one implementation: ``pytest suites/conformance --impl NAME``;
 a failure ends with the ``pagedbench replay`` command of its case (harness/run/replay.py).
 
-The search gets each implementation's example budget (``suites/budget.py``): its
-measured seconds per example against the profile's time budget.
+The search fills the profile's seconds on each implementation (``suites/budget.py``):
+runs of hypothesis sized by the speed measured on the implementation itself.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, note, settings
-from hypothesis import strategies as st
+from hypothesis import assume, note
 
 from pagedbench.harness.run import replay
 from pagedbench.harness.verdict.conformance import inputs_for, nan_tail_output_finite
@@ -25,20 +24,19 @@ from .cases import case_strategy, pinned_case
 from .conftest import DEVICE
 
 
-def test_paged_matches_dense(adapter, impl, example_budget, pytestconfig) -> None:
+def test_paged_matches_dense(adapter, impl, search_budget, pytestconfig) -> None:
     strategy = case_strategy(adapter)
 
-    @settings(suppress_health_check=list(HealthCheck), **example_budget)
-    @given(data=st.data())
     def search(data) -> None:
         case = data.draw(strategy)
         reasons = adapter.why_unsupported(case, DEVICE)
         note(f"case {case.case_id}: {case.to_dict()}; unsupported: {reasons}")
         assume(not reasons)
+        search_budget.counted()
         peer_findings.check_conformance(adapter, case, DEVICE, impl, "search",
                                         pytestconfig.rootpath)
 
-    search()
+    search_budget.run(search)
 
 
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (4, 1), (8, 2)],

@@ -1,6 +1,7 @@
 """``--hypothesis-profile`` on the pytest command line takes effect, example counts
 included, and wins over ``HYPOTHESIS_PROFILE`` (issue 7, section 3); the conformance
-search's budget follows the profile and the measured speed (``suites/budget.py``)."""
+search fills the profile's seconds at the speed measured on the implementation itself
+(``suites/budget.py``, issue 20)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+
 from pagedbench.suites import budget
 
 #: A session with the suites' profiles (suites/conftest.py loaded as a plug-in): one
@@ -27,7 +31,7 @@ def test_count(x):
 
 def test_report():
     print(f"PROFILE={budget.profile()} CALLS={len(CALLS)} "
-          f"BUDGET={budget.examples_for('x', {'x': 0.5})}")
+          f"SECONDS={budget.search_seconds()}")
 '''
 
 
@@ -45,24 +49,82 @@ def _session(tmp_path, *options: str, variable: str | None = None) -> str:
 
 
 @pytest.mark.parametrize("options, variable, expected", [
-    (("--hypothesis-profile", "nightly"), None, "PROFILE=nightly CALLS=7 BUDGET=1200"),
-    (("--hypothesis-profile", "ci"), "nightly", "PROFILE=ci CALLS=3 BUDGET=60"),
+    (("--hypothesis-profile", "nightly"), None, "PROFILE=nightly CALLS=7 SECONDS=600.0"),
+    (("--hypothesis-profile", "ci"), "nightly", "PROFILE=ci CALLS=3 SECONDS=30.0"),
 ], ids=["option", "option-over-variable"])
 def test_profile_option_sets_example_counts(tmp_path, options, variable, expected):
     assert expected in _session(tmp_path, *options, variable=variable)
 
 
-def test_examples_for_scales_with_measured_speed(monkeypatch):
-    """ci gives 30 s of search: 0.05 s per example -> 500 (the cap), 0.1 s -> 300, an
-    interpreted kernel at 1.5 s -> 20, anything unmeasured (2 s) -> 15."""
-    monkeypatch.setattr(budget, "profile", lambda: "ci")
-    seconds = {"fast": 0.05, "mid": 0.1, "interpreted": 1.5}
-    assert [budget.examples_for(n, seconds) for n in ("fast", "mid", "interpreted", "new")] == [
-        500, 300, 20, 15]
-    monkeypatch.setattr(budget, "profile", lambda: "nightly")
-    assert budget.examples_for("mid", seconds) == 6000
+class FakeClock:
+    """A clock that moves only when told: each example "takes" ``per_example_s``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _search(per_example_s: float, guess_s: float = budget.UNMEASURED_SECONDS,
+            strategy=st.integers(), seconds: float = 30.0):
+    """A ``ci``-sized search (30 s, 8..500 examples) whose every example takes
+    ``per_example_s`` on a fake clock; returns it and the values each run drew."""
+    clock = FakeClock()
+    search = budget.TimedSearch(seconds=seconds, guess_s=guess_s, bounds=(8, 500), clock=clock)
+    drawn: list[list] = []
+
+    def body(data) -> None:
+        if len(drawn) < len(search.runs):
+            drawn.append([])
+        drawn[-1].append(data.draw(strategy))
+        search.counted()
+        clock.now += per_example_s
+
+    search.run(body)
+    return search, drawn
+
+
+@pytest.mark.parametrize("per_example_s, examples, runs", [
+    (1 / 64, 500, [8, 492]),  # a fast plug-in the table lacks: the cap, not 15
+    (0.125, 240, [8, 232]),   # the time filled exactly
+    (1.0, 30, [8, 22]),
+    (5.0, 8, [8]),            # slower than the budget: the floor only
+], ids=["fast", "mid", "slow", "slower-than-the-budget"])
+def test_the_search_fills_its_seconds_at_the_measured_speed(per_example_s, examples, runs):
+    search, _ = _search(per_example_s)
+    assert (search.examples, search.runs) == (examples, runs)
+    assert search.elapsed_s == pytest.approx(max(8 * per_example_s, min(
+        30.0, 500 * per_example_s)), abs=per_example_s)
+
+
+def test_the_table_sizes_only_the_first_run():
+    """A guess of 1 s per example sizes the first run for half the 30 s (15 examples);
+    the implementation runs at 0.25 s, so the refill fills the 26.25 s left (105). A
+    guess of 0.125 s (120 examples) is held to twice the floor: 16."""
+    search, _ = _search(0.25, guess_s=1.0)
+    assert search.runs == [15, 105] and search.examples == 120
+    search, _ = _search(0.25, guess_s=0.125)
+    assert search.runs == [16, 104] and search.examples == 120
+
+
+def test_each_refill_draws_new_examples_and_a_small_space_ends_the_search():
+    """Under the derandomized ``ci`` profile each run has its own seed (the refill is not
+    the first run again); a strategy of two values ends the search at its first run."""
+    _, drawn = _search(0.125)
+    assert set(drawn[1]) - set(drawn[0])
+    search, drawn = _search(0.125, strategy=st.booleans())
+    assert search.runs == [8] and search.examples == 2 and sorted(drawn[0]) == [False, True]
+
+
+def test_a_profile_without_seconds_gets_one_run_of_its_own_max_examples(monkeypatch):
     monkeypatch.setattr(budget, "profile", lambda: "someone-elses")
-    assert budget.examples_for("mid", seconds) is None
+    search = budget.timed_search("x")
+    assert search.seconds is None and search.bounds == (1, settings().max_examples)
+    assert budget.timed_search("x", seconds_override=4.0).seconds == 4.0
+    monkeypatch.setattr(budget, "profile", lambda: "nightly")
+    assert budget.timed_search("mid", table={"mid": 2.0}).first_count() == 150
+    assert budget.timed_search("fast", table={"fast": 0.1}).first_count() == 200
 
 
 def test_every_implementation_is_in_the_table():

@@ -1,0 +1,53 @@
+"""The conformance search's strategy draws the edges and the feature combinations (issue 20,
+item 4): in 400 derandomized draws over every axis, degenerate rows, fresh prefills,
+one-token contexts, every layout and poison, a V head dim of its own, every logit regime,
+and examples with every option on at once; float32 cases never get the offsets that leave
+their verdict to summation order."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedbench.harness.cases.strategies import FP32_LOGIT_REGIMES, LOGIT_REGIMES, paged_cases
+from pagedbench.reference.case import LAYOUTS, POISONS
+
+DRAWS = 400
+
+
+def _drawn():
+    cases = []
+
+    @settings(max_examples=DRAWS, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.data())
+    def draw(data) -> None:
+        cases.append(data.draw(paged_cases(edges=True, logit_regimes=True)))
+
+    draw()
+    return cases
+
+
+def _regime(case) -> dict:
+    fields = {"qk_magnitude": 1.0, "v_magnitude": 1.0, "logit_offset": 0.0}
+    return {k: getattr(case, k) for k, everyday in fields.items() if getattr(case, k) != everyday}
+
+
+def test_the_search_draws_the_edges_and_every_option_together() -> None:
+    cases = _drawn()
+    q_lens = [(c.q_lens or (1,) * c.batch_size) for c in cases]
+    rows = [(q, kv) for c, qs in zip(cases, q_lens) for q, kv in zip(qs, c.kv_lens)]
+    assert any(kv == 0 for _, kv in rows) and any(q == 0 for q, _ in rows)
+    assert any(q > kv > 0 for q, kv in rows)            # rows before position 0
+    assert any(q == kv > 16 for q, kv in rows)          # fresh prefills
+    assert any(c.kv_lens == (1,) * c.batch_size for c in cases)  # one-token contexts
+    assert {c.layout for c in cases} == set(LAYOUTS)
+    assert {c.poison for c in cases} == set(POISONS)
+    assert any(c.head_dim_v not in (None, c.head_dim) for c in cases)
+    regimes = [_regime(c) for c in cases]
+    sixteen = [r for c, r in zip(cases, regimes) if c.dtype != "float32"]
+    assert all(r in sixteen for r in LOGIT_REGIMES)
+    assert all(r in FP32_LOGIT_REGIMES for c, r in zip(cases, regimes) if c.dtype == "float32")
+    together = [c for c in cases if c.sliding_window and c.logits_soft_cap and c.alibi
+                and c.sinks and c.kv_cache_dtype != "auto" and c.gqa_ratio > 1 and c.q_lens]
+    assert len(together) >= DRAWS // 40, len(together)
