@@ -68,7 +68,9 @@ TABLE_COLUMNS = {
 }
 
 
-def _block_sizes(text: str) -> tuple[int, ...]:
+def block_sizes(text: str) -> tuple[int, ...]:
+    """``--block-sizes``: comma-separated integers >= 1, in the order given, each once;
+    ``argparse.ArgumentTypeError`` naming the option otherwise."""
     try:
         sizes = tuple(int(part) for part in text.split(","))
     except ValueError:
@@ -139,7 +141,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     out = parser.add_argument_group("policies and output")
     out.add_argument(
-        "--block-sizes", type=_block_sizes, default=PAGED_BLOCK_SIZES, metavar="LIST",
+        "--block-sizes", type=block_sizes, default=PAGED_BLOCK_SIZES, metavar="LIST",
         help="paged block sizes, comma-separated (default "
         + ",".join(map(str, PAGED_BLOCK_SIZES)) + ")",
     )

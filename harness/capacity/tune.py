@@ -50,10 +50,11 @@ from pagedbench.reference.kv_policies import LiveRequest, Policy
 from pagedbench.reference.simulator import PolicyResult, budget_tokens_from_bytes, simulate
 from pagedbench.reference.workload import Request
 
+from pagedbench.harness.capacity.simulate import block_sizes as listed_block_sizes
+from pagedbench.harness.capacity.traces import generate_trace, read_trace
 from pagedbench.harness.cases.presets import MODEL_PRESETS, ModelPreset
 from pagedbench.harness.results.record import Environment, ResultRecord
 from pagedbench.harness.verdict.status import ExitCode, Status, exit_code
-from pagedbench.harness.capacity.traces import generate_trace, read_trace
 
 #: ``TuneReport.schema_version``: changes whenever a field is added, removed or changes meaning.
 TUNE_SCHEMA_VERSION = 1
@@ -617,15 +618,7 @@ def plot(report: TuneReport, path: Path) -> None:
 
 # Command line -------------------------------------------------------------------------
 def _block_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--block-sizes must be comma-separated integers >= 1, e.g. 16,32; got {text!r}"
-        ) from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"--block-sizes must all be >= 1, got {text!r}")
-    return tuple(sorted(set(sizes)))
+    return tuple(sorted(listed_block_sizes(text)))
 
 
 def _non_negative_ms(text: str) -> float:
