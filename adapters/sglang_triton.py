@@ -216,8 +216,20 @@ class SglangDecode(_SglangTritonAdapter):
         caps = super().capabilities(device)
         return replace(caps, batch_invariant=True) if self.is_interpreted(device) else caps
 
+    #: Soft caps above this on float32 logits are declared unsupported (below).
+    FP32_SOFT_CAP_LIMIT = 100.0
+
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        return super().why_unsupported(case, device) + grouped_head_tile_straddles(case)
+        reasons = super().why_unsupported(case, device) + grouped_head_tile_straddles(case)
+        if (case.dtype == "float32" and case.logits_soft_cap is not None
+                and case.logits_soft_cap > self.FP32_SOFT_CAP_LIMIT):
+            # decode_attention.py's tanh is 2 * sigmoid(2x) - 1, as in vLLM's copy, which
+            # cancels for x = logit / cap near 0: the search's case (float32, d64, bs16, 1/1
+            # heads, kv_len 15, cap 1e4) missed by 10021 ulps against an allowance of 256.
+            reasons.append(f"logits_soft_cap {case.logits_soft_cap:g} above "
+                           f"{self.FP32_SOFT_CAP_LIMIT:g} on float32 logits: "
+                           "decode_attention_fwd's tanh, 2 * sigmoid(2x) - 1, cancels there")
+        return reasons
 
     def interpreter_work(self, case: PagedCase) -> InterpretedWork:
         """Stage 1: ``batch * head programs * MAX_KV_SPLITS`` programs, each over its split

@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import functools
 import itertools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -151,6 +152,10 @@ def to_split_x_layout(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def split_x(dtype: torch.dtype) -> int:
     """Elements per 16-byte vector of ``dtype``: the ``x`` of the split-x K layout."""
     return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+#: The largest finite float16.
+FLOAT16_MAX = 65504.0
 
 
 class _VllmTritonAdapter(TritonAdapter):
@@ -321,7 +326,15 @@ class VllmDecode(_VllmTritonAdapter):
     FP32_SOFT_CAP_LIMIT = 100.0
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = super().why_unsupported(case, device)
+        # The grouped stage 1 is SGLang's, head tiling included.
+        reasons = super().why_unsupported(case, device) + grouped_head_tile_straddles(case)
+        if (case.dtype == "float16"
+                and 4 * case.qk_magnitude ** 2 * math.sqrt(case.head_dim) > FLOAT16_MAX):
+            # Its q.k products are float16 (logits_precision="case"): four standard
+            # deviations of a product of qk_magnitude draws overflow 65504 (the search's
+            # case: float16, d64, kv_len 1, qk_magnitude 300: 64 non-finite outputs).
+            reasons.append(f"qk_magnitude {case.qk_magnitude:g} at head_dim {case.head_dim}: "
+                           "its float16 q.k products overflow")
         if (case.dtype == "float32" and case.logits_soft_cap is not None
                 and case.logits_soft_cap > self.FP32_SOFT_CAP_LIMIT):
             # Its tanh is 2 * sigmoid(2x) - 1 (triton_decode_attention.py), which cancels
@@ -336,10 +349,6 @@ class VllmDecode(_VllmTritonAdapter):
     @staticmethod
     def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
         return kernels.decode
-
-    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        # The grouped stage 1 is SGLang's, head tiling included.
-        return super().why_unsupported(case, device) + grouped_head_tile_straddles(case)
 
     def interpreter_work(self, case: PagedCase) -> InterpretedWork:
         return launch.decode_work(case)
