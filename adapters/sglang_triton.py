@@ -143,6 +143,22 @@ def token_pools(inputs: PagedInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return k.contiguous(), v.contiguous()
 
 
+#: Soft caps above this on float32 logits are declared unsupported (:func:`soft_cap_cancels`).
+FP32_SOFT_CAP_LIMIT = 100.0
+
+
+def soft_cap_cancels(case: PagedCase) -> list[str]:
+    """Why SGLang's kernels cannot take ``case``'s soft cap: their tanh is
+    ``2 * sigmoid(2x) - 1``, which cancels for ``x = logit / cap`` near 0. The search's
+    cases (issue 20), float32, cap 1e4: decode (d64, bs16, 1/1 heads, kv_len 15) 10021
+    ulps, extend (d64, 2/1 heads, kv_len 1, sinks) 14756 ulps, against 256."""
+    if (case.dtype == "float32" and case.logits_soft_cap is not None
+            and case.logits_soft_cap > FP32_SOFT_CAP_LIMIT):
+        return [f"logits_soft_cap {case.logits_soft_cap:g} above {FP32_SOFT_CAP_LIMIT:g} on "
+                "float32 logits: SGLang's tanh, 2 * sigmoid(2x) - 1, cancels there"]
+    return []
+
+
 class _SglangTritonAdapter(TritonAdapter):
     """What the two kernels share: loading, availability, the interpreter's dtypes."""
 
@@ -216,20 +232,9 @@ class SglangDecode(_SglangTritonAdapter):
         caps = super().capabilities(device)
         return replace(caps, batch_invariant=True) if self.is_interpreted(device) else caps
 
-    #: Soft caps above this on float32 logits are declared unsupported (below).
-    FP32_SOFT_CAP_LIMIT = 100.0
-
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = super().why_unsupported(case, device) + grouped_head_tile_straddles(case)
-        if (case.dtype == "float32" and case.logits_soft_cap is not None
-                and case.logits_soft_cap > self.FP32_SOFT_CAP_LIMIT):
-            # decode_attention.py's tanh is 2 * sigmoid(2x) - 1, as in vLLM's copy, which
-            # cancels for x = logit / cap near 0: the search's case (float32, d64, bs16, 1/1
-            # heads, kv_len 15, cap 1e4) missed by 10021 ulps against an allowance of 256.
-            reasons.append(f"logits_soft_cap {case.logits_soft_cap:g} above "
-                           f"{self.FP32_SOFT_CAP_LIMIT:g} on float32 logits: "
-                           "decode_attention_fwd's tanh, 2 * sigmoid(2x) - 1, cancels there")
-        return reasons
+        return (super().why_unsupported(case, device) + grouped_head_tile_straddles(case)
+                + soft_cap_cancels(case))
 
     def interpreter_work(self, case: PagedCase) -> InterpretedWork:
         """Stage 1: ``batch * head programs * MAX_KV_SPLITS`` programs, each over its split
@@ -346,7 +351,7 @@ class SglangExtend(_SglangTritonAdapter):
     )
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = super().why_unsupported(case, device)
+        reasons = super().why_unsupported(case, device) + soft_cap_cancels(case)
         if case.sliding_window == 1:
             reasons.append("sliding_window 1 not supported: extend_attention_fwd takes "
                            "W - 1, and 0 there means no window")
