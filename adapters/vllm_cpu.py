@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from pagedbench.reference import PagedCase, PagedInputs, new_output
+from pagedbench.reference import PagedCase, PagedInputs, logit_bound, new_output
 
 from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
 
@@ -94,6 +94,33 @@ def loaded_library(maps: str | None = None) -> str | None:
             return None
     found = set(re.findall(r"/vllm/(_C(?:_AVX512|_AVX2)?)\.[\w.]*so\b", maps))
     return found.pop() if len(found) == 1 else None
+
+
+def library_for_cpu(avx512: bool, avx512_bf16: bool) -> str:
+    """The library vLLM's ``CpuPlatform.import_kernels`` (vLLM 0.32.0) loads on an x86 CPU
+    with these flags: ``_C`` with AVX-512 and AVX512_BF16, ``_C_AVX512`` with AVX-512
+    alone, ``_C_AVX2`` otherwise. Known without importing vLLM (the parent process)."""
+    if avx512:
+        return "_C" if avx512_bf16 else "_C_AVX512"
+    return "_C_AVX2"
+
+
+#: ``|logit / logits_soft_cap|`` up to which the AVX-512 builds' soft cap is finite
+#: (measured on ``_C``: -86.98 and +88.72 finite, -87 and +89 NaN; suites/peer_findings.py,
+#: ``soft-cap-tanh-range``), taken on both sides.
+FAST_EXP_TANH_LIMIT = 86.98
+
+
+def soft_cap_tanh_nan(case: PagedCase, library: str) -> list[str]:
+    """Why ``library``'s soft cap cannot take ``case``: the AVX-512 builds (``_C``,
+    ``_C_AVX512``) form tanh from vLLM's ``fast_exp``, NaN once ``|logit / cap|`` passes
+    :data:`FAST_EXP_TANH_LIMIT`; declared when :func:`~pagedbench.reference.logit_bound`
+    over the cap does. ``_C_AVX2`` calls ``std::tanh``: nothing to declare."""
+    cap = case.logits_soft_cap
+    if cap is None or library == "_C_AVX2" or logit_bound(case) / cap <= FAST_EXP_TANH_LIMIT:
+        return []
+    return [f"logits_soft_cap {cap:g} with logits up to {logit_bound(case):.4g}: {library}'s "
+            f"tanh (fast_exp) is NaN past |logit / cap| = {FAST_EXP_TANH_LIMIT:g}"]
 
 
 def attention_isa(case: PagedCase) -> str:
@@ -245,7 +272,9 @@ class VllmCpu(Adapter):
         })
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = super().why_unsupported(case, device)
+        reasons = super().why_unsupported(case, device) + soft_cap_tanh_nan(
+            case, library_for_cpu(torch.cpu._is_avx512_supported(),
+                                  torch.cpu._is_avx512_bf16_supported()))
         if case.kv_cache_dtype == "auto":
             return reasons
         if case.head_dim % 32 or case.block_size % 32:

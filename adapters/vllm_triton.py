@@ -324,14 +324,19 @@ class VllmDecode(_VllmTritonAdapter):
         # suites/adapters/test_vllm_triton_conformance.py pins the soft cap: 37x).
         reasons = (super().why_unsupported(case, device) + grouped_head_tile_straddles(case)
                    + soft_cap_cancels(case))
-        if (case.dtype == "float16"
-                and 4 * case.qk_magnitude ** 2 * math.sqrt(case.head_dim)
-                > torch.finfo(torch.float16).max):
+        # The offset channel's product q0 * k0 = |logit_offset| / scale is float16 on the
+        # MHA path only (the grouped path's tl.dot accumulates in float32).
+        offset_product = (abs(case.logit_offset) / case.scale
+                          if case.num_q_heads == case.num_kv_heads else 0.0)
+        reach = 4 * case.qk_magnitude ** 2 * math.sqrt(case.head_dim) + offset_product
+        if case.dtype == "float16" and reach > torch.finfo(torch.float16).max:
             # Its q.k products are float16 (logits_precision="case"): four standard
-            # deviations of a product of qk_magnitude draws overflow 65504 (the search's
-            # case: float16, d64, kv_len 1, qk_magnitude 300: 64 non-finite outputs).
-            reasons.append(f"qk_magnitude {case.qk_magnitude:g} at head_dim {case.head_dim}: "
-                           "its float16 q.k products overflow")
+            # deviations of a product of qk_magnitude draws, plus the offset channel's
+            # product, overflow 65504 (the search's cases, float16, d64, kv_len 1, 1/1
+            # heads: qk_magnitude 300; logit_offset 1e4, q0 * k0 = 8e4; 64 non-finite outputs).
+            reasons.append(f"qk_magnitude {case.qk_magnitude:g}, logit_offset "
+                           f"{case.logit_offset:g} at head_dim {case.head_dim}: its float16 "
+                           "q.k products overflow")
         return reasons
 
     @staticmethod

@@ -4,7 +4,8 @@ from .allocator import BlockAllocator, OutOfBlocksError
 from .case import DTYPES, PagedCase
 from .dense import attention, gather_kv, reference_attention
 from .errors import PagedInputError, PagedTypeError, PagedValueError
-from .inputs import PagedInputs, check_fits, materialize, new_output, resolve_device
+from .inputs import (PagedInputs, check_fits, logit_bound, materialize, new_output,
+                     resolve_device)
 from .yardstick import naive_attention, yardstick_attention
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "attention",
     "check_fits",
     "gather_kv",
+    "logit_bound",
     "materialize",
     "naive_attention",
     "new_output",

@@ -487,6 +487,21 @@ def check_fits(case: PagedCase, device: str | torch.device = "cpu") -> None:
         f"{resolved.type}; allowed: a case that fits in it")
 
 
+def logit_bound(case: PagedCase) -> float:
+    """A bound on every scaled logit ``|q . k| * scale`` of :func:`materialize`'s inputs
+    for ``case`` (float, before any soft cap): ``|logit_offset|`` plus eight times the
+    drawn part's standard deviation were every channel an outlier,
+    ``OUTLIER_CHANNEL_GAIN * qk_magnitude**2 * sqrt(head_dim) * scale``, times the
+    rounding of Q to the case dtype and of K to the cache's (``1 + eps / 2`` each: 6.25%
+    for fp8 e4m3). Held against materialized inputs in
+    ``suites/reference/test_logit_bound.py``. For the declarations that depend on how far
+    the logits reach (``why_unsupported``)."""
+    drawn = OUTLIER_CHANNEL_GAIN * case.qk_magnitude ** 2 * math.sqrt(case.head_dim) * case.scale
+    rounding = ((1 + torch.finfo(case.torch_dtype).eps / 2)
+                * (1 + torch.finfo(case.kv_torch_dtype).eps / 2))
+    return (abs(case.logit_offset) + 8 * drawn) * rounding
+
+
 def materialize(
     case: PagedCase, device: str | torch.device = "cpu", *, tail_poison: str = "nan",
     on_device: bool = False,

