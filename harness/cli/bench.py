@@ -157,7 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     writable_folder(args.results_dir, "--results-dir")
     if args.junit_xml is not None:
         writable_file(args.junit_xml, "--junit-xml")
-    device = checked_device(args.device)
+    device = checked_device(args.device, args.devices)
     sweep = bench_sweep(args)
     cases = sweep.cases()
     impls = _bench_impls(args)
@@ -197,7 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = runner.RunConfig(
         device=device, suite=BENCH_SUITE, cache_dir=args.cache_dir,
         host_truth_bytes=args.host_truth_bytes,
-        threads=args.threads or defaults.threads,
+        threads=args.threads or defaults.threads, devices=args.devices or "",
         case_timeout_s=args.case_timeout or defaults.case_timeout_s,
         **({**timing, "time_budget_s": args.min_time,
             "time_limit_s": max(args.min_time, defaults.time_limit_s)} if args.min_time

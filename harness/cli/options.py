@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -110,6 +111,12 @@ def run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
     p.add_argument("--junit-xml", type=Path, metavar="FILE",
                    help="also write the verdicts as JUnit XML, one testcase per "
                         f"(implementation, {unit}), for CI test reports")
+    p.add_argument("--devices", default=None, metavar="cpu:N|all|0,1,...",
+                   help=f"run on several devices at once, one worker per device, the "
+                        f"(implementation, {unit}) pairs handed out as devices free up: "
+                        "cpu:N (N CPU workers, whose timings contend) with --device cpu; "
+                        "all, or GPU indices or UUIDs, with --device cuda (each worker pinned "
+                        "to its GPU); every result names its device (docs/running.md)")
     p.add_argument("--shard", type=shard_spec, default=None, metavar="K/N",
                    help=f"run only the K-th of N parts of the (implementation, {unit}) "
                         "pairs, balanced by expected cost and the same on every machine; "
@@ -168,8 +175,14 @@ def writable_file(path: Path, option: str) -> None:
                               f"({exc.strerror or exc})") from None
 
 
-def checked_device(text: str) -> str:
-    """``text`` once this machine has that device (before any worker starts)."""
+def checked_device(text: str, devices: str = "") -> str:
+    """``text`` once this machine has that device (before any worker starts). With
+    ``devices`` (``--devices``) on a CUDA device, this process numbers GPUs as nvidia-smi
+    does (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` unless set, before CUDA starts), so an index
+    names the same GPU here, in its worker and in the recorded UUID
+    (:mod:`~pagedbench.harness.run.spread`)."""
+    if devices and text.startswith("cuda"):
+        os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     try:
         resolve_device(text)
     except PagedInputError as exc:

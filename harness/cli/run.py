@@ -102,7 +102,8 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
                                       ("--repetitions", args.repetitions),
                                       ("--case-timeout", args.case_timeout),
                                       ("--harness-timeout", args.harness_timeout),
-                                      ("--shard", args.shard)) if value]
+                                      ("--shard", args.shard),
+                                      ("--devices", args.devices)) if value]
     if given:
         raise PagedValueError("--resume", given,
                               "only --results-dir, --cache-dir and --junit-xml beside it",
@@ -147,14 +148,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     console = Console(highlight=False, soft_wrap=True)
     if args.resume:
         plan, config, results = _resume_target(args)
-        checked_device(config.device)
+        checked_device(config.device, config.devices)
         run_id = args.resume
         state = run_states(results.lines())[run_id]
         if state.finished is not None and state.results >= state.planned:
             console.print(f"run {run_id} already finished ({state.results} results); "
                           "nothing to resume")
     else:
-        device = checked_device(args.device or "cpu")
+        device = checked_device(args.device or "cpu", args.devices)
         impls = select_impls(args.impl)
         cases = default_cases(list(dict.fromkeys(args.preset)) or None,
                               tuple(dict.fromkeys(args.block_size)) or None,
@@ -172,7 +173,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             threads=args.threads or defaults.threads,
             repetitions=args.repetitions or defaults.repetitions,
             case_timeout_s=args.case_timeout or defaults.case_timeout_s,
-            harness_timeout_s=args.harness_timeout or defaults.harness_timeout_s)
+            harness_timeout_s=args.harness_timeout or defaults.harness_timeout_s,
+            devices=args.devices or "")
         plan = runner.make_plan(impls, cases)
         run_id = new_run_id()
         results = ResultsFile(args.results_dir / f"{run_id}.jsonl")
@@ -219,7 +221,9 @@ def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id:
 def warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:
     """Warn when a CPU timing's threads oversubscribe the host
     (:func:`~pagedbench.harness.measure.timing.oversubscribed`)."""
-    warning = oversubscribed(config.threads) if config.device == "cpu" and config.timing else ""
+    workers = int(config.devices[4:]) if config.devices.startswith("cpu:") else 1
+    warning = (oversubscribed(config.threads * workers, workers=workers)
+               if config.device == "cpu" and config.timing else "")
     if warning:
         console.print(f"[yellow]warning: {rich_escape(warning)}[/]")
 

@@ -188,15 +188,19 @@ RESIZE_FACTOR = 2.0
 
 
 def oversubscribed(threads: int, load: float | None = None,
-                   cores: int | None = None) -> str:
-    """A warning when ``threads`` torch threads plus the host's 1-minute load average
-    (``os.getloadavg``, or ``load``) exceed its cores (``os.cpu_count``, or ``cores``):
-    such timings wait for preempted threads (:data:`CPU_THREADS`); "" otherwise, and
-    always for one thread."""
+                   cores: int | None = None, workers: int = 1) -> str:
+    """A warning when ``threads`` torch threads (in all, over ``workers`` CPU workers
+    at once) plus the host's 1-minute load average (``os.getloadavg``, or ``load``)
+    exceed its cores (``os.cpu_count``, or ``cores``): such timings wait for preempted
+    threads (:data:`CPU_THREADS`); "" otherwise, and always for one thread."""
     load = os.getloadavg()[0] if load is None else load
     cores = (os.cpu_count() or 1) if cores is None else cores
     if threads <= 1 or load + threads <= cores:
         return ""
+    if workers > 1:
+        return (f"--devices cpu:{workers} with --threads {threads // workers} on a host with "
+                f"load average {load:.1f} on {cores} cores: the workers' timings wait for "
+                "each other's threads; fewer workers time without them")
     return (f"--threads {threads} on a host with load average {load:.1f} on {cores} cores: "
             "a multi-threaded call waits for preempted threads, so its times snap to "
             "scheduler slices (about 4 ms); --threads 1 times it without them")

@@ -40,7 +40,7 @@ from pagedbench.harness.measure.timing import METHODS
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.status import Status
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 #: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).
 MAX_DETAILS_BYTES = 64 * 1024
 #: Deepest nesting accepted in adapter metadata (a self-referencing dict would recurse).
@@ -164,6 +164,10 @@ class _EnvironmentFields(_Strict):
     git_sha: Optional[str]
     dirty: bool
     host: str
+    # Where a run spread over devices (--devices) measured it: the GPU's
+    # CUDA_VISIBLE_DEVICES entry or the CPU worker's number, and the GPU's UUID.
+    device_index: Optional[str] = None
+    device_uuid: Optional[str] = None
 
 
 Environment = create_model(  # noqa: N816 (a class)
@@ -195,7 +199,7 @@ class _ResultFields(_Strict):
     """The fields of a result line other than the comparison's figures."""
 
     kind: Literal["result"]
-    schema_version: Literal[6]
+    schema_version: Literal[7]
     run_id: str
     suite: str
     impl: str
@@ -257,7 +261,7 @@ class _ResultFields(_Strict):
     def _case_is_a_case(self, info: ValidationInfo) -> _ResultFields:
         """Parse ``case`` once (raises PagedInputError, a ValueError), unless the caller
         passes the :class:`PagedCase` it came from as ``context={"case": ...}``
-        (:func:`~pagedbench.harness.run.runner.result_record`: the case is not parsed
+        (:func:`~pagedbench.harness.run.records.result_record`: the case is not parsed
         again in the process that wrote it). A record validated again (as a field of
         another model) keeps the case it has."""
         if self._paged is None:
@@ -364,7 +368,7 @@ class RunRecord(_Strict):
     ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
 
     kind: Literal["run"]
-    schema_version: Literal[6]
+    schema_version: Literal[7]
     run_id: str
     event: Literal["started", "resumed", "interrupted", "finished"]
     timestamp: AwareDatetime
@@ -409,21 +413,23 @@ class ListingRow(_Strict):
         return None if value is None else to_json_data(value, info.field_name)
 
 
-def library_versions(env: Environment) -> str:
-    """The library versions of an environment, as one string:
-    ``torch <v>; triton <v>; ...`` (``-`` when absent)."""
-    return "; ".join(f"{name} {getattr(env, name) or '-'}" for name in VERSION_FIELDS)
+def timing_environment(env: Environment) -> str:
+    """What in an environment changes timings, beside the device, as one string: the
+    library versions, the driver and the thread count, ``torch <v>; triton <v>; ...;
+    driver <v>; threads <n>`` (``-`` when absent)."""
+    versions = (f"{name} {getattr(env, name) or '-'}" for name in VERSION_FIELDS)
+    return "; ".join([*versions, f"driver {env.driver or '-'}", f"threads {env.threads}"])
 
 
 def versions_key(record: ResultRecord) -> str:
     """The versions a result was measured with: ``impl <impl_version>; torch <v>; ...``."""
-    return f"impl {record.impl_version or '-'}; {library_versions(record.env)}"
+    return f"impl {record.impl_version or '-'}; {timing_environment(record.env)}"
 
 
 def environment_key(record: ResultRecord) -> tuple[str, str]:
-    """``(device name, library versions)``: results with the same key share a table in
-    reports (the implementations' own versions may differ)."""
-    return record.env.device, library_versions(record.env)
+    """``(device name, library versions, driver and threads)``: results with the same key
+    share a table in reports (the implementations' own versions may differ)."""
+    return record.env.device, timing_environment(record.env)
 
 
 def result_key(record: ResultRecord) -> tuple[str, str, str, str]:
@@ -478,9 +484,9 @@ __all__ = [
     "comparison_figures",
     "environment_key",
     "json_schema",
-    "library_versions",
     "now",
     "result_key",
+    "timing_environment",
     "to_json_data",
     "validation_problem",
     "versions_key",

@@ -155,7 +155,8 @@ def nvidia_driver_version() -> str | None:
 
 
 def environment(device: str) -> dict[str, Any]:
-    """Facts about where results were measured, recorded in every result line.
+    """Facts about where results were measured on ``device`` (``cuda:N``: that GPU),
+    recorded in every result line.
 
     Keys: ``device`` (CPU model or GPU name), ``device_type``, ``cc`` (CUDA compute
     capability or None), ``driver`` (CUDA driver/runtime version or None), ``threads``,
@@ -164,11 +165,11 @@ def environment(device: str) -> dict[str, Any]:
     ``dirty`` (from :data:`GIT_SHA_ENV` and :data:`GIT_DIRTY_ENV` when set, else from git),
     ``host`` (:class:`~pagedbench.harness.results.record.Environment`).
     """
-    device_type = torch.device(device).type
-    env: dict[str, Any] = {"device_type": device_type, "cc": None, "driver": None}
-    if device_type == "cuda" and torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name()
-        env["cc"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    where = torch.device(device)
+    env: dict[str, Any] = {"device_type": where.type, "cc": None, "driver": None}
+    if where.type == "cuda" and torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(where)
+        env["cc"] = ".".join(map(str, torch.cuda.get_device_capability(where)))
         env["driver"] = nvidia_driver_version()
     else:
         env["device"] = platform.processor() or platform.machine()
@@ -315,8 +316,8 @@ def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
     """A line of an older version as the current version. Version 1 had no ``kind``,
     ``step`` or comparison figures; versions 1 and 2 had no bench fields, and their
     timings no samples (``[]``), IQR or noise flag (null); versions 1 to 3 no drift probe
-    (``[]``); fields added later with a default (``truth``, a run's ``shard``)
-    take it."""
+    (``[]``); fields added later with a default (``truth``, a run's ``shard``, the
+    environment's ``device_index`` and ``device_uuid``) take it."""
     data = {**data, "schema_version": SCHEMA_VERSION}
     if found == 1:
         data = {"kind": "result", **data}

@@ -4,6 +4,7 @@
 - :func:`visible_gpus`: the GPUs this process may use, as ``CUDA_VISIBLE_DEVICES``
   entries: that variable's own entries when it is set, else the indices ``nvidia-smi``
   lists, else none (no driver, or a machine without NVIDIA GPUs).
+- :func:`nvidia_smi_uuids`: each GPU's UUID, recorded with its results.
 - :func:`xdist_worker_gpu`: the GPU of pytest-xdist worker ``gwN``: entry ``N mod
   len(gpus)`` (two workers share a GPU only when there are more workers than GPUs).
 
@@ -21,16 +22,30 @@ from collections.abc import Callable, Mapping, Sequence
 _WORKER_ID = re.compile(r"gw(\d+)")
 
 
-def nvidia_smi_indices() -> list[str]:
-    """The indices ``nvidia-smi --query-gpu=index`` lists (``["0", "1"]``), or ``[]``
+def _nvidia_smi(fields: str) -> list[list[str]]:
+    """The rows of ``nvidia-smi --query-gpu=<fields>`` (comma-separated values), or ``[]``
     without ``nvidia-smi`` or when it fails or takes over 30 s."""
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader"],
                               capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return []
-    return [line.strip() for line in done.stdout.splitlines() if line.strip()] \
-        if done.returncode == 0 else []
+    if done.returncode != 0:
+        return []
+    return [[v.strip() for v in line.split(",")] for line in done.stdout.splitlines()
+            if line.strip()]
+
+
+def nvidia_smi_indices() -> list[str]:
+    """The indices ``nvidia-smi`` lists (``["0", "1"]``), or ``[]`` (see :func:`_nvidia_smi`)."""
+    return [row[0] for row in _nvidia_smi("index")]
+
+
+def nvidia_smi_uuids() -> dict[str, str]:
+    """``{index: UUID}`` of the GPUs ``nvidia-smi`` lists (``{"0": "GPU-5b1e..."}``), or
+    ``{}``. Its indices are in PCI bus order: a CUDA process's ordinals are the same only
+    with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``."""
+    return {row[0]: row[1] for row in _nvidia_smi("index,uuid") if len(row) == 2}
 
 
 def visible_gpus(environ: Mapping[str, str] | None = None,
@@ -60,4 +75,4 @@ def xdist_worker_gpu(worker_id: str, gpus: Sequence[str]) -> str | None:
     return gpus[int(found.group(1)) % len(gpus)] if gpus else None
 
 
-__all__ = ["nvidia_smi_indices", "visible_gpus", "xdist_worker_gpu"]
+__all__ = ["nvidia_smi_indices", "nvidia_smi_uuids", "visible_gpus", "xdist_worker_gpu"]

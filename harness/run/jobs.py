@@ -23,9 +23,10 @@ from pagedbench.harness.measure.timing import (DriftProbe, Timing, measure_peaks
                                                time_cuda, time_once)
 from pagedbench.harness.results.record import (DevicePeaks, ListingRow, to_json_data,
                                                validation_problem)
+from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.judge import SPOT_EVERY, encode_output, spot_case
 from pagedbench.harness.run.protocol import Channel
-from pagedbench.harness.run.runner import RunConfig, error_row
+from pagedbench.harness.run.records import error_row
 from pagedbench.harness.verdict import conformance
 from pagedbench.harness.verdict.status import Status
 

@@ -89,6 +89,11 @@ class Fault:
     detail: str
 
 
+class Cancelled(Exception):
+    """The run stopped (:meth:`Supervisor.cancel`): what a cancelled worker would still
+    report is not recorded."""
+
+
 class Answer(NamedTuple):
     """The caller's answer to a job message: ``reply`` (sent back to the worker) and
     whether the item in flight is done (the next one begins, with fresh budgets)."""
@@ -191,18 +196,29 @@ class Supervisor:
         self.max_payload_bytes = max_payload_bytes
         self.output_tail = ""
         self._process: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
 
     def run(self, on_message: Callable[[dict[str, Any]], Answer | None]) -> Fault | None:
         """Start the worker and pass every job message to ``on_message``; return ``None``
         after ``done``, or the :class:`Fault` that ended it. The worker is killed (with
-        its descendants and process group) before this returns or raises."""
+        its descendants and process group) before this returns or raises.
+
+        Raises
+        ------
+        Cancelled
+            If :meth:`cancel` came first: no worker is started.
+        """
         read_fd, write_fd = os.pipe()
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, *SAFE_PATH, "-m", "pagedbench.harness.run.worker",
-                 "--fd", str(write_fd), "--parent", str(os.getpid())],
-                env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, pass_fds=(write_fd,), start_new_session=True)
+            with self._lock:
+                if self._cancelled:
+                    raise Cancelled("cancelled before its worker started")
+                self._process = subprocess.Popen(
+                    [sys.executable, *SAFE_PATH, "-m", "pagedbench.harness.run.worker",
+                     "--fd", str(write_fd), "--parent", str(os.getpid())],
+                    env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, pass_fds=(write_fd,), start_new_session=True)
             os.close(write_fd)
             write_fd = -1
             job = (json.dumps(self.job) + "\n").encode()
@@ -223,6 +239,13 @@ class Supervisor:
         with contextlib.suppress(OSError, ValueError):
             process.stdin.write(data)
             process.stdin.flush()
+
+    def cancel(self) -> None:
+        """Kill the worker now, from any thread (:meth:`run` then returns its ``crash``
+        fault), or keep :meth:`run` from starting one: a run that stops."""
+        with self._lock:
+            self._cancelled = True
+        self.kill()
 
     def kill(self) -> None:
         """Kill the worker's descendants (it is their subreaper, so they are all still

@@ -26,12 +26,11 @@ The worker's side, its job bodies, is :mod:`.worker`.
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 import threading
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,116 +39,22 @@ from pydantic import ValidationError
 from pagedbench.adapters import Entry
 from pagedbench.reference import PagedCase, PagedValueError
 
-from pagedbench.harness.cases.workloads import workload_fields
-from pagedbench.harness.measure.timing import (CPU_THREADS, Timing, bytes_moved, flops,
-                                               roofline_floor_ms)
 from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Environment,
                                                ListingRow, Plan, PlannedImpl, ResultRecord,
-                                               RunRecord, Shard, comparison_figures, now,
-                                               validation_problem)
+                                               RunRecord, Shard, now, validation_problem)
 from pagedbench.harness.results.store import ResultsFile, environment, results_of
+from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.environment import worker_environment
 from pagedbench.harness.run.judge import Judge, Outcome, Refused
 from pagedbench.harness.run.protocol import Answer, Fault, Supervisor
+from pagedbench.harness.run.records import error_row, fault_outcome, result_record
+from pagedbench.harness.run.spread import DeviceSlot, Stop, device_slots, spread
 from pagedbench.harness.verdict import conformance
 from pagedbench.harness.verdict.status import Status, exit_code
 from pagedbench.harness.verdict.truth import truth_site
 
 #: Seconds ``pagedbench list`` gives each implementation to import and answer.
 LIST_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """How to run and time.
-
-    Attributes
-    ----------
-    device : str
-        ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-    timing : bool
-        Time implementations whose output passed.
-    warmup, repetitions : int
-        CPU timing: untimed calls, then at least this many samples (time permitting).
-    time_budget_s, time_limit_s : float
-        CPU timing: measure for at least ``time_budget_s``, longer when ``repetitions``
-        samples of a slow call need it, never longer than ``time_limit_s`` (s).
-    threads : int
-        ``torch.set_num_threads`` in every worker (fixed, recorded in ``env.threads``;
-        default :data:`~pagedbench.harness.measure.timing.CPU_THREADS`).
-    case_timeout_s : float
-        The implementation's budget per case, everything its worker does: its import and
-        ``available`` (once), then ``why_unsupported``, inputs, ``prepare``, ``run``,
-        ``describe`` and the timing (s). Past it: ``timeout``.
-    harness_timeout_s : float
-        pagedbench's budget per case for the judge's work in the parent: truths and
-        comparisons (s). Past it: ``harness-error``. (A worker's start-up has
-        ``protocol.STARTUP_TIMEOUT_S``.)
-    cache_dir : Path
-        Where float64 truths are cached between workers and runs.
-    host_truth_bytes : int or None
-        Largest :func:`~pagedbench.harness.verdict.truth.truth_bytes` of a case whose truth is
-        computed on the host; larger ones get a device truth
-        (:func:`~pagedbench.harness.verdict.truth.truth_site`). ``None``:
-        :func:`~pagedbench.harness.verdict.truth.host_budget_bytes` of the machine the worker runs
-        on.
-    suite : str
-        Recorded in each result (``"default"``, ``"gpu-lane"``, ``"bench"``, ...); in a
-        ``"bench"`` run each result also names its workload
-        (:func:`~pagedbench.harness.cases.workloads.workload_fields`).
-
-    Raises
-    ------
-    PagedValueError
-        On a device other than cpu/cuda/cuda:N, or a count or budget out of range.
-    """
-
-    device: str = "cpu"
-    timing: bool = True
-    warmup: int = 1
-    repetitions: int = 10
-    time_budget_s: float = 0.5
-    time_limit_s: float = 5.0
-    threads: int = CPU_THREADS
-    case_timeout_s: float = 300.0
-    harness_timeout_s: float = 600.0
-    cache_dir: Path = Path("build")
-    suite: str = "default"
-    host_truth_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        text = self.device if isinstance(self.device, str) else ""
-        kind, colon, index = text.partition(":")
-        if kind not in ("cpu", "cuda") or (colon and not (kind == "cuda" and index.isdigit())):
-            raise PagedValueError("device", self.device, "'cpu', 'cuda' or 'cuda:N'")
-        for name, low in (("warmup", 0), ("repetitions", 1), ("threads", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise PagedValueError(name, value, f"an int >= {low}")
-        for name in ("time_budget_s", "time_limit_s", "case_timeout_s", "harness_timeout_s"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise PagedValueError(name, value, "a finite number of seconds > 0")
-        budget = self.host_truth_bytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                   or budget < 0):
-            raise PagedValueError("host_truth_bytes", budget, "None or an int >= 0 (bytes)")
-        if self.time_limit_s < self.time_budget_s:
-            raise PagedValueError("time_limit_s", self.time_limit_s,
-                                  f">= time_budget_s ({self.time_budget_s})")
-        object.__setattr__(self, "cache_dir", Path(self.cache_dir))
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; the cache folder is left out (it belongs to the machine)."""
-        out = asdict(self)
-        del out["cache_dir"]
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], cache_dir: Path) -> RunConfig:
-        """Inverse of :meth:`to_dict`, with ``cache_dir``; unknown keys are ignored."""
-        known = {f.name for f in fields(cls)} - {"cache_dir"}
-        return cls(**{k: v for k, v in data.items() if k in known}, cache_dir=cache_dir)
 
 
 class Interrupted(BaseException):
@@ -198,78 +103,6 @@ def make_plan(impls: dict[str, str], cases: list[PagedCase]) -> Plan:
                               f"cases: {validation_problem(exc)}") from None
 
 
-# Records ------------------------------------------------------------------------------
-def result_record(
-    *, run_id: str, env: Environment, config: RunConfig, name: str, target: str,
-    case: PagedCase, status: Status, reason: str = "", step: str | None = None,
-    row: ListingRow | None = None, verdict: conformance.Verdict | None = None,
-    timing: Timing | None = None, peaks: DevicePeaks | None = None, truth: str | None = None,
-) -> ResultRecord:
-    """The result line of ``name`` on ``case``; ``row`` is what the implementation said
-    when it loaded (version, details, interpreted), ``verdict`` its check, ``peaks``
-    what the device sustained (for fractions of peak and the roofline floor), ``truth``
-    where its truth was computed (``"host"`` or ``"device"``).
-
-    Raises
-    ------
-    pydantic.ValidationError
-        If something the adapter returned (``describe()``) is not JSON data.
-    """
-    seconds = timing.median_ms / 1e3 if timing else 0.0
-    moved, work = bytes_moved(case), flops(case)
-    gbps = moved / seconds / 1e9 if seconds > 0 else None
-    tflops = work / seconds / 1e12 if seconds > 0 else None
-    floor_ms = roofline_floor_ms(moved, work, peaks) if peaks else None
-    details = dict(row.details) if row else {}
-    if verdict is not None:
-        details |= verdict.details
-    return ResultRecord.model_validate(dict(
-        kind="result", schema_version=SCHEMA_VERSION, run_id=run_id, suite=config.suite,
-        impl=name, impl_target=target, impl_version=row.version if row else "",
-        impl_details=details, case_id=case.case_id, case=case.to_dict(),
-        **workload_fields(case, config.suite), device=config.device,
-        status=status, reason=reason, step=step,
-        **comparison_figures(verdict.comparison if verdict else None),
-        time_ms=timing.to_dict() if timing else None,
-        time_ms_median=timing.median_ms if timing else None,
-        timing_method=timing.method if timing else None,
-        interpreted=row.interpreted if row else None,
-        tail_poison=verdict.tail_poison if verdict else None,
-        logits_precision=verdict.logits_precision if verdict else None,
-        truth=truth,
-        nan_tail_output_finite=verdict.nan_tail_output_finite if verdict else None,
-        bytes_moved=moved, flops=work, bandwidth_gbps=gbps, tflops=tflops,
-        arithmetic_intensity=work / moved, peaks=peaks,
-        frac_of_peak_bandwidth=gbps / peaks.copy_gbps if peaks and gbps else None,
-        frac_of_peak_tflops=tflops / peaks.bf16_tflops if peaks and tflops else None,
-        roofline_floor_ms=floor_ms,
-        frac_of_roofline=floor_ms / timing.median_ms if floor_ms and timing else None,
-        env=env, timestamp=now(),
-    ), context={"case": case})
-
-
-def _fault_outcome(fault: Fault, config: RunConfig) -> tuple[Status, str]:
-    """Status and reason of the item a :class:`~.protocol.Fault` hit, charged to its party."""
-    if fault.party == conformance.IMPL:
-        if fault.kind == "timeout":
-            return Status.TIMEOUT, (f"{fault.step} took longer than {config.case_timeout_s:g} s "
-                                    "(--case-timeout)")
-        if fault.kind == "crash":
-            return Status.CRASH, f"worker {fault.detail} during {fault.step}"
-        return Status.ERROR, f"worker {fault.detail} during {fault.step}"
-    budget = f"{config.harness_timeout_s:g} s (--harness-timeout)"
-    detail = f"took longer than {budget}" if fault.kind == "timeout" else f"worker {fault.detail}"
-    return (Status.HARNESS_ERROR,
-            f"pagedbench's {fault.step}: {detail}; not the implementation's fault")
-
-
-def error_row(name: str, target: str, status: str, reason: str) -> ListingRow:
-    """The listing row of an implementation that could not answer: ``status`` (``error``,
-    ``crash``, ``timeout``) and why."""
-    return ListingRow(name=name, target=target, status=status, description="", available=False,
-                      reason=reason, version="", details={}, interpreted=None, capabilities=None)
-
-
 # The parent's side ----------------------------------------------------------------------
 #: The steps of each job kind, in the order a worker may enter them within one item.
 EVALUATE_STEPS = ("import", "available", "case", "why_unsupported", "inputs", "prepare",
@@ -303,12 +136,15 @@ def device_peaks(config: RunConfig) -> tuple[DevicePeaks | None, str]:
 
 def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig,
                run_id: str, env: Environment, emit: Callable[[ResultRecord], None],
-               peaks: DevicePeaks | None = None) -> None:
+               peaks: DevicePeaks | None = None, slot: DeviceSlot | None = None,
+               stop: Stop | None = None) -> None:
     """Evaluate ``cases`` with the adapter ``target`` in worker processes, judged here
     (:class:`~.judge.Judge`), calling ``emit`` with each record as it arrives; faults
     become records too. ``peaks`` (the device's, measured once per run) go into every
     record. A case whose truth fits nowhere (:func:`~pagedbench.harness.verdict.truth.truth_site`)
-    is a ``harness-error`` without a worker."""
+    is a ``harness-error`` without a worker. With a ``slot`` (:mod:`.spread`), the workers
+    run there and the judge on its ``judge_device``; ``stop`` cancels them."""
+    judge_device = slot.judge_device if slot else config.device
     row: ListingRow | None = None
 
     def record(case: PagedCase, status: Status, reason: str, step: str | None,
@@ -331,18 +167,20 @@ def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig
     sited: list[tuple[PagedCase, str]] = []
     for case in cases:
         try:
-            sited.append((case, truth_site(case, config.device, config.host_truth_bytes)))
+            sited.append((case, truth_site(case, judge_device, config.host_truth_bytes)))
         except PagedValueError as exc:  # the CLI leaves such points out before
             emit(record(case, Status.HARNESS_ERROR, str(exc), "truth"))
     cases, sites = [c for c, _ in sited], [s for _, s in sited]
     if not cases:
         return
-    judge = Judge(name, cases, sites, device=config.device, threads=config.threads,
+    judge = Judge(name, cases, sites, device=judge_device, threads=config.threads,
                   timing=config.timing, cache_dir=config.cache_dir,
                   harness_timeout_s=config.harness_timeout_s)
-    worker_env = worker_environment(config.device, config.cache_dir)
-    job = {"kind": "evaluate", "name": name, "target": target,
-           "cases": [c.to_dict() for c in cases], "sites": sites, "config": config.to_dict()}
+    worker_config = replace(config, device=slot.worker_device, devices="") if slot else config
+    worker_env = (worker_environment(worker_config.device, config.cache_dir)
+                  | (slot.environment() if slot else {}))
+    job = {"kind": "evaluate", "name": name, "target": target, "cases": [c.to_dict() for c in cases],
+           "sites": sites, "config": worker_config.to_dict()}
     start = 0
 
     def on_message(message: dict[str, Any]) -> Answer:
@@ -375,7 +213,8 @@ def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig
                                 {conformance.IMPL: config.case_timeout_s}, EVALUATE_STEPS,
                                 judge.max_payload_bytes())
         try:
-            fault = supervisor.run(on_message)
+            with stop.watching(supervisor) if stop else contextlib.nullcontext():
+                fault = supervisor.run(on_message)
         except Refused as exc:
             fault = Fault("invalid", start, conformance.IMPL, "result",
                           f"sent a message the parent refuses ({exc})")
@@ -386,7 +225,7 @@ def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig
                     emit(record(case, Status.HARNESS_ERROR, "the worker finished without "
                                 "this result", "result"))
             return
-        status, reason = _fault_outcome(fault, config)
+        status, reason = fault_outcome(fault, config)
         if fault.item is None:  # while loading: every remaining case
             for case in cases[start:]:
                 emit(record(case, status, reason, fault.step))
@@ -418,13 +257,18 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     (with the exit code) last; ``left_out`` (points the caller left out, with why) goes
     into the ``started`` record. With ``pairs`` (implementation name, case id), only
     those pairs of the plan run: a shard (:mod:`.shard`), whose ``shard`` the ``started``
-    record names. Returns every result of the run.
+    record names. With ``config.devices``, the pairs run on those devices at once
+    (:mod:`.spread`). Returns every result of the run.
 
     Raises
     ------
     Interrupted
         On SIGTERM, SIGINT or SIGHUP (recorded as ``interrupted``; resumable).
+    PagedValueError
+        If ``config.devices`` names devices this machine lacks (before anything is
+        recorded).
     """
+    slots = device_slots(config.devices, config.device)
     env = Environment.model_validate(environment(config.device) | {"threads": config.threads})
     records = ([r for r in results_of(results.lines()) if r.run_id == run_id]
                if resume else [])
@@ -444,11 +288,14 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
             on_record(record)
 
     cases = plan.paged_cases()
+    units = [(impl, todo) for impl in plan.impls
+             if (todo := [c for c in cases if (impl.name, c.case_id) not in done])]
     with _interruptible():
         try:
-            for impl in plan.impls:
-                todo = [c for c in cases if (impl.name, c.case_id) not in done]
-                if todo:
+            if slots:
+                _spread(units, slots, config, run_id, emit, peaks)
+            else:
+                for impl, todo in units:
                     run_target(impl.name, impl.target, todo, config, run_id, env, emit, peaks)
         except Interrupted as exc:
             results.append(RunRecord(
@@ -462,6 +309,33 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
         event="finished", plan=None, config=None,
         exit_code=int(exit_code(r.status for r in records)), counts=dict(counts)))
     return records
+
+
+def _spread(units: list[tuple[PlannedImpl, list[PagedCase]]], slots: list[DeviceSlot],
+            config: RunConfig, run_id: str, emit: Callable[[ResultRecord], None],
+            peaks: DevicePeaks | None) -> None:
+    """:func:`run`'s units over ``slots`` (:func:`~.spread.spread`): each implementation's
+    cases dealt round-robin into one part per slot, so that its parts run side by side;
+    each record names its slot (``env.device_index``, ``env.device_uuid``, the GPU's
+    name); ``emit`` is called under a lock, never after the run stopped."""
+    envs = {slot: Environment.model_validate(
+        environment(slot.judge_device) | {"threads": config.threads, "device_index": slot.index,
+                                          "device_uuid": slot.uuid}) for slot in slots}
+    parts = [(impl, todo[i::len(slots)]) for impl, todo in units
+             for i in range(min(len(slots), len(todo)))]
+    lock = threading.Lock()
+
+    def work(part: tuple[PlannedImpl, list[PagedCase]], slot: DeviceSlot, stop: Stop) -> None:
+        def guarded(record: ResultRecord) -> None:
+            with lock:
+                stop.check()  # what a cancelled worker still reports is not a result
+                emit(record)
+
+        impl, todo = part
+        run_target(impl.name, impl.target, todo, config, run_id, envs[slot], guarded, peaks,
+                   slot, stop)
+
+    spread(parts, slots, work)
 
 
 def list_adapters(found: list[Entry], device: str, cache_dir: Path,
@@ -498,5 +372,4 @@ def list_adapters(found: list[Entry], device: str, cache_dir: Path,
 
 
 __all__ = ["EVALUATE_STEPS", "Interrupted", "LIST_STEPS", "PEAKS_STEPS", "RunConfig",
-           "device_peaks", "error_row", "list_adapters", "make_plan", "missing",
-           "result_record", "run", "run_target"]
+           "device_peaks", "list_adapters", "make_plan", "missing", "run", "run_target"]

@@ -91,7 +91,8 @@ def result(impl: str, case_id_or_case="c1", status: str = "pass", ms: float | No
     """A valid result record for report and store tests: ``impl`` on a small case named
     ``case_id_or_case`` (or that PagedCase), with ``status`` and a median of ``ms``."""
     from pagedbench.harness.results.record import Environment
-    from pagedbench.harness.run.runner import RunConfig, result_record
+    from pagedbench.harness.run.config import RunConfig
+    from pagedbench.harness.run.records import result_record
     from pagedbench.harness.verdict.status import Status
     from pagedbench.harness.measure.timing import Timing
     from pagedbench.reference import PagedCase

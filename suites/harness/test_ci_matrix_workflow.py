@@ -21,8 +21,8 @@ MATRIX = SHARD_JOB["strategy"]["matrix"]
 #: The CPU stand-in of each GPU-only piece (as test_ci_workflow.py's for gpu.yml); the
 #: bench is test_shard.py's.
 CPU_STAND_INS = (
-    ("pagedbench bench --device cuda",
-     "pagedbench bench --device cpu --quick --workload 'decode-*' --no-peaks "
+    ("pagedbench bench --device cuda --devices all",
+     "pagedbench bench --device cpu --devices cpu:2 --quick --workload 'decode-*' --no-peaks "
      "--impl torch-gather"),
     # The committed baselines are another machine's: the union is its own golden.
     ("--baseline results/baselines", "--baseline build/shards"),

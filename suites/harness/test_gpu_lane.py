@@ -159,7 +159,8 @@ def test_sweep_coverage_lists_pairs_not_run(tmp_path: Path) -> None:
     """A sweep stopped at its budget: the planned (implementation, point) pairs without a
     result are what did not run; the points bench left out come from its start record."""
     from pagedbench.harness.results.record import SCHEMA_VERSION, RunRecord, now
-    from pagedbench.harness.run.runner import RunConfig, make_plan, result_record
+    from pagedbench.harness.run.records import result_record
+    from pagedbench.harness.run.runner import RunConfig, make_plan
     from pagedbench.harness.verdict.status import Status
     from pagedbench.harness.results.store import ResultsFile
 

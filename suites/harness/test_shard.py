@@ -123,7 +123,8 @@ def runs(tmp_path_factory) -> Path:
     argv = [a.replace("${{ matrix.shard }}/$SHARDS", "1/2")
             for a in shlex.split(script[script.index("pagedbench bench"):].split("\\")[0])[1:]]
     assert vars(_parser().parse_args(argv)) == vars(_parser().parse_args(BENCH)) | {
-        "shard": shard.ShardSpec(1, 2)}  # the workflow's bench is this module's
+        "shard": shard.ShardSpec(1, 2), "devices": "cpu:2"}  # the workflow's bench, over
+    # two CPU workers: merged, its shards still give the one-worker verdicts
     procs = [_bench(base, "whole")]
     for index in (1, 2):
         workspace = base / f"workspace{index}"

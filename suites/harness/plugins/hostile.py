@@ -64,21 +64,21 @@ class PatchesExpectedOf(_Zeros):
 
 
 class PatchesResultRecord(_Zeros):
-    """Replaces ``runner.result_record`` with one that records every verdict as a pass."""
+    """Replaces ``records.result_record`` with one that records every verdict as a pass."""
 
     name = "patches-result-record"
 
     def __init__(self) -> None:
-        from pagedbench.harness.run import runner
+        from pagedbench.harness.run import records
         from pagedbench.harness.verdict.status import Status
 
-        real = runner.result_record
+        real = records.result_record
 
         def passes(**fields):
             fields.update(status=Status.PASS, reason="", step=None)
             return real(**fields)
 
-        runner.result_record = passes
+        records.result_record = passes
 
 
 class ZeroesTheTruth(_Zeros):
