@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagedbench.harness.cli import main
+from pagedbench.harness.measure.timing import oversubscribed
 from pagedbench.harness.results.record import ResultRecord, RunRecord
 from pagedbench.harness.results.store import ResultsFile, read_lines
 from pagedbench.harness.run.config import RunConfig
@@ -137,3 +138,9 @@ def test_an_implementation_that_kills_its_worker_costs_only_its_own_cases(tmp_pa
     assert {r.impl: r.status for r in records if r.impl != "os-exits"} == \
         {"torch-gather": "pass", "reads-past": "fail"}
     assert len(records) == 15
+
+
+def test_cpu_workers_that_exceed_the_cores_are_warned_of() -> None:
+    assert oversubscribed(2, load=0.0, cores=2, workers=2) == ""  # one thread per core
+    warning = oversubscribed(4, load=0.5, cores=2, workers=2)
+    assert "--devices cpu:2 with --threads 2" in warning and "2 cores" in warning
