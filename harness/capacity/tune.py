@@ -369,8 +369,7 @@ def run(args: argparse.Namespace) -> int:
                   results=sources, rows=rows, recommendations=recommendations)
     sharing = {n: any(r.n > 1 or r.prefix_id is not None for r in t)
                for n, (_, t, _) in workloads.items()}
-    report = TuneReport(**fields, conditions=conditions(fields, fields["workloads"], sharing,
-                                                        models))
+    report = TuneReport(**fields, conditions=conditions(fields, sharing, models))
     write(report, args.output_dir)
     if args.json:
         print(report.model_dump_json(indent=1))

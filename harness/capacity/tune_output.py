@@ -15,9 +15,13 @@ PLOT_NAME = "tune.png"
 JSON_NAME = "tune.json"
 
 
-def conditions(report_fields: dict, workloads: dict[str, str], sharing: dict[str, bool],
+def conditions(report_fields: dict, sharing: dict[str, bool],
                models: dict[int, KernelModel]) -> list[str]:
-    """What the recommendations assume, one sentence each (printed and in the JSON)."""
+    """What the recommendations assume, one sentence each (printed and in the JSON).
+
+    ``report_fields``: the :class:`TuneReport` fields but ``conditions``; ``sharing``:
+    whether each workload shares prefixes or samples; ``models``: by block size.
+    """
     f = report_fields
     env: Environment = f["env"]
     where = ("CPU serving: timings of a CPU; they say nothing of a GPU"
