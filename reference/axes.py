@@ -98,5 +98,20 @@ def positive_finite(name: str, value: object, allowed: str) -> None:
         raise PagedValueError(name, value, f"{allowed}, at most {MAX_SCALE:g}")
 
 
+def check_one_of(name: str, value: object, allowed: list[str]) -> None:
+    """Refuse anything but a str among ``allowed`` (the message lists ``allowed``).
+
+    Raises
+    ------
+    PagedTypeError
+        If ``value`` is not a str.
+    PagedValueError
+        If it is a str not among ``allowed``.
+    """
+    if not isinstance(value, str) or value not in allowed:
+        error = PagedValueError if isinstance(value, str) else PagedTypeError
+        raise error(name, value, f"one of {allowed}")
+
+
 __all__ = ["DTYPES", "KV_CACHE_DTYPES", "LAYOUTS", "MAX_LOGIT_OFFSET", "MAX_SCALE", "POISONS",
-           "as_int", "int_tuple", "positive_finite"]
+           "as_int", "check_one_of", "int_tuple", "positive_finite"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .axes import (DTYPES, KV_CACHE_DTYPES, LAYOUTS, MAX_LOGIT_OFFSET, POISONS, as_int,
-                   int_tuple, positive_finite)
+                   check_one_of, int_tuple, positive_finite)
 from .errors import PagedTypeError, PagedValueError
 
 #: Short names of the dtypes and fp8 cache types in case ids.
@@ -224,29 +224,21 @@ class PagedCase:
         if not (math.isfinite(offset) and abs(offset) <= MAX_LOGIT_OFFSET):
             raise PagedValueError("logit_offset", offset,
                                   f"finite, of magnitude at most {MAX_LOGIT_OFFSET:g}")
-        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
-            error = PagedValueError if isinstance(self.layout, str) else PagedTypeError
-            raise error("layout", self.layout, f"one of {list(LAYOUTS)}")
-        if not isinstance(self.poison, str) or self.poison not in POISONS:
-            error = PagedValueError if isinstance(self.poison, str) else PagedTypeError
-            raise error("poison", self.poison, f"one of {list(POISONS)}")
+        check_one_of("layout", self.layout, list(LAYOUTS))
+        check_one_of("poison", self.poison, list(POISONS))
         if self.num_q_heads % self.num_kv_heads:
             raise PagedValueError(
                 "num_q_heads", self.num_q_heads,
                 f"a multiple of num_kv_heads ({self.num_kv_heads})",
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
-            error = PagedValueError if isinstance(self.dtype, str) else PagedTypeError
-            raise error("dtype", self.dtype, f"one of {sorted(DTYPES)}")
+        check_one_of("dtype", self.dtype, sorted(DTYPES))
         if self.sliding_window is not None and self.sliding_window < 1:
             raise PagedValueError("sliding_window", self.sliding_window, "None or >= 1")
         for name in ("alibi", "sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise PagedTypeError(name, getattr(self, name), "True or False")
-        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            error = PagedValueError if isinstance(self.kv_cache_dtype, str) else PagedTypeError
-            raise error("kv_cache_dtype", self.kv_cache_dtype, f"one of {sorted(KV_CACHE_DTYPES)}")
+        check_one_of("kv_cache_dtype", self.kv_cache_dtype, sorted(KV_CACHE_DTYPES))
         for name in ("k_scale", "v_scale"):
             value = getattr(self, name)
             positive_finite(name, value, "a finite float > 0")
