@@ -278,6 +278,7 @@ class PagedCase:
     # Derived axes ---------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
+        """Sequences in the batch."""
         return len(self.kv_lens)
 
     @property
@@ -287,6 +288,7 @@ class PagedCase:
 
     @property
     def total_q(self) -> int:
+        """Query tokens of the batch, all sequences together."""
         return sum(self.q_lens_or_decode)
 
     @property
@@ -297,6 +299,7 @@ class PagedCase:
 
     @property
     def gqa_ratio(self) -> int:
+        """Query heads per KV head."""
         return self.num_q_heads // self.num_kv_heads
 
     @property
@@ -317,6 +320,7 @@ class PagedCase:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """Element type of Q, K, V and the output."""
         return DTYPES[self.dtype]
 
     @property
@@ -326,6 +330,7 @@ class PagedCase:
 
     @property
     def blocks_per_seq(self) -> tuple[int, ...]:
+        """KV blocks each sequence's tokens fill, ``[batch]`` (the last one partly)."""
         return tuple(-(-n // self.block_size) for n in self.kv_lens)
 
     @property
