@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Union
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
-from pagedbench.reference.case import KV_CACHE_DTYPES, LAYOUTS
+from pagedbench.reference.axes import KV_CACHE_DTYPES, LAYOUTS
 from pagedbench.reference.yardstick import LOGITS_PRECISIONS
 
 #: Optional features a case may use, as :attr:`PagedCase.features` names them: the
@@ -109,12 +109,12 @@ class Capabilities:
         Optional features from :data:`FEATURES` the implementation handles (the
         degenerate rows among them).
     kv_cache_dtypes : frozenset[str]
-        KV-cache storage types from :data:`~pagedbench.reference.case.KV_CACHE_DTYPES`;
+        KV-cache storage types from :data:`~pagedbench.reference.axes.KV_CACHE_DTYPES`;
         ``"auto"`` means the KV cache has the case dtype.
     min_compute_capability : tuple[int, int] or None
         Lowest CUDA compute capability; :meth:`why_unsupported` reads the device's.
     layouts : frozenset[str]
-        Memory layouts of the inputs (:data:`~pagedbench.reference.case.LAYOUTS`) the
+        Memory layouts of the inputs (:data:`~pagedbench.reference.axes.LAYOUTS`) the
         adapter takes as they are: strided ``q``, a cache that is a view into a larger
         allocation, a strided output buffer. ``{"contiguous"}`` by default.
     max_num_blocks : int or None

@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
-from pagedbench.reference.case import LAYOUTS
+from pagedbench.reference.axes import LAYOUTS
 
 from .base import (
     AtLeast,

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedbench.reference import PagedInputs
-from pagedbench.reference.case import LAYOUTS
+from pagedbench.reference.axes import LAYOUTS
 
 from .base import Adapter, Availability, Capabilities, Prepared
 

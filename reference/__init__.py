@@ -1,7 +1,8 @@
 """What a paged-attention problem is, and its ground truth (plain PyTorch, no kernels)."""
 
 from .allocator import BlockAllocator, OutOfBlocksError
-from .case import DTYPES, PagedCase
+from .axes import DTYPES
+from .case import PagedCase
 from .dense import attention, gather_kv, reference_attention
 from .errors import PagedInputError, PagedTypeError, PagedValueError
 from .inputs import (PagedInputs, check_fits, logit_bound, materialize, new_output,

@@ -14,76 +14,13 @@ from typing import Any
 
 import torch
 
+from .axes import (DTYPES, KV_CACHE_DTYPES, LAYOUTS, MAX_LOGIT_OFFSET, POISONS, as_int,
+                   check_one_of, int_tuple, positive_finite)
 from .errors import PagedTypeError, PagedValueError
 
-#: Data types a case may use, by the names results and case ids carry.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+#: Short names of the dtypes and fp8 cache types in case ids.
 _DTYPE_TAGS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-#: KV-cache storage types, by vLLM's ``kv_cache_dtype`` names: ``"auto"`` stores K and V in
-#: the case dtype; the fp8 types store ``x / k_scale`` (``x / v_scale``) rounded to OCP FP8
-#: (E4M3 "fn": no infinities, max 448; E5M2: max 57344), as vLLM's and FlashInfer's fp8 KV
-#: caches do. ``None`` means "the case dtype".
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
-}
 _KV_CACHE_DTYPE_TAGS = {"fp8_e4m3": "fp8e4m3", "fp8_e5m2": "fp8e5m2"}
-#: Largest ``sm_scale``, ``logits_soft_cap``, ``k_scale``, ``v_scale``, ``qk_magnitude``
-#: and ``v_magnitude`` accepted: past it the logits of unit-normal inputs can overflow even
-#: the float64 truth (a scale of 1e308 gives inf - inf = NaN in its softmax), so the case
-#: would have no truth to judge by.
-MAX_SCALE = 1e6
-#: Largest ``|logit_offset|``: past the finite mask values kernels use instead of
-#: ``-inf`` (-1e4, -3e4, fp16's -65504). Past about 1e4 the float32 logits every kernel
-#: forms lose so much (an ulp of 3e4 is 0.002) that a correct kernel's error depends on
-#: its summation order more than the tolerance allows (docs/edges.md, "The edges of the input
-#: space"): such cases show a kernel's behaviour, not a verdict.
-MAX_LOGIT_OFFSET = 1e5
-#: How :func:`~pagedbench.reference.inputs.materialize` lays the tensors out in memory
-#: (the values are the same in every layout): ``"contiguous"``; ``"fused_qkv"``: ``q`` is
-#: a strided slice of a fused ``[total_q, (num_q_heads + 2 * num_kv_heads) * head_dim]``
-#: QKV projection; ``"layer_pool"``: ``kv_cache`` is one layer of a ``[num_layers,
-#: num_blocks, 2, ...]`` pool (a storage offset); ``"every_other_block"``: every other
-#: block of a pool twice the size (block stride doubled); ``"layer_in_block"``: one layer
-#: of ``[num_blocks, 2, num_layers, num_kv_heads, block_size, head_dim]`` (vLLM's
-#: cross-layer layout: HND inside the block, seen through NHD strides); ``"strided_out"``:
-#: the output buffer (:func:`~pagedbench.reference.inputs.new_output`) is a strided view.
-LAYOUTS = ("contiguous", "fused_qkv", "layer_pool", "every_other_block", "layer_in_block",
-           "strided_out")
-#: What fills every slot that holds no live token (:attr:`PagedCase.poison`): NaN, +Inf,
-#: -Inf, or ``"huge"``, the element type's largest finite value (a kernel that tests for
-#: NaN, or clamps infinities, still reads it). fp8 E4M3 "fn" has no infinity: ``"inf"``
-#: and ``"-inf"`` store its largest magnitude (448) there.
-POISONS = ("nan", "inf", "-inf", "huge")
-
-
-def _as_int(name: str, value: object) -> int:
-    """``value`` as a Python int (numpy ints accepted; bools, floats and strings not)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise PagedTypeError(name, value, "an int")
-    return int(value.__index__())
-
-
-def _int_tuple(name: str, values: object) -> tuple[int, ...]:
-    """``values`` (a list or tuple of ints) as a tuple of Python ints."""
-    if not isinstance(values, (list, tuple)):
-        raise PagedTypeError(name, values, "a list or tuple of ints")
-    return tuple(_as_int(name, value) for value in values)
-
-
-def _positive_finite(name: str, value: object, allowed: str) -> None:
-    """Refuse anything but a real number in ``(0, MAX_SCALE]`` (bools and strings
-    included)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PagedTypeError(name, value, allowed)
-    if not (math.isfinite(value) and 0 < value <= MAX_SCALE):
-        raise PagedValueError(name, value, f"{allowed}, at most {MAX_SCALE:g}")
 
 
 def _range_tag(values: tuple[int, ...]) -> str:
@@ -121,10 +58,10 @@ class PagedCase:
     block_size : int
         Tokens per KV block (page).
     dtype : str
-        One of :data:`DTYPES` (``"float32"``, ``"float16"``, ``"bfloat16"``): Q, K, V, O.
+        One of :data:`~.axes.DTYPES` (``"float32"``, ``"float16"``, ``"bfloat16"``): Q, K, V, O.
     sm_scale : float or None
         Softmax scale applied to ``q @ k``; ``None`` means ``1 / sqrt(head_dim)``. At most
-        :data:`MAX_SCALE`, like ``logits_soft_cap``, ``k_scale`` and ``v_scale``.
+        :data:`~.axes.MAX_SCALE`, like ``logits_soft_cap``, ``k_scale`` and ``v_scale``.
     sliding_window : int or None
         If set, a query at absolute position ``p`` sees keys ``p - W + 1 .. p`` (vLLM's
         and FlashAttention's convention: ``window_size = (W - 1, 0)``).
@@ -171,7 +108,7 @@ class PagedCase:
         The values are drawn from the seed (see
         :func:`~pagedbench.reference.inputs.materialize`).
     kv_cache_dtype : str
-        One of :data:`KV_CACHE_DTYPES`: ``"auto"`` (K and V in ``dtype``),
+        One of :data:`~.axes.KV_CACHE_DTYPES`: ``"auto"`` (K and V in ``dtype``),
         ``"fp8_e4m3"`` or ``"fp8_e5m2"`` (quantized with ``k_scale`` and ``v_scale``).
     k_scale, v_scale : float
         Per-tensor dequantization scales of an fp8 cache: the stored value ``s`` means
@@ -188,11 +125,11 @@ class PagedCase:
         Q's), leaving the softmax unchanged in exact arithmetic: large positive offsets
         overflow a softmax that does not subtract its maximum, large negative ones fall
         below the finite mask values some kernels use instead of ``-inf``. ``|offset| <=``
-        :data:`MAX_LOGIT_OFFSET`.
+        :data:`~.axes.MAX_LOGIT_OFFSET`.
     layout : str
-        One of :data:`LAYOUTS`: how the tensors lie in memory (never their values).
+        One of :data:`~.axes.LAYOUTS`: how the tensors lie in memory (never their values).
     poison : str
-        One of :data:`POISONS`: what fills every slot without a live token, the padding
+        One of :data:`~.axes.POISONS`: what fills every slot without a live token, the padding
         block and whatever the layout allocates around the tensors (never the truth).
 
     Raises
@@ -232,11 +169,11 @@ class PagedCase:
     shared_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kv_lens", _int_tuple("kv_lens", self.kv_lens))
+        object.__setattr__(self, "kv_lens", int_tuple("kv_lens", self.kv_lens))
         if self.q_lens is not None:
-            object.__setattr__(self, "q_lens", _int_tuple("q_lens", self.q_lens))
+            object.__setattr__(self, "q_lens", int_tuple("q_lens", self.q_lens))
         if self.shared_blocks is not None:
-            shared = _int_tuple("shared_blocks", self.shared_blocks)
+            shared = int_tuple("shared_blocks", self.shared_blocks)
             object.__setattr__(self, "shared_blocks", shared if any(shared) else None)
             if len(shared) != len(self.kv_lens):
                 raise PagedValueError(
@@ -246,7 +183,7 @@ class PagedCase:
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "block_size", "seed",
                      "sliding_window", "num_blocks", "head_dim_v", "min_block_id"):
             if getattr(self, name) is not None:
-                object.__setattr__(self, name, _as_int(name, getattr(self, name)))
+                object.__setattr__(self, name, as_int(name, getattr(self, name)))
         if self.head_dim_v == self.head_dim:
             object.__setattr__(self, "head_dim_v", None)
         for name in ("name", "tag"):
@@ -256,7 +193,7 @@ class PagedCase:
             raise PagedValueError("seed", self.seed, "in [0, 2**63)")
         for name in ("sm_scale", "logits_soft_cap"):
             if getattr(self, name) is not None:
-                _positive_finite(name, getattr(self, name), "None or a finite number > 0")
+                positive_finite(name, getattr(self, name), "None or a finite number > 0")
         if not self.kv_lens:
             raise PagedValueError("kv_lens", self.kv_lens, "at least one sequence",
                                   "kv_lens must name at least one sequence")
@@ -280,39 +217,31 @@ class PagedCase:
         if self.min_block_id < 0:
             raise PagedValueError("min_block_id", self.min_block_id, ">= 0")
         for name in ("qk_magnitude", "v_magnitude"):
-            _positive_finite(name, getattr(self, name), "a finite float > 0")
+            positive_finite(name, getattr(self, name), "a finite float > 0")
         offset = self.logit_offset
         if isinstance(offset, bool) or not isinstance(offset, (int, float)):
             raise PagedTypeError("logit_offset", offset, "a finite float")
         if not (math.isfinite(offset) and abs(offset) <= MAX_LOGIT_OFFSET):
             raise PagedValueError("logit_offset", offset,
                                   f"finite, of magnitude at most {MAX_LOGIT_OFFSET:g}")
-        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
-            error = PagedValueError if isinstance(self.layout, str) else PagedTypeError
-            raise error("layout", self.layout, f"one of {list(LAYOUTS)}")
-        if not isinstance(self.poison, str) or self.poison not in POISONS:
-            error = PagedValueError if isinstance(self.poison, str) else PagedTypeError
-            raise error("poison", self.poison, f"one of {list(POISONS)}")
+        check_one_of("layout", self.layout, list(LAYOUTS))
+        check_one_of("poison", self.poison, list(POISONS))
         if self.num_q_heads % self.num_kv_heads:
             raise PagedValueError(
                 "num_q_heads", self.num_q_heads,
                 f"a multiple of num_kv_heads ({self.num_kv_heads})",
                 f"num_q_heads ({self.num_q_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
-            error = PagedValueError if isinstance(self.dtype, str) else PagedTypeError
-            raise error("dtype", self.dtype, f"one of {sorted(DTYPES)}")
+        check_one_of("dtype", self.dtype, sorted(DTYPES))
         if self.sliding_window is not None and self.sliding_window < 1:
             raise PagedValueError("sliding_window", self.sliding_window, "None or >= 1")
         for name in ("alibi", "sinks"):
             if not isinstance(getattr(self, name), bool):
                 raise PagedTypeError(name, getattr(self, name), "True or False")
-        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            error = PagedValueError if isinstance(self.kv_cache_dtype, str) else PagedTypeError
-            raise error("kv_cache_dtype", self.kv_cache_dtype, f"one of {sorted(KV_CACHE_DTYPES)}")
+        check_one_of("kv_cache_dtype", self.kv_cache_dtype, sorted(KV_CACHE_DTYPES))
         for name in ("k_scale", "v_scale"):
             value = getattr(self, name)
-            _positive_finite(name, value, "a finite float > 0")
+            positive_finite(name, value, "a finite float > 0")
             if self.kv_cache_dtype == "auto" and value != 1.0:
                 raise PagedValueError(
                     name, value, "1.0 with kv_cache_dtype 'auto'",
@@ -349,6 +278,7 @@ class PagedCase:
     # Derived axes ---------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
+        """Sequences in the batch."""
         return len(self.kv_lens)
 
     @property
@@ -358,6 +288,7 @@ class PagedCase:
 
     @property
     def total_q(self) -> int:
+        """Query tokens of the batch, all sequences together."""
         return sum(self.q_lens_or_decode)
 
     @property
@@ -368,6 +299,7 @@ class PagedCase:
 
     @property
     def gqa_ratio(self) -> int:
+        """Query heads per KV head."""
         return self.num_q_heads // self.num_kv_heads
 
     @property
@@ -388,6 +320,7 @@ class PagedCase:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        """Element type of Q, K, V and the output."""
         return DTYPES[self.dtype]
 
     @property
@@ -397,6 +330,7 @@ class PagedCase:
 
     @property
     def blocks_per_seq(self) -> tuple[int, ...]:
+        """KV blocks each sequence's tokens fill, ``[batch]`` (the last one partly)."""
         return tuple(-(-n // self.block_size) for n in self.kv_lens)
 
     @property

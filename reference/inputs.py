@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import BlockAllocator
-from .case import POISONS, PagedCase
+from .axes import POISONS
+from .case import PagedCase
 from .errors import PagedTypeError, PagedValueError
 
 #: Fraction of K channels scaled up, and by how much: real models' keys have a few
@@ -340,12 +341,12 @@ NUM_LAYERS, LAYER = 3, 1
 
 
 def poison_value(poison: str, dtype: torch.dtype) -> float:
-    """The value ``poison`` (one of :data:`~.case.POISONS`) stands for in ``dtype``.
+    """The value ``poison`` (one of :data:`~.axes.POISONS`) stands for in ``dtype``.
 
     Raises
     ------
     PagedValueError
-        If ``poison`` is not one of :data:`~.case.POISONS`.
+        If ``poison`` is not one of :data:`~.axes.POISONS`.
     """
     if poison not in POISONS:
         raise PagedValueError("poison", poison, f"one of {POISONS}")

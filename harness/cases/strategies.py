@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from pagedbench.adapters.base import FEATURES, Capabilities, allows
 from pagedbench.reference import PagedCase
-from pagedbench.reference.case import KV_CACHE_DTYPES, LAYOUTS, POISONS
+from pagedbench.reference.axes import KV_CACHE_DTYPES, LAYOUTS, POISONS
 
 BLOCK_SIZES = (1, 2, 8, 16, 32, 48, 64, 128, 256)
 GQA_RATIOS = (1, 2, 4, 5, 8)

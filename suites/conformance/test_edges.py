@@ -28,7 +28,7 @@ from pagedbench.harness.run import replay
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.conformance import inputs_for
 from pagedbench.reference import naive_attention
-from pagedbench.reference.case import LAYOUTS, POISONS
+from pagedbench.reference.axes import LAYOUTS, POISONS
 from pagedbench.reference.inputs import unshare_blocks
 from pagedbench.suites import peer_findings
 

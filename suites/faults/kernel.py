@@ -26,7 +26,7 @@ import torch
 from pagedbench.adapters.base import (FEATURES, Adapter, Availability, Capabilities,
                                       Prepared)
 from pagedbench.reference import PagedCase, PagedInputs
-from pagedbench.reference.case import KV_CACHE_DTYPES, LAYOUTS
+from pagedbench.reference.axes import KV_CACHE_DTYPES, LAYOUTS
 
 #: Every feature but a V head dim of its own (the steps read K and V at ``head_dim``;
 #: no fault of the catalogue is about MLA), the degenerate rows included (kv_len 0,

@@ -9,7 +9,7 @@ import pytest
 from pagedbench.harness.verdict import fp8_interpreter
 from pagedbench.harness.results import report
 from pagedbench.reference import PagedCase
-from pagedbench.reference.case import KV_CACHE_DTYPES, POISONS
+from pagedbench.reference.axes import KV_CACHE_DTYPES, POISONS
 
 from .conftest import result
 

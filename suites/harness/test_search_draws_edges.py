@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedbench.harness.cases.strategies import FP32_LOGIT_REGIMES, LOGIT_REGIMES, paged_cases
-from pagedbench.reference.case import LAYOUTS, POISONS
+from pagedbench.reference.axes import LAYOUTS, POISONS
 
 DRAWS = 400
 

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedbench.harness.capacity import tune
+from pagedbench.harness.capacity import prediction, tune
 from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.harness.cli import main
 from pagedbench.harness.results.store import ResultsFile
+from pagedbench.reference import PagedValueError
 from pagedbench.reference.workload import Request
 
 from .conftest import ENV, result
@@ -55,26 +56,27 @@ HAND = {4: {"ms": 15.6, "conc": 2.0, "peak": 3, "steps": 5},
         8: {"ms": 11.7, "conc": 1.5, "peak": 2, "steps": 6}}
 
 
-def _points(block_size: int) -> list[tune.KernelPoint]:
+def _points(block_size: int) -> list[prediction.KernelPoint]:
     b_coef, t_coef = PLANES[block_size]
-    return [tune.KernelPoint(block_size=block_size, sequences=b, kv_tokens=t,
-                             median_ms=b_coef * b + t_coef * t, p10_ms=0.9 * (b_coef * b + t_coef * t),
-                             p90_ms=1.1 * (b_coef * b + t_coef * t), case_id=f"p{b}-{t}")
+    return [prediction.KernelPoint(block_size=block_size, sequences=b, kv_tokens=t,
+                                   median_ms=b_coef * b + t_coef * t,
+                                   p10_ms=0.9 * (b_coef * b + t_coef * t),
+                                   p90_ms=1.1 * (b_coef * b + t_coef * t), case_id=f"p{b}-{t}")
             for b, t in CORNERS]
 
 
-def _hand_rows(other_ms: float = 0.0) -> list[tune.TuneRow]:
+def _hand_rows(other_ms: float = 0.0) -> list[prediction.TuneRow]:
     rows = []
     for bs in (4, 8):
-        sim, steps = tune.simulate_decode(HAND_TRACE, bs, HAND_BUDGET, max_context=5)
-        rows.append(tune.predict("hand", sim, steps, tune.KernelModel(bs, _points(bs)),
-                                 LAYERS, other_ms))
+        sim, steps = prediction.simulate_decode(HAND_TRACE, bs, HAND_BUDGET, max_context=5)
+        model = prediction.KernelModel(bs, _points(bs))
+        rows.append(prediction.predict("hand", sim, steps, model, LAYERS, other_ms))
     return rows
 
 
 def test_tune_simulated_batches_match_hand_trace() -> None:
     for bs, expected in STEPS.items():
-        sim, steps = tune.simulate_decode(HAND_TRACE, bs, HAND_BUDGET, max_context=5)
+        sim, steps = prediction.simulate_decode(HAND_TRACE, bs, HAND_BUDGET, max_context=5)
         assert [(s.sequences, s.kv_tokens) for s in steps] == expected
         assert (sim.mean_concurrency, sim.peak_concurrency, sim.steps) == (
             HAND[bs]["conc"], HAND[bs]["peak"], HAND[bs]["steps"])
@@ -90,7 +92,7 @@ def test_tune_combines_kernel_times_and_capacity_by_hand() -> None:
         assert row.throughput_high_tok_s == pytest.approx(6 / (0.9 * hand["ms"] / 1000), rel=1e-9)
         assert row.refused is None
     assert [round(r.throughput_tok_s, 2) for r in rows] == [384.62, 512.82]
-    best = tune.recommend(rows, "cpu")
+    best = prediction.recommend(rows, "cpu")
     assert (best.block_size, best.runner_up_block_size) == (8, 4)
     assert best.margin_pct == pytest.approx(100 * (15.6 / 11.7 - 1), rel=1e-9)  # 33.33 %
     assert best.holds is True
@@ -105,44 +107,45 @@ def test_tune_other_step_time_favours_concurrency_by_hand() -> None:
     rows = _hand_rows(other_ms=10.0)
     assert [round(r.throughput_tok_s, 2) for r in rows] == [131.58, 116.05]
     assert [round(r.throughput_high_tok_s, 2) for r in rows] == [136.24, 118.74]
-    best = tune.recommend(rows, "cpu")
+    best = prediction.recommend(rows, "cpu")
     assert (best.block_size, best.holds) == (4, True)  # 127.23 >= 118.74
     assert best.margin_pct == pytest.approx(100 * (51.7 / 45.6 - 1), rel=1e-9)
 
 
 def test_tune_refuses_batches_outside_measured_points() -> None:
-    model = tune.KernelModel(4, _points(4))
+    model = prediction.KernelModel(4, _points(4))
     inside = model.times_ms(np.array([2, 1, 3]), np.array([10, 4, 16]))
     assert inside[:, 0] == pytest.approx([0.8 + 2.0, 0.4 + 0.8, 1.2 + 3.2], rel=1e-9)
     for outside in ((4, 12), (2, 17), (1, 3), (0, 8)):
-        with pytest.raises(tune.OutOfMeasuredRange, match="outside the measured points"):
+        with pytest.raises(prediction.OutOfMeasuredRange, match="outside the measured points"):
             model.times_ms(np.array([outside[0]]), np.array([outside[1]]))
     # A row with one step past the measured batch sizes is refused, not extrapolated.
-    sim, steps = tune.simulate_decode(HAND_TRACE, 4, HAND_BUDGET, max_context=5)
+    sim, steps = prediction.simulate_decode(HAND_TRACE, 4, HAND_BUDGET, max_context=5)
     up_to_two = [p.model_copy(update={"sequences": min(p.sequences, 2)}) for p in _points(4)]
-    row = tune.predict("hand", sim, steps, tune.KernelModel(4, up_to_two), LAYERS, 0.0)
+    row = prediction.predict("hand", sim, steps, prediction.KernelModel(4, up_to_two), LAYERS, 0.0)
     assert row.throughput_tok_s is None and "3 sequences, 12 KV tokens" in row.refused
-    assert tune.recommend([row], "cpu").block_size is None
+    assert prediction.recommend([row], "cpu").block_size is None
 
 
 def test_tune_refuses_points_spanning_no_area() -> None:
     line = [p for p in _points(4) if p.sequences == 1]  # one batch size: a line
-    with pytest.raises(tune.PagedValueError, match="span no area"):
-        tune.KernelModel(4, line)
+    with pytest.raises(PagedValueError, match="span no area"):
+        prediction.KernelModel(4, line)
 
 
 def test_tune_benched_batches_cover_every_simulated_step() -> None:
     steps = {}
     for name in ("short-instructions", "parallel-sampling"):
         trace = tune.WORKLOADS[name].trace(30, 0)
-        steps[name] = tune.simulate_decode(trace, 16, 4096, tune.WORKLOADS[name].max_context)[1]
+        max_context = tune.WORKLOADS[name].max_context
+        steps[name] = prediction.simulate_decode(trace, 16, 4096, max_context)[1]
     batches = tune.bench_batches(steps)
-    points = [tune.KernelPoint(block_size=16, sequences=b, kv_tokens=t, median_ms=1.0 + t,
-                               p10_ms=1.0 + t, p90_ms=1.0 + t, case_id=str(i))
+    points = [prediction.KernelPoint(block_size=16, sequences=b, kv_tokens=t, median_ms=1.0 + t,
+                                     p10_ms=1.0 + t, p90_ms=1.0 + t, case_id=str(i))
               for i, (b, t) in enumerate(batches)]
     every = [s for ss in steps.values() for s in ss]
-    times = tune.KernelModel(16, points).times_ms(np.array([s.sequences for s in every]),
-                                                  np.array([s.kv_tokens for s in every]))
+    times = prediction.KernelModel(16, points).times_ms(np.array([s.sequences for s in every]),
+                                                        np.array([s.kv_tokens for s in every]))
     assert times[:, 0] == pytest.approx([1.0 + s.kv_tokens for s in every], rel=1e-9)
     assert len(batches) <= 6  # five corners and the median step
     assert all(t >= b for b, t in batches)
@@ -188,7 +191,7 @@ def test_tune_cli_prints_table_and_writes_plot_and_json(tmp_path: Path, capsys) 
     assert "| three.csv" in out and "block_size 8 for CPU serving" in out
     assert "33.3% over block_size 4" in out
     report = json.loads((tmp_path / "out" / "tune.json").read_text())
-    tune.TuneReport.model_validate_json((tmp_path / "out" / "tune.json").read_text())
+    prediction.TuneReport.model_validate_json((tmp_path / "out" / "tune.json").read_text())
     by_bs = {r["block_size"]: r for r in report["rows"]}
     # 32 layers: bs 4 7.8 ms x 32 = 249.6 ms for 6 tokens = 24.04 tokens/s; bs 8 5.85 x 32
     # = 187.2 ms: 32.05 tokens/s.

@@ -29,7 +29,7 @@ from pagedbench.harness.verdict import conformance
 from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.verdict.tolerance import Expected
 from pagedbench.reference import PagedCase, materialize, naive_attention, yardstick
-from pagedbench.reference.case import LAYOUTS
+from pagedbench.reference.axes import LAYOUTS
 from pagedbench.reference.yardstick import SUM_ORDERS, ordered_sum, yardstick_attention
 
 from ..conformance.cases import pinned_case

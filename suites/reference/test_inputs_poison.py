@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pagedbench.harness.cases.strategies import paged_cases
 from pagedbench.reference import PagedCase, gather_kv, materialize, new_output
-from pagedbench.reference.case import LAYOUTS, POISONS
+from pagedbench.reference.axes import LAYOUTS, POISONS
 from pagedbench.reference.inputs import _move, poison_value
 
 
