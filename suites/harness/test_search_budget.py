@@ -56,11 +56,13 @@ def test_a_fast_plugin_fills_the_seconds_and_a_slow_one_stays_within_them(tmp_pa
     assert fast["examples"] > slow["examples"], found
     for figures in found.values():
         # Each filled its seconds (or the floor) and stopped within two examples of them,
-        # or a quarter past them where the host's speed moved between runs (each run is
-        # sized by the speed of those before it: 9.51 s of 8 measured under pytest -n 2).
+        # or a quarter past or a twentieth short of them where the host's speed moved
+        # between runs (each run is sized by the speed of those before it; measured under
+        # pytest -n 2: 9.51 s of 8, and 7.83 s of 8 with two examples of 0.058 s left).
         per_example = figures["seconds"] / figures["examples"]
         limit = max(SECONDS, low * per_example)
         assert figures["seconds"] <= 1.25 * limit + 2 * per_example, found
-        assert figures["examples"] == high or figures["seconds"] >= limit - 2 * per_example, found
+        assert figures["examples"] == high or figures["seconds"] >= min(
+            limit - 2 * per_example, 0.95 * limit), found
     for impl, figures in found.items():
         assert f"{impl}: {figures['examples']} examples in " in out, out
