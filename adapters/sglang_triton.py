@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 from itertools import accumulate
-from typing import ClassVar
 
 import torch
 
@@ -39,14 +38,13 @@ from pagedbench.reference.axes import LAYOUTS
 
 from .base import (
     AtLeast,
-    Availability,
     Capabilities,
     InterpretedWork,
     InterpreterBudget,
     Prepared,
-    TritonAdapter,
 )
 from .sglang_triton_load import SglangFilesInvalid, SglangTritonKernels, load_kernels
+from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities
 
 #: vLLM's decode fit (adapters/vllm_triton.py): the same two-stage kernel lineage, the
 #: same tiles but for the MHA path's 64 keys per step.
@@ -63,19 +61,11 @@ MAX_KV_SPLITS = 8
 MHA_KV_TILE, GROUPED_KV_TILE, GROUPED_HEAD_TILE, MIN_BLOCK_KV = 64, 32, 16, 32
 #: Sequences the backend's split heuristic schedules at least (``get_num_kv_splits``).
 SCHEDULE_SEQ_MIN = 256
-_BF16_INTERPRETED = ("Triton's interpreter computes bfloat16 tl.dot wrongly: "
-                     "triton-lang/triton#11584")
 
 
-@functools.cache
-def _loaded() -> tuple[SglangTritonKernels | None, str]:
-    """The kernels (loaded once per process), or None and why they cannot be loaded."""
-    try:
-        return load_kernels(), ""
-    except ImportError as exc:
-        return None, f"triton not importable: {exc}"
-    except SglangFilesInvalid as exc:
-        return None, f"SGLang's kernel files not usable: {exc}"
+#: The kernels (loaded once per process), or None and why they cannot be loaded.
+_loaded = cached_load(load_kernels, ((ImportError, "triton not importable"),
+                                     (SglangFilesInvalid, "SGLang's kernel files not usable")))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -159,47 +149,17 @@ def soft_cap_cancels(case: PagedCase) -> list[str]:
     return []
 
 
-class _SglangTritonAdapter(TritonAdapter):
-    """What the two kernels share: loading, availability, the interpreter's dtypes."""
+class _SglangTritonAdapter(PeerTritonAdapter):
+    """What the two kernels share: SGLang's files, loaded without importing SGLang."""
 
-    #: What the kernel takes when compiled; :meth:`capabilities` narrows it when interpreted.
-    CAPABILITIES: ClassVar[Capabilities]
+    rocm_reason = "the stand-ins answer SGLang's ROCm questions with no"
 
-    def capabilities(self, device: str) -> Capabilities:
-        """:attr:`CAPABILITIES`, without bfloat16 where the kernel runs interpreted."""
-        caps = self.CAPABILITIES
-        if not self.is_interpreted(device):
-            return caps
-        return replace(caps, dtypes=caps.dtypes - {"bfloat16"},
-                       notes={**caps.notes, "dtypes": _BF16_INTERPRETED})
+    @staticmethod
+    def load() -> tuple[SglangTritonKernels | None, str]:
+        return _loaded()
 
-    def kernel_interpreted(self) -> bool | None:
-        kernels, _ = _loaded()
-        if kernels is None:
-            return None
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return isinstance(kernels.decode._fwd_kernel_stage1, InterpretedFunction)
-
-    def available(self, device: str = "cpu") -> Availability:
-        device_type = torch.device(device).type
-        if device_type not in self.CAPABILITIES.devices:
-            return Availability(False, f"device {device_type!r} not in "
-                                       f"{sorted(self.CAPABILITIES.devices)}")
-        if torch.version.hip is not None:
-            return Availability(False, "ROCm builds of torch are not supported: the "
-                                       "stand-ins answer SGLang's ROCm questions with no")
-        if device_type == "cuda" and not torch.cuda.is_available():
-            return Availability(False, "no CUDA device visible to torch")
-        kernels, reason = _loaded()
-        if kernels is None:
-            return Availability(False, reason)
-        if device_type == "cpu" and self.interpreter_missing():
-            return Availability(False, self.interpreter_missing(), kernels.version)
-        return Availability(True, version=kernels.version, details={
-            "source": kernels.source,
-            "interpreted": self.is_interpreted(device),
-        })
+    def jit_function(self, kernels: SglangTritonKernels) -> object:
+        return kernels.decode._fwd_kernel_stage1
 
 
 class SglangDecode(_SglangTritonAdapter):
@@ -217,9 +177,7 @@ class SglangDecode(_SglangTritonAdapter):
     # merges no split and comes out 0/0 = NaN. Layouts: the pools and index list are
     # built in prepare from any cache layout; q and out are addressed by their row and
     # head strides.
-    CAPABILITIES = Capabilities(
-        devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    CAPABILITIES = triton_capabilities(
         head_dims=frozenset({AtLeast(9)}),
         modes=frozenset({"decode"}),
         features=frozenset({"logits_soft_cap", "sinks", "sliding_window", "head_dim_v"}),
@@ -264,9 +222,7 @@ class SglangDecode(_SglangTritonAdapter):
                             device=kv_lens.device)
         if kv_lens.device.type != "cuda":
             return splits
-        kernels, reason = _loaded()
-        if kernels is None:
-            raise RuntimeError(reason)
+        kernels = self.kernels()
         cores = torch.cuda.get_device_properties(kv_lens.device).multi_processor_count
         schedule = max(SCHEDULE_SEQ_MIN, 1 << (case.batch_size - 1).bit_length())
         kernels.metadata.get_num_kv_splits_triton[(1,)](
@@ -287,13 +243,8 @@ class SglangDecode(_SglangTritonAdapter):
         ValueError
             If the case is not a decode case (some ``q_lens`` > 1).
         """
-        case = inputs.case
-        if case.mode != "decode":
-            raise ValueError("sglang-decode runs decode cases only: q_lens must be None or "
-                             f"all 1, got q_lens={case.q_lens}")
-        kernels, reason = _loaded()
-        if kernels is None:
-            raise RuntimeError(reason)
+        case = self.decode_case(inputs)
+        kernels = self.kernels()
         k_buffer, v_buffer = token_pools(inputs)
         kv_indptr, kv_indices = token_indices(inputs)
         attended = kv_indptr.diff()  # [batch], int32
@@ -339,9 +290,7 @@ class SglangExtend(_SglangTritonAdapter):
     # kv_len < q_len is no prefix at all (not unseen_rows, not empty_kv). head_dim 576
     # and 288 split into a 512 / 256 dot plus a rope part; otherwise padded to a power of
     # two, so 9 and up as for decode (tl.dot's 16).
-    CAPABILITIES = Capabilities(
-        devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    CAPABILITIES = triton_capabilities(
         head_dims=frozenset({AtLeast(9)}),
         modes=frozenset({"decode", "prefill"}),
         features=frozenset({"logits_soft_cap", "sinks", "sliding_window", "head_dim_v",
@@ -357,13 +306,10 @@ class SglangExtend(_SglangTritonAdapter):
                            "W - 1, and 0 there means no window")
         return reasons
 
-    @staticmethod
-    def tiles(case: PagedCase) -> tuple[int, int]:
+    def tiles(self, case: PagedCase) -> tuple[int, int]:
         """``(BLOCK_M, BLOCK_N)``: query rows and keys per tile, SGLang's choice for this
         device and head dims (``_get_block_sizes_for_extend_attention``)."""
-        kernels, reason = _loaded()
-        if kernels is None:
-            raise RuntimeError(reason)
+        kernels = self.kernels()
         *_, block_m, block_n, _ = kernels.extend._get_block_sizes_for_extend_attention(
             case.head_dim, case.v_head_dim)
         return block_m, block_n
@@ -395,9 +341,7 @@ class SglangExtend(_SglangTritonAdapter):
             If a sequence has ``q_len > kv_len`` (no prefix to take).
         """
         case = inputs.case
-        kernels, reason = _loaded()
-        if kernels is None:
-            raise RuntimeError(reason)
+        kernels = self.kernels()
         q_lens = case.q_lens_or_decode
         if any(q > kv for q, kv in zip(q_lens, case.kv_lens)):
             raise ValueError("sglang-extend needs q_len <= kv_len for every sequence, got "

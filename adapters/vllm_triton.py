@@ -24,13 +24,11 @@ interpreter computes bfloat16 ``tl.dot`` wrongly (triton-lang/triton#11584), and
 
 from __future__ import annotations
 
-import abc
 import functools
 import itertools
 import math
 import os
 from collections.abc import Callable
-from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -40,15 +38,13 @@ from pagedbench.reference import PagedCase, PagedInputs, new_output
 from . import vllm_triton_launch as launch
 from .base import (
     AtLeast,
-    Availability,
-    Capabilities,
     InterpretedWork,
     InterpreterBudget,
     MultipleOf,
     Prepared,
-    TritonAdapter,
 )
 from .sglang_triton import grouped_head_tile_straddles, soft_cap_cancels
+from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities
 from .vllm_triton_carry import CARRY_ENV, CarryInvalid, load_carried
 from .vllm_triton_import import (
     VllmTritonKernel,
@@ -64,8 +60,6 @@ INTERPRETER_BUDGET = InterpreterBudget(s_per_program=0.005, s_per_step=0.006, ma
 
 #: TritonAttentionBackend.supports_head_size: head_size >= 32.
 _HEAD_DIMS = frozenset({AtLeast(32)})
-_BF16_INTERPRETED = ("Triton's interpreter computes bfloat16 tl.dot wrongly: "
-                     "triton-lang/triton#11584")
 
 
 def load_kernels() -> VllmTritonKernels:
@@ -94,17 +88,15 @@ def load_kernels() -> VllmTritonKernels:
         return load_carried(folder)
 
 
-@functools.cache
-def _loaded() -> tuple[VllmTritonKernels | None, str]:
-    """The kernels (loaded once per process), or None and why they cannot be loaded."""
-    try:
-        return load_kernels(), ""
-    except ImportError as exc:
-        return None, f"vllm or triton not importable: {exc}"
-    except CarryInvalid as exc:
-        return None, f"carried vLLM Triton files not usable: {exc}"
-    except (RuntimeError, AssertionError) as exc:
-        return None, f"vLLM's Triton kernels could not be enabled: {exc}"
+#: Each kernel family's interpreter cost model (:mod:`.vllm_triton_launch`).
+WORK = {"unified": launch.unified_work, "decode": launch.decode_work,
+        "chunked": launch.chunked_work}
+#: The kernels (loaded once per process), or None and why they cannot be loaded.
+_loaded = cached_load(load_kernels, (
+    (ImportError, "vllm or triton not importable"),
+    (CarryInvalid, "carried vLLM Triton files not usable"),
+    (RuntimeError, "vLLM's Triton kernels could not be enabled"),
+    (AssertionError, "vLLM's Triton kernels could not be enabled")))
 
 
 def to_split_x_layout(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,72 +146,46 @@ def split_x(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
-class _VllmTritonAdapter(TritonAdapter):
-    """What the three kernel families share: loading, availability, device rules."""
+class _VllmTritonAdapter(PeerTritonAdapter):
+    """What the three kernel families share: loading (installed vLLM or a carry)."""
 
-    #: What the kernel takes when compiled; :meth:`capabilities` narrows it when interpreted.
-    CAPABILITIES: ClassVar[Capabilities]
     interpreter_budget = INTERPRETER_BUDGET
+    rocm_reason = "the adapter stubs vLLM's ROCm helpers"
 
     @staticmethod
-    @abc.abstractmethod
-    def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
-        """This adapter's kernel family among the imported ones."""
+    def load() -> tuple[VllmTritonKernels | None, str]:
+        return _loaded()
 
-    def capabilities(self, device: str) -> Capabilities:
-        """:attr:`CAPABILITIES`, without bfloat16 where the kernels run interpreted."""
-        caps = self.CAPABILITIES
-        if not self.is_interpreted(device):
-            return caps
-        return replace(caps, dtypes=caps.dtypes - {"bfloat16"},
-                       notes={**caps.notes, "dtypes": _BF16_INTERPRETED})
+    #: This adapter's kernel family: its field of :class:`.VllmTritonKernels` and its
+    #: interpreter cost model (:data:`WORK`).
+    family: ClassVar[str]
 
-    def kernel_interpreted(self) -> bool | None:
-        kernels, _ = _loaded()
-        if kernels is None:
-            return None
-        from triton.runtime.interpreter import InterpretedFunction
+    def _family(self, kernels: VllmTritonKernels) -> VllmTritonKernel:
+        return getattr(kernels, self.family)
 
-        return isinstance(self._family(kernels).jit, InterpretedFunction)
+    def jit_function(self, kernels: VllmTritonKernels) -> object:
+        return self._family(kernels).jit
 
-    def available(self, device: str = "cpu") -> Availability:
-        device_type = torch.device(device).type
-        if device_type not in self.CAPABILITIES.devices:
-            return Availability(False, f"device {device_type!r} not in "
-                                       f"{sorted(self.CAPABILITIES.devices)}")
-        if torch.version.hip is not None:
-            return Availability(False, "ROCm builds of torch are not supported: the "
-                                       "adapter stubs vLLM's ROCm helpers")
-        if device_type == "cuda" and not torch.cuda.is_available():
-            return Availability(False, "no CUDA device visible to torch")
-        kernels, reason = _loaded()
-        if kernels is None:
-            return Availability(False, reason)
-        if device_type == "cpu" and self.interpreter_missing():
-            return Availability(False, self.interpreter_missing(), kernels.version)
-        return Availability(True, version=kernels.version, details={
-            "source": kernels.source,
-            "interventions": ",".join(kernels.interventions),
-            "interpreted": self.is_interpreted(device),
-        })
+    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
+        return WORK[self.family](case)
+
+    def load_details(self, kernels: VllmTritonKernels) -> dict[str, object]:
+        """``source`` and the import's ``interventions`` (:mod:`.vllm_triton_import`)."""
+        return {"source": kernels.source, "interventions": ",".join(kernels.interventions)}
 
     def _entry(self) -> Callable[..., None]:
-        kernels, reason = _loaded()
-        if kernels is None:
-            raise RuntimeError(reason)
-        return self._family(kernels).entry
+        return self._family(self.kernels()).entry
 
 
 class VllmUnified(_VllmTritonAdapter):
     """vLLM's ``unified_attention`` (the ``TRITON_ATTN`` backend's kernel)."""
 
     name = "vllm-unified"
+    family = "unified"
     description = ("vLLM unified_attention (Triton; 2D, or 3D split-KV for small decode "
                    "batches); interpreted on the CPU")
     # Block sizes: TritonAttentionBackend.get_supported_kernel_block_sizes.
-    CAPABILITIES = Capabilities(
-        devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    CAPABILITIES = triton_capabilities(
         head_dims=_HEAD_DIMS,
         block_sizes=frozenset({MultipleOf(16)}),
         modes=frozenset({"decode", "prefill"}),
@@ -227,13 +193,6 @@ class VllmUnified(_VllmTritonAdapter):
         features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks",
                             "empty_q"}),
     )
-
-    @staticmethod
-    def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
-        return kernels.unified
-
-    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
-        return launch.unified_work(case)
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         reasons = super().why_unsupported(case, device)
@@ -300,6 +259,7 @@ class VllmDecode(_VllmTritonAdapter):
     """vLLM's ``decode_attention_fwd`` (split-KV decode; page size = block_size)."""
 
     name = "vllm-decode"
+    family = "decode"
     description = ("vLLM decode_attention_fwd (Triton split-KV decode, from SGLang); "
                    "interpreted on the CPU")
     # "It supports page size >= 1" (the module docstring); no sliding window in its
@@ -307,9 +267,7 @@ class VllmDecode(_VllmTritonAdapter):
     # logits as ``tl.sum(q[None, :] * k, 1)`` on case-dtype operands, so the products are
     # rounded to fp16/bf16 (measured: 5.9 fp16 ulps on a 57-token sequence, 1.24x the
     # float32-logits allowance); the grouped path uses ``tl.dot``, float32 accumulation.
-    CAPABILITIES = Capabilities(
-        devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    CAPABILITIES = triton_capabilities(
         head_dims=_HEAD_DIMS,
         modes=frozenset({"decode"}),
         # Not empty_kv: kv_len 0 comes out NaN. head_dim_v: V is read from its own
@@ -339,13 +297,6 @@ class VllmDecode(_VllmTritonAdapter):
                            "q.k products overflow")
         return reasons
 
-    @staticmethod
-    def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
-        return kernels.decode
-
-    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
-        return launch.decode_work(case)
-
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """Bind the call on the NHD views of ``inputs.kv_cache`` (no copy); allocates
         ``out`` (NaN), ``lse [batch, num_q_heads]`` and ``attn_logits [batch, num_q_heads,
@@ -358,10 +309,7 @@ class VllmDecode(_VllmTritonAdapter):
         ValueError
             If the case is not a decode case (some ``q_lens`` > 1).
         """
-        case = inputs.case
-        if case.mode != "decode":
-            raise ValueError("vllm-decode runs decode cases only: q_lens must be None or "
-                             f"all 1, got q_lens={case.q_lens}")
+        case = self.decode_case(inputs)
         splits = launch.decode_num_kv_splits(case, inputs.device)
         out = new_output(inputs)
         scale_one = torch.ones((), dtype=torch.float32, device=inputs.device)
@@ -392,13 +340,12 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
     """vLLM's ``chunked_prefill_paged_decode`` on the legacy split-x cache layout."""
 
     name = "vllm-chunked-prefill"
+    family = "chunked"
     description = ("vLLM chunked_prefill_paged_decode (Triton prefix-prefill + paged "
                    "decode, legacy split-x K layout); interpreted on the CPU")
     # Block sizes: RocmAttentionBackend.get_supported_kernel_block_sizes (its Triton path
     # takes any multiple of 16); no soft cap in the signature.
-    CAPABILITIES = Capabilities(
-        devices=frozenset({"cpu", "cuda"}),
-        dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    CAPABILITIES = triton_capabilities(
         head_dims=_HEAD_DIMS,
         block_sizes=frozenset({MultipleOf(16)}),
         modes=frozenset({"decode", "prefill"}),
@@ -406,13 +353,6 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
         # batch with a q_len 0 entry aborts the interpreted process (free(): invalid pointer).
         features=frozenset({"sliding_window", "alibi", "sinks", "empty_kv"}),
     )
-
-    @staticmethod
-    def _family(kernels: VllmTritonKernels) -> VllmTritonKernel:
-        return kernels.chunked
-
-    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
-        return launch.chunked_work(case)
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         reasons = super().why_unsupported(case, device)
