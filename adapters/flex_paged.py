@@ -235,7 +235,11 @@ class FlexPaged(Adapter):
                 visible = visible & (kv_idx > pos - window)
             return visible
 
-        max_q = max(case.q_lens_or_decode)
+        # The dense query batch has at least one row: a batch whose every q_len is 0 would
+        # give create_block_mask a Q_LEN of 0, which it cannot index (IndexError, found by
+        # the search: kv_lens (1,), q_lens (0,)). The padded row is masked out
+        # (q_idx < q_lens[b]) and never read back.
+        max_q = max(1, *case.q_lens_or_decode)
         logical = create_block_mask(
             logical_mask, case.batch_size, None, max_q,
             case.max_blocks_per_seq * case.block_size, device=device,
