@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -63,7 +64,9 @@ def _wrote_only_build(venv: Venv, folder: str) -> None:
 
 @pytest.fixture(scope="module")
 def venv(outside, wheel) -> Venv:
-    return Venv(outside / "newest", wheel)
+    """The wheel in a fresh venv, in a folder of its own: a worker that comes back to this
+    module (pytest-xdist's ``--dist worksteal``) sets it up again beside the first."""
+    return Venv(Path(tempfile.mkdtemp(prefix="newest-", dir=outside)), wheel)
 
 
 def test_a_correct_kernel_passes_the_whole_suite_and_nothing_is_written_there(venv) -> None:
