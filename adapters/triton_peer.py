@@ -35,13 +35,17 @@ def triton_capabilities(**axes: Any) -> Capabilities:
                         dtypes=frozenset({"float32", "float16", "bfloat16"}), **axes)
 
 
+#: Exception types (one, or a tuple as ``except`` takes them) and the reason they mean.
+LoadFailures = tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], str], ...]
+
+
 def cached_load(load_kernels: Callable[[], Any],
-                reasons: tuple[tuple[type[BaseException], str], ...]
-                ) -> Callable[[], tuple[Any | None, str]]:
+                reasons: LoadFailures) -> Callable[[], tuple[Any | None, str]]:
     """``load_kernels`` called once per process, as ``(kernels, "")``, or as ``(None,
-    "<reason>: <error>")`` for the first of ``reasons`` whose exception type it raised
+    "<reason>: <error>")`` for the first of ``reasons`` whose exception types it raised
     (any other exception propagates)."""
-    caught = tuple(kind for kind, _ in reasons)
+    caught = tuple(kind for kinds, _ in reasons
+                   for kind in (kinds if isinstance(kinds, tuple) else (kinds,)))
 
     @functools.cache
     def loaded() -> tuple[Any | None, str]:

@@ -95,8 +95,7 @@ WORK = {"unified": launch.unified_work, "decode": launch.decode_work,
 _loaded = cached_load(load_kernels, (
     (ImportError, "vllm or triton not importable"),
     (CarryInvalid, "carried vLLM Triton files not usable"),
-    (RuntimeError, "vLLM's Triton kernels could not be enabled"),
-    (AssertionError, "vLLM's Triton kernels could not be enabled")))
+    ((RuntimeError, AssertionError), "vLLM's Triton kernels could not be enabled")))
 
 
 def to_split_x_layout(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
