@@ -300,6 +300,7 @@ class Availability:
     Attributes
     ----------
     ok : bool
+        True when it can run on the device asked about.
     reason : str
         Why not, when ``ok`` is False (e.g. "vllm not installed: No module named 'vllm'").
     version : str

@@ -55,7 +55,8 @@ CAPABILITIES = Capabilities(
 
 @dataclass(frozen=True)
 class CsrPageTable:
-    """FlashInfer's page table for a batch.
+    """FlashInfer's page table for a batch, in the CSR form its wrappers' ``plan`` takes
+    (an indptr, the page ids, the last page's length).
 
     Attributes
     ----------

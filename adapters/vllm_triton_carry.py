@@ -86,6 +86,7 @@ class Carry:
     Attributes
     ----------
     folder : Path
+        The carry folder, as given.
     vllm_version : str
         The vLLM version the files were copied from.
     manifest_sha256 : str

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import triton
@@ -41,10 +41,12 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from .paged_features import (
+    PagedFeatures,
     _load_kv_tile,
+    _decode_group,
     _logits,
     _softmax_step,
-    _store_rows,
+    _store_group,
     _table_blocks,
     bf16_via_fp32,
     check_paged_args,
@@ -60,58 +62,28 @@ KV_TILE = 32
 #: 255 registers and 156 bytes of spill stores; 8 warps: 207 registers, no spill), while
 #: at head_dim 128 4 warps do not spill (209 registers).
 WIDE_HEAD_DIM = 256
+#: The features this kernel has (no ALiBi, sinks or fp8 cache).
+DECODE_FEATURES = frozenset({"sliding_window", "logits_soft_cap"})
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr,
-    kv_cache_ptr,
-    block_tables_ptr,
-    kv_lens_ptr,
-    out_ptr,
-    sm_scale,
-    logits_soft_cap,
-    sliding_window,
-    group_size,
-    stride_q_seq,
-    stride_q_head,
-    stride_q_dim,
-    stride_cache_block,
-    stride_cache_kv,
-    stride_cache_slot,
-    stride_cache_head,
+    q_ptr, kv_cache_ptr, block_tables_ptr, kv_lens_ptr, out_ptr,
+    sm_scale, logits_soft_cap, sliding_window, group_size,
+    stride_q_seq, stride_q_head, stride_q_dim,
+    stride_cache_block, stride_cache_kv, stride_cache_slot, stride_cache_head,
     stride_cache_dim,
-    stride_table_seq,
-    stride_table_block,
-    stride_out_seq,
-    stride_out_head,
-    stride_out_dim,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    KV_TILE: tl.constexpr,
-    HAS_SLIDING_WINDOW: tl.constexpr,
-    HAS_SOFT_CAP: tl.constexpr,
+    stride_table_seq, stride_table_block,
+    stride_out_seq, stride_out_head, stride_out_dim,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
+    HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
     BF16_VIA_FP32: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    rows = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM_PAD)
+    seq, kv_head, rows, dims, row_ok, dim_ok, q_heads, q = _decode_group(
+        q_ptr, group_size, stride_q_seq, stride_q_head, stride_q_dim, HEAD_DIM, HEAD_DIM_PAD,
+        GROUP_PAD, BF16_VIA_FP32)
     keys = tl.arange(0, KV_TILE)
-    row_ok = rows < group_size
-    dim_ok = dims < HEAD_DIM
-
-    q_heads = kv_head * group_size + rows  # [GROUP_PAD]
-    q_offsets = (
-        seq.to(tl.int64) * stride_q_seq
-        + q_heads[:, None] * stride_q_head
-        + dims[None, :] * stride_q_dim
-    )  # [GROUP_PAD, HEAD_DIM_PAD]
-    q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if BF16_VIA_FP32:
-        q = q.to(tl.float32)
 
     kv_len = tl.load(kv_lens_ptr + seq)
     if HAS_SLIDING_WINDOW:
@@ -140,13 +112,8 @@ def _paged_decode_kernel(
 
     # A row that saw no key (kv_len 0) stays all zeros (FlashAttention's convention).
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_offsets = (
-        seq.to(tl.int64) * stride_out_seq
-        + q_heads[:, None] * stride_out_head
-        + dims[None, :] * stride_out_dim
-    )  # [GROUP_PAD, HEAD_DIM_PAD]
-    _store_rows(out_ptr, out_offsets, out, row_ok[:, None] & dim_ok[None, :], BF16_VIA_FP32)
-
+    _store_group(out_ptr, seq, q_heads, dims, row_ok[:, None] & dim_ok[None, :], out,
+                 stride_out_seq, stride_out_head, stride_out_dim, BF16_VIA_FP32)
 
 def kernel_is_interpreted() -> bool:
     """True when this module's kernel runs under the Triton interpreter.
@@ -210,37 +177,25 @@ class DecodeLaunch:
         return self.out
 
 
-def plan_paged_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,
-    sm_scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-) -> DecodeLaunch:
+def plan_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                      kv_lens: torch.Tensor, sm_scale: float, *,
+                      out: torch.Tensor | None = None,
+                      **features: Unpack[PagedFeatures]) -> DecodeLaunch:
     """Validate the arguments of :func:`paged_decode` and plan its launch (no launch).
 
-    Takes the same arguments as :func:`paged_decode`; allocates ``out`` when it is
-    None. Use it to keep validation and allocation out of a timed region. The checks are
-    :func:`~pagedbench.kernels.paged_features.check_paged_args` (decode, no fp8 cache).
-
-    Raises
-    ------
-    ValueError, TypeError
-        As :func:`paged_decode`.
+    Takes the same arguments as :func:`paged_decode` and raises its errors; allocates
+    ``out`` when it is None. Use it to keep validation and allocation out of a timed
+    region. The checks are :func:`~pagedbench.kernels.paged_features.check_paged_args`
+    (decode; of the features only the window and the soft cap, so no fp8 cache).
     """
     a = check_paged_args(q, kv_cache, block_tables, kv_lens, sm_scale, out=out, decode=True,
-                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                         fp8_cache=False)
+                         features=features, kernel="paged_decode", takes=DECODE_FEATURES)
     batch, _, head_dim = q.shape
     args = (
         q, kv_cache, block_tables, kv_lens, a.out,
         a.sm_scale,
-        float(logits_soft_cap or 1.0),
-        int(sliding_window or 0),
+        float(a.features["logits_soft_cap"] or 1.0),
+        int(a.features["sliding_window"] or 0),
         a.group_size,
         *q.stride(), *kv_cache.stride(), *block_tables.stride(), *a.out.stride(),
     )
@@ -250,8 +205,8 @@ def plan_paged_decode(
         "GROUP_PAD": padded_dim(a.group_size),
         "BLOCK_SIZE": a.block_size,
         "KV_TILE": KV_TILE,
-        "HAS_SLIDING_WINDOW": sliding_window is not None,
-        "HAS_SOFT_CAP": logits_soft_cap is not None,
+        "HAS_SLIDING_WINDOW": a.features["sliding_window"] is not None,
+        "HAS_SOFT_CAP": a.features["logits_soft_cap"] is not None,
         "BF16_VIA_FP32": bf16_via_fp32(q.dtype, kernel_is_interpreted()),
     }
     num_warps = 8 if constexprs["HEAD_DIM_PAD"] >= WIDE_HEAD_DIM else 4
@@ -295,7 +250,8 @@ Tensor[batch, num_q_heads, head_dim], dtype of q
 Raises
 ------
 TypeError
-    If q, kv_cache, block_tables or kv_lens is not a tensor.
+    If q, kv_cache, block_tables or kv_lens is not a tensor, or a keyword argument is
+    none of the above (ALiBi, sinks and fp8 scales are the other kernels').
 ValueError
     On a wrong rank, shape, dtype (block_tables and kv_lens must be int32; q and
     kv_cache one of float32/float16/bfloat16, the same), mixed devices, sm_scale <= 0,

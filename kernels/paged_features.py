@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 import triton
@@ -244,6 +245,67 @@ def _store_rows(out_ptr, offsets, x, mask, BF16_VIA_FP32: tl.constexpr):
     tl.store(out_ptr + offsets, y, mask=mask)
 
 
+@triton.jit
+def _group_rows(group_size, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                GROUP_PAD: tl.constexpr):
+    """A decode program's rows: the query heads of KV head ``program_id(1)``'s GQA group
+    for sequence ``program_id(0)``. Returns ``(seq, kv_head, rows, dims, row_ok, dim_ok,
+    q_heads)``: row and channel indices padded to GROUP_PAD and HEAD_DIM_PAD, their
+    masks, and the query head of each row."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    row_ok = rows < group_size
+    dim_ok = dims < HEAD_DIM
+    return seq, kv_head, rows, dims, row_ok, dim_ok, kv_head * group_size + rows
+
+
+@triton.jit
+def _decode_group(q_ptr, group_size, stride_q_seq, stride_q_head, stride_q_dim,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  BF16_VIA_FP32: tl.constexpr):
+    """:func:`_group_rows` and their query, ``q`` [GROUP_PAD, HEAD_DIM_PAD] with padding
+    rows and channels 0 (float32 under ``BF16_VIA_FP32``), appended to its tuple."""
+    seq, kv_head, rows, dims, row_ok, dim_ok, q_heads = _group_rows(group_size, HEAD_DIM,
+                                                                    HEAD_DIM_PAD, GROUP_PAD)
+    q_offsets = (seq.to(tl.int64) * stride_q_seq + q_heads[:, None] * stride_q_head
+                 + dims[None, :] * stride_q_dim)
+    q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if BF16_VIA_FP32:
+        q = q.to(tl.float32)
+    return seq, kv_head, rows, dims, row_ok, dim_ok, q_heads, q
+
+
+@triton.jit
+def _load_kv_ahead(k_cache_ptr, v_cache_ptr, block, pos, first_key, key_end, table_row,
+                   stride_table_block, dims, dim_ok, stride_k_block, stride_k_slot, k_head,
+                   stride_k_dim, stride_v_block, stride_v_slot, v_head, stride_v_dim, dtype,
+                   BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr):
+    """The tile of keys ``pos`` (``block``: their block numbers): ``(k, v, live,
+    next_block)``, ``live`` the keys in ``[first_key, key_end)``, and the next tile's
+    block numbers, loaded now so that the next K/V addresses never wait on a load of their
+    own iteration (Triton's pipeliner can then overlap the copies with the math)."""
+    live = (pos < key_end) & (pos >= first_key)
+    k = _load_kv_tile(k_cache_ptr, block, pos, live, dims, dim_ok, stride_k_block,
+                      stride_k_slot, k_head, stride_k_dim, dtype, BLOCK_SIZE)
+    v = _load_kv_tile(v_cache_ptr, block, pos, live, dims, dim_ok, stride_v_block,
+                      stride_v_slot, v_head, stride_v_dim, dtype, BLOCK_SIZE)
+    next_pos = pos + KV_TILE
+    return k, v, live, _table_blocks(table_row, stride_table_block, next_pos,
+                                     next_pos < key_end, BLOCK_SIZE)
+
+
+@triton.jit
+def _store_group(out_ptr, seq, q_heads, dims, mask, x, stride_out_seq, stride_out_head,
+                 stride_out_dim, BF16_VIA_FP32: tl.constexpr):
+    """Write a decode program's rows ``x`` [GROUP_PAD, HEAD_DIM_PAD] (float32) to
+    ``out[seq, q_heads, dims]`` where ``mask``, in out's dtype."""
+    offsets = (seq.to(tl.int64) * stride_out_seq + q_heads[:, None] * stride_out_head
+               + dims[None, :] * stride_out_dim)
+    _store_rows(out_ptr, offsets, x, mask, BF16_VIA_FP32)
+
+
 def launcher(plan: Callable[..., Callable[[], torch.Tensor]], name: str,
              doc: str) -> Callable[..., torch.Tensor]:
     """The launcher of a kernel from its planner, so that the arguments are declared once
@@ -270,6 +332,24 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+class PagedFeatures(TypedDict, total=False):
+    """The optional features of the paged kernels, keyword arguments of each launcher
+    (declared once here; meanings in
+    :func:`~pagedbench.kernels.paged_split_decode.paged_split_decode`). Absent, or
+    ``None`` and ``1.0``: off."""
+
+    sliding_window: int | None
+    logits_soft_cap: float | None
+    alibi_slopes: torch.Tensor | None
+    sinks: torch.Tensor | None
+    k_scale: float
+    v_scale: float
+
+
+#: Every feature of :class:`PagedFeatures`, the ``takes`` of a kernel that has them all.
+ALL_FEATURES = frozenset(PagedFeatures.__annotations__)
+
+
 @dataclass(frozen=True)
 class PagedArgs:
     """Validated arguments of one paged-attention launch (see :func:`check_paged_args`).
@@ -278,6 +358,8 @@ class PagedArgs:
     ----------
     k_cache, v_cache : Tensor[num_blocks, block_size, num_kv_heads, head_dim]
         Views of ``kv_cache[:, 0]`` and ``kv_cache[:, 1]`` (no copy).
+    features : PagedFeatures
+        Every feature, absent ones as ``None`` or ``1.0``.
     kv_fp8 : bool
         Whether the cache holds fp8 values to be multiplied by ``k_scale``/``v_scale``.
     """
@@ -289,12 +371,7 @@ class PagedArgs:
     kv_lens: torch.Tensor
     out: torch.Tensor
     sm_scale: float
-    sliding_window: int | None
-    logits_soft_cap: float | None
-    alibi_slopes: torch.Tensor | None
-    sinks: torch.Tensor | None
-    k_scale: float
-    v_scale: float
+    features: PagedFeatures
     kv_fp8: bool
 
     @property
@@ -310,20 +387,22 @@ class PagedArgs:
         return self.k_cache.shape[2]
 
     def feature_constexprs(self) -> dict[str, bool]:
-        """The ``HAS_*`` and ``KV_FP8`` switches of the kernels."""
-        return {"HAS_SLIDING_WINDOW": self.sliding_window is not None,
-                "HAS_SOFT_CAP": self.logits_soft_cap is not None,
-                "HAS_ALIBI": self.alibi_slopes is not None,
-                "HAS_SINKS": self.sinks is not None}
+        """The ``HAS_*`` switches of the kernels."""
+        f = self.features
+        return {"HAS_SLIDING_WINDOW": f["sliding_window"] is not None,
+                "HAS_SOFT_CAP": f["logits_soft_cap"] is not None,
+                "HAS_ALIBI": f["alibi_slopes"] is not None,
+                "HAS_SINKS": f["sinks"] is not None}
 
     def feature_args(self) -> tuple:
         """Pointer and scalar arguments of the features, in the kernels' order: alibi
         slopes, sinks (the query as a stand-in pointer when absent: never read),
         ``sm_scale * k_scale``, ``v_scale``, soft cap, window."""
-        return (self.q if self.alibi_slopes is None else self.alibi_slopes,
-                self.q if self.sinks is None else self.sinks,
-                self.sm_scale * self.k_scale, self.v_scale,
-                float(self.logits_soft_cap or 1.0), int(self.sliding_window or 0))
+        f = self.features
+        return (self.q if f["alibi_slopes"] is None else f["alibi_slopes"],
+                self.q if f["sinks"] is None else f["sinks"],
+                self.sm_scale * f["k_scale"], f["v_scale"],
+                float(f["logits_soft_cap"] or 1.0), int(f["sliding_window"] or 0))
 
 
 def _check_head_vector(name: str, t: torch.Tensor | None, num_q_heads: int,
@@ -337,23 +416,10 @@ def _check_head_vector(name: str, t: torch.Tensor | None, num_q_heads: int,
            f"{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}")
 
 
-def check_paged_args(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,
-    sm_scale: float,
-    *,
-    out: torch.Tensor | None,
-    decode: bool,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    fp8_cache: bool = True,
-) -> PagedArgs:
+def check_paged_args(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     kv_lens: torch.Tensor, sm_scale: float, *, out: torch.Tensor | None,
+                     decode: bool, features: Mapping[str, object], kernel: str,
+                     takes: frozenset[str] = ALL_FEATURES) -> PagedArgs:
     """Validate what every paged kernel takes; allocate ``out`` when it is None.
 
     See :func:`~pagedbench.kernels.paged_split_decode.paged_split_decode` for the meaning
@@ -365,17 +431,23 @@ def check_paged_args(
         True: ``q`` is ``[batch, num_q_heads, head_dim]``, one query token per sequence,
         and ``kv_lens`` must be ``[batch]``. False: ``q`` is ``[total_q, num_q_heads,
         head_dim]``, and how ``total_q`` splits over the batch is the launcher's to check.
-    fp8_cache : bool
-        Whether the kernel reads an fp8 ``kv_cache`` (the split-KV decode and prefill
-        kernels do; :mod:`~pagedbench.kernels.paged_decode`'s does not).
+    features : PagedFeatures
+        The launcher's keyword arguments past ``out``.
+    kernel : str
+        The launcher's name, for the errors.
+    takes : frozenset[str]
+        The features this kernel has (:mod:`~pagedbench.kernels.paged_decode`'s: the
+        window and the soft cap); the scales need ``k_scale``/``v_scale`` in it, and only
+        then may ``kv_cache`` hold fp8.
 
     Raises
     ------
     TypeError
-        If q, kv_cache, block_tables or kv_lens is not a tensor.
+        If q, kv_cache, block_tables or kv_lens is not a tensor, or ``features`` names
+        one the kernel does not take.
     ValueError
         Naming the parameter and the allowed values: wrong rank, shape or dtype (q one of
-        float32/float16/bfloat16; kv_cache q's dtype or, with ``fp8_cache``,
+        float32/float16/bfloat16; kv_cache q's dtype or, with the scales in ``takes``,
         float8_e4m3fn/float8_e5m2; block_tables and kv_lens int32), mixed devices,
         sm_scale, sliding_window, logits_soft_cap, k_scale or v_scale out of range (scales
         other than 1 need an fp8 cache), alibi_slopes or sinks not float32
@@ -385,6 +457,15 @@ def check_paged_args(
                     ("kv_lens", kv_lens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    unknown = sorted(set(features) - takes)
+    if unknown:
+        raise TypeError(f"{kernel}() got unexpected keyword argument(s) {unknown}; its "
+                        f"features are {sorted(takes)}")
+    sliding_window = features.get("sliding_window")
+    logits_soft_cap = features.get("logits_soft_cap")
+    alibi_slopes, sinks = features.get("alibi_slopes"), features.get("sinks")
+    k_scale, v_scale = features.get("k_scale", 1.0), features.get("v_scale", 1.0)
+    fp8_cache = "k_scale" in takes
     rows = "batch" if decode else "total_q"
     _check(q.dim() == 3, f"q must be [{rows}, num_q_heads, head_dim] (3-D), got shape "
                          f"{tuple(q.shape)}")
@@ -448,9 +529,11 @@ def check_paged_args(
                and out.dtype == q.dtype and out.device == q.device,
                f"out must be a tensor of q's shape {tuple(q.shape)}, dtype {q.dtype} and "
                f"device {q.device}")
+    complete = PagedFeatures(sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                             alibi_slopes=alibi_slopes, sinks=sinks, k_scale=float(k_scale),
+                             v_scale=float(v_scale))
     return PagedArgs(q, kv_cache[:, 0], kv_cache[:, 1], block_tables, kv_lens, out, sm_scale,
-                     sliding_window, logits_soft_cap, alibi_slopes, sinks, float(k_scale),
-                     float(v_scale), kv_fp8)
+                     complete, kv_fp8)
 
 
 def check_kv_lens_fit(kv_lens: list[int], max_blocks_per_seq: int, block_size: int) -> None:

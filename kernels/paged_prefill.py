@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import triton
@@ -31,7 +31,8 @@ import triton.language as tl
 
 from .paged_features import (
     LaunchConfig,
-    _load_kv_tile,
+    PagedFeatures,
+    _load_kv_ahead,
     _logits,
     _softmax_start,
     _softmax_step,
@@ -57,16 +58,10 @@ def _prefill_kernel(
     stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
     stride_table_seq, stride_table_block,
     stride_out_token, stride_out_head, stride_out_dim,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    KV_TILE: tl.constexpr,
-    HAS_SLIDING_WINDOW: tl.constexpr,
-    HAS_SOFT_CAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    BF16_VIA_FP32: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
+    HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SINKS: tl.constexpr, BF16_VIA_FP32: tl.constexpr,
 ):
     item = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -114,14 +109,11 @@ def _prefill_kernel(
                           (pos < key_end) & (pos >= first_key), BLOCK_SIZE)
     for start in range(tile_start, key_end, KV_TILE):
         pos = start + keys  # [KV_TILE] logical key positions
-        live = (pos < key_end) & (pos >= first_key)
-        k = _load_kv_tile(k_cache_ptr, block, pos, live, dims, dim_ok, stride_k_block,
-                          stride_k_slot, k_head, stride_k_dim, q.dtype, BLOCK_SIZE)
-        v = _load_kv_tile(v_cache_ptr, block, pos, live, dims, dim_ok, stride_v_block,
-                          stride_v_slot, v_head, stride_v_dim, q.dtype, BLOCK_SIZE)
-        next_pos = pos + KV_TILE
-        block = _table_blocks(table_row, stride_table_block, next_pos, next_pos < key_end,
-                              BLOCK_SIZE)
+        k, v, live, block = _load_kv_ahead(
+            k_cache_ptr, v_cache_ptr, block, pos, first_key, key_end, table_row,
+            stride_table_block, dims, dim_ok, stride_k_block, stride_k_slot, k_head,
+            stride_k_dim, stride_v_block, stride_v_slot, v_head, stride_v_dim, q.dtype,
+            BLOCK_SIZE, KV_TILE)
         visible = live[None, :] & (pos[None, :] <= q_pos[:, None])  # causal, bottom-right
         if HAS_SLIDING_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
@@ -142,6 +134,8 @@ class PrefillPlan:
     Attributes
     ----------
     config : LaunchConfig
+        The prefill row of :data:`~pagedbench.kernels.paged_features.LAUNCH_CONFIGS` for
+        this head_dim and cache element size.
     block_m : int
         Rows per program (a power of two >= 16 and >= ``group_size``).
     tokens_per_program : int
@@ -234,36 +228,18 @@ class PrefillLaunch:
         return self.out
 
 
-def plan_paged_prefill(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    sm_scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> PrefillLaunch:
+def plan_paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                       kv_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, sm_scale: float, *,
+                       out: torch.Tensor | None = None,
+                       **features: Unpack[PagedFeatures]) -> PrefillLaunch:
     """Validate the arguments of :func:`paged_prefill` and plan its launch (no launch).
 
-    Reads ``cu_seqlens_q`` and ``kv_lens`` on the host once (a device sync) to build the
-    work list; the plan holds for these lengths.
-
-    Raises
-    ------
-    ValueError, TypeError
-        As :func:`paged_prefill`.
+    Takes the same arguments and raises the same errors. Reads ``cu_seqlens_q`` and
+    ``kv_lens`` on the host once (a device sync) to build the work list; the plan holds
+    for these lengths.
     """
     a = check_paged_args(q, kv_cache, block_tables, kv_lens, sm_scale, out=out, decode=False,
-                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                         alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale,
-                         v_scale=v_scale)
+                         features=features, kernel="paged_prefill")
     batch = kv_lens.shape[0]
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError(f"cu_seqlens_q must be a torch.Tensor, got {type(cu_seqlens_q).__name__}")
@@ -280,7 +256,7 @@ def plan_paged_prefill(
     check_kv_lens_fit(lens, block_tables.shape[1], a.block_size)
     head_dim = q.shape[2]
     plan = plan_prefill([b - a_ for a_, b in zip(cu, cu[1:])], lens, a.group_size, head_dim,
-                        kv_cache.element_size(), sliding_window)
+                        kv_cache.element_size(), a.features["sliding_window"])
     work_seq = torch.tensor([s for s, _ in plan.work], dtype=torch.int32, device=q.device)
     work_token = torch.tensor([f for _, f in plan.work], dtype=torch.int32, device=q.device)
     alibi_ptr, sinks_ptr, qk_scale, v_scale, cap, window = a.feature_args()
@@ -334,7 +310,7 @@ Tensor[total_q, num_q_heads, head_dim], dtype of q
 Raises
 ------
 TypeError
-    If a tensor argument is not a tensor.
+    If a tensor argument is not a tensor, or a keyword argument is none of the above.
 ValueError
     Naming the parameter: wrong rank, shape or dtype, mixed devices, ``cu_seqlens_q``
     not rising from 0 to ``total_q``, a ``q_len`` above its ``kv_len``, a kv_len out

@@ -25,18 +25,21 @@ interpreter's bfloat16 workaround: :mod:`pagedbench.kernels.paged_features`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import triton
 import triton.language as tl
 
 from .paged_features import (
-    _load_kv_tile,
+    PagedFeatures,
+    _decode_group,
+    _group_rows,
+    _load_kv_ahead,
     _logits,
     _softmax_start,
     _softmax_step,
-    _store_rows,
+    _store_group,
     _table_blocks,
     bf16_via_fp32,
     check_kv_lens_fit,
@@ -80,34 +83,17 @@ def _split_decode_kernel(
     stride_table_seq, stride_table_block,
     stride_out_seq, stride_out_head, stride_out_dim,
     stride_part_seq, stride_part_head, stride_part_split,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    KV_TILE: tl.constexpr,
-    HAS_SLIDING_WINDOW: tl.constexpr,
-    HAS_SOFT_CAP: tl.constexpr,
-    HAS_ALIBI: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
+    HAS_SLIDING_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     HAS_SINKS: tl.constexpr,
-    FIXED_SPLIT: tl.constexpr,
-    DIRECT_OUTPUT: tl.constexpr,
-    BF16_VIA_FP32: tl.constexpr,
+    FIXED_SPLIT: tl.constexpr, DIRECT_OUTPUT: tl.constexpr, BF16_VIA_FP32: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    seq, kv_head, rows, dims, row_ok, dim_ok, q_heads, q = _decode_group(
+        q_ptr, group_size, stride_q_seq, stride_q_head, stride_q_dim, HEAD_DIM, HEAD_DIM_PAD,
+        GROUP_PAD, BF16_VIA_FP32)
     split = tl.program_id(2)
-    rows = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM_PAD)
     keys = tl.arange(0, KV_TILE)
-    row_ok = rows < group_size
-    dim_ok = dims < HEAD_DIM
-    q_heads = kv_head * group_size + rows  # [GROUP_PAD]
-
-    q_offsets = (seq.to(tl.int64) * stride_q_seq + q_heads[:, None] * stride_q_head
-                 + dims[None, :] * stride_q_dim)  # [GROUP_PAD, HEAD_DIM_PAD]
-    q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if BF16_VIA_FP32:
-        q = q.to(tl.float32)
     if HAS_ALIBI:
         slopes = tl.load(alibi_slopes_ptr + q_heads, mask=row_ok, other=0.0)
     else:
@@ -133,22 +119,17 @@ def _split_decode_kernel(
         m_i, l_i = _softmax_start(sinks_ptr, q_heads, row_ok, GROUP_PAD, False)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     # The block numbers of tile t + 1 are loaded during tile t (past the split's end they
-    # are still valid table entries), so the K and V addresses of a tile never wait on
-    # a load of the same iteration: Triton's pipeliner can then keep the next tiles'
-    # copies in flight while this one computes (2 buffers at num_stages 3).
+    # are still valid table entries): _load_kv_ahead (2 buffers at num_stages 3).
     pos = (tile0 + t_lo) * KV_TILE + keys
     block = _table_blocks(table_row, stride_table_block, pos,
                           (pos < kv_len) & (pos >= first_key), BLOCK_SIZE)
     for t in range(t_lo, t_hi):
         pos = (tile0 + t) * KV_TILE + keys  # [KV_TILE] logical key positions
-        live = (pos < kv_len) & (pos >= first_key)
-        k = _load_kv_tile(k_cache_ptr, block, pos, live, dims, dim_ok, stride_k_block,
-                          stride_k_slot, k_head, stride_k_dim, q.dtype, BLOCK_SIZE)
-        v = _load_kv_tile(v_cache_ptr, block, pos, live, dims, dim_ok, stride_v_block,
-                          stride_v_slot, v_head, stride_v_dim, q.dtype, BLOCK_SIZE)
-        next_pos = pos + KV_TILE
-        block = _table_blocks(table_row, stride_table_block, next_pos, next_pos < kv_len,
-                              BLOCK_SIZE)
+        k, v, live, block = _load_kv_ahead(
+            k_cache_ptr, v_cache_ptr, block, pos, first_key, kv_len, table_row,
+            stride_table_block, dims, dim_ok, stride_k_block, stride_k_slot, k_head,
+            stride_k_dim, stride_v_block, stride_v_slot, v_head, stride_v_dim, q.dtype,
+            BLOCK_SIZE, KV_TILE)
         s = _logits(q, k, qk_scale, logits_soft_cap, slopes, q_pos, pos, live[None, :],
                     HAS_SOFT_CAP, HAS_ALIBI)  # [GROUP_PAD, KV_TILE]
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
@@ -157,10 +138,8 @@ def _split_decode_kernel(
     if DIRECT_OUTPUT:
         # A row that saw no key (kv_len 0) stays all zeros (FlashAttention's convention).
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        out_offsets = (seq.to(tl.int64) * stride_out_seq + q_heads[:, None] * stride_out_head
-                       + dims[None, :] * stride_out_dim)
-        _store_rows(out_ptr, out_offsets, out, row_ok[:, None] & dim_ok[None, :],
-                    BF16_VIA_FP32)
+        _store_group(out_ptr, seq, q_heads, dims, row_ok[:, None] & dim_ok[None, :], out,
+                     stride_out_seq, stride_out_head, stride_out_dim, BF16_VIA_FP32)
     else:
         part = (seq.to(tl.int64) * stride_part_seq + q_heads * stride_part_head
                 + split * stride_part_split)  # [GROUP_PAD]
@@ -176,24 +155,14 @@ def _merge_kernel(
     sliding_window, group_size, num_splits, tiles_per_split,
     stride_out_seq, stride_out_head, stride_out_dim,
     stride_part_seq, stride_part_head, stride_part_split,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PAD: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    KV_TILE: tl.constexpr,
-    HAS_SLIDING_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    FIXED_SPLIT: tl.constexpr,
-    BF16_VIA_FP32: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+    KV_TILE: tl.constexpr, HAS_SLIDING_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
+    FIXED_SPLIT: tl.constexpr, BF16_VIA_FP32: tl.constexpr,
 ):
     """Combine the partials of one (sequence, KV head): ``m = max_s m_s``, ``out = sum_s
     2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s``, splits in order (two passes)."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    rows = tl.arange(0, GROUP_PAD)
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    row_ok = rows < group_size
-    dim_ok = dims < HEAD_DIM
-    q_heads = kv_head * group_size + rows
+    seq, kv_head, rows, dims, row_ok, dim_ok, q_heads = _group_rows(group_size, HEAD_DIM,
+                                                                    HEAD_DIM_PAD, GROUP_PAD)
     if FIXED_SPLIT:  # only this sequence's own splits: the loop must not see the batch
         kv_len = tl.load(kv_lens_ptr + seq)
         _, _, num_tiles = _visible_tiles(kv_len, sliding_window, KV_TILE,
@@ -218,9 +187,8 @@ def _merge_kernel(
         acc += w[:, None] * tl.load(part_acc_ptr + at[:, None] * HEAD_DIM + dims[None, :],
                                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    out_offsets = (seq.to(tl.int64) * stride_out_seq + q_heads[:, None] * stride_out_head
-                   + dims[None, :] * stride_out_dim)
-    _store_rows(out_ptr, out_offsets, out, row_ok[:, None] & dim_ok[None, :], BF16_VIA_FP32)
+    _store_group(out_ptr, seq, q_heads, dims, row_ok[:, None] & dim_ok[None, :], out,
+                 stride_out_seq, stride_out_head, stride_out_dim, BF16_VIA_FP32)
 
 
 @dataclass(frozen=True)
@@ -259,45 +227,26 @@ class SplitDecodeLaunch:
         return self.out
 
 
-def plan_paged_split_decode(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    kv_lens: torch.Tensor,
-    sm_scale: float,
-    *,
-    out: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    logits_soft_cap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    batch_invariant: bool = False,
-    split_size: int = BATCH_INVARIANT_SPLIT_SIZE,
-    num_splits: int | None = None,
-    num_sms: int | None = None,
-) -> SplitDecodeLaunch:
+def plan_paged_split_decode(q: torch.Tensor, kv_cache: torch.Tensor,
+                            block_tables: torch.Tensor, kv_lens: torch.Tensor, sm_scale: float,
+                            *, out: torch.Tensor | None = None, batch_invariant: bool = False,
+                            split_size: int = BATCH_INVARIANT_SPLIT_SIZE,
+                            num_splits: int | None = None, num_sms: int | None = None,
+                            **features: Unpack[PagedFeatures]) -> SplitDecodeLaunch:
     """Validate the arguments of :func:`paged_split_decode` and plan its launch.
 
-    Takes the same arguments; allocates ``out`` (when None) and the float32 partials,
-    and reads ``kv_lens`` on the host once (a device sync) to choose the splits. Use it
-    to keep all of that out of a timed region; the plan holds for these ``kv_lens``.
-
-    Raises
-    ------
-    ValueError, TypeError
-        As :func:`paged_split_decode`.
+    Takes the same arguments and raises the same errors; allocates ``out`` (when None)
+    and the float32 partials, and reads ``kv_lens`` on the host once (a device sync) to
+    choose the splits. Use it to keep all of that out of a timed region; the plan holds
+    for these ``kv_lens``.
     """
     a = check_paged_args(q, kv_cache, block_tables, kv_lens, sm_scale, out=out, decode=True,
-                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                         alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale,
-                         v_scale=v_scale)
+                         features=features, kernel="paged_split_decode")
     batch, num_q_heads, head_dim = q.shape
     lens = kv_lens.tolist()
     check_kv_lens_fit(lens, block_tables.shape[1], a.block_size)
     plan = plan_splits(lens, a.num_kv_heads, head_dim, kv_cache.element_size(),
-                       sliding_window, batch_invariant=batch_invariant,
+                       a.features["sliding_window"], batch_invariant=batch_invariant,
                        split_size=split_size, num_splits=num_splits,
                        num_sms=device_sm_count(q.device) if num_sms is None else num_sms)
     splits = 1 if plan.direct_output else plan.num_splits
@@ -393,7 +342,8 @@ Tensor[batch, num_q_heads, head_dim], dtype of q
 Raises
 ------
 TypeError
-    If q, kv_cache, block_tables or kv_lens is not a tensor.
+    If q, kv_cache, block_tables or kv_lens is not a tensor, or a keyword argument is
+    none of the above.
 ValueError
     Naming the parameter: wrong rank, shape or dtype, mixed devices, a kv_len out of
     range, an invalid scale, window, cap, slope or sink vector, split option, or an

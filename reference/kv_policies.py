@@ -55,7 +55,8 @@ class CapacityError(PagedInputError, ValueError):
 
 @dataclass(frozen=True)
 class Policy:
-    """A KV memory policy.
+    """A KV memory policy: how the simulator reserves a request's KV memory (the module
+    notes describe each of :data:`POLICY_NAMES`).
 
     Parameters
     ----------
