@@ -148,6 +148,21 @@ def test_launcher_rejects_non_tensors(inputs):
         pd.paged_decode(**args)
 
 
+@pytest.mark.parametrize("feature, value", [
+    ("alibi_slopes", "slopes"), ("sinks", "slopes"), ("k_scale", 2.0), ("windows", 4)])
+def test_launcher_refuses_a_feature_it_does_not_have(inputs, feature, value):
+    """This kernel takes the window and the soft cap only; ALiBi, sinks and fp8 scales are
+    the split-KV and prefill kernels' (one declaration, ``paged_features.PagedFeatures``),
+    and a misspelt feature is never silently ignored."""
+    if value == "slopes":
+        value = torch.ones(inputs.q.shape[1], dtype=torch.float32)
+    with pytest.raises(TypeError) as info:
+        pd.paged_decode(**_args(inputs), **{feature: value})
+    assert str(info.value) == (f"paged_decode() got unexpected keyword argument(s) "
+                               f"['{feature}']; its features are ['logits_soft_cap', "
+                               f"'sliding_window']")
+
+
 # Output buffer and empty sequences ------------------------------------------------
 def test_launcher_writes_every_element_of_the_given_out(inputs):
     out = torch.full_like(inputs.q, float("nan"))

@@ -163,6 +163,15 @@ def test_launcher_rejects_bad_inputs_naming_them(inputs, mutate, message):
     assert message in str(info.value)
 
 
+def test_launcher_refuses_a_misspelt_feature(inputs):
+    with pytest.raises(TypeError) as info:
+        sd.paged_split_decode(**_args(inputs), soft_cap=30.0)
+    assert str(info.value) == (
+        "paged_split_decode() got unexpected keyword argument(s) ['soft_cap']; its features "
+        "are ['alibi_slopes', 'k_scale', 'logits_soft_cap', 'sinks', 'sliding_window', "
+        "'v_scale']")
+
+
 def test_one_balanced_split_writes_the_output_directly(inputs):
     launch = sd.plan_paged_split_decode(**_args(inputs), num_splits=1)
     assert launch.plan.direct_output and launch.constexprs["DIRECT_OUTPUT"]
