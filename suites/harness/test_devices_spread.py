@@ -131,6 +131,7 @@ def test_a_signal_stops_every_worker_and_records_nothing_they_did_not_finish(tmp
     assert not [t for t in threading.enumerate() if t.name.startswith("devices-")]
 
 
+@pytest.mark.nightly  # one worker: test_plugin_isolation
 def test_an_implementation_that_kills_its_worker_costs_only_its_own_cases(tmp_path) -> None:
     impls = {"torch-gather": IMPLS["torch-gather"], "os-exits": FAULTS["os-exits-at-import"],
              "reads-past": f"{BROKEN}:ReadsPastKvLen"}

@@ -39,7 +39,7 @@ def _bench(tmp_path, name: str, target: str) -> str:
     return str(results)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # the gate end to end: test_gate_calibration
 def test_bench_defaults_then_gate_pass_the_same_code_and_fail_a_1_5x_slowdown(
         tmp_path, capsys) -> None:
     baseline = _bench(tmp_path, "baseline", f"{PLUGIN}:Rerun")

@@ -93,6 +93,7 @@ def test_a_broken_kernel_fails_with_the_summary_line_last(venv) -> None:
     assert "mine-broken" in proc.stdout
 
 
+@pytest.mark.nightly
 @pytest.mark.parametrize("options", [
     ["-p", "no:cacheprovider", "-p", "no:stepwise", "-p", "no:randomly"],
     ["-o", "cache_dir=build/pytest-cache", "--sw"],
@@ -121,7 +122,7 @@ def test_a_wrong_impl_or_device_is_one_usage_error(venv) -> None:
     assert "--pagedbench-device tpu" in device.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_pytest_xdist_shards_the_suite(venv) -> None:
     pytest.importorskip("xdist")
     proc = venv.pytest(*CONFORMANCE, "--impl", "mine", "--impl", "mine-broken", *QUICK,
@@ -133,7 +134,7 @@ def test_pytest_xdist_shards_the_suite(venv) -> None:
     _wrote_only_build(venv, "xdist")
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_the_oldest_allowed_pytest_runs_the_suite(outside, wheel) -> None:
     WHEELHOUSE.mkdir(parents=True, exist_ok=True)
     found = sorted(WHEELHOUSE.glob("pytest-8.0.*-py3-none-any.whl"))
@@ -161,6 +162,7 @@ def test_the_oldest_allowed_pytest_runs_the_suite(outside, wheel) -> None:
     assert wrong.returncode == pytest.ExitCode.USAGE_ERROR, wrong.stdout[-2000:]
 
 
+@pytest.mark.nightly
 def test_python_m_pagedbench_runs_the_command_from_the_wheel_and_the_checkout(venv) -> None:
     for python, env in ((venv.python, venv.env), (Path(sys.executable), quiet_env())):
         proc = subprocess.run([python, "-m", "pagedbench", "schema"], env=env,
@@ -172,7 +174,7 @@ def test_python_m_pagedbench_runs_the_command_from_the_wheel_and_the_checkout(ve
         assert usage.returncode == 2 and usage.stderr.startswith("usage: pagedbench")
 
 
-@pytest.mark.slow
+@pytest.mark.nightly
 def test_replay_save_and_list_write_only_where_they_are_told(venv) -> None:
     work = venv.base / "replay"
     work.mkdir()

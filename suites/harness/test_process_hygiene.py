@@ -45,7 +45,9 @@ def _results(folder: Path) -> list[ResultRecord]:
     return [r for r in read_lines(files) if isinstance(r, ResultRecord)] if files else []
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL],
+@pytest.mark.parametrize("signum", [signal.SIGTERM,
+                                    pytest.param(signal.SIGINT, marks=pytest.mark.nightly),
+                                    signal.SIGKILL],
                          ids=lambda s: signal.Signals(s).name)
 def test_no_worker_survives_its_parent(signum, tmp_path, plugin_env) -> None:
     cache = tmp_path / "build"

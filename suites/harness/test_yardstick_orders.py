@@ -198,7 +198,13 @@ def _probe_cases(adapter: Adapter) -> list[PagedCase]:
     return cases
 
 
-@pytest.mark.parametrize("adapter", REORDERED, ids=lambda a: a.name)
+#: The reordered references every run checks; the rest are ``nightly``.
+EVERY_RUN = ("reordered-naive-sequential", "reordered-tiled-blocked16")
+
+
+@pytest.mark.parametrize("adapter", [
+    pytest.param(a, marks=() if a.name in EVERY_RUN else pytest.mark.nightly)
+    for a in REORDERED], ids=lambda a: a.name)
 def test_reordered_references_pass_every_probe(adapter: Reordered) -> None:
     cases = _probe_cases(adapter)
     # Every probe but strided_out (the stand-ins return their own output) and the two
@@ -218,7 +224,8 @@ def test_reordered_references_pass_every_probe(adapter: Reordered) -> None:
 CALIBRATION_SAMPLE = 12
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float16", marks=pytest.mark.nightly),
+                                   pytest.param("bfloat16", marks=pytest.mark.nightly)])
 def test_reordered_references_pass_the_calibration_sample(dtype: str) -> None:
     rng = random.Random(f"reordered-{dtype}")
     for _ in range(CALIBRATION_SAMPLE):
