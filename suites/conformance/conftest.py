@@ -30,20 +30,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("impl", plugin.implementations(metafunc.config))
 
 
-#: Tests of this folder an implementation that compiles per shape keeps in a run without
-#: the ``nightly`` ones: its search (its first examples include what the probes probe).
-_NOT_NIGHTLY = ("test_paged_matches_dense",)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark ``nightly`` the probes of this folder for a built-in that compiles
-    each new shape (seconds a case: FlexAttention's ``torch.compile``); ``make test``
-    leaves them out (``-m "not nightly"``), every other run keeps them."""
+    """Mark ``nightly`` this folder's tests of a built-in that compiles each new shape
+    (seconds a case: FlexAttention's ``torch.compile``; its search's fewest examples take
+    2 minutes of a core): ``make test`` leaves them out (``-m "not nightly"``), keeping its
+    own cases and the saved ones; every other run keeps them."""
     here = Path(__file__).parent
     for item in items:
         impl = getattr(item, "callspec", None) and item.callspec.params.get("impl")
-        if (impl and item.path.parent == here and item.originalname not in _NOT_NIGHTLY
-                and _compiles_per_shape(impl)):
+        if impl and item.path.parent == here and _compiles_per_shape(impl):
             item.add_marker(pytest.mark.nightly)
 
 

@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pagedbench.harness.results.record import ResultRecord, RunRecord
 from pagedbench.harness.results.store import read_lines
 from pagedbench.harness.verdict.status import ExitCode
