@@ -40,17 +40,19 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .paged_features import (
+from .paged_args import (
     PagedFeatures,
-    _load_kv_tile,
+    check_paged_args,
+    launcher,
+)
+from .paged_features import (
     _decode_group,
+    _load_kv_tile,
     _logits,
     _softmax_step,
     _store_group,
     _table_blocks,
     bf16_via_fp32,
-    check_paged_args,
-    launcher,
     padded_dim,
 )
 
@@ -185,7 +187,7 @@ def plan_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
 
     Takes the same arguments as :func:`paged_decode` and raises its errors; allocates
     ``out`` when it is None. Use it to keep validation and allocation out of a timed
-    region. The checks are :func:`~pagedbench.kernels.paged_features.check_paged_args`
+    region. The checks are :func:`~pagedbench.kernels.paged_args.check_paged_args`
     (decode; of the features only the window and the soft cap, so no fp8 cache).
     """
     a = check_paged_args(q, kv_cache, block_tables, kv_lens, sm_scale, out=out, decode=True,

@@ -29,9 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_args import (
+    PagedFeatures,
+    check_kv_lens_fit,
+    check_paged_args,
+    launcher,
+)
 from .paged_features import (
     LaunchConfig,
-    PagedFeatures,
     _load_kv_ahead,
     _logits,
     _softmax_start,
@@ -39,11 +44,8 @@ from .paged_features import (
     _store_rows,
     _table_blocks,
     bf16_via_fp32,
-    check_kv_lens_fit,
-    check_paged_args,
     kernels_are_interpreted,
     launch_config,
-    launcher,
     padded_dim,
 )
 

@@ -31,8 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_features import (
+from .paged_args import (
     PagedFeatures,
+    check_kv_lens_fit,
+    check_paged_args,
+    launcher,
+)
+from .paged_features import (
     _decode_group,
     _group_rows,
     _load_kv_ahead,
@@ -42,10 +47,7 @@ from .paged_features import (
     _store_group,
     _table_blocks,
     bf16_via_fp32,
-    check_kv_lens_fit,
-    check_paged_args,
     kernels_are_interpreted,
-    launcher,
     padded_dim,
 )
 from .paged_split_plan import (

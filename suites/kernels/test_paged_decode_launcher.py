@@ -131,7 +131,7 @@ def test_launcher_rejects_bad_inputs_naming_them(inputs, mutate, message):
 
 
 def test_launcher_refuses_an_fp8_cache(inputs):
-    """The shared check (``paged_features.check_paged_args``) admits fp8 caches for the
+    """The shared check (``paged_args.check_paged_args``) admits fp8 caches for the
     newer kernels only; this kernel's message offers no fp8 type."""
     args = _args(inputs)
     args["kv_cache"] = args["kv_cache"].to(torch.float8_e5m2)
@@ -152,7 +152,7 @@ def test_launcher_rejects_non_tensors(inputs):
     ("alibi_slopes", "slopes"), ("sinks", "slopes"), ("k_scale", 2.0), ("windows", 4)])
 def test_launcher_refuses_a_feature_it_does_not_have(inputs, feature, value):
     """This kernel takes the window and the soft cap only; ALiBi, sinks and fp8 scales are
-    the split-KV and prefill kernels' (one declaration, ``paged_features.PagedFeatures``),
+    the split-KV and prefill kernels' (one declaration, ``paged_args.PagedFeatures``),
     and a misspelt feature is never silently ignored."""
     if value == "slopes":
         value = torch.ones(inputs.q.shape[1], dtype=torch.float32)
