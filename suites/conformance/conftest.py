@@ -80,15 +80,13 @@ _SEARCHES = pytest.StashKey[list[tuple[str, int, float, float | None, list[int]]
 @pytest.fixture
 def search_budget(impl: str, request: pytest.FixtureRequest, record_property):
     """``impl``'s conformance search in the profile in force, filling its seconds
-    (:class:`~pagedbench.suites.budget.TimedSearch`); afterwards the examples it checked,
-    the seconds it used and its hypothesis runs are the JUnit properties
-    ``search_examples``, ``search_seconds`` and ``search_runs``, and a line of the
-    terminal summary."""
+    (:class:`~pagedbench.suites.budget.TimedSearch`); afterwards the examples it checked
+    and the seconds it used are the JUnit properties ``search_examples`` and
+    ``search_seconds`` and a line of the terminal summary."""
     search = budget.timed_search(impl, plugin.search_seconds(request.config))
     yield search
     record_property("search_examples", search.examples)
     record_property("search_seconds", round(search.elapsed_s, 2))
-    record_property("search_runs", len(search.runs))
     request.config.stash.setdefault(_SEARCHES, []).append(
         (impl, search.examples, search.elapsed_s, search.seconds, search.runs))
 
