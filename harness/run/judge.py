@@ -131,33 +131,47 @@ def decode_output(descriptor: object, payload: bytes, case: PagedCase) -> object
     return torch.from_numpy(values.copy()).to(case.torch_dtype)
 
 
+#: One :func:`judging_state` at a time in this process: a judge thread left running past
+#: its harness timeout still holds the state, so the next case's thread waits for it
+#: (inside its own budget) instead of saving the first one's settings as "previous" and
+#: restoring them over the caller's.
+_JUDGING = threading.Lock()
+
+
 @contextlib.contextmanager
-def judging_state(threads: int) -> Iterator[None]:
+def judging_state() -> Iterator[None]:
     """Judge with torch's defaults, whatever this process had set, restored after:
     ``float32`` matmul precision ``"highest"`` (no TF32), default dtype float32, denormals
-    kept (no flush to zero; left so after), reduced-precision fp16/bf16 reductions at their defaults, and
-    ``threads`` intra-op threads."""
-    matmul = torch.backends.cuda.matmul
-    saved = (torch.get_float32_matmul_precision(), torch.get_default_dtype(),
-             torch.get_num_threads(), matmul.allow_fp16_reduced_precision_reduction,
-             matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
-    torch.set_flush_denormal(False)  # the previous mode cannot be read back: left off
-    torch.set_float32_matmul_precision("highest")
-    torch.set_default_dtype(torch.float32)
-    torch.set_num_threads(threads)
-    matmul.allow_fp16_reduced_precision_reduction = True
-    matmul.allow_bf16_reduced_precision_reduction = True
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        precision, dtype, old_threads, fp16, bf16, cudnn_tf32 = saved
-        torch.set_float32_matmul_precision(precision)
-        torch.set_default_dtype(dtype)
-        torch.set_num_threads(old_threads)
-        matmul.allow_fp16_reduced_precision_reduction = fp16
-        matmul.allow_bf16_reduced_precision_reduction = bf16
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    kept in the judging thread (no flush to zero; left so after), reduced-precision
+    fp16/bf16 reductions at their defaults. Held by one thread at a time (:data:`_JUDGING`);
+    what the caller sets while a judge thread runs past its harness timeout is overwritten
+    when that thread ends (with what the caller had when it began).
+
+    The intra-op thread count is left alone: ``torch.set_num_threads`` from a helper
+    thread sets the count that every thread started later takes, the caller's own
+    included in effect (a compiled function's ``GLOBAL_STATE`` guard then failed in the
+    caller), and the truth does not depend on it (the yardstick's bits are the same at 1
+    and 2 threads: suites/harness/test_yardstick_orders.py)."""
+    with _JUDGING:
+        matmul = torch.backends.cuda.matmul
+        saved = (torch.get_float32_matmul_precision(), torch.get_default_dtype(),
+                 matmul.allow_fp16_reduced_precision_reduction,
+                 matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
+        torch.set_flush_denormal(False)  # the previous mode cannot be read back: left off
+        torch.set_float32_matmul_precision("highest")
+        torch.set_default_dtype(torch.float32)
+        matmul.allow_fp16_reduced_precision_reduction = True
+        matmul.allow_bf16_reduced_precision_reduction = True
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            precision, dtype, fp16, bf16, cudnn_tf32 = saved
+            torch.set_float32_matmul_precision(precision)
+            torch.set_default_dtype(dtype)
+            matmul.allow_fp16_reduced_precision_reduction = fp16
+            matmul.allow_bf16_reduced_precision_reduction = bf16
+            torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
 class Refused(Exception):
@@ -211,9 +225,9 @@ class Judge:
     """
 
     def __init__(self, name: str, cases: list[PagedCase], sites: list[str], *, device: str,
-                 threads: int, timing: bool, cache_dir: Path, harness_timeout_s: float) -> None:
+                 timing: bool, cache_dir: Path, harness_timeout_s: float) -> None:
         self.name, self.cases, self.sites, self.device = name, cases, sites, device
-        self.threads, self.timing, self.harness_timeout_s = threads, timing, harness_timeout_s
+        self.timing, self.harness_timeout_s = timing, harness_timeout_s
         self.truth = partial(truth_for, cache_dir=cache_dir)
         self.device_truth = partial(device_truth_for, cache_dir=cache_dir)
         self.reset()
@@ -234,7 +248,7 @@ class Judge:
         """``work()`` under :func:`judging_state`, within what is left of the case's
         harness budget."""
         def run() -> Any:
-            with judging_state(self.threads):
+            with judging_state():
                 return work()
 
         start = time.monotonic()

@@ -173,7 +173,7 @@ def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig
     cases, sites = [c for c, _ in sited], [s for _, s in sited]
     if not cases:
         return
-    judge = Judge(name, cases, sites, device=judge_device, threads=config.threads,
+    judge = Judge(name, cases, sites, device=judge_device,
                   timing=config.timing, cache_dir=config.cache_dir,
                   harness_timeout_s=config.harness_timeout_s)
     worker_config = replace(config, device=slot.worker_device, devices="") if slot else config

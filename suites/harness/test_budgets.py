@@ -6,9 +6,11 @@ plug-in that writes into the worker's message pipe costs only its own case."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
+import torch
 
 from pagedbench.harness.results.record import Environment, ResultRecord
 from pagedbench.harness.results.store import environment
@@ -72,6 +74,48 @@ def test_a_truth_past_the_harness_budget_is_a_harness_error(tmp_path, slow_truth
     assert [(r.status, r.step) for r in records] == [(Status.HARNESS_ERROR, "truth")] * 2
     assert records[0].reason == ("pagedbench's truth: took longer than 1.5 s "
                                  "(--harness-timeout); not the implementation's fault")
+
+
+def _threads_of_a_new_thread() -> int:
+    """The intra-op thread count a thread started now takes (torch's process-wide one)."""
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def _join_judge_threads() -> None:
+    """Wait for the judge threads still running past their budget (each is at most two
+    slowed truths from its end)."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("judge-"):
+            thread.join(4 * TRUTH_DELAY_S)
+
+
+def test_judge_threads_left_past_their_budget_restore_the_callers_torch_state(
+        tmp_path, slow_truth) -> None:
+    """Two judge threads overlap here (the first is still in its truth when the second
+    case's begins). Once both have ended, the caller has its own default dtype and thread
+    counts back: the judge once set the thread count from its threads, and the overlap left
+    the process at its ``threads=1`` (a compiled flex-paged kernel in this process then
+    failed its ``GLOBAL_STATE`` guard)."""
+    _join_judge_threads()  # the previous test's, past their budget too
+    caller_threads, process_threads = torch.get_num_threads(), _threads_of_a_new_thread()
+    assert caller_threads != 1 or process_threads != 1, "needs a count other than the job's"
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        config = RunConfig(timing=False, case_timeout_s=120, harness_timeout_s=1.0,
+                           cache_dir=tmp_path, threads=1)
+        records, _ = _run("torch-gather", config)
+        _join_judge_threads()
+        assert [(r.status, r.step) for r in records] == [(Status.HARNESS_ERROR, "truth")] * 2
+        assert torch.get_default_dtype() == torch.float64
+    finally:
+        torch.set_default_dtype(default)
+    assert (torch.get_num_threads(), _threads_of_a_new_thread()) == (caller_threads,
+                                                                     process_threads)
 
 
 def test_a_plugin_writing_into_the_channel_costs_its_case_an_error(tmp_path) -> None:
