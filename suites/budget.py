@@ -15,7 +15,8 @@ few runs in a row. The first takes the examples the measured table predicts for
 ``python -m pagedbench.suites.conformance.measure``; :data:`UNMEASURED_SECONDS` for an
 implementation it lacks), but no more than :data:`FIRST_MAX_FACTOR` times the fewest
 examples; each next run takes as many as the seconds left hold at the
-speed measured so far, with a seed of its own under a derandomized profile (so no run
+speed of the run before it (its own examples and seconds, so the first run's start-up, an
+import or a compilation, does not make every refill short), with a seed of its own under a derandomized profile (so no run
 repeats another's examples), until the time, the most examples of :data:`EXAMPLES` or
 the space of cases runs out. Every implementation gets at least the fewest examples of
 :data:`EXAMPLES`. A fast plug-in the table has never seen gets hundreds of examples in
@@ -101,6 +102,8 @@ class TimedSearch:
         Seconds the runs took, rejected draws and hypothesis's own work included.
     runs : list[int]
         ``max_examples`` of each run started (0 for the profile's own).
+    last_run : tuple[int, float]
+        Examples and seconds of the last run that ended.
     """
 
     seconds: float | None
@@ -110,6 +113,7 @@ class TimedSearch:
     examples: int = 0
     elapsed_s: float = 0.0
     runs: list[int] = field(default_factory=list)
+    last_run: tuple[int, float] = (0, 0.0)
 
     def counted(self) -> None:
         """Count one example (a supported case about to be checked)."""
@@ -124,13 +128,16 @@ class TimedSearch:
         return max(low, min(high, FIRST_MAX_FACTOR * low, guessed))
 
     def next_count(self) -> int:
-        """Examples of the next run: the seconds left at the speed measured so far, up to
-        the most of :attr:`bounds`; 0 when the time, the examples or :data:`MAX_RUNS` are
-        spent."""
+        """Examples of the next run: the seconds left at the last run's speed (all runs'
+        where the last checked no example), up to the most of :attr:`bounds`; 0 when the
+        time, the examples or :data:`MAX_RUNS` are spent."""
         high = self.bounds[1]
         if len(self.runs) >= MAX_RUNS or self.examples >= high:
             return 0
-        per_example = self.elapsed_s / max(self.examples, 1)
+        examples, seconds = self.last_run
+        if examples == 0:
+            examples, seconds = self.examples, self.elapsed_s
+        per_example = seconds / max(examples, 1)
         left = self.seconds - self.elapsed_s
         return max(0, min(high - self.examples, math.floor(left / max(per_example, 1e-6))))
 
@@ -157,11 +164,13 @@ class TimedSearch:
         if self.runs and settings().derandomize:  # each refill draws examples of its own
             test = seed(len(self.runs))(test)
         self.runs.append(count)
-        start = self.clock()
+        start, before = self.clock(), self.examples
         try:
             test()
         finally:
-            self.elapsed_s += self.clock() - start
+            seconds = self.clock() - start
+            self.elapsed_s += seconds
+            self.last_run = (self.examples - before, seconds)
 
 
 def timed_search(impl: str, seconds_override: float | None = None,

@@ -108,6 +108,25 @@ def test_the_table_sizes_only_the_first_run():
     assert search.runs == [16, 104] and search.examples == 120
 
 
+def test_a_slow_start_does_not_make_every_refill_short():
+    """The first 8 examples take 0.5 s each (an import, a compilation), the rest 0.1 s.
+    Sized at the last run's speed, the second run is short (52 at 0.5 s) and the third fills
+    the 20.8 s left (208). Sized at the average so far, as before, the runs were 8, 52, 135
+    and 62 and the search stopped at :data:`MAX_RUNS` 1.1 s short of its 30."""
+    clock = FakeClock()
+    search = budget.TimedSearch(seconds=30.0, guess_s=budget.UNMEASURED_SECONDS,
+                                bounds=(8, 500), clock=clock)
+
+    def body(data) -> None:
+        data.draw(st.integers())
+        search.counted()
+        clock.now += 0.5 if search.examples <= 8 else 0.1
+
+    search.run(body)
+    assert search.runs == [8, 52, 208] and search.examples == 268
+    assert search.elapsed_s == pytest.approx(30.0)
+
+
 def test_each_refill_draws_new_examples_and_a_small_space_ends_the_search():
     """Under the derandomized ``ci`` profile each run has its own seed (the refill is not
     the first run again); a strategy of two values ends the search at its first run."""
