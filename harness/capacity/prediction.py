@@ -31,7 +31,6 @@ from typing import Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
-from scipy.interpolate import LinearNDInterpolator
 
 from pagedbench.reference import PagedValueError
 from pagedbench.reference.kv_policies import LiveRequest, Policy
@@ -131,6 +130,8 @@ class KernelModel:
                 f"{[(p.sequences, p.kv_tokens) for p in self.points]} span no area; "
                 "interpolating needs points at two or more batch sizes and KV totals")
         values = np.array([[p.median_ms, p.p10_ms, p.p90_ms] for p in self.points])
+        from scipy.interpolate import LinearNDInterpolator  # 0.6 s: not at the CLI's start
+
         self._interpolate = LinearNDInterpolator(xy, values, rescale=True)
 
     def range_text(self) -> str:

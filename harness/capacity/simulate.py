@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.figure import Figure
 
 from pagedbench.harness.capacity.traces import generate_trace, read_trace
 from pagedbench.harness.cases.presets import MODEL_PRESETS
@@ -247,6 +246,8 @@ def plot_capacity(frame: pd.DataFrame, path: Path, title: str) -> None:
     title : str
         Figure title (model, budget, trace).
     """
+    from matplotlib.figure import Figure  # drawn only with --plot: the CLI starts without it
+
     fig = Figure(figsize=(13, 5.5), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=(1.1, 1))
     labels = [

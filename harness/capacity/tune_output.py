@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
-from matplotlib.figure import Figure
 
 from pagedbench.harness.capacity.prediction import KernelModel, TuneReport
 from pagedbench.harness.results.record import Environment
@@ -74,6 +73,8 @@ def plot(report: TuneReport, path: Path) -> None:
     """Write the PNG: predicted decode throughput (p10-p90 band) and mean concurrency
     against block size (log2 axis), one line per workload; the recommended block size of
     each workload ringed."""
+    from matplotlib.figure import Figure  # drawn only with --plot: the CLI starts without it
+
     fig = Figure(figsize=(12, 4.8), layout="constrained")
     left, right = fig.subplots(1, 2)
     frame = pd.DataFrame([r.model_dump() for r in report.rows])

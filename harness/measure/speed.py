@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import bootstrap, mannwhitneyu
 
 from pagedbench.reference import PagedValueError
 
@@ -126,6 +125,8 @@ def ratio_interval(baseline: Sequence[float], current: Sequence[float],
     """Percentile bootstrap interval (confidence 1 - alpha) of median(current) /
     median(baseline), each side resampled on its own; seeded, so a gate is reproducible
     (Efron and Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13)."""
+    from scipy.stats import bootstrap  # scipy.stats takes 0.5 s: not at the CLI's start
+
     result = bootstrap((np.asarray(current, float), np.asarray(baseline, float)),
                        median_ratio, n_resamples=thresholds.resamples, vectorized=True,
                        confidence_level=1 - thresholds.alpha, method="percentile",
@@ -161,6 +162,8 @@ def compare_samples(baseline: Sequence[float], current: Sequence[float],
             return Speed(Outcome.NOISY, ratio,
                          reason=f"{side} has {len(samples)} samples, fewer than "
                                 f"{thresholds.min_samples} (--min-samples)")
+    from scipy.stats import mannwhitneyu
+
     p_value = float(mannwhitneyu(current, baseline, alternative="two-sided").pvalue)
     if math.isnan(p_value):  # every sample equal on both sides
         p_value = 1.0

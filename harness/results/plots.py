@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from matplotlib.figure import Figure
 
 TITLES = {
     "latency_vs_batch": "Latency vs batch size",
@@ -35,6 +34,8 @@ MAX_PANELS = 12
 def _panels(count: int, title: str) -> tuple[Figure, list]:
     columns = min(count, 3)
     rows = -(-count // columns)
+    from matplotlib.figure import Figure  # drawn only by report: the CLI starts without it
+
     fig = Figure(figsize=(4.2 * columns, 3.2 * rows), layout="constrained")
     axes = fig.subplots(rows, columns, squeeze=False).ravel()
     for ax in axes[count:]:
