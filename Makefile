@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 BUILD  := $(CURDIR)/build
 
-# Hermetic caches: compilers, pip, matplotlib, temp files write under build/, never $HOME or /tmp.
+# Hermetic caches: compilers, pip, matplotlib, bytecode, temp files write under build/, never $HOME or /tmp.
 export TRITON_CACHE_DIR        := $(BUILD)/triton-cache
 export TORCHINDUCTOR_CACHE_DIR := $(BUILD)/inductor-cache
 export XDG_CACHE_HOME          := $(BUILD)/xdg-cache
@@ -14,6 +14,11 @@ export MPLCONFIGDIR            := $(BUILD)/matplotlib
 export PIP_CACHE_DIR           := $(BUILD)/pip-cache
 export TMPDIR                  := $(BUILD)/tmp
 export PYTHONUNBUFFERED        := 1
+# Bytecode (pytest's rewritten test modules too) under build/, kept between the suite's
+# many Python processes; a PYTHONDONTWRITEBYTECODE of the shell would make each of them
+# rewrite and compile ~130 modules again.
+export PYTHONPYCACHEPREFIX     := $(BUILD)/pycache
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: run test nightly leaderboard clean gpu-carry gpu-carry-flashinfer gpu-ingest
 

@@ -18,8 +18,8 @@ In a checkout, ``suites/conftest.py`` registers this same module when pytest has
 - Caches: compiler caches, matplotlib's, the temp folder and hypothesis's database go
   under ``--pagedbench-cache-dir``, else ``$PAGEDBENCH_CACHE_DIR``, else ``build/`` of
   the rootdir or working directory (a variable the user set, such as
-  ``TRITON_CACHE_DIR``, is kept). Bytecode is not written (``sys.dont_write_bytecode``,
-  which pytest's assertion rewriting honours) unless the user set ``PYTHONPYCACHEPREFIX``:
+  ``TRITON_CACHE_DIR``, is kept), bytecode and pytest's assertion-rewritten modules
+  included (``sys.pycache_prefix``, ``PYTHONPYCACHEPREFIX``; pytest honours both):
   nothing is written beside the installed files; without a configuration file (an
   installed run) pytest's own cache is off (as with ``-p no:cacheprovider``, which also
   turns stepwise off) unless ``-o cache_dir=DIR`` names one. On the CPU, Triton kernels run under its interpreter
@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -113,12 +112,10 @@ def cache_dir(config: pytest.Config, option: str | None) -> Path:
 
 
 def _hermetic(config: pytest.Config, option: str | None, device: str | None) -> None:
-    """Point every cache and scratch folder under the cache folder, stop bytecode writes
+    """Point every cache and scratch folder under the cache folder (bytecode included)
     and pick Triton's interpreter on the CPU; idempotent."""
     from hypothesis.configuration import set_hypothesis_home_dir
 
-    if sys.pycache_prefix is None:
-        sys.dont_write_bytecode = True
     root = cache_dir(config, option)
     env = cache_environment(root)
     worker = os.environ.get(XDIST_WORKER_VARIABLE)

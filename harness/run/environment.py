@@ -18,6 +18,7 @@ Standard library only: the GPU lane imports it before torch.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +37,9 @@ CACHE_FOLDERS = {
     "MPLCONFIGDIR": "matplotlib",
     "TMPDIR": "tmp",
     "PAGEDBENCH_REPLAY_DIR": "replay",  # failing cases (harness/run/replay.py)
+    # Bytecode, and pytest's assertion-rewritten modules, out of the source tree and kept
+    # between processes (without it, each pytest run rewrote and compiled ~130 modules).
+    "PYTHONPYCACHEPREFIX": "pycache",
 }
 #: Variables a worker inherits from its parent: exact names, and prefixes ending in
 #: ``_`` (locale, CUDA and ROCm runtimes, thread pools, compilers, the peers' own
@@ -98,11 +102,17 @@ def worker_environment(device: str, cache_dir: Path,
 
 
 def apply_environment(env: Mapping[str, str]) -> None:
-    """Set ``env`` in this process, and make :mod:`tempfile` read ``TMPDIR`` again (it
+    """Set ``env`` in this process, make :mod:`tempfile` read ``TMPDIR`` again (it
     caches the temp folder at first use; TorchInductor derives its precompiled-header
-    folder from it when ``torch._inductor.codecache`` is first imported)."""
+    folder from it when ``torch._inductor.codecache`` is first imported), and write the
+    bytecode of modules imported from now on under ``PYTHONPYCACHEPREFIX`` (Python reads
+    the variable only at start-up) if that folder exists (a read-only command's
+    :func:`cache_environment` creates none, and Python would make it)."""
     os.environ.update(env)
     tempfile.tempdir = None
+    prefix = env.get("PYTHONPYCACHEPREFIX")
+    if prefix and sys.pycache_prefix is None and os.path.isdir(prefix):
+        sys.pycache_prefix = prefix
 
 
 __all__ = ["CACHE_FOLDERS", "INHERITED", "apply_environment", "cache_environment",
