@@ -76,7 +76,7 @@ FAST_EXP_TANH = (
     "and 1/0 = inf, for x > 88.72 (ln FLT_MAX) e^x overflows to inf; inf / inf = NaN, and "
     "the NaN logit turns its whole row NaN. Builds without AVX-512 (_C_AVX2) call "
     "std::tanh. Declared wherever reference.logit_bound / cap passes 86.98 "
-    "(soft_cap_tanh_nan in adapters/vllm_cpu.py), so the edge probes soft-cap-below-logits "
+    "(soft_cap_fast_exp in adapters/vllm_cpu.py), so the edge probes soft-cap-below-logits "
     "(-mha: cap 0.05, qk_magnitude 30) are unsupported on these builds")
 
 #: The table: one JSON object a row (each line of :data:`OBSERVATIONS_FILE` pastes in

@@ -36,7 +36,7 @@ from pagedbench.adapters.vllm_cpu import (
     attention_isa,
     library_for_cpu,
     loaded_library,
-    soft_cap_tanh_nan,
+    soft_cap_fast_exp,
     to_vllm_cpu_cache,
 )
 from pagedbench.reference import PagedCase, gather_kv, materialize
@@ -316,9 +316,24 @@ def test_the_soft_cap_nan_is_declared_on_the_avx512_builds_only(library: str) ->
     fast_exp = library != "_C_AVX2"
     for nan in (case(logits_soft_cap=0.05, qk_magnitude=30.0),
                 case(logits_soft_cap=30.0, logit_offset=1e4)):
-        reasons = soft_cap_tanh_nan(nan, library)
+        reasons = soft_cap_fast_exp(nan, library)
         assert bool(reasons) == fast_exp, (nan.case_id, reasons)
         assert all(library in r and "fast_exp" in r for r in reasons)
     for finite in (case(logits_soft_cap=1.0), case(logits_soft_cap=50.0, logit_offset=1e3),
                    case(logit_offset=1e4)):
-        assert soft_cap_tanh_nan(finite, library) == [], finite.case_id
+        assert soft_cap_fast_exp(finite, library) == [], finite.case_id
+
+
+@pytest.mark.parametrize("library", ["_C", "_C_AVX512", "_C_AVX2"])
+def test_the_float32_soft_cap_cancellation_is_declared_on_the_avx512_builds_only(
+        library: str) -> None:
+    """The search's case on a _C host (float32, d64, bs16, 1/1 heads, kv_len 15, cap 1e4:
+    11299 ulps against 256) and every float32 cap above 100 are declared on the AVX-512
+    builds; caps up to 100, and 16-bit cases, stay; _C_AVX2 (std::tanh) takes all."""
+    search = PagedCase(kv_lens=(15,), num_q_heads=1, num_kv_heads=1, head_dim=64,
+                       block_size=16, dtype="float32", logits_soft_cap=1e4, name="hyp")
+    for cap, declared in ((1e4, True), (101.0, True), (100.0, False), (30.0, False)):
+        reasons = soft_cap_fast_exp(search.with_(logits_soft_cap=cap), library)
+        assert bool(reasons) == (declared and library != "_C_AVX2"), (cap, reasons)
+        assert all("cancels" in r for r in reasons)
+    assert soft_cap_fast_exp(search.with_(dtype="bfloat16"), library) == []
