@@ -8,9 +8,8 @@ only launches in ``run()`` (timed). Modelled on vLLM v1's attention-backend cont
 (``supports_head_size``, ``get_supported_kernel_block_sizes`` with ``MultipleOf``) and
 TRT-LLM's capability matrix with explicit skip reasons.
 
-Triton implementations subclass :class:`TritonAdapter`: on the CPU their kernels run under
-Triton's interpreter, and the one budget mechanism for that (:class:`InterpreterBudget`,
-a linear cost model of the launch) makes too large a case ``unsupported``.
+Triton implementations subclass :class:`~.interpreted.TritonAdapter` (``interpreted.py``):
+on the CPU their kernels run under Triton's interpreter, within a budget.
 """
 
 from __future__ import annotations
@@ -100,8 +99,11 @@ class Capabilities:
         Q/K/V/O dtypes by :data:`~pagedbench.reference.DTYPES` names.
     head_dims, block_sizes, gqa_ratios : frozenset[int | MultipleOf | AtLeast] or None
         Allowed values; ``MultipleOf(16)`` admits 16, 32, 48, ..., ``AtLeast(32)`` 32,
-        33, ... ``head_dims`` holds for the V head dim too (``head_dim_v``), which also
-        needs the feature ``"head_dim_v"``.
+        33, ...
+    v_head_dims : frozenset[int | MultipleOf | AtLeast] or None
+        Allowed V (and output) head dims; ``None``: ``head_dims``'. A V head dim other than
+        the Q/K one (``head_dim_v``) also needs the feature ``"head_dim_v"``; an MLA kernel
+        declares ``head_dims={576}``, ``v_head_dims={512}``.
     modes : frozenset[str]
         ``"decode"`` (one query token per sequence) and/or ``"prefill"`` (several,
         causal bottom-right, also mixed with decodes).
@@ -148,6 +150,9 @@ class Capabilities:
         FlashAttention's same-precision reference takes. Conformance then judges it
         against a yardstick that does the same, marks its passes, and a test checks that
         the declaration is still needed.
+    needs_latent_cache : bool
+        True when the implementation reads V from K's storage (MLA kernels): it takes only
+        cases with ``PagedCase.latent_cache``. Any other implementation takes those too.
     notes : Mapping[str, str]
         Why an axis is narrower than the library's own, keyed by the attribute name
         (``{"dtypes": "..."}``); appended to that axis's unsupported reason.
@@ -163,6 +168,7 @@ class Capabilities:
     devices: frozenset[str]
     dtypes: frozenset[str]
     head_dims: frozenset[Allowed] | None = None
+    v_head_dims: frozenset[Allowed] | None = None
     block_sizes: frozenset[Allowed] | None = None
     gqa_ratios: frozenset[Allowed] | None = None
     modes: frozenset[str] = frozenset({"decode"})
@@ -175,6 +181,7 @@ class Capabilities:
     max_num_blocks: int | None = None
     batch_invariant: bool = False
     shared_blocks: bool = True
+    needs_latent_cache: bool = False
     notes: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -221,7 +228,9 @@ class Capabilities:
             ("block_sizes", "block_size", case.block_size),
             ("gqa_ratios", "gqa ratio", case.gqa_ratio),
         ]
-        if case.head_dim_v is not None:
+        if self.v_head_dims is not None:
+            checks.insert(1, ("v_head_dims", "head_dim_v", case.v_head_dim))
+        elif case.head_dim_v is not None:
             checks.insert(1, ("head_dims", "head_dim_v", case.head_dim_v))
         for attribute, axis, value in checks:
             allowed = getattr(self, attribute)
@@ -243,6 +252,10 @@ class Capabilities:
             reasons.append(self._noted(
                 "max_num_blocks", f"num_blocks {case.pool_blocks} not supported "
                                   f"(supported: <= {self.max_num_blocks})"))
+        if self.needs_latent_cache and not case.latent_cache:
+            reasons.append(self._noted(
+                "needs_latent_cache", "a separate V not supported: reads V as the first "
+                                      "head_dim_v channels of K (needs latent_cache)"))
         if case.shared_blocks is not None and not self.shared_blocks:
             reasons.append(self._noted(
                 "shared_blocks", f"shared blocks {list(case.shared_blocks)} not supported "
@@ -277,6 +290,7 @@ class Capabilities:
             "devices": sorted(self.devices),
             "dtypes": sorted(self.dtypes),
             "head_dims": axis(self.head_dims),
+            "v_head_dims": axis(self.v_head_dims),
             "block_sizes": axis(self.block_sizes),
             "gqa_ratios": axis(self.gqa_ratios),
             "modes": sorted(self.modes),
@@ -289,6 +303,7 @@ class Capabilities:
             "max_num_blocks": self.max_num_blocks,
             "batch_invariant": self.batch_invariant,
             "shared_blocks": self.shared_blocks,
+            "needs_latent_cache": self.needs_latent_cache,
             "notes": dict(self.notes),
         }
 
@@ -396,95 +411,3 @@ class Adapter(abc.ABC):
     def run(self, prepared: Prepared) -> torch.Tensor:
         """Launch: :meth:`Prepared.launch`."""
         return prepared.launch()
-
-
-@dataclass(frozen=True)
-class InterpretedWork:
-    """What one call launches, as an interpreter cost model counts it.
-
-    Attributes
-    ----------
-    programs : int
-        Programs in the launch grid(s).
-    steps : int
-        Iterations of the kernels' key loop, summed over all programs.
-    step_weight : float
-        Cost of one step relative to the model's reference step (e.g. ``head_dim / 64``).
-    """
-
-    programs: int
-    steps: int
-    step_weight: float = 1.0
-
-
-@dataclass(frozen=True)
-class InterpreterBudget:
-    """The largest call an interpreted implementation takes: one call is estimated at
-    ``programs * s_per_program + steps * step_weight * s_per_step`` seconds (coefficients
-    fitted to process CPU time; ``docs/interpreter-budget.md`` has the fits and the
-    command that measures them), and a case above ``max_s`` is unsupported."""
-
-    s_per_program: float
-    s_per_step: float
-    max_s: float
-
-    def seconds(self, work: InterpretedWork) -> float:
-        return (work.programs * self.s_per_program
-                + work.steps * work.step_weight * self.s_per_step)
-
-    def why_over(self, work: InterpretedWork) -> list[str]:
-        """The unsupported reason when ``work`` exceeds the budget; empty otherwise."""
-        seconds = self.seconds(work)
-        if seconds <= self.max_s:
-            return []
-        return [f"too large for Triton's interpreter: about {seconds:.1f} s per call "
-                f"({work.programs} programs, {work.steps} key-loop steps) against a budget "
-                f"of {self.max_s:g} s"]
-
-
-class TritonAdapter(Adapter):
-    """An implementation whose kernels are Triton's. On the CPU, and on CUDA when imported
-    under ``TRITON_INTERPRET=1``, they run under Triton's interpreter: timings are then
-    "interpreted", and a case whose call exceeds :attr:`interpreter_budget` is unsupported.
-    """
-
-    interpreter_budget: ClassVar[InterpreterBudget]
-
-    @abc.abstractmethod
-    def kernel_interpreted(self) -> bool | None:
-        """Whether the imported kernel is Triton's ``InterpretedFunction`` (Triton decides
-        at ``@triton.jit``, i.e. import, time, from ``TRITON_INTERPRET``); None when the
-        kernel cannot be imported (``available()`` gives the reason)."""
-
-    @abc.abstractmethod
-    def interpreter_work(self, case: PagedCase) -> InterpretedWork:
-        """Programs and key-loop steps of one call on ``case``, following the kernel's
-        launch grid and tiling."""
-
-    def is_interpreted(self, device: str) -> bool:
-        """True on the CPU; on a visible CUDA device, :meth:`kernel_interpreted`."""
-        if torch.device(device).type == "cpu":
-            return True
-        return torch.cuda.is_available() and bool(self.kernel_interpreted())
-
-    def interpreter_missing(self) -> str:
-        """Why the kernel cannot run on the CPU ("" when it can): it was not imported
-        under Triton's interpreter. Call only once the kernel imports."""
-        if self.kernel_interpreted():
-            return ""
-        import triton
-
-        if triton.knobs.runtime.interpret:
-            return (f"{self.name}'s kernel module was imported before TRITON_INTERPRET=1 "
-                    "was set: set it before starting Python")
-        return ("Triton kernels run on the CPU only under Triton's interpreter: set "
-                "TRITON_INTERPRET=1 before starting Python")
-
-    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        """Capability reasons or, when there are none and the kernel runs interpreted, the
-        :attr:`interpreter_budget`'s (the work of a case outside the capabilities, a
-        degenerate one say, is not estimated)."""
-        reasons = super().why_unsupported(case, device)
-        if not reasons and self.is_interpreted(device) and self.kernel_interpreted() is not None:
-            reasons += self.interpreter_budget.why_over(self.interpreter_work(case))
-        return reasons

@@ -36,13 +36,8 @@ import torch
 from pagedbench.reference import PagedCase, PagedInputs, new_output
 from pagedbench.reference.axes import LAYOUTS
 
-from .base import (
-    AtLeast,
-    Capabilities,
-    InterpretedWork,
-    InterpreterBudget,
-    Prepared,
-)
+from .base import AtLeast, Capabilities, Prepared
+from .interpreted import InterpretedWork, InterpreterBudget
 from .sglang_triton_load import SglangFilesInvalid, SglangTritonKernels, load_kernels
 from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities
 

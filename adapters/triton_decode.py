@@ -25,15 +25,8 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
 
-from .base import (
-    Availability,
-    Capabilities,
-    Fact,
-    InterpretedWork,
-    InterpreterBudget,
-    Prepared,
-    TritonAdapter,
-)
+from .base import Availability, Capabilities, Fact, Prepared
+from .interpreted import InterpretedWork, InterpreterBudget, TritonAdapter
 
 #: Most key-loop steps one interpreted call may take: 320 at 3.8 ms each (the fitted cost
 #: on the 2-core CI machine: ``python docs/interpreter_cost.py triton``,

@@ -23,7 +23,8 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs, new_output
 
-from .base import Capabilities, Fact, InterpretedWork, InterpreterBudget, Prepared
+from .base import Capabilities, Fact, Prepared
+from .interpreted import InterpretedWork, InterpreterBudget
 from .triton_decode import PagedbenchTritonAdapter
 
 #: Most interpreter steps (:meth:`pagedbench.kernels.paged_split_plan.SplitPlan.steps`:

@@ -20,7 +20,8 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
 
-from .base import Availability, Capabilities, TritonAdapter
+from .base import Availability, Capabilities
+from .interpreted import TritonAdapter
 
 #: Why an interpreted peer takes no bfloat16 case.
 BF16_INTERPRETED = ("Triton's interpreter computes bfloat16 tl.dot wrongly: "

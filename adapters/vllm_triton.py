@@ -36,13 +36,8 @@ import torch
 from pagedbench.reference import PagedCase, PagedInputs, new_output
 
 from . import vllm_triton_launch as launch
-from .base import (
-    AtLeast,
-    InterpretedWork,
-    InterpreterBudget,
-    MultipleOf,
-    Prepared,
-)
+from .base import AtLeast, MultipleOf, Prepared
+from .interpreted import InterpretedWork, InterpreterBudget
 from .sglang_triton import grouped_head_tile_straddles, soft_cap_cancels
 from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities
 from .vllm_triton_carry import CARRY_ENV, CarryInvalid, load_carried

@@ -3,7 +3,7 @@ interpreter cost model.
 
 vLLM's dispatch choices (which sub-kernel, how many KV splits) are restated here so that
 ``prepare`` makes the call vLLM's backend would make, and the tile sizes so that
-:class:`~pagedbench.adapters.base.InterpretedWork` counts the programs and key-loop steps
+:class:`~pagedbench.adapters.interpreted.InterpretedWork` counts the programs and key-loop steps
 of one call. Each constant names the vLLM 0.32.0 file it is read from. If vLLM changes
 one, the calls stay valid but are no longer the ones vLLM's backends make, and the
 interpreter estimates (which decide what is too large on the CPU) drift.
@@ -15,7 +15,7 @@ import torch
 
 from pagedbench.reference import PagedCase
 
-from .base import InterpretedWork
+from .interpreted import InterpretedWork
 
 #: ``vllm/v1/attention/backends/triton_attn.py`` (``TritonAttentionMetadataBuilder``): the
 #: 2D kernel's minimum launch grid, whence the batch size below which decode batches take

@@ -89,6 +89,12 @@ class PagedCase:
         of all three sequences in the same two physical blocks. The truth is unchanged: a
         sequence's logical K/V is what its table points to. ``None`` (or all zeros): every
         sequence has its own blocks.
+    latent_cache : bool
+        MLA's one latent cache: V is the first ``head_dim_v`` channels of K (DeepSeek-V3's
+        ``c_kv``, kv_lora_rank 512, then the 64-channel RoPE key: vLLM's
+        ``kv_c_and_k_pe_cache``, FlashInfer's ``ckv``/``kpe``). Needs ``head_dim_v <
+        head_dim``, ``v_magnitude`` 1.0 and ``v_scale == k_scale``. MLA kernels read V
+        from K's storage; any other kernel takes the case as any other.
     seed : int
         Seeds the values of Q, K, V and the block placement.
     name : str
@@ -167,6 +173,7 @@ class PagedCase:
     layout: str = "contiguous"
     poison: str = "nan"
     shared_blocks: tuple[int, ...] | None = None
+    latent_cache: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_lens", int_tuple("kv_lens", self.kv_lens))
@@ -194,12 +201,8 @@ class PagedCase:
         for name in ("sm_scale", "logits_soft_cap"):
             if getattr(self, name) is not None:
                 positive_finite(name, getattr(self, name), "None or a finite number > 0")
-        if not self.kv_lens:
-            raise PagedValueError("kv_lens", self.kv_lens, "at least one sequence",
-                                  "kv_lens must name at least one sequence")
-        if min(self.kv_lens) < 0:
-            raise PagedValueError("kv_lens", self.kv_lens, "all >= 0",
-                                  f"kv_lens must all be >= 0, got {self.kv_lens}")
+        if not self.kv_lens or min(self.kv_lens) < 0:
+            raise PagedValueError("kv_lens", self.kv_lens, "at least one sequence, all >= 0")
         if self.q_lens is not None:
             if len(self.q_lens) != len(self.kv_lens):
                 raise PagedValueError(
@@ -235,7 +238,7 @@ class PagedCase:
         check_one_of("dtype", self.dtype, sorted(DTYPES))
         if self.sliding_window is not None and self.sliding_window < 1:
             raise PagedValueError("sliding_window", self.sliding_window, "None or >= 1")
-        for name in ("alibi", "sinks"):
+        for name in ("alibi", "sinks", "latent_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise PagedTypeError(name, getattr(self, name), "True or False")
         check_one_of("kv_cache_dtype", self.kv_cache_dtype, sorted(KV_CACHE_DTYPES))
@@ -249,6 +252,8 @@ class PagedCase:
                     "with kv_cache_dtype 'auto' it must be 1.0")
         if self.shared_blocks is not None:
             self._check_shared_blocks()
+        if self.latent_cache:
+            self._check_latent_cache()
         need = self.min_block_id + self.min_num_blocks
         if self.num_blocks is not None and self.num_blocks < need:
             raise PagedValueError(
@@ -274,6 +279,18 @@ class PagedCase:
                     f"sequences {i - 1} and {i} (kv_lens {self.kv_lens[i - 1]} and "
                     f"{self.kv_lens[i]}, block_size {bs}) have {most} full blocks in "
                     f"common at most; allowed: 0..{most}")
+
+    def _check_latent_cache(self) -> None:
+        """Refuse a latent cache whose V cannot be K's first ``head_dim_v`` channels."""
+        for name, value, bad, allowed in (
+                ("head_dim_v", self.v_head_dim, self.v_head_dim >= self.head_dim,
+                 f"below head_dim ({self.head_dim}) with latent_cache"),
+                ("v_magnitude", self.v_magnitude, self.v_magnitude != 1.0,
+                 "1.0 with latent_cache (V is K's)"),
+                ("v_scale", self.v_scale, self.v_scale != self.k_scale,
+                 f"k_scale ({self.k_scale}) with latent_cache (V is stored as K)")):
+            if bad:
+                raise PagedValueError(name, value, allowed)
 
     # Derived axes ---------------------------------------------------------------------
     @property
@@ -314,8 +331,7 @@ class PagedCase:
 
     @property
     def cache_head_dim(self) -> int:
-        """Channels per head of the canonical cache: ``max(head_dim, v_head_dim)`` (K
-        uses the first ``head_dim``, V the first ``v_head_dim``)."""
+        """Channels per head of the canonical cache: ``max(head_dim, v_head_dim)``."""
         return max(self.head_dim, self.v_head_dim)
 
     @property
@@ -420,6 +436,8 @@ class PagedCase:
             parts.append(f"min-block{self.min_block_id}")
         if self.shared_blocks is not None:
             parts.append("share" + ".".join(map(str, self.shared_blocks)))
+        if self.latent_cache:
+            parts.append("latent")
         if self.layout != "contiguous":
             parts.append(self.layout.replace("_", "-"))
         if self.poison != "nan":

@@ -515,7 +515,7 @@ def materialize(
     fp8 ``kv_cache_dtype``, K and V are instead divided by ``k_scale``/``v_scale``,
     clamped to the fp8 type's finite range (saturating, as vLLM's fp8 cache writers do)
     and rounded to it. A ``logit_offset`` sets channel 0 of every Q and K row (see
-    :class:`PagedCase`). Block tables come from
+    :class:`PagedCase`); with ``latent_cache`` V is K's first ``head_dim_v`` channels. Block tables come from
     :class:`~pagedbench.reference.allocator.BlockAllocator` with a shuffled free list,
     over the blocks from ``case.min_block_id`` up; with ``case.shared_blocks`` a
     sequence starts as a fork (:meth:`~pagedbench.reference.allocator.BlockAllocator.fork`)
@@ -574,6 +574,8 @@ def materialize(
         v = torch.randn(n, hkv, dv, generator=gen, device=where) * case.v_magnitude
         if case.logit_offset:
             k[..., 0] = offset_channel
+        if case.latent_cache:  # MLA: V is K's first dv channels (v's draws keep Q's stream)
+            v = k[..., :dv]
         own = slice(first * bs, n)  # a shared block holds the K/V its first owner wrote
         kv_cache[block[own], 0, offset[own], :, :d] = _store(k[own], case.k_scale, kv_dtype)
         kv_cache[block[own], 1, offset[own], :, :dv] = _store(v[own], case.v_scale, kv_dtype)

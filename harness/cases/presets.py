@@ -43,6 +43,9 @@ class ModelPreset:
         The block sizes of its default cases; None: :data:`DEFAULT_BLOCK_SIZES`.
     dtypes : tuple[str, ...] or None
         The dtypes of its default cases; None: :data:`DEFAULT_DTYPES`.
+    latent_cache : bool
+        MLA's one latent cache: V is K's first ``head_dim_v`` channels
+        (``PagedCase.latent_cache``).
     """
 
     name: str
@@ -55,15 +58,17 @@ class ModelPreset:
     head_dim_v: int | None = None
     block_sizes: tuple[int, ...] | None = None
     dtypes: tuple[str, ...] | None = None
+    latent_cache: bool = False
 
     @property
     def v_head_dim(self) -> int:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """Bytes of K and V per token over all layers (bytes)."""
-        return (self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim)
-                * dtype_bytes)
+        """Bytes of K and V per token over all layers (bytes): one latent head of
+        ``head_dim`` with a latent cache."""
+        per_head = self.head_dim + (0 if self.latent_cache else self.v_head_dim)
+        return self.num_layers * self.num_kv_heads * per_head * dtype_bytes
 
 
 _HF = "https://huggingface.co/{}/blob/main/config.json"
@@ -88,11 +93,12 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         # MLA with the weights absorbed, as the decode kernels see it: 128 query heads
         # over 8 GPUs, one latent KV head of kv_lora_rank 512 + qk_rope_head_dim 64.
         ModelPreset("deepseek-v3-mla-tp8", 16, 1, 576, 61, _HF.format("deepseek-ai/DeepSeek-V3"),
-                    "MLA: 128 q heads / 8 GPUs, latent KV head 576 (512 + 64 rope) for Q/K, "
-                    "512 for V; here V is its own tensor, not the first 512 channels of K; "
-                    "block sizes 1 (SGLang's token pool), 16, 64; float16, which the "
-                    "interpreted MLA peers run on the CPU (not bfloat16: triton#11584)",
-                    head_dim_v=512, block_sizes=(1, 16, 64), dtypes=("float16",)),
+                    "MLA: 128 q heads / 8 GPUs, one latent KV head of 576 (512 + 64 rope) "
+                    "for Q/K whose first 512 channels are V; block sizes 1 (SGLang's token "
+                    "pool), 16, 64; float16, which the interpreted MLA peers run on the "
+                    "CPU (not bfloat16: triton#11584), and bfloat16, vLLM's AMX_MLA dtype",
+                    head_dim_v=512, block_sizes=(1, 16, 64), dtypes=("float16", "bfloat16"),
+                    latent_cache=True),
     )
 }
 
@@ -157,6 +163,7 @@ def preset_cases(
             num_kv_heads=preset.num_kv_heads,
             head_dim=preset.head_dim,
             head_dim_v=preset.head_dim_v,
+            latent_cache=preset.latent_cache,
             block_size=block_size,
             dtype=dtype,
             name=preset.name,

@@ -100,7 +100,10 @@ FRESH_PREFILL_MAX_KV = 96
 
 
 def _allowed(values: tuple[int, ...], allowed: frozenset | None) -> list[int]:
-    return [v for v in values if allows(allowed, v)]
+    """``values`` that ``allowed`` admits or, when none is, the plain values ``allowed``
+    lists (an MLA kernel's 576 and 512)."""
+    return ([v for v in values if allows(allowed, v)]
+            or sorted(a for a in allowed or () if isinstance(a, int)))
 
 
 def threshold_lengths(max_kv_len: int) -> list[int]:
@@ -140,7 +143,10 @@ def paged_cases(
     :data:`LOGIT_REGIMES` (float32: :data:`FP32_LOGIT_REGIMES`), the departures the
     pinned probes make, one at a time. With
     ``edges`` one example in :data:`TOGETHER_ONE_IN` turns on every declared option at
-    once, and a short sequence may be a fresh prefill (``q_len = kv_len``).
+    once, and a short sequence may be a fresh prefill (``q_len = kv_len``). A V head dim
+    below the Q/K one is MLA's latent cache (``latent_cache``) in one edge example of two,
+    and always where the implementation needs it; an implementation whose V head dims
+    (``v_head_dims``) exclude the drawn Q/K one always gets a V head dim of its own.
 
     Raises
     ------
@@ -157,9 +163,14 @@ def paged_cases(
                       caps.gqa_ratios if caps else None)
     head_dims = _allowed(EDGE_HEAD_DIMS if edges else HEAD_DIMS,
                          caps.head_dims if caps else None)
+    v_dims_declared = caps is not None and caps.v_head_dims is not None
+    v_head_dims = _allowed(EDGE_HEAD_DIMS if edges else HEAD_DIMS,
+                           caps.v_head_dims if v_dims_declared else
+                           caps.head_dims if caps else None)
     dtype_choices = [d for d in dtypes if caps is None or d in caps.dtypes]
     for axis, values in (("block_size", block_sizes), ("gqa ratio", ratios),
-                         ("head_dim", head_dims), ("dtype", dtype_choices)):
+                         ("head_dim", head_dims), ("head_dim_v", v_head_dims),
+                         ("dtype", dtype_choices)):
         if not values:
             raise ValueError(f"capabilities leave no {axis} to draw from")
     features = caps.features if caps else FEATURES
@@ -229,11 +240,13 @@ def paged_cases(
     head_dim = draw(st.sampled_from(head_dims))
     dtype = draw(st.sampled_from(dtype_choices))
     seed = draw(st.integers(0, 2**16))
-    # Past this point only the edges draw, so the everyday box draws what it always did.
     values = {}
+    if v_dims_declared and not allows(caps.v_head_dims, head_dim):  # V's own dims (MLA)
+        values["head_dim_v"] = draw(st.sampled_from(v_head_dims))
+    # Past this point only the edges draw, so the everyday box draws what it always did.
     if edges:
-        if "head_dim_v" in features and draw(st.booleans()):
-            values["head_dim_v"] = draw(st.sampled_from(head_dims))
+        if "head_dim_v" in features and "head_dim_v" not in values and draw(st.booleans()):
+            values["head_dim_v"] = draw(st.sampled_from(v_head_dims))
         layouts = [layout for layout in LAYOUTS if caps is None or layout in caps.layouts]
         values["layout"] = draw(st.sampled_from(layouts or ["contiguous"]))
         values["poison"] = draw(st.sampled_from(POISONS))
@@ -249,6 +262,13 @@ def paged_cases(
     # Shared blocks (issue 20), in every box where the implementation takes them.
     if capabilities is None or capabilities.shared_blocks:
         values |= draw(shared_blocks(kv_lens, block_size))
+    if values.get("head_dim_v", head_dim) < head_dim and (
+            (caps and caps.needs_latent_cache) or (edges and draw(st.booleans()))):
+        values |= {"latent_cache": True, "v_magnitude": 1.0}  # MLA: V is K's first channels
+        scales |= {"v_scale": scales["k_scale"]} if scales else {}
+    elif caps and caps.needs_latent_cache:
+        raise ValueError("capabilities need a latent cache, which needs a V head dim below "
+                         f"the Q/K one; drew head_dim {head_dim}, V {values.get('head_dim_v')}")
     return PagedCase(
         kv_lens=kv_lens,
         q_lens=q_lens,

@@ -167,9 +167,11 @@ def capability_matrix(rows: list[ListingRow]) -> str:
             "devices": join(caps.get("devices")),
             "dtypes": join(caps.get("dtypes")),
             "block sizes": join(caps.get("block_sizes")),
-            "head dims": join(caps.get("head_dims")),
+            "head dims": join(caps.get("head_dims")) + (
+                "" if caps.get("v_head_dims") is None else f" (V {join(caps['v_head_dims'])})"),
             "modes": join(caps.get("modes")),
-            "features": join(caps.get("features")),
+            "features": join(caps.get("features")) + (
+                "; latent cache only" if caps.get("needs_latent_cache") else ""),
             "kv cache": join(caps.get("kv_cache_dtypes")),
             "NaN-safe tail": "yes" if caps.get("nan_safe_tail") else f"no ({STALE_TAIL_MARK})",
             "logits": ("float32" if caps.get("logits_precision", "float32") == "float32"

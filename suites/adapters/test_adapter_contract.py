@@ -10,15 +10,8 @@ import json
 import pytest
 import torch
 
-from pagedbench.adapters.base import (
-    AtLeast,
-    Capabilities,
-    InterpretedWork,
-    InterpreterBudget,
-    MultipleOf,
-    Prepared,
-    allows,
-)
+from pagedbench.adapters.base import AtLeast, Capabilities, MultipleOf, Prepared, allows
+from pagedbench.adapters.interpreted import InterpretedWork, InterpreterBudget
 from pagedbench.adapters.cuda_probe import cuda_peer_available
 from pagedbench.harness.cli import main
 from pagedbench.reference import PagedCase
