@@ -149,6 +149,9 @@ def add_selftest_parser(sub: argparse._SubParsersAction) -> None:
                             help="pinned properties first, and stop checking a fault at "
                                  "the first property that fails on it (minutes, not tens "
                                  "of minutes; what make test runs)")
+    selftest_p.add_argument("--search-seconds", type=positive_seconds, metavar="S",
+                            help="seconds of search per implementation (default: the "
+                                 "profile's; make test passes its own)")
     selftest_p.add_argument("--save-regressions", action="store_true",
                             help="keep the case the search found for each fault in "
                                  f"{selftest.REGRESSION_CASES} (replacing its earlier one)")
@@ -159,7 +162,8 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         writable_file(args.json, "--json")
     try:
         rows = selftest.run(args.catalogue, args.output_dir, args.cache_dir,
-                            args.hypothesis_profile, first_catch=args.first_catch)
+                            args.hypothesis_profile, first_catch=args.first_catch,
+                            search_seconds=args.search_seconds)
     except RuntimeError as exc:
         print(f"pagedbench selftest: {exc}", file=sys.stderr)
         return int(ExitCode.HARNESS_FAULT)

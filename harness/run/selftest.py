@@ -148,12 +148,14 @@ def _registered(site: Path) -> list[Entry]:
             for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
 
 
-def _pytest_command(names: list[str], profile: str, junit: Path,
-                    first_catch: bool) -> list[str]:
+def _pytest_command(names: list[str], profile: str, junit: Path, first_catch: bool,
+                    search_seconds: float | None = None) -> list[str]:
     impls = [arg for name in names for arg in ("--impl", name)]
     plugin = ["-p", __name__] if first_catch else []
+    seconds = [] if search_seconds is None else ["--pagedbench-search-seconds",
+                                                 str(search_seconds)]
     return [sys.executable, "-m", "pytest", str(CONFORMANCE_SUITE), "-q", "-p",
-            "no:cacheprovider", *plugin, "--hypothesis-profile", profile,
+            "no:cacheprovider", *plugin, "--hypothesis-profile", profile, *seconds,
             f"--junitxml={junit}", "-o", "junit_family=xunit1", *impls]
 
 
@@ -217,10 +219,11 @@ def _smallest_case(failures: list[str]) -> tuple[dict[str, Any] | None, str]:
 
 
 def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci",
-        first_catch: bool = False) -> list[FaultRow]:
+        first_catch: bool = False, search_seconds: float | None = None) -> list[FaultRow]:
     """Run the self-test on the catalogue at ``site``, writing the JUnit report, the
     fault log and the failing cases under ``output_dir``; one row per implementation,
-    the control first (``first_catch``: see the module docstring). Registers ``site``
+    the control first (``first_catch``: see the module docstring); ``search_seconds``
+    per implementation, or the profile's. Registers ``site``
     in this process (:func:`register_catalogue`:
     the worker that asks the faults about themselves imports them from there).
 
@@ -243,8 +246,8 @@ def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci",
     listing = {row.name: row for row in runner.list_adapters(found, "cpu", cache_dir)}
     targets = {e.name: e.target for e in found}
     names = sorted(targets, key=lambda n: (n != CONTROL, n))
-    proc = subprocess.run(_pytest_command(names, profile, junit, first_catch), cwd=CHECKOUT, env=env,
-                          stdin=subprocess.DEVNULL)
+    proc = subprocess.run(_pytest_command(names, profile, junit, first_catch, search_seconds),
+                          cwd=CHECKOUT, env=env, stdin=subprocess.DEVNULL)
     if proc.returncode not in (0, 1) or not junit.is_file():
         raise RuntimeError(f"pytest exited {proc.returncode} without running the suite")
     fired = set(log.read_text().split()) if log.is_file() else set()

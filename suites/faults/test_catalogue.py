@@ -21,6 +21,7 @@ from pagedbench.harness.run import selftest
 from pagedbench.harness.verdict import conformance
 from pagedbench.reference import PagedCase
 
+from pagedbench.suites import plugin
 from pagedbench.suites.faults import SITE
 from pagedbench.suites.faults.kernel import FAULT_LOG, PagedKernel
 
@@ -81,12 +82,15 @@ def test_fault_is_exact_on_everyday_inputs(fault, tmp_path, monkeypatch) -> None
 
 
 @pytest.fixture(scope="module")
-def selftest_rows(tmp_path_factory) -> dict[str, dict]:
-    """``pagedbench selftest`` in the ci profile, its rows by implementation."""
+def selftest_rows(tmp_path_factory, pytestconfig) -> dict[str, dict]:
+    """``pagedbench selftest`` in the ci profile, with this session's search seconds
+    (``--pagedbench-search-seconds``, as ``make test`` passes), its rows by implementation."""
     out = tmp_path_factory.mktemp("selftest")
+    seconds = plugin.search_seconds(pytestconfig)
     proc = subprocess.run(
         [sys.executable, "-m", "pagedbench.harness.cli", "selftest", "--first-catch", "--json",
-         str(out / "rows.json"), "--output-dir", str(out / "run")],
+         str(out / "rows.json"), "--output-dir", str(out / "run"),
+         *([] if seconds is None else ["--search-seconds", str(seconds)])],
         capture_output=True, text=True, timeout=1800)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     rows = {r["name"]: r for r in json.loads((out / "rows.json").read_text())}

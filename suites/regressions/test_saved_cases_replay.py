@@ -1,7 +1,8 @@
 """Every failing case found once (``cases/*.json``, written by ``pagedbench selftest
 --save-regressions`` and ``pagedbench replay --save``) is replayed: the implementation
 that got it wrong still gets the status recorded with it, and every built-in
-implementation that supports the case passes it. Interpreted kernels skip cases with
+implementation that supports the case passes it (one that compiles per shape in the
+nightly profile). Interpreted kernels skip cases with
 more than 300 keys in a sequence (minutes each under the Triton interpreter)."""
 
 from __future__ import annotations
@@ -45,7 +46,14 @@ def test_finder_still_gets_its_status(path: Path) -> None:
     assert str(verdict.status) == saved["status"], (saved, verdict.reason)
 
 
-@pytest.mark.parametrize("impl", list(BUILTIN))
+def _builtin(impl: str):
+    """A built-in that compiles each new shape (FlexAttention, seconds a case) replays the
+    saved cases in ``make nightly`` only; the case it found itself replays above."""
+    slow = load(BUILTIN[impl]).compiles_per_shape
+    return pytest.param(impl, marks=[pytest.mark.nightly] if slow else [])
+
+
+@pytest.mark.parametrize("impl", [_builtin(impl) for impl in BUILTIN])
 def test_builtin_passes_saved_cases(impl: str) -> None:
     adapter = load(BUILTIN[impl])
     availability = adapter.available("cpu")
