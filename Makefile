@@ -52,12 +52,12 @@ run: $(VENV)/.installed $(SGLANG_FILES)
 # worker, so a module fixture is built once; suites/plugin.py gives each worker its temp
 # folder and GPU); JOBS=1: one process, no xdist. SEARCH_SECONDS: the conformance search
 # per implementation (the `ci` profile's 30 s is what a user's CI gets; the suite's own
-# run of every built-in takes a third of it). The tests marked `nightly` (longer sweeps,
+# run of every built-in, the self-test's and the installed wheel's take a sixth of it). The tests marked `nightly` (longer sweeps,
 # second end-to-end runs of a path, the conformance tests of a built-in that compiles
 # per shape) are left out; `make nightly` runs every test, in the nightly profile (600 s
 # of search each).
 JOBS ?= 2
-SEARCH_SECONDS ?= 10
+SEARCH_SECONDS ?= 5
 XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 test: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)

@@ -189,10 +189,21 @@ def num_kv_splits(case: PagedCase) -> int:
     return min(ideal, torch.get_num_threads() * SPLIT_OCCUPANCY_MULTIPLIER)
 
 
+def sgl_capabilities(**axes) -> Capabilities:
+    """What the two SGLang-derived ops declare alike (the CPU, 16-bit dtypes, every
+    input layout), with ``axes``."""
+    return Capabilities(devices=frozenset({"cpu"}), dtypes=frozenset({"float16", "bfloat16"}),
+                        layouts=INPUT_LAYOUTS, notes=OUTPUT_NOTE, **axes)
+
+
 class _SglCpuKernel(Adapter):
     """What the two SGLang-derived ops share: ``_C`` only, 16-bit, per-token addressing."""
 
     op: str
+    CAPABILITIES: Capabilities
+
+    def capabilities(self, device: str) -> Capabilities:
+        return self.CAPABILITIES
 
     def available(self, device: str = "cpu") -> Availability:
         missing, version = _vllm_op(self.op, device)
@@ -219,17 +230,9 @@ class VllmCpuMlaDecode(_SglCpuKernel):
     description = ("vLLM AMX_MLA decode op (decode_attention_cpu, SGLang's CPU kernel): "
                    "token pool, MHA/GQA/MLA; x86 _C build only")
     op = "decode_attention_cpu"
-    CAPABILITIES = Capabilities(
-        devices=frozenset({"cpu"}),
-        dtypes=frozenset({"float16", "bfloat16"}),
+    CAPABILITIES = sgl_capabilities(
         modes=frozenset({"decode"}),
-        features=frozenset({"sliding_window", "logits_soft_cap", "sinks", "head_dim_v"}),
-        layouts=INPUT_LAYOUTS,
-        notes=OUTPUT_NOTE,
-    )
-
-    def capabilities(self, device: str) -> Capabilities:
-        return self.CAPABILITIES
+        features=frozenset({"sliding_window", "logits_soft_cap", "sinks", "head_dim_v"}))
 
     def mla_kernel(self, case: PagedCase) -> bool:
         """Whether ``decode.cpp`` takes its MLA kernel (``is_mla``): V in K's storage, one
@@ -278,15 +281,10 @@ class VllmCpuMlaExtend(_SglCpuKernel):
     # extend.cpp: head_size and head_size_v multiples of 32 (checked); logit_cap is taken
     # and never applied (no soft cap); a sequence's first kv_len - q_len tokens are its
     # prefix, so q_len > kv_len is refused ("prefix len < 0").
-    CAPABILITIES = Capabilities(
-        devices=frozenset({"cpu"}),
-        dtypes=frozenset({"float16", "bfloat16"}),
+    CAPABILITIES = sgl_capabilities(
         head_dims=frozenset({MultipleOf(32)}),
         modes=frozenset({"decode", "prefill"}),
-        features=frozenset({"sliding_window", "sinks", "head_dim_v", "empty_q"}),
-        layouts=INPUT_LAYOUTS,
-        notes=OUTPUT_NOTE,
-    )
+        features=frozenset({"sliding_window", "sinks", "head_dim_v", "empty_q"}))
 
     def capabilities(self, device: str) -> Capabilities:
         """float16 only with AMX-FP16: the kernel is built on the brgemm

@@ -128,7 +128,10 @@ def test_a_signal_stops_every_worker_and_records_nothing_they_did_not_finish(tmp
         ["started", "interrupted"]
     assert not [line for line in lines if isinstance(line, ResultRecord)]  # no "crash"
     assert len(missing(plan, [])) == 4
-    assert not [t for t in threading.enumerate() if t.name.startswith("devices-")]
+    # None left running (a thread that has ended may still be listed for a moment: seen
+    # once as "<Thread(devices-0, stopped daemon ...)>" in a fresh-clone make test).
+    assert not [t for t in threading.enumerate()
+                if t.name.startswith("devices-") and t.is_alive()]
 
 
 @pytest.mark.nightly  # one worker: test_plugin_isolation

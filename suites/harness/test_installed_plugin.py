@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from pagedbench.suites import plugin
+
 from .installed import ROOT, Venv, quiet_env, tree
 
 #: Where downloaded wheels are kept between sessions (the oldest allowed pytest).
@@ -69,13 +71,18 @@ def venv(outside, wheel) -> Venv:
     return Venv(Path(tempfile.mkdtemp(prefix="newest-", dir=outside)), wheel)
 
 
-def test_a_correct_kernel_passes_the_whole_suite_and_nothing_is_written_there(venv) -> None:
+def test_a_correct_kernel_passes_the_whole_suite_and_nothing_is_written_there(
+        venv, pytestconfig) -> None:
+    """The whole suite, with this session's search seconds (the installed plugin's
+    ``--pagedbench-search-seconds``, as ``make test`` passes it; else the profile's)."""
+    seconds = plugin.search_seconds(pytestconfig)
     located = subprocess.run([venv.python, "-c", "import pagedbench.suites.plugin as p, "
                               "pytest; print(p.__file__); print(pytest.__file__)"],
                              env=venv.env, capture_output=True, text=True, check=True)
     plugin_file, pytest_file = located.stdout.split()
     assert Path(plugin_file).is_relative_to(venv.site)  # the wheel's, not the checkout's
-    proc = venv.pytest(*CONFORMANCE, "--impl", "mine", "-q", folder="correct")
+    given = [] if seconds is None else ["--pagedbench-search-seconds", str(seconds)]
+    proc = venv.pytest(*CONFORMANCE, "--impl", "mine", "-q", *given, folder="correct")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     counts = _summary(proc)
     # Every test the checkout's suite has for this kernel ran: passed, or skipped where
