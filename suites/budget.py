@@ -14,11 +14,13 @@ few runs in a row. The first takes the examples the measured table predicts for
 :data:`FIRST_SHARE` of the time (``suites/conformance/example_seconds.json``, written by
 ``python -m pagedbench.suites.conformance.measure``; :data:`UNMEASURED_SECONDS` for an
 implementation it lacks), but no more than :data:`FIRST_MAX_FACTOR` times the fewest
-examples; each next run takes as many as the seconds left hold at the
-speed of the run before it (its own examples and seconds, so the first run's start-up, an
-import or a compilation, does not make every refill short), with a seed of its own under a derandomized profile (so no run
-repeats another's examples), until the time, the most examples of :data:`EXAMPLES` or
-the space of cases runs out. Every implementation gets at least the fewest examples of
+examples; each next run takes as many as :data:`REFILL_SHARE` of the seconds left hold
+(the last of :data:`MAX_RUNS` all of them) at the speed of the run before it (its own
+examples and seconds, so the first run's start-up, an import or a compilation, does not
+make every refill short; and a run slower than the one before it, the other worker of
+``pytest -n 2`` taking the core, overruns by a part of a part), with a seed of its own
+under a derandomized profile (so no run repeats another's examples), until the time, the
+most examples of :data:`EXAMPLES` or the space of cases runs out. Every implementation gets at least the fewest examples of
 :data:`EXAMPLES`. A fast plug-in the table has never seen gets hundreds of examples in
 ``ci``; the table is only the first guess.
 """
@@ -51,7 +53,11 @@ FIRST_SHARE = 0.5
 #: overrun the seconds by minutes.
 FIRST_MAX_FACTOR = 2
 #: Most hypothesis runs one search is split into (the first, then refills).
-MAX_RUNS = 4
+MAX_RUNS = 6
+#: Share of the seconds left a refill is sized for, but the last: sized for all of them,
+#: a refill 1.5 times slower than the run before it (measured: the fast plug-in of
+#: test_search_budget.py under ``make test``, 11.9 s of 8) overran by half its seconds.
+REFILL_SHARE = 0.75
 #: The measured table.
 TABLE = Path(__file__).resolve().parent / "conformance" / "example_seconds.json"
 
@@ -128,18 +134,22 @@ class TimedSearch:
         return max(low, min(high, FIRST_MAX_FACTOR * low, guessed))
 
     def next_count(self) -> int:
-        """Examples of the next run: the seconds left at the last run's speed (all runs'
-        where the last checked no example), up to the most of :attr:`bounds`; 0 when the
-        time, the examples or :data:`MAX_RUNS` are spent."""
+        """Examples of the next run: :data:`REFILL_SHARE` of the seconds left (all of
+        them for the last run, and one example where only one fits) at the last run's
+        speed (all runs' where the last checked no example), up to the most of
+        :attr:`bounds`; 0 when the time, the examples or :data:`MAX_RUNS` are spent."""
         high = self.bounds[1]
         if len(self.runs) >= MAX_RUNS or self.examples >= high:
             return 0
         examples, seconds = self.last_run
         if examples == 0:
             examples, seconds = self.examples, self.elapsed_s
-        per_example = seconds / max(examples, 1)
+        per_example = max(seconds / max(examples, 1), 1e-6)
         left = self.seconds - self.elapsed_s
-        return max(0, min(high - self.examples, math.floor(left / max(per_example, 1e-6))))
+        fits = max(0, math.floor(left / per_example))
+        if len(self.runs) < MAX_RUNS - 1:  # a share, but at least one example where one fits
+            fits = min(fits, max(1, math.floor(REFILL_SHARE * left / per_example)))
+        return min(high - self.examples, fits)
 
     def run(self, body: Callable[[st.DataObject], None]) -> None:
         """Search with ``body(data)`` (it draws its case from ``data``, rejects unsupported
@@ -184,6 +194,7 @@ def timed_search(impl: str, seconds_override: float | None = None,
     return TimedSearch(seconds=seconds, guess_s=guess, bounds=bounds)
 
 
-__all__ = ["EXAMPLES", "FIRST_MAX_FACTOR", "FIRST_SHARE", "MAX_RUNS", "SECONDS", "TABLE", "UNMEASURED_SECONDS",
+__all__ = ["EXAMPLES", "FIRST_MAX_FACTOR", "FIRST_SHARE", "MAX_RUNS", "REFILL_SHARE", "SECONDS",
+           "TABLE", "UNMEASURED_SECONDS",
            "TimedSearch", "by_profile", "profile", "search_seconds", "seconds_per_example",
            "timed_search"]

@@ -87,9 +87,11 @@ def _search(per_example_s: float, guess_s: float = budget.UNMEASURED_SECONDS,
 
 @pytest.mark.parametrize("per_example_s, examples, runs", [
     (1 / 64, 500, [8, 492]),  # a fast plug-in the table lacks: the cap, not 15
-    (0.125, 240, [8, 232]),   # the time filled exactly
-    (1.0, 30, [8, 22]),
-    (5.0, 8, [8]),            # slower than the budget: the floor only
+    # refills for 3/4 of what is left (of 29 s: 21.75 s, then 5.4375 s, ...), at least
+    # one example where one fits, the sixth run for all of it: 30 s filled
+    (0.125, 240, [8, 174, 43, 11, 3, 1]),
+    (1.0, 30, [8, 16, 4, 1, 1]),
+    (5.0, 8, [8]),  # slower than the budget: the floor only
 ], ids=["fast", "mid", "slow", "slower-than-the-budget"])
 def test_the_search_fills_its_seconds_at_the_measured_speed(per_example_s, examples, runs):
     search, _ = _search(per_example_s)
@@ -100,19 +102,21 @@ def test_the_search_fills_its_seconds_at_the_measured_speed(per_example_s, examp
 
 def test_the_table_sizes_only_the_first_run():
     """A guess of 1 s per example sizes the first run for half the 30 s (15 examples);
-    the implementation runs at 0.25 s, so the refill fills the 26.25 s left (105). A
-    guess of 0.125 s (120 examples) is held to twice the floor: 16."""
+    the implementation runs at 0.25 s, so the refills fill the 26.25 s left (78 for 3/4
+    of it, 20 for 3/4 of the 6.75 s then left, ...). A guess of 0.125 s (120 examples) is
+    held to twice the floor: 16."""
     search, _ = _search(0.25, guess_s=1.0)
-    assert search.runs == [15, 105] and search.examples == 120
+    assert search.runs == [15, 78, 20, 5, 1, 1] and search.examples == 120
     search, _ = _search(0.25, guess_s=0.125)
-    assert search.runs == [16, 104] and search.examples == 120
+    assert search.runs == [16, 78, 19, 5, 1, 1] and search.examples == 120
 
 
 def test_a_slow_start_does_not_make_every_refill_short():
     """The first 8 examples take 0.5 s each (an import, a compilation), the rest 0.1 s.
-    Sized at the last run's speed, the second run is short (52 at 0.5 s) and the third fills
-    the 20.8 s left (208). Sized at the average so far, as before, the runs were 8, 52, 135
-    and 62 and the search stopped at :data:`MAX_RUNS` 1.1 s short of its 30."""
+    Sized at the last run's speed, the second run is short (39 at 0.5 s for 3/4 of the
+    26 s left) and the next ones fill the 22.1 s left (165, 41, 11, 3: within one example
+    of it by rounding). Sized at the average so far, as once, the search stopped at
+    :data:`MAX_RUNS` 1.1 s short of its 30."""
     clock = FakeClock()
     search = budget.TimedSearch(seconds=30.0, guess_s=budget.UNMEASURED_SECONDS,
                                 bounds=(8, 500), clock=clock)
@@ -123,8 +127,8 @@ def test_a_slow_start_does_not_make_every_refill_short():
         clock.now += 0.5 if search.examples <= 8 else 0.1
 
     search.run(body)
-    assert search.runs == [8, 52, 208] and search.examples == 268
-    assert search.elapsed_s == pytest.approx(30.0)
+    assert search.runs == [8, 39, 165, 41, 11, 3] and search.examples == 267
+    assert search.elapsed_s == pytest.approx(30.0, abs=0.1)
 
 
 def test_each_refill_draws_new_examples_and_a_small_space_ends_the_search():
