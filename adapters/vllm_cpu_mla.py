@@ -104,6 +104,13 @@ def _vllm_op(name: str, device: str) -> tuple[Availability | None, str]:
     return None, vllm.__version__
 
 
+def brgemm_isa() -> str:
+    """Where oneDNN's brgemm, which the MLA kernel and extend are built on, runs its
+    bfloat16 products: AMX tiles where the CPU has them, else AVX-512 (the ``isa`` fact
+    of those paths, one key of ``suites/peer_findings.py``)."""
+    return "amx" if torch.cpu._is_amx_tile_supported() else "avx512"
+
+
 def _isa_details() -> dict[str, str | bool]:
     return {"library": loaded_library() or "unknown", "amx": torch.cpu._is_amx_tile_supported(),
             "amx_fp16": _has_amx_fp16(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
@@ -153,7 +160,7 @@ class VllmCpuMla(Adapter):
         call = functools.partial(
             ops.mla_decode_kvcache_cpu, out, inputs.q.contiguous(), cache, inputs.scale,
             inputs.block_tables.contiguous(), inputs.kv_lens.contiguous())
-        return Prepared(call, out)
+        return Prepared(call, out, facts={"isa": "vec"})
 
 
 def req_to_token(inputs: PagedInputs) -> torch.Tensor:
@@ -251,8 +258,8 @@ class VllmCpuMlaDecode(_SglCpuKernel):
         """Pools and ``req_to_token`` (:meth:`buffers`), ``attn_logits [batch,
         num_q_heads, splits, head_dim_v + 1]`` float32 scratch (:func:`num_kv_splits`),
         the window as ``W`` (0: none), the cap (0: none), sinks in the case dtype.
-        ``facts``: ``kernel`` (``"mha"``, ``"grouped"`` or ``"mla"``) and
-        ``num_kv_splits``."""
+        ``facts``: ``kernel`` (``"mha"``, ``"grouped"`` or ``"mla"``), ``num_kv_splits``
+        and ``isa`` (the MLA kernel's :func:`brgemm_isa`; ``"avx512"`` for the others)."""
         from vllm import _custom_ops as ops
 
         case = inputs.case
@@ -267,7 +274,9 @@ class VllmCpuMlaDecode(_SglCpuKernel):
             sinks=self.sinks(inputs), **self.buffers(inputs))
         kernel = ("mla" if self.mla_kernel(case)
                   else "mha" if case.gqa_ratio == 1 else "grouped")
-        return Prepared(call, out, facts={"kernel": kernel, "num_kv_splits": splits})
+        isa = brgemm_isa() if kernel == "mla" else "avx512"  # the others: AVX512_BF16 code
+        return Prepared(call, out, facts={"kernel": kernel, "num_kv_splits": splits,
+                                          "isa": isa})
 
 
 class VllmCpuMlaExtend(_SglCpuKernel):
@@ -323,4 +332,4 @@ class VllmCpuMlaExtend(_SglCpuKernel):
             max_len_extend=max(q_lens), sm_scale=inputs.scale, logit_cap=0.0,
             is_cross_attn=False, sliding_window_size=case.sliding_window or 0,
             encoder_lens=None, sinks=self.sinks(inputs), **buffers)
-        return Prepared(call, out)
+        return Prepared(call, out, facts={"isa": brgemm_isa()})

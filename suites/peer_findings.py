@@ -179,6 +179,27 @@ ROWS = [
         "cause": FAST_EXP_TANH,
     },
     {
+        "impl": "vllm-cpu-mla",
+        "version": "0.32.0",
+        "build": "_C",
+        "isa": "vec",
+        "probe": "*",
+        "outcome": "pass",
+        "smallest_case": "",
+        "cause": "every probe it takes passes (AMD EPYC, AVX-512 with AVX512_BF16, no AMX)",
+    },
+    *({
+        "impl": impl,
+        "version": "0.32.0",
+        "build": "_C",
+        "isa": "avx512",
+        "probe": "*",
+        "outcome": "pass",
+        "smallest_case": "",
+        "cause": "every probe it takes passes (AMD EPYC, AVX-512 with AVX512_BF16, no AMX "
+                 "and no AMX-FP16: float16 on the brgemm paths declared unsupported)",
+    } for impl in ("vllm-cpu-mla-decode", "vllm-cpu-mla-extend")),
+    {
         "impl": "vllm-chunked-prefill",
         "version": "0.32.0",
         "build": "*",
