@@ -101,8 +101,9 @@ def test_judge_threads_left_past_their_budget_restore_the_callers_torch_state(
     the process at its ``threads=1`` (a compiled flex-paged kernel in this process then
     failed its ``GLOBAL_STATE`` guard)."""
     _join_judge_threads()  # the previous test's, past their budget too
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # a count other than the job's 1, whatever OMP_NUM_THREADS says
     caller_threads, process_threads = torch.get_num_threads(), _threads_of_a_new_thread()
-    assert caller_threads != 1 or process_threads != 1, "needs a count other than the job's"
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
@@ -114,8 +115,9 @@ def test_judge_threads_left_past_their_budget_restore_the_callers_torch_state(
         assert torch.get_default_dtype() == torch.float64
     finally:
         torch.set_default_dtype(default)
-    assert (torch.get_num_threads(), _threads_of_a_new_thread()) == (caller_threads,
-                                                                     process_threads)
+        after = torch.get_num_threads(), _threads_of_a_new_thread()
+        torch.set_num_threads(before)
+    assert after == (caller_threads, process_threads) == (2, 2)
 
 
 def test_a_plugin_writing_into_the_channel_costs_its_case_an_error(tmp_path) -> None:
