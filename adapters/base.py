@@ -151,8 +151,9 @@ class Capabilities:
         against a yardstick that does the same, marks its passes, and a test checks that
         the declaration is still needed.
     needs_latent_cache : bool
-        True when the implementation reads V from K's storage (MLA kernels): it takes only
-        cases with ``PagedCase.latent_cache``. Any other implementation takes those too.
+        True when the implementation reads V from K's storage of one latent KV head (MLA
+        kernels): it takes only cases with ``PagedCase.latent_cache`` and one KV head. Any
+        other implementation takes latent cases too.
     notes : Mapping[str, str]
         Why an axis is narrower than the library's own, keyed by the attribute name
         (``{"dtypes": "..."}``); appended to that axis's unsupported reason.
@@ -256,6 +257,10 @@ class Capabilities:
             reasons.append(self._noted(
                 "needs_latent_cache", "a separate V not supported: reads V as the first "
                                       "head_dim_v channels of K (needs latent_cache)"))
+        if self.needs_latent_cache and case.num_kv_heads != 1:
+            reasons.append(self._noted(
+                "needs_latent_cache", f"num_kv_heads {case.num_kv_heads} not supported "
+                                      "(supported: 1, MLA's one latent KV head)"))
         if case.shared_blocks is not None and not self.shared_blocks:
             reasons.append(self._noted(
                 "shared_blocks", f"shared blocks {list(case.shared_blocks)} not supported "

@@ -112,6 +112,16 @@ def token_indices(inputs: PagedInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return kv_indptr, kv_indices
 
 
+def new_token_slots(inputs: PagedInputs) -> torch.Tensor:
+    """Token slot of each query row's own key, ``Tensor[total_q]`` int64: each sequence's
+    last ``q_len`` positions (:attr:`PagedInputs.slot_mapping`), sequences in order; an
+    extend kernel takes their K and V densely."""
+    case = inputs.case
+    starts = accumulate(case.kv_lens, initial=0)
+    return torch.cat([inputs.slot_mapping[s + kv - q:s + kv] for s, q, kv in
+                      zip(starts, case.q_lens_or_decode, case.kv_lens)])
+
+
 def token_pools(inputs: PagedInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """The canonical cache as SGLang's K and V token pools (copies; poison kept).
 
@@ -345,8 +355,7 @@ class SglangExtend(_SglangTritonAdapter):
         starts = [0, *accumulate(case.kv_lens)][:-1]
         prefix = [inputs.slot_mapping[s:s + kv - q] for s, q, kv in
                   zip(starts, q_lens, case.kv_lens)]
-        new = torch.cat([inputs.slot_mapping[s + kv - q:s + kv] for s, q, kv in
-                         zip(starts, q_lens, case.kv_lens)])  # [total_q]
+        new = new_token_slots(inputs)  # [total_q]
         kv_indptr = torch.tensor([0, *accumulate(kv - q for q, kv in zip(q_lens, case.kv_lens))],
                                  dtype=torch.int32, device=inputs.device)
         block_m, block_n = self.tiles(case)

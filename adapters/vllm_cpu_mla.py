@@ -35,7 +35,7 @@ from pagedbench.reference import PagedCase, PagedInputs, logit_bound, new_output
 from pagedbench.reference.axes import LAYOUTS
 
 from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
-from .sglang_triton import token_pools
+from .sglang_triton import new_token_slots, token_pools
 from .vllm_cpu import loaded_library
 
 #: Every layout but a strided output: the three ops write their output rows at the
@@ -72,17 +72,8 @@ def latent_cache(inputs: PagedInputs) -> torch.Tensor:
         the poison of each half, so the stale finite V that conformance puts in the last
         blocks' tails (``Capabilities.nan_safe_tail``) is what an MLA kernel reads there.
     """
-    case = inputs.case
-    dv = case.v_head_dim
-    return torch.cat([inputs.v_cache, inputs.k_cache[..., dv:]], dim=-1).contiguous()
-
-
-def one_latent_head(case: PagedCase) -> list[str]:
-    """The reason ``vllm-cpu-mla`` cannot take ``case``'s KV heads: MLA has one."""
-    if case.num_kv_heads == 1:
-        return []
-    return [f"num_kv_heads {case.num_kv_heads} not supported (supported: 1, MLA's one "
-            "latent KV head)"]
+    dv = inputs.case.v_head_dim
+    return torch.cat([inputs.v_cache, inputs.k_cache[..., dv:]], dim=-1)
 
 
 def _vllm_op(name: str, device: str) -> tuple[Availability | None, str]:
@@ -146,9 +137,6 @@ class VllmCpuMla(Adapter):
     def available(self, device: str = "cpu") -> Availability:
         missing, version = _vllm_op("mla_decode_kvcache", device)
         return missing or Availability(True, version=version, details=_isa_details())
-
-    def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        return super().why_unsupported(case, device) + one_latent_head(case)
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """The latent cache as ``[num_blocks, 16, 576]`` (:func:`latent_cache`), q
@@ -311,18 +299,17 @@ class VllmCpuMlaExtend(_SglCpuKernel):
         return reasons
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
-        """Pools and ``req_to_token`` (:meth:`buffers`); the new tokens' K and V gathered
-        densely through the slot mapping ``[total_q, num_kv_heads, head_dim / v]``;
-        int32 ``extend_seq_lens`` (the q_lens) and ``extend_start_loc`` (``cu_seqlens_q``
-        without its last entry), the dtype of ``req_to_token``."""
+        """Pools and ``req_to_token`` (:meth:`buffers`); the new tokens' K and V, ``[total_q,
+        num_kv_heads, head_dim / v]``, gathered through their slots
+        (:func:`~.sglang_triton.new_token_slots`); int32 ``extend_seq_lens`` (the q_lens)
+        and ``extend_start_loc`` (``cu_seqlens_q`` without its last entry), the dtype of
+        ``req_to_token``."""
         from vllm import _custom_ops as ops
 
         case = inputs.case
         buffers = self.buffers(inputs)
         q_lens = case.q_lens_or_decode
-        starts = [0, *accumulate(case.kv_lens)]
-        new = torch.cat([inputs.slot_mapping[s + kv - q:s + kv]
-                         for s, q, kv in zip(starts, q_lens, case.kv_lens)])  # [total_q]
+        new = new_token_slots(inputs)  # [total_q]
         out = new_output(inputs)
         call = functools.partial(
             ops.cpu_mla_extend, q_extend=inputs.q, k_extend=buffers["k_buffer"][new],

@@ -183,7 +183,8 @@ def paged_cases(
     if not edges:
         features = features - EDGE_FEATURES
     block_size = draw(st.sampled_from(block_sizes))
-    num_kv_heads = draw(st.integers(1, max_kv_heads))
+    # MLA's one latent KV head where the implementation needs a latent cache
+    num_kv_heads = 1 if caps and caps.needs_latent_cache else draw(st.integers(1, max_kv_heads))
     # search: every declared option at once (shrinks to False, drawn only with edges)
     together = edges and draw(st.integers(0, TOGETHER_ONE_IN - 1)) == TOGETHER_ONE_IN - 1
 
