@@ -4,6 +4,7 @@ outside the checkout to install it in (:mod:`.installed`)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
@@ -113,11 +114,18 @@ def result(impl: str, case_id_or_case="c1", status: str = "pass", ms: float | No
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory) -> Path:
-    """pagedbench's wheel, built from the checkout once per session."""
+    """pagedbench's wheel, built from the checkout once per session (per pytest-xdist
+    worker). setuptools builds in the checkout's ``build/`` (``bdist.*``, ``lib``), so the
+    workers take turns under a lock there: two at once failed one of them ("File exists:
+    'build/bdist.linux-x86_64/wheel/pagedbench-0.1.0.dist-info'", a fresh-clone make test)."""
     dist = tmp_path_factory.mktemp("dist")
-    installed.pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
-                  str(dist), str(installed.ROOT), env=installed.quiet_env(TMPDIR=str(dist)),
-                  cwd=dist)
+    lock = installed.ROOT / "build" / "wheel-build.lock"
+    lock.parent.mkdir(exist_ok=True)
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+        installed.pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
+                      str(dist), str(installed.ROOT),
+                      env=installed.quiet_env(TMPDIR=str(dist)), cwd=dist)
     (built,) = dist.glob("pagedbench-*.whl")
     return built
 
