@@ -41,6 +41,8 @@ BUILTIN: dict[str, str] = {
     "sglang-extend": "pagedbench.adapters.sglang_triton:SglangExtend",
     "flashinfer-nhd": "pagedbench.adapters.flashinfer:FlashInferNHD",
     "flashinfer-hnd": "pagedbench.adapters.flashinfer:FlashInferHND",
+    "flashinfer-mla": "pagedbench.adapters.flashinfer:FlashInferMla",
+    "flash-mla": "pagedbench.adapters.flash_mla:FlashMla",
     "flash-attn2": "pagedbench.adapters.flash_attn:FlashAttn2",
     "flash-attn3": "pagedbench.adapters.flash_attn:FlashAttn3",
     "xformers": "pagedbench.adapters.xformers:XformersSplitK",

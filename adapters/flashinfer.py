@@ -1,4 +1,5 @@
-"""FlashInfer's paged attention wrappers, in its NHD and HND cache layouts (CUDA only).
+"""FlashInfer's paged attention wrappers, in its NHD and HND cache layouts, and its MLA
+wrapper (CUDA only).
 
 ``flashinfer-nhd`` and ``flashinfer-hnd`` drive ``BatchDecodeWithPagedKVCacheWrapper``
 (decode cases) and ``BatchPrefillWithPagedKVCacheWrapper`` (prefill and mixed cases):
@@ -15,6 +16,15 @@ into a NaN-poisoned output. Sources: FlashInfer's ``docs/tutorials/kv_layout.rst
 - Window ``W`` is ``window_left = W - 1`` (-1 off); the soft cap applies to scaled logits.
 - ``plan()`` defaults ``q_data_type`` to float16 and the prefill ``causal`` to False: both
   are passed explicitly (tile-ai/TileOPs#734 ran bf16 through fp16 plans).
+
+``flashinfer-mla`` drives ``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (``backend=
+"auto"``: FA3 on SM90a, else FA2) on a latent cache (:mod:`.latent`): planned with
+``MLAPlanMetadata.csr`` (the CSR page table, ``kv_len_arr`` = ``kv_lens``) and run on the
+*packed* query ``[total_q, num_q_heads, 576]`` and cache ``[num_pages, page_size, 576]``,
+which the wrapper splits into its 512 ``ckv`` and 64 ``kpe`` channels (flashinfer-python
+0.7.0.post1, ``mla/_batch_mla/_wrapper.py``; the canonical-metadata form is new in 0.7.0).
+Causal masks are bottom-right aligned (``tests/attention/test_deepseek_mla.py``'s
+reference), so ``causal=True`` is our convention for decode and prefill alike.
 
 Limits (:data:`CAPABILITIES`): fp16/bf16 (no fp32 kernel); head dims 64, 128, 256 (what
 FlashInfer's own test grids cover for both wrappers); any page size; compute capability
@@ -34,7 +44,8 @@ import torch
 from pagedbench.reference import PagedInputs, new_output
 
 from .base import Adapter, Availability, Capabilities, Prepared
-from .cuda_probe import cuda_peer_available
+from .cuda_probe import PeerUnusable, cuda_peer_available
+from .latent import latent_cache
 
 KV_LAYOUTS = ("NHD", "HND")
 #: Float workspace per wrapper: FlashInfer's recommended 128 MB (bytes).
@@ -49,6 +60,19 @@ CAPABILITIES = Capabilities(
     head_dims=frozenset({64, 128, 256}),
     modes=frozenset({"decode", "prefill"}),
     features=frozenset({"sliding_window", "logits_soft_cap"}),
+    min_compute_capability=(8, 0),
+)
+#: The MLA wrapper: DeepSeek's 512 + 64 latent head, the only split FlashInfer's MLA tests
+#: cover (``test_deepseek_mla.py``), float16 and bfloat16 (its fp8 cache is not our case),
+#: any page size (1 and 16 in those tests), decode and ragged prefill.
+MLA_CAPABILITIES = Capabilities(
+    devices=frozenset({"cuda"}),
+    dtypes=frozenset({"float16", "bfloat16"}),
+    head_dims=frozenset({576}),
+    v_head_dims=frozenset({512}),
+    modes=frozenset({"decode", "prefill"}),
+    features=frozenset({"head_dim_v"}),
+    needs_latent_cache=True,
     min_compute_capability=(8, 0),
 )
 
@@ -238,3 +262,101 @@ class FlashInferHND(_FlashInfer):
     name = "flashinfer-hnd"
     description = "FlashInfer batch decode/prefill wrappers, HND cache (CUDA)"
     kv_layout = "HND"
+
+
+@dataclass(frozen=True)
+class MlaArguments:
+    """A latent case's arguments to FlashInfer's MLA wrapper.
+
+    Attributes
+    ----------
+    qo_indptr : Tensor[batch + 1], int32
+        ``cu_seqlens_q``: sequence ``i``'s queries are rows ``qo_indptr[i]:qo_indptr[i+1]``.
+    kv_indptr, kv_indices : Tensor, int32
+        The CSR page table (:func:`csr_page_table`).
+    kv_len_arr : Tensor[batch], int32
+        ``kv_lens``.
+    kv_cache : Tensor[num_pages, page_size, head_dim], case dtype
+        The packed latent cache: ``ckv`` is channels ``:head_dim_ckv``, ``kpe`` the rest.
+    head_dim_ckv, head_dim_kpe : int
+        ``head_dim_v`` and ``head_dim - head_dim_v`` (512 and 64 for DeepSeek).
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_len_arr: torch.Tensor
+    kv_cache: torch.Tensor
+    head_dim_ckv: int
+    head_dim_kpe: int
+
+
+def mla_arguments(inputs: PagedInputs) -> MlaArguments:
+    """Convert a latent case's canonical inputs to the MLA wrapper's (plain torch).
+
+    Raises
+    ------
+    ValueError
+        If the case has no latent cache or more than one KV head (the wrapper's cache has
+        no head axis), or as :func:`csr_page_table`.
+    """
+    case = inputs.case
+    if not case.latent_cache or case.num_kv_heads != 1:
+        raise ValueError("FlashInfer's MLA wrapper takes a latent_cache case with one KV "
+                         f"head, got latent_cache={case.latent_cache}, num_kv_heads="
+                         f"{case.num_kv_heads}")
+    table = csr_page_table(inputs.block_tables, inputs.kv_lens, case.block_size)
+    return MlaArguments(
+        qo_indptr=inputs.cu_seqlens_q.to(torch.int32),
+        kv_indptr=table.indptr,
+        kv_indices=table.indices,
+        kv_len_arr=inputs.kv_lens.to(torch.int32),
+        kv_cache=latent_cache(inputs).squeeze(2),  # [num_pages, page_size, head_dim]
+        head_dim_ckv=case.v_head_dim,
+        head_dim_kpe=case.head_dim - case.v_head_dim,
+    )
+
+
+class FlashInferMla(Adapter):
+    """FlashInfer's ``BatchMLAPagedAttentionWrapper`` on the packed latent cache."""
+
+    name = "flashinfer-mla"
+    description = "FlashInfer MLA paged wrapper, latent cache 576/512 (CUDA)"
+
+    def capabilities(self, device: str) -> Capabilities:
+        return MLA_CAPABILITIES
+
+    def available(self, device: str = "cpu") -> Availability:
+        def load() -> dict[str, str]:
+            import flashinfer.mla
+
+            if not hasattr(flashinfer.mla, "MLAPlanMetadata"):
+                raise PeerUnusable("flashinfer.mla has no MLAPlanMetadata, the planning "
+                                   "form this adapter uses (flashinfer-python >= 0.7.0)")
+            return {"wrapper": "BatchMLAPagedAttentionWrapper(backend='auto'): fa3 on "
+                               "SM90a, else fa2; packed query and latent cache"}
+
+        return cuda_peer_available("flashinfer", device, INSTALL, load)
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        """:func:`mla_arguments`, then ``plan()`` (causal, the case's ``sm_scale`` and
+        dtype); the bound call is ``wrapper.run(query=q, kv_cache=..., out=out)``.
+        ``facts``: the ``backend`` that ``"auto"`` picks on this device."""
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+        from flashinfer.utils import determine_mla_backend
+
+        case = inputs.case
+        args = mla_arguments(inputs)
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=inputs.device)
+        wrapper = BatchMLAPagedAttentionWrapper(workspace)
+        wrapper.plan(
+            metadata=MLAPlanMetadata.csr(args.qo_indptr, args.kv_indptr, args.kv_indices,
+                                         args.kv_len_arr),
+            num_heads=case.num_q_heads, head_dim_ckv=args.head_dim_ckv,
+            head_dim_kpe=args.head_dim_kpe, page_size=case.block_size, causal=True,
+            sm_scale=inputs.scale, q_data_type=case.torch_dtype,
+            kv_data_type=case.torch_dtype)
+        out = new_output(inputs)
+        call = functools.partial(wrapper.run, query=inputs.q, kv_cache=args.kv_cache, out=out)
+        return Prepared(call, out,
+                        facts={"backend": determine_mla_backend(inputs.device)})

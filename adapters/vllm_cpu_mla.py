@@ -35,6 +35,7 @@ from pagedbench.reference import PagedCase, PagedInputs, logit_bound, new_output
 from pagedbench.reference.axes import LAYOUTS
 
 from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
+from .latent import latent_cache
 from .sglang_triton import new_token_slots, token_pools
 from .vllm_cpu import loaded_library
 
@@ -59,21 +60,6 @@ EXTEND_MAX_LOGIT = 1.0e10
 
 def _has_amx_fp16() -> bool:
     return torch.cpu._is_amx_fp16_supported()
-
-
-def latent_cache(inputs: PagedInputs) -> torch.Tensor:
-    """The canonical cache of a ``latent_cache`` case as MLA's one buffer, a copy.
-
-    Returns
-    -------
-    Tensor[num_blocks, block_size, num_kv_heads, head_dim], the case dtype
-        Channels ``:head_dim_v`` from V's half of the canonical cache, the rest from K's:
-        for every live token exactly K (V is K's first channels there); in an unused slot
-        the poison of each half, so the stale finite V that conformance puts in the last
-        blocks' tails (``Capabilities.nan_safe_tail``) is what an MLA kernel reads there.
-    """
-    dv = inputs.case.v_head_dim
-    return torch.cat([inputs.v_cache, inputs.k_cache[..., dv:]], dim=-1)
 
 
 def _vllm_op(name: str, device: str) -> tuple[Availability | None, str]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedbench.adapters import vllm_cpu_mla as mla
+from pagedbench.adapters.latent import latent_cache
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites import peer_findings
 
@@ -40,14 +41,14 @@ def test_req_to_token_lists_each_positions_slot() -> None:
 
 def test_latent_buffer_is_k_where_live_and_carries_the_tail_protocol() -> None:
     inputs = materialize(LATENT, tail_poison="stale")
-    buffer = mla.latent_cache(inputs)  # [nb, bs, 1, 576]
+    buffer = latent_cache(inputs)  # [nb, bs, 1, 576]
     bs, slots = 16, inputs.slot_mapping
     assert torch.equal(buffer[slots // bs, slots % bs], inputs.k_cache[slots // bs, slots % bs])
     last = inputs.block_tables[2, 1].item()  # sequence 2 (kv_len 17): one live slot there
     tail = buffer[last, 1:]
     assert torch.isfinite(tail[..., :512]).all()  # stale V, what a real cache holds
     assert tail[..., 512:].isnan().all()  # K's rope channels stay poisoned
-    strict = mla.latent_cache(materialize(LATENT))
+    strict = latent_cache(materialize(LATENT))
     assert strict[last, 1:].isnan().all()
 
 
