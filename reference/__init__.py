@@ -7,7 +7,7 @@ from .dense import attention, gather_kv, reference_attention
 from .errors import PagedInputError, PagedTypeError, PagedValueError
 from .inputs import (PagedInputs, check_fits, logit_bound, materialize, new_output,
                      resolve_device)
-from .yardstick import naive_attention, yardstick_attention
+from .yardstick import logit_rounding, naive_attention, yardstick_attention
 
 __all__ = [
     "DTYPES",
@@ -22,6 +22,7 @@ __all__ = [
     "check_fits",
     "gather_kv",
     "logit_bound",
+    "logit_rounding",
     "materialize",
     "naive_attention",
     "new_output",

@@ -204,26 +204,31 @@ def _load(path: Path, case: PagedCase, key: str, secret: bytes,
     shape = (case.total_q, case.num_q_heads, case.v_head_dim)
     with _open_regular(path) as f, np.load(f, allow_pickle=False) as saved:
         stored_key, stored_mac = str(saved["key"]), str(saved["mac"])
-        arrays = {name: saved[name] for name in ("truth", "naive", "q") if name in saved}
+        arrays = {name: saved[name] for name in ("truth", "naive", "logit_rounding", "q")
+                  if name in saved}
     if q is not None and not np.array_equal(arrays.get("q"), q.float().cpu().numpy()):
         raise ValueError("its Q is not these inputs' (the device drew other values)")
     if stored_key != key:
         raise ValueError(f"stored key {stored_key[:12]}... is not this case's {key[:12]}...")
     if not hmac.compare_digest(stored_mac, _mac(secret, key, arrays)):
         raise ValueError("its HMAC does not match its values (not written by this cache)")
-    truth, naive = arrays["truth"], arrays["naive"]
-    if truth.dtype != np.float64 or naive.dtype != np.float32:
-        raise ValueError(f"dtypes {truth.dtype}, {naive.dtype} are not float64, float32")
-    if truth.shape != shape or naive.shape != shape:
-        raise ValueError(f"shapes {truth.shape}, {naive.shape} are not {shape}")
-    return Expected(torch.from_numpy(truth), torch.from_numpy(naive).to(case.torch_dtype))
+    truth, naive, rounding = arrays["truth"], arrays["naive"], arrays["logit_rounding"]
+    dtypes = (truth.dtype, naive.dtype, rounding.dtype)
+    if dtypes != (np.float64, np.float32, np.float64):
+        raise ValueError(f"dtypes {dtypes} are not float64, float32, float64")
+    if {truth.shape, naive.shape, rounding.shape} != {shape}:
+        raise ValueError(f"shapes {truth.shape}, {naive.shape}, {rounding.shape} are not "
+                         f"{shape}")
+    return Expected(torch.from_numpy(truth), torch.from_numpy(naive).to(case.torch_dtype),
+                    torch.from_numpy(rounding))
 
 
 def _save(path: Path, key: str, secret: bytes, found: Expected,
           q: torch.Tensor | None = None) -> None:
     """Write ``found`` (and ``q``, when given), signed with ``secret``, atomically. The
     yardstick and Q are stored as float32, which holds fp16 and bf16 values exactly."""
-    arrays = {"truth": found.truth.numpy(), "naive": found.naive.float().numpy()}
+    arrays = {"truth": found.truth.numpy(), "naive": found.naive.float().numpy(),
+              "logit_rounding": found.logit_rounding.double().numpy()}
     if q is not None:
         arrays["q"] = q.float().cpu().numpy()
     mac = _mac(secret, key, arrays)
