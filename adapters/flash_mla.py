@@ -5,17 +5,20 @@
 with the queries as ``[batch, seq_len_q, num_q_heads, 576]``; it returns the output
 ``[batch, seq_len_q, num_q_heads, 512]`` and the log-sum-exp. ``get_mla_metadata(
 cache_seqlens, seq_len_q * num_q_heads // num_kv_heads, num_kv_heads)`` is called in
-``prepare``: the interface before 2025-09 plans there and returns tensors; the current one
-returns an empty ``FlashMLASchedMeta`` that the first call fills, and ignores its
-arguments. Sources: deepseek-ai/FlashMLA at commit 9241ae3, ``flash_mla/
-flash_mla_interface.py``, ``csrc/api/dense_decode.h``, ``tests/test_flash_mla_dense_decoding.py``.
+``prepare``: the interface until 2026-01 (FlashMLA 082094b) plans there and returns
+tensors; the current one returns an empty ``FlashMLASchedMeta`` that the first call fills
+(inside the timer's warm-up calls), and ignores its arguments. Sources: deepseek-ai/FlashMLA
+at commit 9241ae3, ``flash_mla/flash_mla_interface.py``, ``csrc/api/dense_decode.h``,
+``tests/test_flash_mla_dense_decoding.py``.
 
 Limits, from ``dense_decode.h`` and the test: SM90a only ("Dense decode MLA is only
 supported on SM90a architecture"); bfloat16 or float16; head_dim 576 (or 512) and
 head_dim_v 512; page_block_size 64; every sequence the same number of queries (the query
 is ``[batch, seq_len_q, ...]``; the test runs 1, 2 and 4, causal bottom-right aligned);
-``cache_seqlens`` 0 gives zero rows (the test's ``have_zero_seqlen_k``). FlashMLA is not on
-PyPI: it is built from its repository on a Hopper machine.
+``cache_seqlens`` 0 gives zero rows (the test's ``have_zero_seqlen_k``). The kernel's mask
+holds for any ``seq_len_q``; the test runs 1, 2 and 4, so longer equal ``q_lens`` are for
+the conformance suite to judge. FlashMLA is not on PyPI: it is built from its repository
+on a Hopper machine.
 """
 
 from __future__ import annotations

@@ -63,8 +63,9 @@ CAPABILITIES = Capabilities(
     min_compute_capability=(8, 0),
 )
 #: The MLA wrapper: DeepSeek's 512 + 64 latent head, the only split FlashInfer's MLA tests
-#: cover (``test_deepseek_mla.py``), float16 and bfloat16 (its fp8 cache is not our case),
-#: any page size (1 and 16 in those tests), decode and ragged prefill.
+#: cover (``test_deepseek_mla.py``), float16 (what those tests run) and bfloat16 (which its
+#: plan accepts; its fp8 cache is not our case), any page size (1 and 16 in those tests),
+#: decode and ragged prefill.
 MLA_CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
     dtypes=frozenset({"float16", "bfloat16"}),

@@ -24,8 +24,8 @@ The arithmetic, per sequence and query row (a scalar kernel's):
   float32 in the same key order, rounded once to the case dtype.
 
 The yardstick is the larger error of :data:`YARDSTICK_ORDERS` (:func:`yardstick_attention`).
-Beside it, :func:`logit_rounding` gives what float32 rounding of the logits does to each
-output element to first order, which two yardstick draws do not always cover when the
+Beside it, :func:`logit_rounding` gives what float32 rounding of the logits typically does
+to each output element, which two yardstick draws do not always cover in float32 when the
 logits are large.
 """
 
@@ -37,7 +37,8 @@ from collections.abc import Callable
 import torch
 
 from .case import PagedCase
-from .dense import _checked, dequantize, gather_kv, probabilities, visible_keys
+from .dense import (_checked, dequantize, gather_kv, masked_logits, probabilities,
+                    visible_keys)
 from .errors import PagedValueError
 from .inputs import PagedInputs
 
@@ -57,6 +58,8 @@ KEY_TILE = 64
 _CHUNK_ELEMENTS = 1 << 23
 #: float32's unit roundoff (IEEE 754 round to nearest: half an ulp of 1).
 UNIT_ROUNDOFF_FP32 = 2.0**-24
+#: Standard deviations of the logits' rounding that :func:`logit_rounding` allows.
+LOGIT_ROUNDING_SIGMAS = 3.0
 #: Where the yardstick computes its logits and softmax: ``"float32"`` (as a kernel's
 #: Q.K^T accumulates) or ``"case"`` (rounded to the case dtype, as FlashAttention's
 #: reference does).
@@ -290,18 +293,24 @@ def yardstick_attention(inputs: PagedInputs, truth: torch.Tensor,
 
 
 def logit_rounding(inputs: PagedInputs, truth: torch.Tensor) -> torch.Tensor:
-    """What float32 rounding of the logits does to each output element, to first order:
-    ``sqrt(head_dim) * u * sum_j p_j a_j |v_j - o|`` per (row, head, channel).
+    """What float32 rounding of the logits does to each output element, typically:
+    ``LOGIT_ROUNDING_SIGMAS * u * sqrt(sum_j (p_j e_j)^2 (v_j - o)^2)`` per (row, head,
+    channel), ``e_j = sqrt(head_dim) a_j (1 - tanh^2(x_j / cap)) + |s_j|``.
 
     ``dO/ds_j = p_j (v_j - o)`` (the softmax's derivative; a sink takes a share of the
-    denominator and gives no value, which keeps the form); a float32 logit formed as a
-    ``head_dim``-term dot product in any order is off by about ``sqrt(head_dim) * u * a_j``
-    with ``a_j = sm_scale * sum_d |q_d k_jd|`` (Higham and Mary, "A new approach to
-    probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019; the
-    worst-case bound is ``head_dim * u * a_j``), plus ``u`` times the ALiBi bias it is
-    added to; ``u`` is :data:`UNIT_ROUNDOFF_FP32`. ``p_j`` are the float64 weights and ``o``
-    is ``truth``. A peaked softmax gives about 0 (``p_j (v_j - o)`` vanishes), logits spread
-    far from 0 give the most: docs/tolerance.md has the measurement.
+    denominator and gives no value, which keeps the form). A float32 logit formed as a
+    ``head_dim``-term dot product in any order is off by about ``sqrt(head_dim) * u *
+    a_j``, ``a_j = sm_scale * sum_d |q_d k_jd|`` (Higham and Mary, "A new approach to
+    probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019; the worst case
+    is ``head_dim * u * a_j``); a soft cap scales that by its derivative ``1 - tanh^2(x_j /
+    cap)`` (``x_j`` the logit before it), and the few roundings after the sum (a scale
+    applied after the product, the cap's tanh and product, ALiBi's addition) add ``u
+    |s_j|``, ``s_j`` the final logit. The logits' errors are independent draws, so they add
+    in quadrature over the keys; ``LOGIT_ROUNDING_SIGMAS`` standard deviations are allowed.
+    ``u`` is :data:`UNIT_ROUNDOFF_FP32`; ``p_j`` are the float64 weights, ``o`` is
+    ``truth``. One key seen gives 0 (up to float64 rounding of the expanded sum), a peaked
+    softmax about 0, logits spread far from 0 the most (docs/tolerance.md has the
+    measurement).
 
     Parameters
     ----------
@@ -322,37 +331,37 @@ def logit_rounding(inputs: PagedInputs, truth: torch.Tensor) -> torch.Tensor:
     case = inputs.case
     f64 = torch.float64
     cu = inputs.cu_seqlens_q.tolist()
-    sensitivity = torch.zeros(case.total_q, case.num_q_heads, case.v_head_dim, dtype=f64,
-                              device=truth.device)
+    variance = torch.zeros(case.total_q, case.num_q_heads, case.v_head_dim, dtype=f64,
+                           device=truth.device)
     for i, (k, v) in enumerate(gather_kv(inputs)):
         q = inputs.q[cu[i] : cu[i + 1]].to(f64)  # [q_len, hq, d]
-        q_len, kv_len = q.shape[0], k.shape[0]
-        if q_len == 0 or kv_len == 0:
+        if q.shape[0] == 0 or k.shape[0] == 0:
             continue
         k = dequantize(k, case.k_scale, f64)
         v = dequantize(v, case.v_scale, f64).repeat_interleave(case.gqa_ratio, 1)
-        probs = probabilities(q, k, case, inputs.alibi_slopes, inputs.sinks)  # [hq, q, kv]
-        magnitude = torch.einsum("qhd,khd->hqk", (q * case.scale).abs(),
-                                 k.repeat_interleave(case.gqa_ratio, 1).abs())
-        if inputs.alibi_slopes is not None:
-            distance = (torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
-                        - torch.arange(kv_len, device=q.device)[None, :]).to(f64)
-            magnitude += (inputs.alibi_slopes.to(f64)[:, None, None] * distance).abs()
-        weights = probs * magnitude  # [hq, q_len, kv_len]; 0 for hidden keys
-        v_heads = v.permute(1, 0, 2)  # [hq, kv_len, dv]
+        k_heads = k.repeat_interleave(case.gqa_ratio, 1)  # [kv_len, hq, d]
+        # each logit's error in units of u: sqrt(d) a_j through the cap, then |s_j|
+        error = torch.einsum("qhd,khd->hqk", (q * case.scale).abs(), k_heads.abs())
+        error *= math.sqrt(case.head_dim)
+        if case.logits_soft_cap is not None:
+            raw = torch.einsum("qhd,khd->hqk", q * case.scale, k_heads)
+            error *= 1 - torch.tanh(raw / case.logits_soft_cap).square()
+            del raw
+        final = masked_logits(q, k, case, inputs.alibi_slopes)  # [hq, q_len, kv_len]
+        error += final.abs().nan_to_num(posinf=0.0)  # -inf where hidden: p_j = 0 there
+        del final
+        weights = probabilities(q, k, case, inputs.alibi_slopes, inputs.sinks)
+        weights = (weights * error).square_()  # (p_j error_j)^2
+        del error
         o = truth[cu[i] : cu[i + 1]].to(q.device).permute(1, 0, 2)  # [hq, q_len, dv]
-        step = max(1, _CHUNK_ELEMENTS // (case.num_q_heads * KEY_TILE * case.v_head_dim))
-        rows = torch.zeros_like(o)
-        for lo in range(0, q_len, step):
-            for a in range(0, kv_len, KEY_TILE):
-                b = min(kv_len, a + KEY_TILE)
-                spread = (v_heads[:, None, a:b, :] - o[:, lo:lo + step, None, :]).abs()
-                rows[:, lo:lo + step] += torch.einsum(
-                    "hrk,hrkc->hrc", weights[:, lo:lo + step, a:b], spread)
-        sensitivity[cu[i] : cu[i + 1]] = rows.permute(1, 0, 2).to(truth.device)
-    return sensitivity * (math.sqrt(case.head_dim) * UNIT_ROUNDOFF_FP32)
+        v_heads = v.permute(1, 0, 2)  # [hq, kv_len, dv]
+        # sum_j w_j (v_j - o)^2 = w @ v^2 - 2 o (w @ v) + o^2 sum_j w_j
+        spread = (weights @ v_heads.square() - 2 * o * (weights @ v_heads)
+                  + o.square() * weights.sum(-1, keepdim=True))
+        variance[cu[i] : cu[i + 1]] = spread.clamp_(min=0.0).permute(1, 0, 2).to(truth.device)
+    return variance.sqrt_() * (LOGIT_ROUNDING_SIGMAS * UNIT_ROUNDOFF_FP32)
 
 
-__all__ = ["KEY_TILE", "LOGITS_PRECISIONS", "SUM_ORDERS", "UNIT_ROUNDOFF_FP32", "YARDSTICK_ORDERS",
-           "logit_rounding", "naive_attention", "naive_logits", "ordered_sum",
-           "yardstick_attention"]
+__all__ = ["KEY_TILE", "LOGITS_PRECISIONS", "LOGIT_ROUNDING_SIGMAS", "SUM_ORDERS",
+           "UNIT_ROUNDOFF_FP32", "YARDSTICK_ORDERS", "logit_rounding", "naive_attention",
+           "naive_logits", "ordered_sum", "yardstick_attention"]

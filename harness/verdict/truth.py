@@ -212,23 +212,27 @@ def _load(path: Path, case: PagedCase, key: str, secret: bytes,
         raise ValueError(f"stored key {stored_key[:12]}... is not this case's {key[:12]}...")
     if not hmac.compare_digest(stored_mac, _mac(secret, key, arrays)):
         raise ValueError("its HMAC does not match its values (not written by this cache)")
-    truth, naive, rounding = arrays["truth"], arrays["naive"], arrays["logit_rounding"]
-    dtypes = (truth.dtype, naive.dtype, rounding.dtype)
-    if dtypes != (np.float64, np.float32, np.float64):
-        raise ValueError(f"dtypes {dtypes} are not float64, float32, float64")
-    if {truth.shape, naive.shape, rounding.shape} != {shape}:
-        raise ValueError(f"shapes {truth.shape}, {naive.shape}, {rounding.shape} are not "
-                         f"{shape}")
+    truth, naive = arrays["truth"], arrays["naive"]
+    rounding = arrays["logit_rounding"] if case.dtype == "float32" else None  # float32 only
+    if rounding is None and "logit_rounding" in arrays:
+        raise ValueError(f"a logit_rounding array in a {case.dtype} case's truth")
+    found = [truth, naive] + ([] if rounding is None else [rounding])
+    dtypes = tuple(a.dtype for a in found)
+    if dtypes != (np.float64, np.float32, np.float64)[:len(found)]:
+        raise ValueError(f"dtypes {dtypes} are not float64, float32 (, float64)")
+    if {a.shape for a in found} != {shape}:
+        raise ValueError(f"shapes {[a.shape for a in found]} are not {shape}")
     return Expected(torch.from_numpy(truth), torch.from_numpy(naive).to(case.torch_dtype),
-                    torch.from_numpy(rounding))
+                    None if rounding is None else torch.from_numpy(rounding))
 
 
 def _save(path: Path, key: str, secret: bytes, found: Expected,
           q: torch.Tensor | None = None) -> None:
     """Write ``found`` (and ``q``, when given), signed with ``secret``, atomically. The
     yardstick and Q are stored as float32, which holds fp16 and bf16 values exactly."""
-    arrays = {"truth": found.truth.numpy(), "naive": found.naive.float().numpy(),
-              "logit_rounding": found.logit_rounding.double().numpy()}
+    arrays = {"truth": found.truth.numpy(), "naive": found.naive.float().numpy()}
+    if found.logit_rounding is not None:
+        arrays["logit_rounding"] = found.logit_rounding.double().numpy()
     if q is not None:
         arrays["q"] = q.float().cpu().numpy()
     mac = _mac(secret, key, arrays)

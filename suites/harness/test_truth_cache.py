@@ -42,6 +42,17 @@ def test_a_cached_truth_is_read_back_exactly(tmp_path) -> None:
     _assert_is_the_truth(truth_for(CASE, tmp_path))
     _assert_is_the_truth(first)
     assert path.stat().st_mtime_ns == stamp  # read, not rewritten
+    assert first.logit_rounding is None  # bfloat16: no logit-rounding term
+
+
+def test_a_float32_truth_keeps_its_logit_rounding(tmp_path) -> None:
+    case = CASE.with_(dtype="float32", logit_offset=100.0)
+    computed = compute_truth(case)
+    truth_for(case, tmp_path)
+    read = truth_for(case, tmp_path)  # from the file
+    assert computed.logit_rounding is not None and float(computed.logit_rounding.max()) > 0
+    assert read.logit_rounding.dtype == torch.float64
+    assert torch.equal(read.logit_rounding, computed.logit_rounding)
 
 
 def _plant_torch_save(path: Path, marker: Path) -> None:
