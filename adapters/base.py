@@ -87,6 +87,19 @@ def _format_allowed(allowed: Iterable[Allowed]) -> str:
     return ", ".join(map(str, _sorted_allowed(allowed)))
 
 
+def _version(capability: tuple[int, int]) -> str:
+    return f"{capability[0]}.{capability[1]}"
+
+
+def _version_range(low: tuple[int, int] | None, high: tuple[int, int] | None) -> str:
+    """``">= 8.0"``, ``"<= 9.0"``, ``"9.0"`` or ``"8.0 to 9.0"``; one bound is given."""
+    if high is None:
+        return f">= {_version(low)}"
+    if low is None:
+        return f"<= {_version(high)}"
+    return _version(low) if low == high else f"{_version(low)} to {_version(high)}"
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What an implementation supports on one device; ``None`` for an axis means "any".
@@ -115,6 +128,9 @@ class Capabilities:
         ``"auto"`` means the KV cache has the case dtype.
     min_compute_capability : tuple[int, int] or None
         Lowest CUDA compute capability; :meth:`why_unsupported` reads the device's.
+    max_compute_capability : tuple[int, int] or None
+        Highest CUDA compute capability, for kernels built for one architecture only
+        (FlashMLA's dense decoding: SM90a); ``None``: no bound.
     layouts : frozenset[str]
         Memory layouts of the inputs (:data:`~pagedbench.reference.axes.LAYOUTS`) the
         adapter takes as they are: strided ``q``, a cache that is a view into a larger
@@ -176,6 +192,7 @@ class Capabilities:
     features: frozenset[str] = frozenset()
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     min_compute_capability: tuple[int, int] | None = None
+    max_compute_capability: tuple[int, int] | None = None
     nan_safe_tail: bool = True
     logits_precision: str = "float32"
     layouts: frozenset[str] = frozenset({"contiguous"})
@@ -214,7 +231,8 @@ class Capabilities:
 
         Each reason names the axis, the case's value and the supported values, and is
         recorded verbatim as the ``unsupported`` reason. On a visible CUDA device, its
-        compute capability is checked against :attr:`min_compute_capability`.
+        compute capability is checked against :attr:`min_compute_capability` and
+        :attr:`max_compute_capability`.
         """
         reasons = []
         device_type = torch.device(device).type
@@ -265,23 +283,25 @@ class Capabilities:
             reasons.append(self._noted(
                 "shared_blocks", f"shared blocks {list(case.shared_blocks)} not supported "
                                  "(block tables that point to the same physical block)"))
-        if device_type == "cuda" and self.min_compute_capability is not None:
+        if device_type == "cuda" and (self.min_compute_capability is not None
+                                      or self.max_compute_capability is not None):
             reasons += self._compute_capability_reasons(torch.device(device).index)
         return reasons
 
     def _compute_capability_reasons(self, index: int | None) -> list[str]:
-        """Empty when the device's compute capability suffices, or when torch sees no such
-        device (``available()`` says so)."""
+        """Empty when the device's compute capability is within the bounds, or when torch
+        sees no such device (``available()`` says so)."""
         if not torch.cuda.is_available() or (index or 0) >= torch.cuda.device_count():
             return []
         have = torch.cuda.get_device_capability(index)
-        if have >= self.min_compute_capability:
+        low, high = self.min_compute_capability, self.max_compute_capability
+        if (low is None or have >= low) and (high is None or have <= high):
             return []
-        need = ".".join(map(str, self.min_compute_capability))
-        return [self._noted("min_compute_capability",
-                            f"compute capability {have[0]}.{have[1]} of "
-                            f"{torch.cuda.get_device_name(index)} not supported "
-                            f"(supported: >= {need})")]
+        axis = "min_compute_capability" if low is not None and have < low else \
+            "max_compute_capability"
+        return [self._noted(axis, f"compute capability {_version(have)} of "
+                                  f"{torch.cuda.get_device_name(index)} not supported "
+                                  f"(supported: {_version_range(low, high)})")]
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, for ``pagedbench list --json``."""
@@ -302,6 +322,7 @@ class Capabilities:
             "features": sorted(self.features),
             "kv_cache_dtypes": sorted(self.kv_cache_dtypes),
             "min_compute_capability": self.min_compute_capability,
+            "max_compute_capability": self.max_compute_capability,
             "nan_safe_tail": self.nan_safe_tail,
             "logits_precision": self.logits_precision,
             "layouts": [layout for layout in LAYOUTS if layout in self.layouts],

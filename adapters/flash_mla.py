@@ -38,8 +38,6 @@ INSTALL = ("build it from github.com/deepseek-ai/FlashMLA (`pip install -v .` in
            "checkout; SM90, CUDA 12.8 or newer)")
 #: ``dense_decode.h``: "Currently page_block_size must be 64".
 PAGE_BLOCK_SIZE = 64
-#: Dense decoding is built for SM90a only.
-COMPUTE_CAPABILITY_MAJOR = 9
 
 CAPABILITIES = Capabilities(
     devices=frozenset({"cuda"}),
@@ -51,6 +49,8 @@ CAPABILITIES = Capabilities(
     features=frozenset({"head_dim_v", "empty_kv"}),
     needs_latent_cache=True,
     min_compute_capability=(9, 0),
+    max_compute_capability=(9, 0),
+    notes={"max_compute_capability": "dense decoding is built for SM90a only"},
 )
 
 
@@ -134,17 +134,10 @@ class FlashMla(Adapter):
         return cuda_peer_available("flash_mla", device, INSTALL, load)
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        """Capability reasons, uneven ``q_lens``, and a GPU other than SM90."""
+        """Capability reasons (SM90 among them), and uneven ``q_lens``."""
         reasons = super().why_unsupported(case, device)
         if (reason := uneven_q_lens(case)) is not None:
             reasons.append(reason)
-        index = torch.device(device).index or 0
-        if (torch.device(device).type == "cuda" and torch.cuda.is_available()
-                and index < torch.cuda.device_count()):
-            major, minor = torch.cuda.get_device_capability(index)
-            if major != COMPUTE_CAPABILITY_MAJOR:
-                reasons.append(f"compute capability {major}.{minor} not supported "
-                               "(supported: 9.x, dense decoding is built for SM90a only)")
         return reasons
 
     def prepare(self, inputs: PagedInputs) -> Prepared:

@@ -203,27 +203,25 @@ def attention(
     _check_sequence(q, k, v, case)
     _require("alibi_slopes", alibi_slopes, case.alibi, "case.alibi")
     _require("sinks", sinks, case.sinks, "case.sinks")
-    probs = probabilities(q, k, case, alibi_slopes, sinks)  # [hq, q_len, kv_len]
+    scores = masked_logits(q, k, case, alibi_slopes)  # [hq, q_len, kv_len]
+    probs = attention_weights(scores, case, sinks)  # [hq, q_len, kv_len]
     v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # [kv_len, hq, d]
     return torch.einsum("hqk,khd->qhd", probs.to(q.dtype), v)
 
 
-def probabilities(q: torch.Tensor, k: torch.Tensor, case: PagedCase,
-                  alibi_slopes: torch.Tensor | None = None,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The attention weights of one sequence, ``Tensor[num_q_heads, q_len, kv_len]`` in the
-    dtype of ``q``: the softmax of :func:`masked_logits` (with the sinks in its
-    denominator), 0 for hidden keys and in rows that see no key. Arguments as
-    :func:`attention`, unchecked."""
-    scores = masked_logits(q, k, case, alibi_slopes)  # [hq, q_len, kv_len]
-    q_len, kv_len = q.shape[0], k.shape[0]
+def attention_weights(scores: torch.Tensor, case: PagedCase,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The softmax of one sequence's :func:`masked_logits` ``scores [num_q_heads, q_len,
+    kv_len]``, with the sinks (``Tensor[num_q_heads]`` or None) in its denominator; 0 for
+    hidden keys and in rows that see no key. Same shape and dtype as ``scores``."""
+    _, q_len, kv_len = scores.shape
     if sinks is None:
         probs = torch.softmax(scores, dim=-1)  # [hq, q_len, kv_len]
     else:
-        sink = sinks.to(q.dtype)[:, None, None].expand(-1, q_len, 1)  # [hq, q_len, 1]
+        sink = sinks.to(scores.dtype)[:, None, None].expand(-1, q_len, 1)  # [hq, q_len, 1]
         logits = torch.cat([sink, scores], dim=-1)  # [hq, q_len, 1 + kv_len]
         probs = torch.softmax(logits, dim=-1)[..., 1:]  # [hq, q_len, kv_len]
-    seen = visible_keys(q_len, kv_len, case, q.device).any(dim=-1)  # [q_len]
+    seen = visible_keys(q_len, kv_len, case, scores.device).any(dim=-1)  # [q_len]
     return probs.masked_fill(~seen[None, :, None], 0.0)  # softmax of no key: NaN -> 0
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from .case import PagedCase
-from .dense import (_checked, dequantize, gather_kv, masked_logits, probabilities,
+from .dense import (_checked, attention_weights, dequantize, gather_kv, masked_logits,
                     visible_keys)
 from .errors import PagedValueError
 from .inputs import PagedInputs
@@ -333,31 +333,35 @@ def logit_rounding(inputs: PagedInputs, truth: torch.Tensor) -> torch.Tensor:
     cu = inputs.cu_seqlens_q.tolist()
     variance = torch.zeros(case.total_q, case.num_q_heads, case.v_head_dim, dtype=f64,
                            device=truth.device)
+    group = case.gqa_ratio
     for i, (k, v) in enumerate(gather_kv(inputs)):
         q = inputs.q[cu[i] : cu[i + 1]].to(f64)  # [q_len, hq, d]
-        if q.shape[0] == 0 or k.shape[0] == 0:
+        q_len, kv_len = q.shape[0], k.shape[0]
+        if q_len == 0 or kv_len == 0:
             continue
-        k = dequantize(k, case.k_scale, f64)
-        v = dequantize(v, case.v_scale, f64).repeat_interleave(case.gqa_ratio, 1)
-        k_heads = k.repeat_interleave(case.gqa_ratio, 1)  # [kv_len, hq, d]
-        # each logit's error in units of u: sqrt(d) a_j through the cap, then |s_j|
-        error = torch.einsum("qhd,khd->hqk", (q * case.scale).abs(), k_heads.abs())
+        k = dequantize(k, case.k_scale, f64)  # [kv_len, hkv, d]
+        v = dequantize(v, case.v_scale, f64).permute(1, 0, 2)  # [hkv, kv_len, dv]
+        final = masked_logits(q, k, case, inputs.alibi_slopes)  # [hq, q_len, kv_len]
+        weights = attention_weights(final, case, inputs.sinks)
+        # each logit's error in units of u: sqrt(d) a_j through the cap, then |s_j|; the
+        # query heads of a KV head side by side ([hkv, group, ...]), K never repeated
+        q_groups = (q * case.scale).reshape(q_len, case.num_kv_heads, group, case.head_dim)
+        error = torch.einsum("qhgd,khd->hgqk", q_groups.abs(), k.abs())
         error *= math.sqrt(case.head_dim)
         if case.logits_soft_cap is not None:
-            raw = torch.einsum("qhd,khd->hqk", q * case.scale, k_heads)
-            error *= 1 - torch.tanh(raw / case.logits_soft_cap).square()
+            raw = torch.einsum("qhgd,khd->hgqk", q_groups, k) / case.logits_soft_cap
+            error *= 1 - torch.tanh(raw).square_()
             del raw
-        final = masked_logits(q, k, case, inputs.alibi_slopes)  # [hq, q_len, kv_len]
-        error += final.abs().nan_to_num(posinf=0.0)  # -inf where hidden: p_j = 0 there
+        error = error.view_as(final).add_(final.abs().nan_to_num_(posinf=0.0))  # -inf: hidden
         del final
-        weights = probabilities(q, k, case, inputs.alibi_slopes, inputs.sinks)
-        weights = (weights * error).square_()  # (p_j error_j)^2
-        del error
-        o = truth[cu[i] : cu[i + 1]].to(q.device).permute(1, 0, 2)  # [hq, q_len, dv]
-        v_heads = v.permute(1, 0, 2)  # [hq, kv_len, dv]
+        weights = weights.mul_(error).square_().view(case.num_kv_heads, group * q_len, kv_len)
+        del error  # weights: (p_j error_j)^2, the rows of a KV head's query heads together
+        o = truth[cu[i] : cu[i + 1]].to(q.device).permute(1, 0, 2).reshape(
+            case.num_kv_heads, group * q_len, case.v_head_dim)
         # sum_j w_j (v_j - o)^2 = w @ v^2 - 2 o (w @ v) + o^2 sum_j w_j
-        spread = (weights @ v_heads.square() - 2 * o * (weights @ v_heads)
+        spread = (weights @ v.square() - 2 * o * (weights @ v)
                   + o.square() * weights.sum(-1, keepdim=True))
+        spread = spread.view(case.num_q_heads, q_len, case.v_head_dim)
         variance[cu[i] : cu[i + 1]] = spread.clamp_(min=0.0).permute(1, 0, 2).to(truth.device)
     return variance.sqrt_() * (LOGIT_ROUNDING_SIGMAS * UNIT_ROUNDOFF_FP32)
 

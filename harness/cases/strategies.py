@@ -22,7 +22,6 @@ the implementation under test declares, so no example is wasted on an unsupporte
 
 from __future__ import annotations
 
-
 from hypothesis import strategies as st
 
 from pagedbench.adapters.base import FEATURES, Capabilities, allows

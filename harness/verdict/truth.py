@@ -212,17 +212,18 @@ def _load(path: Path, case: PagedCase, key: str, secret: bytes,
         raise ValueError(f"stored key {stored_key[:12]}... is not this case's {key[:12]}...")
     if not hmac.compare_digest(stored_mac, _mac(secret, key, arrays)):
         raise ValueError("its HMAC does not match its values (not written by this cache)")
-    truth, naive = arrays["truth"], arrays["naive"]
-    rounding = arrays["logit_rounding"] if case.dtype == "float32" else None  # float32 only
-    if rounding is None and "logit_rounding" in arrays:
-        raise ValueError(f"a logit_rounding array in a {case.dtype} case's truth")
-    found = [truth, naive] + ([] if rounding is None else [rounding])
-    dtypes = tuple(a.dtype for a in found)
-    if dtypes != (np.float64, np.float32, np.float64)[:len(found)]:
-        raise ValueError(f"dtypes {dtypes} are not float64, float32 (, float64)")
-    if {a.shape for a in found} != {shape}:
-        raise ValueError(f"shapes {[a.shape for a in found]} are not {shape}")
-    return Expected(torch.from_numpy(truth), torch.from_numpy(naive).to(case.torch_dtype),
+    wanted = {"truth": np.float64, "naive": np.float32}
+    if case.dtype == "float32":  # the policy's logit-rounding term is float32's only
+        wanted["logit_rounding"] = np.float64
+    if set(arrays) - {"q"} != set(wanted):
+        raise ValueError(f"arrays {sorted(arrays)} are not {sorted(wanted)} (and q)")
+    for name, dtype in wanted.items():
+        if arrays[name].dtype != dtype or arrays[name].shape != shape:
+            raise ValueError(f"{name} is {arrays[name].dtype} {arrays[name].shape}, not "
+                             f"{np.dtype(dtype)} {shape}")
+    rounding = arrays.get("logit_rounding")
+    return Expected(torch.from_numpy(arrays["truth"]),
+                    torch.from_numpy(arrays["naive"]).to(case.torch_dtype),
                     None if rounding is None else torch.from_numpy(rounding))
 
 

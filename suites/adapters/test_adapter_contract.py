@@ -38,6 +38,26 @@ def test_compute_capability_below_the_minimum_is_unsupported(monkeypatch) -> Non
     assert CUDA_ONLY.why_unsupported(CASE, "cuda:0") == []
 
 
+def test_compute_capability_above_the_maximum_is_unsupported(monkeypatch) -> None:
+    """A kernel built for one architecture (FlashMLA: SM90a only) names its range."""
+    one_arch = Capabilities(devices=frozenset({"cuda"}), dtypes=frozenset({"bfloat16"}),
+                            min_compute_capability=(9, 0), max_compute_capability=(9, 0),
+                            notes={"max_compute_capability": "built for SM90a"})
+    _fake_gpu(monkeypatch, (10, 0))
+    assert one_arch.why_unsupported(CASE, "cuda") == [
+        "compute capability 10.0 of Fake T4 not supported (supported: 9.0) (built for SM90a)"]
+    _fake_gpu(monkeypatch, (8, 9))
+    assert one_arch.why_unsupported(CASE, "cuda") == [
+        "compute capability 8.9 of Fake T4 not supported (supported: 9.0)"]
+    _fake_gpu(monkeypatch, (9, 0))
+    assert one_arch.why_unsupported(CASE, "cuda") == []
+    ranged = Capabilities(devices=frozenset({"cuda"}), dtypes=frozenset({"bfloat16"}),
+                          min_compute_capability=(8, 0), max_compute_capability=(9, 0))
+    _fake_gpu(monkeypatch, (12, 0))
+    assert ranged.why_unsupported(CASE, "cuda") == [
+        "compute capability 12.0 of Fake T4 not supported (supported: 8.0 to 9.0)"]
+
+
 def test_compute_capability_is_not_read_without_a_visible_device(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert CUDA_ONLY.why_unsupported(CASE, "cuda") == []  # available() says why not
