@@ -170,6 +170,23 @@ class Capabilities:
         True when the implementation reads V from K's storage of one latent KV head (MLA
         kernels): it takes only cases with ``PagedCase.latent_cache`` and one KV head. Any
         other implementation takes latent cases too.
+    returns_lse : bool
+        True when :meth:`Adapter.lse` gives, after ``run``, each query row's log-sum-exp
+        (``Tensor[total_q, num_q_heads]``, float32, natural log, the sink included),
+        as split-KV merges, FlashAttention and FlashInfer return it: it is then judged
+        against the float64 truth (``reference/lse.py``, ``harness/verdict/tolerance.py``).
+    kv_cache_in_place : bool
+        True when ``run`` reads ``inputs.kv_cache`` where it lies (``prepare`` copies no
+        K or V), so values written into it between calls are what the next call reads, as
+        an engine's cache write is. The timed calls are then checked on new K and V as
+        well as new Q written into the same tensors; otherwise on new Q only
+        (``prepare`` may lay the cache out for the library, untimed).
+    plan_reuse : bool
+        True when a plan made by ``prepare`` serves later steps of the same batch shape
+        once their metadata is written into the same tensors and :meth:`Adapter.refresh`
+        has seen them, as FlashInfer's ``plan``/``run`` and a CUDA graph captured once and
+        replayed are used: the serving loop then prepares once per batch shape (batch
+        size, query rows) and refreshes at every later step of it.
     notes : Mapping[str, str]
         Why an axis is narrower than the library's own, keyed by the attribute name
         (``{"dtypes": "..."}``); appended to that axis's unsupported reason.
@@ -200,6 +217,9 @@ class Capabilities:
     batch_invariant: bool = False
     shared_blocks: bool = True
     needs_latent_cache: bool = False
+    returns_lse: bool = False
+    kv_cache_in_place: bool = False
+    plan_reuse: bool = False
     notes: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
@@ -330,6 +350,9 @@ class Capabilities:
             "batch_invariant": self.batch_invariant,
             "shared_blocks": self.shared_blocks,
             "needs_latent_cache": self.needs_latent_cache,
+            "returns_lse": self.returns_lse,
+            "kv_cache_in_place": self.kv_cache_in_place,
+            "plan_reuse": self.plan_reuse,
             "notes": dict(self.notes),
         }
 
@@ -377,12 +400,16 @@ class Prepared:
     facts : dict[str, str | int | float | bool]
         What the library resolved for this case (sub-kernel, split count, ISA): the
         default :meth:`Adapter.describe`.
+    lse : Tensor[total_q, num_q_heads], float32, or None
+        The buffer ``call`` writes each row's log-sum-exp into, for an implementation
+        declaring ``Capabilities.returns_lse``: the default :meth:`Adapter.lse`.
     """
 
     call: Callable[[], torch.Tensor | None]
     out: torch.Tensor | None = None
     out_shape: tuple[int, int, int] | None = None
     facts: dict[str, Fact] = field(default_factory=dict)
+    lse: torch.Tensor | None = None
 
     def launch(self) -> torch.Tensor:
         """Call; return ``out``, or the call's result (viewed as ``out_shape`` if set)."""
@@ -437,3 +464,37 @@ class Adapter(abc.ABC):
     def run(self, prepared: Prepared) -> torch.Tensor:
         """Launch: :meth:`Prepared.launch`."""
         return prepared.launch()
+
+    def refresh(self, prepared: Prepared, inputs: PagedInputs) -> Prepared:
+        """Serving loop, for an implementation declaring ``plan_reuse``: the plan of a
+        later step of the batch shape ``prepared`` was made for. ``inputs`` holds the same
+        ``q``, ``kv_cache``, ``block_tables``, ``kv_lens`` and ``cu_seqlens_q`` tensors as
+        the inputs ``prepared`` came from, their values updated in place (a new case and
+        ``slot_mapping``). Return what to run; by default ``prepared`` itself, for a call
+        that reads its metadata when launched (a replayed graph)."""
+        return prepared
+
+    def write_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, case: PagedCase) -> bool:
+        """Serving loop: write new tokens' K and V into the pool with the implementation's
+        own cache-write op (vLLM's ``reshape_and_cache``, SGLang's buffer setter); False
+        when it has none for ``case`` (pagedbench's writer then stores them).
+
+        Parameters
+        ----------
+        kv_cache : Tensor[num_blocks, 2, block_size, num_kv_heads, cache_head_dim]
+            The loop's pool, ``case.kv_cache_dtype``.
+        slot_mapping : Tensor[n], int64
+            Physical slot of each new token.
+        key : Tensor[n, num_kv_heads, head_dim], float32
+        value : Tensor[n, num_kv_heads, v_head_dim], float32
+            Before storing: an fp8 cache holds ``key / case.k_scale`` and ``value /
+            case.v_scale``, saturated.
+        """
+        return False
+
+    def lse(self, prepared: Prepared) -> torch.Tensor | None:
+        """After :meth:`run`, each query row's log-sum-exp, ``Tensor[total_q,
+        num_q_heads]`` float32 natural log (only asked of an implementation declaring
+        ``Capabilities.returns_lse``): :attr:`Prepared.lse`."""
+        return prepared.lse if isinstance(prepared, Prepared) else None

@@ -141,27 +141,29 @@ def to_flex_layout(inputs: PagedInputs) -> FlexPagedLayout:
     return FlexPagedLayout(k_cache, v_cache, paged)
 
 
-def _attend_rows(attend: Callable[..., torch.Tensor], q: torch.Tensor, layout: FlexPagedLayout,
-                 q_seq: torch.Tensor, q_pos: torch.Tensor, **options: Any) -> torch.Tensor:
-    """One ``flex_attention`` call on the pool, then the packed query rows of its output.
-
-    ``q`` is ``[batch, num_q_heads, max_q_len, head_dim]`` (rows past a sequence's ``q_len``
-    are zeros and masked); ``q_seq`` and ``q_pos`` (``[total_q]``, int64) pick each packed
-    query row out of the output; ``options`` are ``flex_attention``'s ``score_mod``,
-    ``block_mask`` and ``scale``. Returns ``[total_q, num_q_heads, head_dim]``.
+def _attend_rows(attend: Callable[..., torch.Tensor], q: torch.Tensor, padded: torch.Tensor,
+                 layout: FlexPagedLayout, q_seq: torch.Tensor, q_pos: torch.Tensor,
+                 **options: Any) -> torch.Tensor:
+    """The packed queries ``q`` (``[total_q, num_q_heads, head_dim]``, read at each call)
+    padded into ``padded`` (``[batch, max_q_len, num_q_heads, head_dim]``, zeros past each
+    sequence's ``q_len``, masked), one ``flex_attention`` call on the pool, then the packed
+    query rows of its output. ``q_seq`` and ``q_pos`` (``[total_q]``, int64) place each
+    packed row; ``options`` are ``flex_attention``'s ``score_mod``, ``block_mask`` and
+    ``scale``. Returns ``[total_q, num_q_heads, head_dim]``.
     """
-    out = attend(q, layout.k_cache, layout.v_cache, enable_gqa=True,
-                 **options)  # [batch, hq, max_q, d]
+    padded[q_seq, q_pos] = q  # [batch, max_q, hq, d] <- [total_q, hq, d]
+    out = attend(padded.transpose(1, 2).contiguous(), layout.k_cache, layout.v_cache,
+                 enable_gqa=True, **options)  # [batch, hq, max_q, d]
     return out[q_seq, :, q_pos]  # [total_q, hq, d]
 
 
 class FlexPaged(Adapter):
     """``flex_attention`` over ``PagedAttention``'s pool and page table, compiled per shape.
 
-    ``prepare`` converts the layout (:func:`to_flex_layout`), pads the queries to the
-    longest ``q_len``, builds and converts the block mask, and compiles (one warm-up call,
-    timed into ``facts["first_call_ms"]``); ``run`` launches the compiled kernel and picks
-    the packed query rows out of its output.
+    ``prepare`` converts the layout (:func:`to_flex_layout`), builds and converts the block
+    mask, and compiles (one warm-up call, timed into ``facts["first_call_ms"]``); ``run``
+    pads the queries to the longest ``q_len``, launches the compiled kernel and picks the
+    packed query rows out of its output.
     """
 
     name = "flex-paged"
@@ -256,13 +258,11 @@ class FlexPaged(Adapter):
 
         seq = torch.repeat_interleave(torch.arange(case.batch_size, device=device), q_lens)
         local = torch.arange(case.total_q, device=device) - inputs.cu_seqlens_q[seq]  # [total_q]
-        q = inputs.q.new_zeros(case.batch_size, max_q, case.num_q_heads, case.head_dim)
-        q[seq, local] = inputs.q  # [batch, max_q, hq, d] <- [total_q, hq, d]
-        q = q.transpose(1, 2).contiguous()  # [batch, hq, max_q, d]
+        padded = inputs.q.new_zeros(case.batch_size, max_q, case.num_q_heads, case.head_dim)
 
         if self._attend is None:
             self._attend = torch.compile(flex_attention, dynamic=False)
-        call = functools.partial(_attend_rows, self._attend, q, layout, seq, local,
+        call = functools.partial(_attend_rows, self._attend, inputs.q, padded, layout, seq, local,
                                  score_mod=score_mod, block_mask=block_mask, scale=inputs.scale)
         limits = torch._dynamo.config.patch(
             recompile_limit=MAX_SHAPE_FAMILIES,

@@ -12,7 +12,7 @@ its kernel against FasterTransformer's).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,10 @@ class TorchGather(_TorchAdapter):
 
     name = "torch-gather"
     description = "gather pages through the block table, then torch SDPA with GQA"
+
+    def capabilities(self, device: str) -> Capabilities:
+        """:data:`CAPABILITIES`; it reads the cache in place (the gather is timed)."""
+        return replace(CAPABILITIES, kv_cache_in_place=True)
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """Per-sequence queries, masks and token addresses; the gather itself is timed."""

@@ -34,7 +34,9 @@ from __future__ import annotations
 import functools
 import platform
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,6 +77,14 @@ CAPABILITIES = Capabilities(
     # test_vllm_cpu_features.py, as is the output stride).
     notes={"layouts": "the op writes its output at the contiguous row stride"},
 )
+
+
+def contiguous_query(op: Callable[..., Any], *args: Any, query: torch.Tensor,
+                     **arguments: Any) -> Any:
+    """``op(*args, query=query.contiguous(), **arguments)``: vLLM's ops take a contiguous
+    query, and a strided one (the Q columns of a fused QKV projection) is copied in the
+    timed call, as an engine copies it every step."""
+    return op(*args, query=query.contiguous(), **arguments)
 
 
 def _has_amx() -> bool:
@@ -338,8 +348,8 @@ class VllmCpu(Adapter):
         )
         out = new_output(inputs)
         call = functools.partial(
-            ops.cpu_attention_with_kv_cache,
-            query=inputs.q.contiguous(),
+            contiguous_query, ops.cpu_attention_with_kv_cache,
+            query=inputs.q,
             key_cache=key_cache,  # [nb, hkv, bs, d] views; uint8 bytes for fp8
             value_cache=value_cache,
             output=out,

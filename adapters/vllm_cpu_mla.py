@@ -26,8 +26,10 @@ backends do. The ISA path (library, AMX, AMX-FP16) is recorded with every result
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import replace
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -132,9 +134,16 @@ class VllmCpuMla(Adapter):
         cache = latent_cache(inputs).squeeze(2)  # [nb, bs, d]: one KV head
         out = new_output(inputs)
         call = functools.partial(
-            ops.mla_decode_kvcache_cpu, out, inputs.q.contiguous(), cache, inputs.scale,
+            _mla_decode, ops.mla_decode_kvcache_cpu, out, inputs.q, cache, inputs.scale,
             inputs.block_tables.contiguous(), inputs.kv_lens.contiguous())
         return Prepared(call, out, facts={"isa": "vec"})
+
+
+def _mla_decode(op: Callable[..., Any], out: torch.Tensor, query: torch.Tensor,
+                *args: Any) -> Any:
+    """``op(out, query.contiguous(), *args)``: a strided query is copied in the timed call,
+    as an engine copies it every step."""
+    return op(out, query.contiguous(), *args)
 
 
 def req_to_token(inputs: PagedInputs) -> torch.Tensor:

@@ -186,6 +186,7 @@ class VllmUnified(_VllmTritonAdapter):
         # Not empty_kv, unseen_rows: a row that sees no key comes out NaN, not 0.
         features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks",
                             "empty_q"}),
+        kv_cache_in_place=True,  # K and V are views of the canonical cache
     )
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
@@ -269,6 +270,7 @@ class VllmDecode(_VllmTritonAdapter):
         # TRITON_MLA backend passes is_mla=True with V the first 512 channels of K).
         features=frozenset({"logits_soft_cap", "head_dim_v"}),
         logits_precision="case",
+        kv_cache_in_place=True,  # k_buffer and v_buffer are views of the canonical cache
     )
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:

@@ -27,11 +27,8 @@ from .allocator import BlockAllocator
 from .axes import POISONS
 from .case import PagedCase
 from .errors import PagedTypeError, PagedValueError
+from .writes import OUTLIER_CHANNEL_FRACTION, OUTLIER_CHANNEL_GAIN, store
 
-#: Fraction of K channels scaled up, and by how much: real models' keys have a few
-#: high-magnitude channels, which stress the low-precision dot products.
-OUTLIER_CHANNEL_FRACTION = 1 / 16
-OUTLIER_CHANNEL_GAIN = 4.0
 #: Attention-sink logits are drawn uniformly from ``[SINK_LOW, SINK_HIGH)``: the range of
 #: the scaled logits of unit-normal Q and K, so that a sink takes a visible share of the
 #: softmax of short and long sequences alike without swamping it.
@@ -320,16 +317,6 @@ def _allocate(case: PagedCase) -> tuple[list[list[int]], list[list[int]], int]:
     return tables, slots, low + padding_block
 
 
-def _store(x: torch.Tensor, scale: float, kv_dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float32) as the cache stores it: for fp8 divided by ``scale`` first; clamped
-    to ``kv_dtype``'s finite range (float16 and E5M2 would overflow to inf), then
-    rounded to it."""
-    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        x = x / scale
-    limit = torch.finfo(kv_dtype).max
-    return x.clamp(-limit, limit).to(kv_dtype)
-
-
 #: Magnitude of the finite "stale" V values that ``tail_poison="stale"`` leaves in the
 #: unused slots of each last block: large enough that weighting one by a nonzero
 #: probability gives an error far above any tolerance.
@@ -577,8 +564,8 @@ def materialize(
         if case.latent_cache:  # MLA: V is K's first dv channels (v's draws keep Q's stream)
             v = k[..., :dv]
         own = slice(first * bs, n)  # a shared block holds the K/V its first owner wrote
-        kv_cache[block[own], 0, offset[own], :, :d] = _store(k[own], case.k_scale, kv_dtype)
-        kv_cache[block[own], 1, offset[own], :, :dv] = _store(v[own], case.v_scale, kv_dtype)
+        kv_cache[block[own], 0, offset[own], :, :d] = store(k[own], case.k_scale, kv_dtype)
+        kv_cache[block[own], 1, offset[own], :, :dv] = store(v[own], case.v_scale, kv_dtype)
     if tail_poison == "stale":
         stale_gen = torch.Generator(device=where).manual_seed(case.seed + 2)
         for n, table in zip(case.kv_lens, tables):
@@ -586,7 +573,7 @@ def materialize(
             if free:
                 stale = STALE_SCALE * torch.randn(free, hkv, dv, generator=stale_gen,
                                                   device=where)
-                kv_cache[table[-1], 1, bs - free :, :, :dv] = _store(stale, case.v_scale,
+                kv_cache[table[-1], 1, bs - free :, :, :dv] = store(stale, case.v_scale,
                                                                     kv_dtype)
 
     drawn = torch.randn(case.total_q, case.num_q_heads, d, generator=gen,

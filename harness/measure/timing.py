@@ -61,6 +61,8 @@ class Timing:
     probe_ms : tuple[float, ...]
         Milliseconds per :class:`DriftProbe` call of the block timed right after each
         sample (CPU only; empty otherwise).
+    calls : tuple[int, ...]
+        Calls each sample averaged (one per sample when empty).
     method : str
         One of :data:`METHODS`: ``torch_timer`` (CPU), ``cuda_events`` (``do_bench``,
         cold L2), ``cuda_graph`` (``do_bench_cudagraph``, warm L2), ``interpreted``
@@ -77,6 +79,7 @@ class Timing:
     samples_ms: tuple[float, ...]
     method: str
     probe_ms: tuple[float, ...] = ()
+    calls: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         samples = tuple(float(s) for s in self.samples_ms)
@@ -89,6 +92,8 @@ class Timing:
         if probe and len(probe) != len(samples):
             raise ValueError(f"one drift probe block per sample: {len(probe)} for "
                              f"{len(samples)} samples")
+        if self.calls and (len(self.calls) != len(samples) or min(self.calls) < 1):
+            raise ValueError(f"calls must be one count >= 1 per sample, got {self.calls[:5]}")
         if self.method not in METHODS:
             raise ValueError(f"timing method {self.method!r} not in {METHODS}")
         object.__setattr__(self, "samples_ms", samples)
@@ -215,6 +220,7 @@ def time_cpu(
     min_run_time_s: float = 0.2,
     max_run_time_s: float = 2.0,
     probe: Callable[[], object] | None = None,
+    between: Callable[[int], None] | None = None,
 ) -> Timing:
     """Time ``fn()`` on the CPU with ``torch.utils.benchmark.Timer.timeit`` blocks.
 
@@ -243,6 +249,8 @@ def time_cpu(
         As above (samples; seconds).
     probe : callable, optional
         Fixed work timed after every block (:class:`DriftProbe`).
+    between : callable, optional
+        ``between(k)``, untimed, before block ``k`` (new inputs written in place).
 
     Raises
     ------
@@ -275,10 +283,14 @@ def time_cpu(
             probe_calls = max(1, round(PROBE_SHARE * calls * one_s / probe_one_s))
         samples_ms: list[float] = []
         probe_ms: list[float] = []
+        block_calls: list[int] = []
         spent_s = 0.0
         while True:
+            if between is not None:
+                between(len(samples_ms))
             per_call_s = timer.timeit(calls).mean
             samples_ms.append(per_call_s * 1e3)
+            block_calls.append(calls)
             if probe is not None:
                 probe_ms.append(_probe_block(probe, probe_calls))
             spent_s += per_call_s * calls
@@ -292,7 +304,7 @@ def time_cpu(
                 break
     finally:
         torch.set_num_threads(previous)
-    return Timing(tuple(samples_ms), "torch_timer", tuple(probe_ms))
+    return Timing(tuple(samples_ms), "torch_timer", tuple(probe_ms), tuple(block_calls))
 
 
 def _probe_block(probe: Callable[[], object], calls: int) -> float:
@@ -310,10 +322,12 @@ def _do_bench():
 
 
 def time_cuda(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
-              graph_below_ms: float = CUDA_GRAPH_BELOW_MS) -> Timing:
+              graph_below_ms: float = CUDA_GRAPH_BELOW_MS,
+              between: Callable[[int], None] | None = None) -> Timing:
     """Time ``fn()`` on the current CUDA device: ``do_bench`` (cold L2), and, when its
     median is below ``graph_below_ms``, CUDA-graph replay instead (if ``fn`` can be
-    captured; otherwise the cold-L2 timing stands).
+    captured; otherwise the cold-L2 timing stands). ``between(0)`` runs once, untimed, before the first call (``do_bench`` takes its
+    samples itself).
 
     ``warmup_ms``/``rep_ms`` are do_bench's budgets in milliseconds (its defaults).
 
@@ -325,6 +339,8 @@ def time_cuda(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float 
     if not torch.cuda.is_available():
         raise RuntimeError("time_cuda needs a CUDA device; none is visible to torch")
     do_bench, do_bench_cudagraph = _do_bench()
+    if between is not None:
+        between(0)
     cold = Timing(tuple(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")),
                   "cuda_events")
     if cold.median_ms >= graph_below_ms:

@@ -20,16 +20,13 @@ become ``status`` and ``reason``), so the record follows the tolerance policy's 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
 import math
 import typing
 from datetime import datetime, timezone
-from pathlib import PurePath
 from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
-import torch
 from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue,
                       PrivateAttr, TypeAdapter, ValidationError, ValidationInfo,
                       create_model, field_validator, model_validator)
@@ -37,61 +34,11 @@ from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fie
 from pagedbench.reference import PagedCase, PagedInputError, PagedTypeError, PagedValueError
 
 from pagedbench.harness.measure.timing import METHODS
+from pagedbench.harness.verdict.messages import MAX_DETAILS_BYTES, to_json_data
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.status import Status
 
 SCHEMA_VERSION = 7
-#: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).
-MAX_DETAILS_BYTES = 64 * 1024
-#: Deepest nesting accepted in adapter metadata (a self-referencing dict would recurse).
-MAX_DEPTH = 16
-_JSON_TYPES = "str, int, float, bool, None, and lists or str-keyed dicts of them"
-
-
-def to_json_data(value: object, where: str, depth: int = 0) -> JsonValue:
-    """``value`` as JSON data, converting what has an obvious JSON form.
-
-    numpy scalars and 0-d tensors become their Python value, sets become sorted lists,
-    tuples lists, enums their value, paths, ``torch.dtype`` and ``torch.device`` strings,
-    non-finite floats ``None``.
-
-    Raises
-    ------
-    PagedTypeError
-        For anything else (functions, locks, tensors with elements, custom objects),
-        naming ``where`` (e.g. ``"impl_details['plan']"``) and the value's type.
-    PagedValueError
-        For nesting deeper than :data:`MAX_DEPTH`.
-    """
-    if depth > MAX_DEPTH:
-        raise PagedValueError(where, type(value).__name__, f"nested at most {MAX_DEPTH} deep")
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.dim() == 0):
-        return to_json_data(value.item(), where, depth + 1)
-    if isinstance(value, enum.Enum):
-        return to_json_data(value.value, where, depth + 1)
-    if isinstance(value, (PurePath, torch.dtype, torch.device)):
-        return str(value)
-    if isinstance(value, dict):
-        bad = [k for k in value if not isinstance(k, str)]
-        if bad:
-            raise PagedTypeError(f"{where} key", bad[0], "a str (JSON object keys are strings)")
-        return {k: to_json_data(v, f"{where}[{k!r}]", depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_json_data(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-    if isinstance(value, (set, frozenset)):
-        items = [to_json_data(v, f"{where} element", depth + 1) for v in value]
-        return sorted(items, key=lambda v: json.dumps(v, sort_keys=True))
-    raise PagedTypeError(where, type(value).__name__, f"JSON data ({_JSON_TYPES})",
-                         f"{where} must be JSON data ({_JSON_TYPES}), not a "
-                         f"{type(value).__module__}.{type(value).__qualname__}")
-
-
 def _finite_or_none(value: object) -> object:
     if isinstance(value, (float, np.floating)) and not math.isfinite(value):
         return None
@@ -411,6 +358,13 @@ class ListingRow(_Strict):
     @classmethod
     def _as_json(cls, value: object, info: Any) -> object:
         return None if value is None else to_json_data(value, info.field_name)
+
+    @classmethod
+    def error(cls, name: str, target: str, status: str, reason: str) -> ListingRow:
+        """The row of an implementation that could not answer: ``status`` (``error``,
+        ``crash``, ``timeout``) and why."""
+        return cls(name=name, target=target, status=status, description="", available=False,
+                   reason=reason, version="", details={}, interpreted=None, capabilities=None)
 
 
 def timing_environment(env: Environment) -> str:

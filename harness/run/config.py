@@ -4,6 +4,7 @@ to every worker, restored by ``run --resume``."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,47 @@ from typing import Any
 from pagedbench.reference import PagedValueError
 
 from pagedbench.harness.measure.timing import CPU_THREADS
-from pagedbench.harness.run.spread import check_devices
+
+
+#: Most CPU workers ``cpu:N`` may start.
+MAX_CPU_WORKERS = 256
+_CPU_SPEC = re.compile(r"cpu:([1-9][0-9]*)")
+_GPU_ENTRY = re.compile(r"[0-9]+|GPU-[0-9A-Za-z-]+|MIG-[0-9A-Za-z/-]+")
+_ALLOWED = ("'cpu:N' (N CPU workers) with --device cpu; 'all' or a comma-separated list of "
+            "GPU indices or UUIDs ('0,1') with --device cuda")
+
+def check_devices(devices: str, device: str) -> None:
+    """Check ``--devices`` against ``--device`` without asking the machine.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``--devices``: not a str, ``cpu:N`` with N out of 1..:data:`MAX_CPU_WORKERS`
+        or beside a CUDA device, GPU entries beside ``cpu`` or ``cuda:N`` (``--devices``
+        chooses the GPUs), malformed or repeated entries.
+    """
+    if not isinstance(devices, str):
+        raise PagedValueError("--devices", devices, _ALLOWED)
+    if not devices:
+        return
+    cpu = _CPU_SPEC.fullmatch(devices)
+    if device == "cpu":
+        if cpu is None or int(cpu.group(1)) > MAX_CPU_WORKERS:
+            raise PagedValueError("--devices", devices, _ALLOWED,
+                                  f"--devices {devices!r} with --device cpu: must be cpu:N, "
+                                  f"N from 1 to {MAX_CPU_WORKERS}")
+        return
+    if device != "cuda":
+        raise PagedValueError("--devices", devices, _ALLOWED,
+                              f"--devices {devices!r} with --device {device}: --devices "
+                              "chooses the GPUs, so use --device cuda")
+    entries = devices.split(",")
+    if devices != "all" and (cpu is not None or not all(_GPU_ENTRY.fullmatch(e) for e in entries)
+                             or len(set(entries)) != len(entries)):
+        raise PagedValueError("--devices", devices, _ALLOWED,
+                              f"--devices {devices!r} with --device cuda: must be 'all' or "
+                              "distinct GPU indices or UUIDs, comma-separated ('0,1')")
+
 
 
 @dataclass(frozen=True)
@@ -61,7 +102,7 @@ class RunConfig:
     ------
     PagedValueError
         On a device other than cpu/cuda/cuda:N, a count or budget out of range, or
-        ``devices`` that do not fit the device (:func:`~.spread.check_devices`).
+        ``devices`` that do not fit the device (:func:`check_devices`).
     """
 
     device: str = "cpu"

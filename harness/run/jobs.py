@@ -1,34 +1,35 @@
-"""The worker's job bodies, the implementation's side of a run (run in the worker process,
-:mod:`.worker`, the only one that imports an adapter): an ``evaluate`` job (one
-implementation on cases: per case ``why_unsupported``; then, once the parent has the truth,
-inputs, ``prepare``, ``run``, ``describe`` and the output; then, if the parent says so, the
-timing), a ``list`` job (implementations' availability) or a ``peaks`` job (the device's
-copy bandwidth and bf16 throughput). Each step is announced to the parent first
-(:meth:`~.protocol.Channel.step`), which charges it to its party's budget.
+"""The worker's job bodies (run in the worker process, :mod:`.worker`, the only one that
+imports an adapter): ``evaluate`` (one implementation on cases: the implementation's side
+of each check, :func:`~pagedbench.harness.verdict.conformance.implementation_side`, its
+messages sent over the channel and the judge's replies fed back), ``loop`` (the serving
+loop's implementation side, :func:`~pagedbench.harness.verdict.serving.implementation_side`,
+one tick per item), ``list``
+(implementations' availability) and ``peaks`` (the device's copy bandwidth and bf16
+throughput).
 """
 
 from __future__ import annotations
 
-import itertools
-from functools import partial
 from typing import Any
 
 import torch
 from pydantic import ValidationError
 
 from pagedbench.adapters import Adapter, load
-from pagedbench.reference import PagedCase, PagedTypeError, PagedValueError, materialize
+from pagedbench.reference import PagedCase
 
 from pagedbench.harness.measure.timing import (DriftProbe, Timing, measure_peaks, time_cpu,
                                                time_cuda, time_once)
-from pagedbench.harness.results.record import (DevicePeaks, ListingRow, to_json_data,
-                                               validation_problem)
+from pagedbench.harness.results.record import DevicePeaks, ListingRow, validation_problem
 from pagedbench.harness.run.config import RunConfig
-from pagedbench.harness.run.judge import SPOT_EVERY, encode_output, spot_case
 from pagedbench.harness.run.protocol import Channel
-from pagedbench.harness.run.records import error_row
-from pagedbench.harness.verdict import conformance
+from pagedbench.harness.verdict import conformance, judging, serving
+from pagedbench.harness.verdict.messages import (Data, Entered, Fatal, Go, Loaded, LoopTick,
+                                                 Output, Ready, TimeIt, Waiting)
 from pagedbench.harness.verdict.status import Status
+
+#: The reply each message waits for.
+_REPLIES = {Ready: Go, Output: TimeIt}
 
 
 def _listing(name: str, target: str, adapter: Adapter, device: str) -> ListingRow:
@@ -45,17 +46,17 @@ def _listing(name: str, target: str, adapter: Adapter, device: str) -> ListingRo
     )
 
 
-def _load_listing(name: str, target: str, device: str, channel: Channel,
-                  item: int | None) -> tuple[Adapter | None, ListingRow, str]:
+def _load(name: str, target: str, device: str, channel: Channel,
+          item: int | None) -> tuple[Adapter | None, ListingRow, str]:
     """Import ``target`` and ask it about itself: the adapter (None when that failed), its
     row (an ``error`` row when it failed) and the step it got to."""
-    channel.step(item, conformance.IMPL, "import")
+    channel.step(item, "import")
     try:
         adapter = load(target)
     except (Exception, SystemExit) as exc:
-        return None, error_row(name, target, "error", f"importing {target} raised "
-                                f"{conformance.describe_exception(exc)}"), "import"
-    channel.step(item, conformance.IMPL, "available")
+        return None, ListingRow.error(name, target, "error", f"importing {target} raised "
+                                      f"{judging.describe_exception(exc)}"), "import"
+    channel.step(item, "available")
     try:
         return adapter, _listing(name, target, adapter, device), "available"
     except ValidationError as exc:
@@ -63,141 +64,114 @@ def _load_listing(name: str, target: str, device: str, channel: Channel,
                   f"{validation_problem(exc)}")
     except (Exception, SystemExit) as exc:
         reason = (f"available/is_interpreted/capabilities raised "
-                  f"{conformance.describe_exception(exc)}")
-    return None, error_row(name, target, "error", reason), "available"
+                  f"{judging.describe_exception(exc)}")
+    return None, ListingRow.error(name, target, "error", reason), "available"
 
 
-def _time(adapter: Adapter, prepared: Any, spot: Any, case: PagedCase, config: RunConfig,
-          interpreted: bool) -> tuple[Timing, list[object]]:
-    """Time ``adapter.run`` on ``prepared``, every :data:`~.judge.SPOT_EVERY`-th call
-    (the first included) on ``spot`` instead (prepared from the fresh inputs of
-    :func:`~.judge.spot_case`; None: no spot check): the timing and the last output on
-    each (``[on prepared, on spot]``, None for one never called)."""
-    preps = [prepared] if spot is None else [spot, prepared]
-    last: list[object] = [None] * len(preps)
-    calls = itertools.count()
-
-    def call() -> object:
-        index = min(next(calls) % SPOT_EVERY, len(preps) - 1)
-        last[index] = adapter.run(preps[index])
-        return last[index]
-
-    if interpreted:
-        timing = time_once(call)
-    elif torch.device(config.device).type == "cuda":
-        with torch.cuda.device(torch.device(config.device)):
-            timing = time_cuda(call)
-    else:
+def timer_for(config: RunConfig, interpreted: bool) -> conformance.Timer:
+    """How the worker times ``run`` under ``config``: one wall-clock call for an
+    interpreter, CUDA events on a GPU, blocks of calls with a drift probe on the CPU; each
+    calls ``between(k)`` before timed sample ``k``."""
+    def timer(call, between, case: PagedCase) -> Timing:
+        if interpreted:
+            between(0)
+            return time_once(call)
+        if torch.device(config.device).type == "cuda":
+            with torch.cuda.device(torch.device(config.device)):
+                return time_cuda(call, between=between)
         probe = DriftProbe(case)
-        timing = time_cpu(call, threads=config.threads, warmup=config.warmup,
-                          min_samples=config.repetitions, min_run_time_s=config.time_budget_s,
-                          max_run_time_s=config.time_limit_s,
-                          probe=probe if probe.enabled else None)
-    conformance.synchronize(config.device)
-    return timing, [last[-1], last[0] if spot is not None else None]
+        return time_cpu(call, threads=config.threads, warmup=config.warmup,
+                        min_samples=config.repetitions, min_run_time_s=config.time_budget_s,
+                        max_run_time_s=config.time_limit_s,
+                        probe=probe if probe.enabled else None, between=between)
+    return timer
 
 
-def _outcome(channel: Channel, index: int, verdict: conformance.Verdict) -> None:
-    channel.send({"kind": "outcome", "item": index, "status": str(verdict.status),
-                  "step": verdict.step, "reason": verdict.reason})
-
-
-def _timed(channel: Channel, index: int, adapter: Adapter, done: conformance.Attempt,
-           case: PagedCase, config: RunConfig, interpreted: bool, spot: bool) -> None:
-    """Time ``done.prepared`` (with spot checks on fresh inputs when ``spot``) and send the
-    timing with the last outputs (``timed``), or what was raised."""
-    try:
-        fresh = None
-        if spot:
-            fresh = adapter.prepare(materialize(spot_case(case), config.device,
-                                                tail_poison=done.tail_poison))
-        timing, outs = _time(adapter, done.prepared, fresh, case, config, interpreted)
-        encoded = [None if out is None else encode_output(out, checked)
-                   for out, checked in zip(outs, (case, spot_case(case)))]
-    except (Exception, SystemExit) as exc:
-        channel.send({"kind": "timed", "item": index,
-                      "error": conformance.describe_exception(exc)})
-        return
-    channel.send({"kind": "timed", "item": index, "samples_ms": list(timing.samples_ms),
-                  "method": timing.method, "probe_ms": list(timing.probe_ms),
-                  "outputs": [None if e is None else e[0] for e in encoded]},
-                 b"".join(e[1] for e in encoded if e is not None))
+def _drive(side: Any, channel: Channel, item: int) -> None:
+    """Send each message of ``side`` (a check's implementation side) for ``item``, feeding
+    back the reply each kind waits for."""
+    reply = None
+    while True:
+        try:
+            message = side.send(reply)
+        except StopIteration:
+            return
+        if isinstance(message, Entered):
+            channel.step(item, message.step)
+            reply = None
+            continue
+        channel.send(message.model_copy(update={"item": item}))
+        wanted = _REPLIES.get(type(message))
+        reply = channel.receive(wanted) if wanted else None
 
 
 def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
-    """The implementation's side of a run (see :class:`~.judge.Judge` for the parent's):
-    per case, ``why_unsupported``; then, once the parent has the truth, inputs,
-    ``prepare``, ``run``, ``describe`` and the output; then, if the parent says so, the
-    timing."""
+    """The implementation's side of a run: per case, the check's implementation side."""
     config = RunConfig.from_dict(job["config"], RunConfig.cache_dir)
     torch.set_num_threads(config.threads)
-    name, target = job["name"], job["target"]
-    adapter, row, step = _load_listing(name, target, config.device, channel, None)
+    adapter, row, step = _load(job["name"], job["target"], config.device, channel, None)
     if adapter is None:
-        channel.send({"kind": "fatal", "status": str(Status.ERROR), "step": step,
-                      "reason": row.reason})
+        channel.send(Fatal(status=str(Status.ERROR), step=step, reason=row.reason))
         return
-    channel.send({"kind": "loaded", "row": row.model_dump_json()})
+    channel.send(Loaded(row=row.model_dump(mode="json")))
     if not row.available:
         return
+    timer = timer_for(config, bool(row.interpreted))
     for index in range(job["start"], len(job["cases"])):
-        on_step = partial(channel.step, index)
-        on_step(conformance.IMPL, "case")
+        channel.step(index, "case")
         case = PagedCase.from_dict(job["cases"][index])
-        claimed = conformance.claims(adapter, case, config.device, on_step)
-        if claimed.verdict is not None:
-            _outcome(channel, index, claimed.verdict)
-            continue
-        channel.send({"kind": "ready", "item": index, "tail_poison": claimed.tail_poison,
-                      "logits_precision": claimed.logits_precision})
-        if not channel.receive()["go"]:
-            continue
-        done = conformance.attempt(adapter, case, config.device, claimed, on_step=on_step,
-                                   on_device=job["sites"][index] == "device")
-        if done.verdict is not None:
-            _outcome(channel, index, done.verdict)
-            continue
-        on_step(conformance.IMPL, "output")
+        side = conformance.implementation_side(
+            adapter, case, config.device, on_device=job["sites"][index] == "device",
+            timer=timer)
+        _drive(side, channel, index)
+
+
+def _loop_job(job: dict[str, Any], channel: Channel) -> None:
+    """The serving loop's implementation side: one pool and one adapter for every tick,
+    each tick an item."""
+    device = job["device"]
+    torch.set_num_threads(job["threads"])
+    adapter, row, step = _load(job["name"], job["target"], device, channel, None)
+    if adapter is None:
+        channel.send(Fatal(status=str(Status.ERROR), step=step, reason=row.reason))
+        return
+    channel.send(Loaded(row=row.model_dump(mode="json")))
+    if not row.available:
+        return
+    side = serving.implementation_side(adapter, serving.LoopSpec.model_validate(job["spec"]),
+                                       device)
+    item, reply = 0, None
+    while True:
         try:
-            details = to_json_data(done.details, "impl_details")
-        except (PagedTypeError, PagedValueError) as exc:
-            _outcome(channel, index, conformance.Verdict(
-                Status.ERROR, f"describe returned data that is not JSON: {exc}", "describe"))
+            message = side.send(reply)
+        except StopIteration:
+            return
+        reply = None
+        if isinstance(message, Entered):
+            channel.step(item, message.step)
             continue
-        try:
-            descriptor, payload = encode_output(done.out, case)
-        except (Exception, SystemExit) as exc:
-            _outcome(channel, index, conformance.Verdict(
-                Status.ERROR, f"its output cannot be read: {conformance.describe_exception(exc)}",
-                "run"))
-            continue
-        channel.send({"kind": "output", "item": index, "outputs": [descriptor],
-                      "details": details,
-                      "nan_tail_output_finite": done.nan_tail_output_finite}, payload)
-        reply = channel.receive()
-        if reply["time"]:
-            on_step(conformance.IMPL, "timing")
-            _timed(channel, index, adapter, done, case, config, bool(row.interpreted),
-                   reply["spot"])
+        channel.send(message.model_copy(update={"item": item}))
+        if isinstance(message, Waiting):
+            reply = channel.receive(LoopTick)
+        else:
+            item += 1
 
 
 def _list_job(job: dict[str, Any], channel: Channel) -> None:
     for index in range(job["start"], len(job["entries"])):
         name, target = job["entries"][index]
-        _, row, _ = _load_listing(name, target, job["device"], channel, index)
-        channel.send({"kind": "output", "item": index, "data": row.model_dump_json()})
+        _, row, _ = _load(name, target, job["device"], channel, index)
+        channel.send(Data(item=index, data=row.model_dump(mode="json")))
 
 
 def _peaks_job(job: dict[str, Any], channel: Channel) -> None:
-    channel.step(0, conformance.HARNESS, "device peaks")
+    channel.step(0, "device peaks")
     peaks = measure_peaks(job["device"], job["threads"])
-    channel.send({"kind": "output", "item": 0,
-                  "data": DevicePeaks.model_validate(peaks.to_dict()).model_dump_json()})
+    channel.send(Data(item=0, data=DevicePeaks.model_validate(peaks.to_dict())
+                      .model_dump(mode="json")))
 
 
 def work(job: dict[str, Any], channel: Channel) -> None:
-    """The body of a worker process (:func:`~.worker.main`): an ``evaluate`` job (one
-    implementation on cases), a ``list`` job (implementations' availability) or a
-    ``peaks`` job (the device's copy bandwidth and bf16 throughput)."""
-    {"evaluate": _evaluate_job, "list": _list_job, "peaks": _peaks_job}[job["kind"]](
-        job, channel)
+    """The body of a worker process (:func:`~.protocol.worker_main`): its job by kind."""
+    {"evaluate": _evaluate_job, "loop": _loop_job, "list": _list_job,
+     "peaks": _peaks_job}[job["kind"]](job, channel)

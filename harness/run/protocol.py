@@ -1,42 +1,37 @@
-"""The worker protocol: a job runs in a child process (:mod:`.worker`) and reports over a
-pipe; :class:`Supervisor` is the parent's side, :class:`Channel` the worker's end.
+"""The process layer of a check: a job runs in a worker process (:func:`worker_main`) and
+reports over a pipe; :class:`Supervisor` is the parent's side, :class:`Channel` the
+worker's end. It keeps processes, framing and budgets; what the messages mean is
+``harness/verdict/messages.py``'s and the check's (``harness/verdict/conformance.py``).
 
-:class:`Supervisor` starts ``python -m pagedbench.harness.run.worker`` in a new
-session (its own process group) with the environment of
-:func:`~.environment.worker_environment`, writes it the job (one JSON line on its
-standard input, which the worker moves off fd 0 at once: no job file), and reads one JSON
-object per line from a dedicated pipe (the worker's stdout and stderr are forwarded to
-the parent's stderr and their tail kept, so a plug-in printing cannot corrupt the
-channel). Messages:
+:class:`Supervisor` starts ``python -m pagedbench.harness.run.protocol`` (:func:`worker_main`) in a new session
+(its own process group) with the environment of :func:`~.environment.worker_environment`,
+writes it the job (one JSON line on its standard input, moved off fd 0 at once), and reads
+messages from a dedicated pipe, one JSON line each and the payload it announces (at most
+``max_payload_bytes``); the worker's stdout and stderr are forwarded to the parent's stderr
+and their tail kept, so a plug-in printing cannot corrupt the channel.
 
-- ``{"kind": "step", "item": i or null, "party": ..., "step": name}``: the worker enters
-  a step of item ``i`` (``null``: loading, before the first item). Accepted only for the
-  item in flight (the job's first item, then the next one each time the caller says an
-  item is done), a party the job allows and a step after the item's previous one in the
-  job's order: a worker cannot go back, repeat a step, move to another item or reset a
-  budget; anything else is a :class:`Fault` of kind ``invalid``. Each party has its own
-  time budget per item; a step past it is killed and reported as a ``timeout`` fault,
-  charged to that party;
-- any other kind (``output``, ``loaded``, ...): the job's own messages, passed to the
-  caller, whose :class:`Answer` may carry a reply (one JSON line back on the worker's
-  standard input) and end the item; a message with ``"nbytes": n`` is followed by ``n``
-  raw bytes, passed as ``message["payload"]`` (at most ``max_payload_bytes``). The
-  caller's own time is not charged to the worker;
-- ``{"kind": "done"}``: the job finished.
+- :class:`~pagedbench.harness.verdict.messages.Entered`: the worker enters a step, accepted
+  only for the item in flight, in the job's order (never back, twice, or for another
+  item); each party (the step's, from ``party_of``) has its own budget per item, and a step
+  past it is killed as a ``timeout`` :class:`Fault` charged to that party;
+- :class:`~pagedbench.harness.verdict.messages.Done`: the job finished;
+- any other message goes to the caller, whose :class:`Answer` may carry a reply (one JSON
+  line on the worker's standard input) and end the item; the caller's time is not the
+  worker's. A line that is not a message is an ``invalid`` fault.
 
-A worker that dies (signal, exit, closed pipe) is a :class:`Fault` of kind ``crash``
-blamed on the step in flight. Workers die with their parent: ``PR_SET_PDEATHSIG``
-(SIGKILL) on Linux, a check that the parent is still the one that started it, and a thread
-that kills the worker's process group when the parent is gone; the parent kills the
-worker's process group whenever it stops reading (an exception, SIGTERM, SIGINT). The
-worker is a child subreaper (``PR_SET_CHILD_SUBREAPER``): processes an implementation
-starts stay its descendants even in a new session or after their parent exits, and the
-parent kills every descendant of a live worker before the worker itself.
+A worker that dies is a ``crash`` fault of the step in flight. Workers die with their
+parent (``PR_SET_PDEATHSIG``, a check of the parent's pid, a watching thread); the
+parent kills the worker's process group whenever it stops reading. The worker is a child
+subreaper, so every process an implementation starts stays its descendant, and the parent
+kills them all before the worker itself.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import ctypes
+import importlib
 import json
 import os
 import selectors
@@ -45,10 +40,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
+
+from pydantic import BaseModel
+
+from pagedbench.harness.run.processes import descendants, kill_all
+from pagedbench.harness.verdict.messages import (HARNESS, IMPL, Done, Entered, Message,
+                                                 parse_message, party_of)
 
 #: Seconds a worker gets to start (the interpreter, torch) before its first message.
 STARTUP_TIMEOUT_S = 300.0
@@ -56,7 +56,7 @@ STARTUP_TIMEOUT_S = 300.0
 EXIT_GRACE_S = 10.0
 #: Characters of the worker's output kept for crash reasons.
 OUTPUT_TAIL_CHARS = 4000
-PARTIES = ("impl", "harness")
+PARTIES = (IMPL, HARNESS)
 #: Rounds of killing a worker's descendants (each round kills those found; a process
 #: that forks while it is killed leaves a child for the next round).
 KILL_ROUNDS = 20
@@ -108,54 +108,26 @@ class Channel:
     def __init__(self, fd: int, replies: Any) -> None:
         self.fd, self.replies = fd, replies
 
-    def send(self, message: dict[str, Any], payload: bytes = b"") -> None:
-        """Write one message as one line, then ``payload`` (its size in ``nbytes``, when
-        there is one); exit at once when the parent is gone."""
-        if payload:
-            message = message | {"nbytes": len(payload)}
-        data = (json.dumps(message, allow_nan=False) + "\n").encode() + payload
-        view = memoryview(data)
+    def send(self, message: Message) -> None:
+        """Write one message as one line, then its payload; exit at once when the parent
+        is gone."""
+        view = memoryview(message.to_line() + message.payload)
         try:
             while view:
                 view = view[os.write(self.fd, view):]
         except OSError:
             os._exit(1)
 
-    def receive(self) -> dict[str, Any]:
-        """The parent's next reply; exit at once when the parent is gone."""
+    def receive(self, reply: type[BaseModel]) -> BaseModel:
+        """The parent's next reply, as ``reply``; exit at once when the parent is gone."""
         line = self.replies.readline()
         if not line:
             os._exit(1)
-        return json.loads(line)
+        return reply.model_validate_json(line)
 
-    def step(self, item: int | None, party: str, step: str) -> None:
-        self.send({"kind": "step", "item": item, "party": party, "step": step})
-
-
-def descendants(pid: int) -> list[int]:
-    """Live (not zombie) descendants of ``pid``, from ``/proc`` (Linux; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not proc.name.isdigit():
-            continue
-        try:
-            state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        if state != "Z":
-            children.setdefault(int(ppid), []).append(int(proc.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _kill_all(pids: Iterable[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+    def step(self, item: int | None, step: str) -> None:
+        """Announce ``step`` of ``item`` (None: loading)."""
+        self.send(Entered(item=item, step=step))
 
 
 def _signal_name(returncode: int) -> str:
@@ -167,14 +139,69 @@ def _signal_name(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
+#: How often the worker checks that its parent is alive (s).
+PARENT_POLL_S = 0.5
+#: ``prctl(2)`` options.
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process die when ``parent_pid`` does: ``PR_SET_PDEATHSIG`` to SIGKILL on
+    Linux (``prctl(2)``), an exit if the parent is already gone, and a daemon thread that
+    kills this process group once the parent changes (where ``prctl`` is missing)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def worker_main(argv: list[str] | None = None) -> None:
+    """The worker process: ``python -m pagedbench.harness.run.protocol --fd N --parent
+    PID --work MODULE:FUNCTION``, the job on standard input. Dies with its parent and
+    becomes a child subreaper before it imports anything heavy, then imports and runs
+    ``FUNCTION(job, channel)``, says ``done`` and waits to be killed (so that the parent
+    finds every process it left), without running interpreter shutdown (a plug-in's
+    threads or ``atexit`` hooks cannot hang it)."""
+    parser = argparse.ArgumentParser(prog="python -m pagedbench.harness.run.protocol")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--work", required=True, metavar="MODULE:FUNCTION")
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    os.set_inheritable(args.fd, False)  # a subprocess a plug-in starts cannot write to it
+    replies = os.fdopen(os.dup(0), "rb")  # not inheritable; fd 0 becomes /dev/null
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    channel = Channel(args.fd, replies)
+    job = json.loads(replies.readline())
+    module, _, function = args.work.partition(":")
+    work = getattr(importlib.import_module(module), function)  # heavy: once watched
+    work(job, channel)
+    channel.send(Done())
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    replies.read()  # until the parent kills this process (or closes the pipe)
+    os._exit(0)
+
+
 class Supervisor:
     """Run one job in a worker and read its messages (see the module docstring).
 
     Parameters
     ----------
     job : dict
-        JSON-ready; handed to the worker's :func:`~.jobs.work`. Its ``"start"`` (default
-        0) is the first item.
+        JSON-ready; handed to ``work``. Its ``"start"`` (default 0) is the first item.
+    work : str
+        ``"module:function"`` the worker runs the job with (``function(job, channel)``).
     env : dict
         The worker's whole environment.
     budgets : dict
@@ -185,21 +212,27 @@ class Supervisor:
         included); a party not in ``budgets`` is refused.
     max_payload_bytes : int
         Largest payload a message may carry (bytes).
+    on_start : callable, optional
+        Called with the worker's pid once it is started.
 
     The worker is started from the calling thread, and ``PR_SET_PDEATHSIG`` fires when
     that thread ends: call :meth:`run` from a thread that outlives it (the main one).
     """
 
     def __init__(self, job: dict[str, Any], env: dict[str, str], budgets: dict[str, float],
-                 steps: tuple[str, ...], max_payload_bytes: int = 0) -> None:
+                 steps: tuple[str, ...], max_payload_bytes: int = 0,
+                 on_start: Callable[[int], None] | None = None, *,
+                 work: str = "pagedbench.harness.run.jobs:work") -> None:
         self.job, self.env, self.budgets, self.steps = job, env, budgets, steps
+        self.work = work
         self.max_payload_bytes = max_payload_bytes
+        self.on_start = on_start
         self.output_tail = ""
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()
         self._cancelled = False
 
-    def run(self, on_message: Callable[[dict[str, Any]], Answer | None]) -> Fault | None:
+    def run(self, on_message: Callable[[Message], Answer | None]) -> Fault | None:
         """Start the worker and pass every job message to ``on_message``; return ``None``
         after ``done``, or the :class:`Fault` that ended it. The worker is killed (with
         its descendants and process group) before this returns or raises.
@@ -215,10 +248,12 @@ class Supervisor:
                 if self._cancelled:
                     raise Cancelled("cancelled before its worker started")
                 self._process = subprocess.Popen(
-                    [sys.executable, *SAFE_PATH, "-m", "pagedbench.harness.run.worker",
-                     "--fd", str(write_fd), "--parent", str(os.getpid())],
+                    [sys.executable, *SAFE_PATH, "-m", "pagedbench.harness.run.protocol",
+                     "--fd", str(write_fd), "--parent", str(os.getpid()), "--work", self.work],
                     env=self.env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT, pass_fds=(write_fd,), start_new_session=True)
+            if self.on_start is not None:
+                self.on_start(self._process.pid)
             os.close(write_fd)
             write_fd = -1
             job = (json.dumps(self.job) + "\n").encode()
@@ -257,7 +292,7 @@ class Supervisor:
             found = descendants(process.pid) if process.poll() is None else []
             if not found:
                 break
-            _kill_all(found)
+            kill_all(found)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
@@ -277,77 +312,20 @@ class Supervisor:
         lines = [line.strip() for line in self.output_tail.splitlines() if line.strip()]
         return f"; last output: {lines[-1][:300]}" if lines else ""
 
-    def _read(self, read_fd: int, on_message: Callable[[dict[str, Any]], Answer | None],
+    def _read(self, read_fd: int, on_message: Callable[[Message], Answer | None],
               writer: threading.Thread) -> Fault | None:
         process = self._process
         assert process is not None and process.stdout is not None
         selector = selectors.DefaultSelector()
         selector.register(read_fd, selectors.EVENT_READ, "messages")
         selector.register(process.stdout, selectors.EVENT_READ, "output")
-        first = self.job.get("start", 0)
-        item: int | None = None  # the item in flight
-        begun = False  # whether an item has begun (loading is over)
-        party, step, position = "harness", "startup", -1
-        used = dict.fromkeys(PARTIES, 0.0)
-        started = time.monotonic()
-        buffer = bytearray()
-        pending: dict[str, Any] | None = None  # a message waiting for its payload
+        clock = _StepClock(self.budgets, self.steps, self.job.get("start", 0))
+        frames = _Frames(self.max_payload_bytes)
         messages_open = True
-
-        def enter(new_party: str, new_step: str, new_position: int) -> None:
-            nonlocal party, step, position, started
-            now = time.monotonic()
-            used[party] += now - started
-            party, step, position, started = new_party, new_step, new_position, now
-
-        def next_item() -> None:
-            nonlocal item, used, begun
-            enter("impl" if "impl" in self.budgets else party, "next item", -1)
-            item, begun = (first if item is None else item + 1), True
-            used = dict.fromkeys(PARTIES, 0.0)
-
-        def refuse(why: str) -> Fault:
-            return Fault("invalid", item, party, step, why)
-
-        def accept_step(message: dict[str, Any]) -> Fault | None:
-            new_item, new_party, new_step = message["item"], message["party"], message["step"]
-            if new_party not in self.budgets or new_step not in self.steps:
-                return refuse(f"sent a step the job has not ({new_party}: {new_step!r:.60})")
-            if new_item is not None and not begun and new_item == first:
-                next_item()
-            elif new_item != item or (new_item is None and begun):
-                return refuse(f"sent a step of item {new_item} while item {item} is in flight")
-            new_position = self.steps.index(new_step)
-            if new_position <= position:
-                return refuse(f"entered {new_step!r} after {step!r}")
-            enter(new_party, new_step, new_position)
-            return None
-
-        def handle(message: dict[str, Any]) -> Fault | None | bool:
-            """A fault, True after ``done``, None otherwise."""
-            nonlocal started
-            if message["kind"] == "step":
-                return accept_step(message)
-            if message["kind"] == "done":
-                return True
-            if "item" in message and (not begun or message["item"] != item):
-                return refuse(f"sent a {message['kind']!r:.40} of item {message['item']} while "
-                              f"item {item} is in flight")
-            paused = time.monotonic()
-            answer = on_message(message)
-            started += time.monotonic() - paused  # the caller's time is not the worker's
-            if answer is not None and answer.reply is not None:
-                writer.join()
-                self._reply((json.dumps(answer.reply) + "\n").encode())
-            if answer is not None and answer.item_done:
-                next_item()
-            return None
-
         while True:
-            budget = STARTUP_TIMEOUT_S if step == "startup" else self.budgets[party]
-            remaining = started + budget - used[party] - time.monotonic()
+            remaining, budget = clock.remaining()
             if remaining <= 0:
-                return Fault("timeout", item, party, step, f"took longer than {budget:g} s")
+                return clock.fault("timeout", f"took longer than {budget:g} s")
             events = selector.select(timeout=min(remaining, 1.0))
             for key, _ in events:
                 if key.data == "output":
@@ -362,31 +340,10 @@ class Supervisor:
                     selector.unregister(read_fd)
                     messages_open = False
                     continue
-                buffer += chunk
-                while True:
-                    if pending is not None:
-                        if len(buffer) < pending["nbytes"]:
-                            break
-                        pending["payload"] = bytes(buffer[:pending["nbytes"]])
-                        del buffer[:pending["nbytes"]]
-                        message, pending = pending, None
-                    else:
-                        end = buffer.find(b"\n")
-                        if end < 0:
-                            break
-                        line = bytes(buffer[:end])
-                        del buffer[:end + 1]
-                        message = _message(line)
-                        if message is None:
-                            return refuse(f"sent a line that is not a message: {line[:200]!r}")
-                        nbytes = message.get("nbytes", 0)
-                        if nbytes:
-                            if nbytes > self.max_payload_bytes:
-                                return refuse(f"announced {nbytes} bytes of payload (at most "
-                                              f"{self.max_payload_bytes})")
-                            pending = message
-                            continue
-                    outcome = handle(message)
+                for message in frames.feed(chunk):
+                    if isinstance(message, str):
+                        return clock.fault("invalid", message)
+                    outcome = self._handle(message, clock, on_message, writer)
                     if outcome is True:
                         return None
                     if outcome is not None:
@@ -395,15 +352,37 @@ class Supervisor:
                 try:
                     returncode = process.wait(timeout=EXIT_GRACE_S)
                 except subprocess.TimeoutExpired:
-                    return Fault("crash", item, party, step,
-                                 "closed its message pipe but did not exit")
+                    return clock.fault("crash", "closed its message pipe but did not exit")
                 self._drain(selector)
-                return Fault("crash", item, party, step,
-                             _signal_name(returncode) + self._last_output_line())
+                return clock.fault("crash", _signal_name(returncode) + self._last_output_line())
             if process.poll() is not None and not events:
                 self._drain(selector)
-                return Fault("crash", item, party, step,
-                             _signal_name(process.returncode) + self._last_output_line())
+                return clock.fault("crash", _signal_name(process.returncode)
+                                   + self._last_output_line())
+
+    def _handle(self, message: Message, clock: _StepClock,
+                on_message: Callable[[Message], Answer | None],
+                writer: threading.Thread) -> Fault | bool | None:
+        """One message: a step entered, the end of the job, or the job's own message passed
+        to ``on_message`` (whose time is not the worker's); a fault, True after
+        :class:`~.messages.Done`, None otherwise."""
+        if isinstance(message, Entered):
+            why = clock.enter(message.item, message.step)
+            return None if why is None else clock.fault("invalid", why)
+        if isinstance(message, Done):
+            return True
+        item = getattr(message, "item", None)
+        if item is not None and (not clock.begun or item != clock.item):
+            return clock.fault("invalid", f"sent a {message.kind!r} of item {item} while item "
+                                          f"{clock.item} is in flight")
+        with clock.paused():
+            answer = on_message(message)
+        if answer is not None and answer.reply is not None:
+            writer.join()
+            self._reply((json.dumps(answer.reply) + "\n").encode())
+        if answer is not None and answer.item_done:
+            clock.next_item()
+        return None
 
     def _drain(self, selector: selectors.BaseSelector) -> None:
         """Forward what the dead worker's output pipe still holds."""
@@ -415,21 +394,106 @@ class Supervisor:
                         self._forward(chunk)
 
 
-def _message(line: bytes) -> dict[str, Any] | None:
-    """``line`` decoded as a message of this protocol, or None: an object with a str
-    ``kind``; a ``step`` names its party and step and an int or null item, an ``output``
-    an int item; ``nbytes``, when there, is an int >= 0."""
-    try:
-        message = json.loads(line)
-    except ValueError:
+class _StepClock:
+    """Which item and step a worker is in, and each party's time on the item: a step is
+    accepted only for the item in flight (the job's first item, then the next one each
+    time the caller says an item is done), in the job's order, never back or twice, and
+    charged to the party :func:`~pagedbench.harness.verdict.messages.party_of` gives it."""
+
+    def __init__(self, budgets: dict[str, float], steps: tuple[str, ...], first: int) -> None:
+        self.budgets, self.steps, self.first = budgets, steps, first
+        self.item: int | None = None  # the item in flight
+        self.begun = False  # whether an item has begun (loading is over)
+        self.party, self.step, self.position = HARNESS, "startup", -1
+        self.used = dict.fromkeys(PARTIES, 0.0)
+        self.started = time.monotonic()
+
+    def remaining(self) -> tuple[float, float]:
+        """Seconds left to the step in flight, and its party's budget."""
+        budget = STARTUP_TIMEOUT_S if self.step == "startup" else self.budgets[self.party]
+        return self.started + budget - self.used[self.party] - time.monotonic(), budget
+
+    def fault(self, kind: str, detail: str) -> Fault:
+        return Fault(kind, self.item, self.party, self.step, detail)
+
+    def _switch(self, party: str, step: str, position: int) -> None:
+        now = time.monotonic()
+        self.used[self.party] += now - self.started
+        self.party, self.step, self.position, self.started = party, step, position, now
+
+    def next_item(self) -> None:
+        """The caller ended the item in flight: the next one begins, with fresh budgets."""
+        self._switch(IMPL if IMPL in self.budgets else self.party, "next item", -1)
+        self.item, self.begun = (self.first if self.item is None else self.item + 1), True
+        self.used = dict.fromkeys(PARTIES, 0.0)
+
+    def enter(self, item: int | None, step: str) -> str | None:
+        """Enter ``step`` of ``item``; why not, when it is refused."""
+        party = party_of(step)
+        if step not in self.steps or party not in self.budgets:
+            return f"sent a step the job has not ({step!r:.60})"
+        if item is not None and not self.begun and item == self.first:
+            self.next_item()
+        elif item != self.item or (item is None and self.begun):
+            return f"sent a step of item {item} while item {self.item} is in flight"
+        position = self.steps.index(step)
+        if position <= self.position:
+            return f"entered {step!r} after {self.step!r}"
+        self._switch(party, step, position)
         return None
-    if not isinstance(message, dict) or not isinstance(message.get("kind"), str):
-        return None
-    item = message.get("item")
-    if message["kind"] == "step":
-        valid = (isinstance(message.get("party"), str) and isinstance(message.get("step"), str)
-                 and (item is None or type(item) is int))
-    else:
-        valid = message["kind"] != "output" or type(item) is int
-    nbytes = message.get("nbytes", 0)
-    return message if valid and type(nbytes) is int and nbytes >= 0 else None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The caller's own time (judging) is not the worker's."""
+        paused = time.monotonic()
+        try:
+            yield
+        finally:
+            self.started += time.monotonic() - paused
+
+
+class _Frames:
+    """Bytes from the message pipe, cut into messages: one JSON line each, followed by the
+    ``nbytes`` of payload it announces (at most ``max_payload_bytes``)."""
+
+    def __init__(self, max_payload_bytes: int) -> None:
+        self.max_payload_bytes = max_payload_bytes
+        self.buffer = bytearray()
+        self.pending: tuple[Message, int] | None = None  # a message waiting for its payload
+
+    def feed(self, chunk: bytes) -> Iterator[Message | str]:
+        """The messages ``chunk`` completes, in order; a str says why the stream is not
+        one of messages (nothing after it counts)."""
+        self.buffer += chunk
+        while True:
+            if self.pending is not None:
+                message, nbytes = self.pending
+                if len(self.buffer) < nbytes:
+                    return
+                payload = bytes(self.buffer[:nbytes])
+                del self.buffer[:nbytes]
+                self.pending = None
+                yield message.model_copy(update={"payload": payload})
+                continue
+            end = self.buffer.find(b"\n")
+            if end < 0:
+                return
+            line = bytes(self.buffer[:end])
+            del self.buffer[:end + 1]
+            parsed = parse_message(line)
+            if parsed is None:
+                yield f"sent a line that is not a message: {line[:200]!r}"
+                return
+            message, nbytes = parsed
+            if nbytes > self.max_payload_bytes:
+                yield (f"announced {nbytes} bytes of payload (at most "
+                       f"{self.max_payload_bytes})")
+                return
+            if nbytes:
+                self.pending = (message, nbytes)
+            else:
+                yield message
+
+
+if __name__ == "__main__":
+    worker_main()

@@ -26,11 +26,14 @@ The worker's side, its job bodies, is :mod:`.worker`.
 from __future__ import annotations
 
 import contextlib
+import random
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +46,18 @@ from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Envi
                                                ListingRow, Plan, PlannedImpl, ResultRecord,
                                                RunRecord, Shard, now, validation_problem)
 from pagedbench.harness.results.store import ResultsFile, environment, results_of
+from pagedbench.harness.results.outcome import result_record
+from pagedbench.harness.run import replay
 from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.environment import worker_environment
-from pagedbench.harness.run.judge import Judge, Outcome, Refused
+from pagedbench.harness.run.processes import process_cpu_seconds
 from pagedbench.harness.run.protocol import Answer, Fault, Supervisor
-from pagedbench.harness.run.records import error_row, fault_outcome, result_record
 from pagedbench.harness.run.spread import DeviceSlot, Stop, device_slots, spread
-from pagedbench.harness.verdict import conformance
+from pagedbench.harness.verdict import judging
+from pagedbench.harness.verdict.messages import (HARNESS, IMPL, JOB_STEPS, Data, Fatal, Loaded,
+                                                 Message, as_json)
 from pagedbench.harness.verdict.status import Status, exit_code
-from pagedbench.harness.verdict.truth import truth_site
+from pagedbench.harness.verdict.truth import device_truth_for, judging_state, truth_for, truth_site
 
 #: Seconds ``pagedbench list`` gives each implementation to import and answer.
 LIST_TIMEOUT_S = 120.0
@@ -104,11 +110,63 @@ def make_plan(impls: dict[str, str], cases: list[PagedCase]) -> Plan:
 
 
 # The parent's side ----------------------------------------------------------------------
-#: The steps of each job kind, in the order a worker may enter them within one item.
-EVALUATE_STEPS = ("import", "available", "case", "why_unsupported", "inputs", "prepare",
-                  "run", "describe", "nan-tail probe", "output", "timing")
-LIST_STEPS = ("import", "available")
-PEAKS_STEPS = ("device peaks",)
+#: Verdicts whose reason ends with the command that replays the case.
+REPLAYED = (Status.FAIL, Status.ERROR)
+
+
+def bounded(work: Callable[[], Any], seconds: float, what: str) -> Any:
+    """``work()`` in a thread, given ``seconds``; raises TimeoutError past them (the
+    thread is left to finish: pagedbench's own computation, never an implementation's)."""
+    found: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            found["value"] = work()
+        except BaseException as exc:  # re-raised in the caller
+            found["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"judge-{what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"took longer than {seconds:g} s (--harness-timeout)")
+    if "error" in found:
+        raise found["error"]
+    return found["value"]
+
+
+class _Budget:
+    """The judge's work on one case under :func:`~pagedbench.harness.verdict.truth.judging_state`,
+    within what is left of ``seconds`` (``--harness-timeout``)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self.spent_s = seconds, 0.0
+
+    def __call__(self, work: Callable[[], Any], what: str) -> Any:
+        def judged() -> Any:
+            with judging_state():
+                return work()
+
+        start = time.monotonic()
+        try:
+            return bounded(judged, self.seconds - self.spent_s, what)
+        finally:
+            self.spent_s += time.monotonic() - start
+
+
+def fault_outcome(fault: Fault, config: RunConfig) -> tuple[Status, str]:
+    """Status and reason of the item a :class:`~.protocol.Fault` hit, charged to its party."""
+    if fault.party == IMPL:
+        if fault.kind == "timeout":
+            return Status.TIMEOUT, (f"{fault.step} took longer than {config.case_timeout_s:g} s "
+                                    "(--case-timeout)")
+        if fault.kind == "crash":
+            return Status.CRASH, f"worker {fault.detail} during {fault.step}"
+        return Status.ERROR, f"worker {fault.detail} during {fault.step}"
+    budget = f"{config.harness_timeout_s:g} s (--harness-timeout)"
+    detail = f"took longer than {budget}" if fault.kind == "timeout" else f"worker {fault.detail}"
+    return (Status.HARNESS_ERROR,
+            f"pagedbench's {fault.step}: {detail}; not the implementation's fault")
 
 
 def device_peaks(config: RunConfig) -> tuple[DevicePeaks | None, str]:
@@ -119,19 +177,97 @@ def device_peaks(config: RunConfig) -> tuple[DevicePeaks | None, str]:
     job = {"kind": "peaks", "device": config.device, "threads": config.threads}
     found: list[DevicePeaks] = []
 
-    def on_message(message: dict[str, Any]) -> Answer:
-        found.append(DevicePeaks.model_validate_json(message["data"]))
+    def on_message(message: Message) -> Answer:
+        if not isinstance(message, Data):
+            raise judging.Refused(f"a {message.kind!r} message in a peaks job")
+        found.append(DevicePeaks.model_validate(message.data))
         return Answer(item_done=True)
 
-    supervisor = Supervisor(job, worker_env, {conformance.HARNESS: config.harness_timeout_s},
-                            PEAKS_STEPS)
+    supervisor = Supervisor(job, worker_env, {HARNESS: config.harness_timeout_s}, JOB_STEPS["peaks"])
     try:
         fault = supervisor.run(on_message)
-    except (ValidationError, KeyError) as exc:
+    except (ValidationError, judging.Refused) as exc:
         return None, f"the worker sent invalid peaks ({exc})"
     if found:
         return found[0], ""
     return None, f"{fault.step}: {fault.detail}" if fault else "the worker sent no peaks"
+
+
+class _Evaluation:
+    """The parent's side of one implementation's ``evaluate`` job: a
+    :class:`~pagedbench.harness.verdict.judging.CaseJudge` per case (its truths cached
+    under ``config.cache_dir``, its work within ``config.harness_timeout_s``), the
+    listing row the worker sent when it loaded, and each concluded case's record."""
+
+    def __init__(self, name: str, target: str, cases: list[PagedCase], sites: list[str],
+                 config: RunConfig, judge_device: str, record: Callable[..., None]) -> None:
+        self.name, self.target, self.cases, self.sites = name, target, cases, sites
+        self.config, self.judge_device, self.record = config, judge_device, record
+        self.row: ListingRow | None = None
+        self.start = 0
+        self.worker_pid: int | None = None
+        self.rng = random.Random()
+        self.judge: judging.CaseJudge | None = None
+
+    def begin(self, worker_pid: int) -> None:
+        """A fresh worker (``worker_pid``) begins at :attr:`start`: a fresh judge."""
+        self.worker_pid, self.judge = worker_pid, None
+
+    def _case_judge(self) -> judging.CaseJudge:
+        if self.judge is None:
+            cache = self.config.cache_dir
+            self.judge = judging.CaseJudge(
+                self.cases[self.start], self.judge_device, site=self.sites[self.start],
+                truth=partial(truth_for, cache_dir=cache),
+                device_truth=partial(device_truth_for, cache_dir=cache),
+                timing=self.config.timing, samples=self.config.repetitions, rng=self.rng,
+                work=_Budget(self.config.harness_timeout_s),
+                cpu_seconds=lambda: process_cpu_seconds(self.worker_pid))
+        return self.judge
+
+    def max_payload_bytes(self) -> int:
+        """The largest payload a message of this job may carry: an output and its LSE, or
+        the checked timed calls' outputs."""
+        most = max((c.total_q * c.num_q_heads * c.v_head_dim * 4 for c in self.cases), default=0)
+        return (judging.EXTRA_REFRESHES + 2) * most
+
+    def on_message(self, message: Message) -> Answer:
+        """Answer the worker (see :class:`~pagedbench.harness.verdict.judging.CaseJudge`).
+
+        Raises
+        ------
+        judging.Refused
+            If the message is not one the job can get now.
+        """
+        if isinstance(message, Loaded):
+            try:
+                self.row = ListingRow.model_validate(message.row)
+            except ValidationError as exc:
+                raise judging.Refused(validation_problem(exc)) from exc
+            if not self.row.available:
+                self._rest(Status.UNAVAILABLE, self.row.reason, "available")
+            return Answer()
+        if isinstance(message, Fatal):  # a loading fault is always the implementation's
+            self._rest(Status.ERROR, message.reason, message.step)
+            return Answer()
+        judge = self._case_judge()
+        reply = judge.handle(message)
+        if judge.verdict is None:
+            return Answer(as_json(reply) if reply is not None else None)
+        verdict = judge.verdict
+        if verdict.status in REPLAYED:
+            verdict = replace(verdict, reason=f"{verdict.reason}; "
+                              f"{replay.hint(self.cases[self.start], self.name)}")
+        self.record(self.cases[self.start], verdict.status, verdict.reason, verdict.step,
+                    verdict)
+        self.start += 1
+        self.judge = None
+        return Answer(as_json(reply) if reply is not None else None, item_done=True)
+
+    def _rest(self, status: Status, reason: str, step: str | None) -> None:
+        for case in self.cases[self.start:]:
+            self.record(case, status, reason, step)
+        self.start = len(self.cases)
 
 
 def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig,
@@ -139,100 +275,69 @@ def run_target(name: str, target: str, cases: list[PagedCase], config: RunConfig
                peaks: DevicePeaks | None = None, slot: DeviceSlot | None = None,
                stop: Stop | None = None) -> None:
     """Evaluate ``cases`` with the adapter ``target`` in worker processes, judged here
-    (:class:`~.judge.Judge`), calling ``emit`` with each record as it arrives; faults
+    (:class:`_Evaluation`), calling ``emit`` with each record as it arrives; faults
     become records too. ``peaks`` (the device's, measured once per run) go into every
     record. A case whose truth fits nowhere (:func:`~pagedbench.harness.verdict.truth.truth_site`)
     is a ``harness-error`` without a worker. With a ``slot`` (:mod:`.spread`), the workers
     run there and the judge on its ``judge_device``; ``stop`` cancels them."""
     judge_device = slot.judge_device if slot else config.device
-    row: ListingRow | None = None
+    evaluation: _Evaluation | None = None
 
     def record(case: PagedCase, status: Status, reason: str, step: str | None,
-               outcome: Outcome | None = None) -> ResultRecord:
-        fields = dict(run_id=run_id, env=env, config=config, name=name, target=target,
-                      case=case, row=row, peaks=peaks)
-        if outcome is None:
-            return result_record(**fields, status=status, reason=reason, step=step)
-        verdict = outcome.verdict
+               verdict: judging.Verdict | None = None) -> None:
+        row = evaluation.row if evaluation else None
+        fields = dict(run_id=run_id, env=env, suite=config.suite, device=config.device,
+                      name=name, target=target, case=case, row=row, peaks=peaks,
+                      status=status, reason=reason, step=step, verdict=verdict,
+                      truth=verdict.truth_site if verdict else None)
         try:
-            return result_record(**fields, status=verdict.status, reason=verdict.reason,
-                                 step=verdict.step, verdict=verdict, timing=outcome.timing,
-                                 truth=outcome.truth)
+            emit(result_record(**fields))
         except ValidationError as exc:
-            return result_record(
-                **fields, status=Status.ERROR, step="describe", truth=outcome.truth,
-                reason=f"describe returned data that is not JSON: {validation_problem(exc)}",
-                verdict=replace(verdict, details={}))
+            emit(result_record(**fields | dict(
+                status=Status.ERROR, step="describe", verdict=replace(verdict, details={}),
+                reason=f"describe returned data that is not JSON: {validation_problem(exc)}")))
 
     sited: list[tuple[PagedCase, str]] = []
     for case in cases:
         try:
             sited.append((case, truth_site(case, judge_device, config.host_truth_bytes)))
         except PagedValueError as exc:  # the CLI leaves such points out before
-            emit(record(case, Status.HARNESS_ERROR, str(exc), "truth"))
+            record(case, Status.HARNESS_ERROR, str(exc), "truth")
     cases, sites = [c for c, _ in sited], [s for _, s in sited]
     if not cases:
         return
-    judge = Judge(name, cases, sites, device=judge_device,
-                  timing=config.timing, cache_dir=config.cache_dir,
-                  harness_timeout_s=config.harness_timeout_s)
+    evaluation = _Evaluation(name, target, cases, sites, config, judge_device, record)
     worker_config = replace(config, device=slot.worker_device, devices="") if slot else config
     worker_env = (worker_environment(worker_config.device, config.cache_dir)
                   | (slot.environment() if slot else {}))
-    job = {"kind": "evaluate", "name": name, "target": target, "cases": [c.to_dict() for c in cases],
-           "sites": sites, "config": worker_config.to_dict()}
-    start = 0
-
-    def on_message(message: dict[str, Any]) -> Answer:
-        nonlocal row, start
-        kind = message["kind"]
-        if kind == "loaded":
-            try:
-                row = ListingRow.model_validate_json(message["row"])
-            except (ValidationError, KeyError, TypeError) as exc:
-                raise Refused(str(exc)) from exc
-            if not row.available:
-                for case in cases[start:]:
-                    emit(record(case, Status.UNAVAILABLE, row.reason, "available"))
-                start = len(cases)
-            return Answer()
-        if kind == "fatal":
-            step, reason = str(message.get("step")), str(message.get("reason"))
-            for case in cases[start:]:  # a loading fault is always the implementation's
-                emit(record(case, Status.ERROR, reason, step))
-            start = len(cases)
-            return Answer()
-        answer, outcome = judge.receive(start, message)
-        if outcome is not None:
-            emit(record(cases[start], outcome.verdict.status, "", None, outcome))
-            start += 1
-        return answer
-
-    while start < len(cases):
+    job = {"kind": "evaluate", "name": name, "target": target,
+           "cases": [c.to_dict() for c in cases], "sites": sites,
+           "config": worker_config.to_dict()}
+    while evaluation.start < len(cases):
+        start = evaluation.start
         supervisor = Supervisor(job | {"start": start}, worker_env,
-                                {conformance.IMPL: config.case_timeout_s}, EVALUATE_STEPS,
-                                judge.max_payload_bytes())
+                                {IMPL: config.case_timeout_s}, JOB_STEPS["evaluate"],
+                                evaluation.max_payload_bytes(), on_start=evaluation.begin)
         try:
             with stop.watching(supervisor) if stop else contextlib.nullcontext():
-                fault = supervisor.run(on_message)
-        except Refused as exc:
-            fault = Fault("invalid", start, conformance.IMPL, "result",
+                fault = supervisor.run(evaluation.on_message)
+        except judging.Refused as exc:
+            fault = Fault("invalid", evaluation.start, IMPL, "result",
                           f"sent a message the parent refuses ({exc})")
-        judge.reset()  # a fresh worker begins the next case
         if fault is None:
-            if start < len(cases):  # done without all results: pagedbench's own bug
-                for case in cases[start:]:
-                    emit(record(case, Status.HARNESS_ERROR, "the worker finished without "
-                                "this result", "result"))
+            if evaluation.start < len(cases):  # done without all results: pagedbench's bug
+                for case in cases[evaluation.start:]:
+                    record(case, Status.HARNESS_ERROR, "the worker finished without this "
+                           "result", "result")
             return
         status, reason = fault_outcome(fault, config)
         if fault.item is None:  # while loading: every remaining case
-            for case in cases[start:]:
-                emit(record(case, status, reason, fault.step))
+            for case in cases[evaluation.start:]:
+                record(case, status, reason, fault.step)
             return
-        if start < len(cases):
-            emit(record(cases[start], status, reason, fault.step))
-        start += 1
+        if evaluation.start < len(cases):
+            record(cases[evaluation.start], status, reason, fault.step)
+        evaluation.start += 1
 
 
 def missing(plan: Plan, records: Iterable[ResultRecord]) -> list[tuple[str, str]]:
@@ -347,18 +452,20 @@ def list_adapters(found: list[Entry], device: str, cache_dir: Path,
     job = {"kind": "list", "device": device, "entries": [(e.name, e.target) for e in found]}
     rows: list[ListingRow] = []
 
-    def on_message(message: dict[str, Any]) -> Answer:
+    def on_message(message: Message) -> Answer:
         entry = found[len(rows)]
         try:
-            rows.append(ListingRow.model_validate_json(message["data"]))
-        except (ValidationError, KeyError, TypeError) as exc:
-            rows.append(error_row(entry.name, entry.target, "error",
-                                   f"the worker sent an invalid listing ({exc})"))
+            if not isinstance(message, Data):
+                raise judging.Refused(f"a {message.kind!r} message in a list job")
+            rows.append(ListingRow.model_validate(message.data))
+        except (ValidationError, judging.Refused) as exc:
+            rows.append(ListingRow.error(entry.name, entry.target, "error",
+                                         f"the worker sent an invalid listing ({exc})"))
         return Answer(item_done=True)
 
     while len(rows) < len(found):
-        supervisor = Supervisor(job | {"start": len(rows)}, env, {conformance.IMPL: timeout_s},
-                                LIST_STEPS)
+        supervisor = Supervisor(job | {"start": len(rows)}, env, {IMPL: timeout_s},
+                                JOB_STEPS["list"])
         fault = supervisor.run(on_message)
         if fault is None:
             break
@@ -367,9 +474,10 @@ def list_adapters(found: list[Entry], device: str, cache_dir: Path,
             entry = found[index]
             what = fault.detail if fault.kind == "timeout" else f"worker {fault.detail}"
             status = {"timeout": "timeout", "crash": "crash"}.get(fault.kind, "error")
-            rows.append(error_row(entry.name, entry.target, status, f"{fault.step}: {what}"))
+            rows.append(ListingRow.error(entry.name, entry.target, status,
+                                         f"{fault.step}: {what}"))
     return rows
 
 
-__all__ = ["EVALUATE_STEPS", "Interrupted", "LIST_STEPS", "PEAKS_STEPS", "RunConfig",
+__all__ = ["Interrupted", "RunConfig",
            "device_peaks", "list_adapters", "make_plan", "missing", "run", "run_target"]

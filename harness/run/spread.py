@@ -1,7 +1,7 @@
 """A run spread over several devices at once (``--devices``): one worker per device slot,
 the (implementation, cases) units handed out as slots free up.
 
-- :func:`check_devices`: the ``--devices`` text, checked against ``--device`` (no machine
+- :func:`~.config.check_devices`: the ``--devices`` text, checked against ``--device`` (no machine
   query): ``cpu:N`` with ``cpu``; ``all`` or ``0,1,...`` (indices or UUIDs, as
   ``CUDA_VISIBLE_DEVICES`` takes them) with ``cuda``.
 - :func:`device_slots`: the slots on this machine. A GPU slot's workers see only their GPU
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,14 +31,8 @@ from typing import TypeVar
 from pagedbench.reference import PagedValueError
 
 from pagedbench.harness.run.devices import nvidia_smi_uuids, visible_gpus
+from pagedbench.harness.run.config import check_devices
 from pagedbench.harness.run.protocol import Cancelled, Supervisor
-
-#: Most CPU workers ``cpu:N`` may start.
-MAX_CPU_WORKERS = 256
-_CPU_SPEC = re.compile(r"cpu:([1-9][0-9]*)")
-_GPU_ENTRY = re.compile(r"[0-9]+|GPU-[0-9A-Za-z-]+|MIG-[0-9A-Za-z/-]+")
-_ALLOWED = ("'cpu:N' (N CPU workers) with --device cpu; 'all' or a comma-separated list of "
-            "GPU indices or UUIDs ('0,1') with --device cuda")
 
 Unit = TypeVar("Unit")
 
@@ -73,39 +66,6 @@ class DeviceSlot:
     def environment(self) -> dict[str, str]:
         """What this slot adds to a worker's environment."""
         return {} if self.visible is None else {"CUDA_VISIBLE_DEVICES": self.visible}
-
-
-def check_devices(devices: str, device: str) -> None:
-    """Check ``--devices`` against ``--device`` without asking the machine.
-
-    Raises
-    ------
-    PagedValueError
-        Naming ``--devices``: not a str, ``cpu:N`` with N out of 1..:data:`MAX_CPU_WORKERS`
-        or beside a CUDA device, GPU entries beside ``cpu`` or ``cuda:N`` (``--devices``
-        chooses the GPUs), malformed or repeated entries.
-    """
-    if not isinstance(devices, str):
-        raise PagedValueError("--devices", devices, _ALLOWED)
-    if not devices:
-        return
-    cpu = _CPU_SPEC.fullmatch(devices)
-    if device == "cpu":
-        if cpu is None or int(cpu.group(1)) > MAX_CPU_WORKERS:
-            raise PagedValueError("--devices", devices, _ALLOWED,
-                                  f"--devices {devices!r} with --device cpu: must be cpu:N, "
-                                  f"N from 1 to {MAX_CPU_WORKERS}")
-        return
-    if device != "cuda":
-        raise PagedValueError("--devices", devices, _ALLOWED,
-                              f"--devices {devices!r} with --device {device}: --devices "
-                              "chooses the GPUs, so use --device cuda")
-    entries = devices.split(",")
-    if devices != "all" and (cpu is not None or not all(_GPU_ENTRY.fullmatch(e) for e in entries)
-                             or len(set(entries)) != len(entries)):
-        raise PagedValueError("--devices", devices, _ALLOWED,
-                              f"--devices {devices!r} with --device cuda: must be 'all' or "
-                              "distinct GPU indices or UUIDs, comma-separated ('0,1')")
 
 
 def device_slots(devices: str, device: str, gpus: Sequence[str] | None = None,
@@ -243,4 +203,4 @@ def spread(units: Sequence[Unit], slots: Sequence[DeviceSlot],
         raise errors[0]
 
 
-__all__ = ["MAX_CPU_WORKERS", "DeviceSlot", "Stop", "check_devices", "device_slots", "spread"]
+__all__ = ["DeviceSlot", "Stop", "device_slots", "spread"]

@@ -1,53 +1,59 @@
-"""The conformance check: (adapter, case, device) -> the inputs the adapter is judged on
--> a verdict. The one place, used by the runner's workers and by the pytest suites alike.
+"""The conformance check of one adapter on one case: two sides that talk in typed messages.
 
-Inputs: :func:`inputs_for` applies the tail-poison policy (:func:`tail_poison`): NaN in
-every unused slot, except that an adapter declaring ``Capabilities.nan_safe_tail=False``
-gets finite stale V values in the unused slots of each partly filled last block (K there
-stays NaN), and its passes are marked :data:`STALE_TAIL_MARK`.
+The **implementation's side** (:func:`implementation_side`) is a generator: it asks the
+adapter ``why_unsupported``, sends :class:`~.messages.Ready`, draws the inputs
+(:func:`inputs_for`'s tail poison), calls ``prepare``, ``run`` (and ``lse`` for an
+implementation that returns its log-sum-exp), ``describe``, the NaN-tail probe for a stale
+tail, sends the :class:`~.messages.Output`, and, when the judge asks, times ``run`` with
+new inputs written into the same buffers between timed calls (:func:`timed`). It
+announces each step (:class:`~.messages.Entered`) before entering it; whatever the adapter
+raises ends the case as ``error`` of that step.
 
-Verdict: :func:`judge` walks ``why_unsupported`` (:func:`claims`) -> truth
-(:func:`expected_for`) -> inputs -> ``prepare`` -> ``run`` -> ``describe`` -> the NaN-tail
-probe for a stale tail (:func:`attempt`) -> compare (:func:`verdict_of`,
-``harness/verdict/tolerance.py``). The runner splits these between the implementation's worker
-(:func:`claims`, :func:`attempt`) and the judging parent (:func:`expected_for`,
-:func:`verdict_of`); :func:`judge` runs them all in one process, for the pytest suites.
-With ``truth_site="device"`` (a case the host cannot hold, :func:`~.truth.truth_site`)
-the inputs are drawn on the device and the truth is computed there from them; the
-comparison is the same. Whatever the adapter raises becomes ``error`` with the step;
-whatever the harness raises becomes ``harness-error``; each step is announced to
-``on_step`` with the party it is charged to (``"impl"`` or ``"harness"``).
+The **judge's side** (:class:`CaseJudge`) has one handler per message: it computes the
+truth before the implementation draws its inputs (so nothing the adapter does reaches
+it), compares the output (``tolerance.py``), plans the timed calls' refreshes and judges
+their outputs, the wall time the timing took, and whether the implementation's process
+kept computing after its last call returned (:data:`IDLE_WINDOW_S`).
+
+:func:`check` drives both in this process (the pytest suites); the runner drives the same
+two sides across a pipe (``harness/run/jobs.py`` in the worker, ``harness/run/runner.py``
+in the parent), so both run this code. The outcome is a :class:`Verdict`, which the runner
+turns into the results line.
 """
 
 from __future__ import annotations
 
-import itertools
-import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import Any, Protocol
 
 import torch
 
 from pagedbench.adapters import Adapter, Capabilities
-from pagedbench.reference import PagedCase, PagedInputs, materialize, resolve_device
+from pagedbench.reference import (PagedCase, PagedInputError, PagedInputs, materialize,
+                                  resolve_device)
+from pagedbench.reference.refresh import refresh_live
 
 from pagedbench.harness.verdict import tolerance
+from pagedbench.harness.verdict.judging import (CaseJudge, DeviceTruth, Truth, Verdict,
+                                                describe_exception)
+from pagedbench.harness.verdict.messages import (Concluded, Entered, Message, Output, Ready,
+                                                 TimeIt, Timed, encode, lse_shape, output_shape,
+                                                 to_json_data)
 from pagedbench.harness.verdict.status import Status
-from pagedbench.harness.verdict.truth import TRUTH_SITES, compute_device_truth, compute_truth
+from pagedbench.harness.verdict.truth import compute_device_truth, compute_truth
 
 #: Marks a pass judged with stale (finite) tails instead of NaN (docs/implementations.md).
 STALE_TAIL_MARK = "†"
 #: Marks a pass judged against the yardstick with logits in the case dtype, which the
 #: implementation declares (``Capabilities.logits_precision = "case"``; docs/tolerance.md).
 CASE_LOGITS_MARK = "‡"
-#: Parties a step is charged to.
-IMPL, HARNESS = "impl", "harness"
+class Timer(Protocol):
+    """Times ``call()`` (one complete call), calling ``between(k)`` untimed before timed
+    sample ``k``; returns ``harness/measure/timing.py``'s ``Timing`` (``samples_ms``,
+    ``method``, ``probe_ms``, ``calls`` per sample)."""
 
-StepCallback = Callable[[str, str], None]
-#: ``device_truth(inputs, logits_precision=...) -> Expected`` (:func:`judge`).
-DeviceTruth = Callable[..., tolerance.Expected]
+    def __call__(self, call: Callable[[], object], between: Callable[[int], None],
+                 case: PagedCase) -> Any: ...
 
 
 def tail_poison(capabilities: Capabilities) -> str:
@@ -61,282 +67,137 @@ def inputs_for(adapter: Adapter, case: PagedCase, device: str) -> PagedInputs:
     return materialize(case, device, tail_poison=tail_poison(adapter.capabilities(device)))
 
 
-def describe_exception(exc: BaseException) -> str:
-    """``Type: message (file:line)`` of where ``exc`` was raised."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {exc}{where}"
-
-
-def synchronize(device: str) -> None:
+def synchronize(device: str | torch.device) -> None:
     """Wait for the device's queued work (so a CUDA fault is raised in the step that
     caused it)."""
     if resolve_device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
-@dataclass
-class Verdict:
-    """The outcome of one adapter on one case.
-
-    Attributes
-    ----------
-    status : Status
-    reason : str
-        Why, for anything but ``pass`` (verbatim ``unsupported`` reasons, the comparison's
-        figures for ``fail``, the exception for ``error``/``harness-error``).
-    step : str or None
-        The step a non-pass outcome arose in (``why_unsupported``, ``truth``, ``inputs``,
-        ``prepare``, ``run``, ``describe``, ``compare``).
-    comparison : tolerance.Comparison or None
-        The figures, once the output was compared.
-    tail_poison : str or None
-        ``"nan"`` or ``"stale"`` once inputs were built.
-    logits_precision : str or None
-        The yardstick's logits precision (``"float32"`` or the declared ``"case"``) once
-        the truth was computed.
-    truth_site : str or None
-        Where the truth was computed (``"host"`` or ``"device"``), once it was.
-    details : dict
-        What ``adapter.describe(prepared)`` returned.
-    nan_tail_output_finite : bool or None
-        For a ``stale`` pass: whether the output stays finite with NaN tails after all.
-    prepared : object
-        What ``prepare`` returned (for timing); never recorded.
-    exception : BaseException or None
-        What was raised, for ``error`` and ``harness-error``.
-    """
-
-    status: Status
-    reason: str = ""
-    step: str | None = None
-    comparison: tolerance.Comparison | None = None
-    tail_poison: str | None = None
-    logits_precision: str | None = None
-    truth_site: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-    nan_tail_output_finite: bool | None = None
-    prepared: Any = None
-    exception: BaseException | None = None
+def _raised(step: str, exc: BaseException, prefix: str = "") -> Concluded:
+    return Concluded(status=str(Status.ERROR), step=step,
+                     reason=prefix + describe_exception(exc), exception=exc)
 
 
-def _ignore_step(party: str, step: str) -> None:
-    """The default ``on_step``: nothing to announce to."""
+# The implementation's side ----------------------------------------------------------------
+Side = Generator[Message, Any, None]
 
 
-@dataclass
-class Attempt:
-    """What the implementation's side of a check produced (:func:`attempt`): an output,
-    or the outcome that ended it first.
-
-    Attributes
-    ----------
-    verdict : Verdict or None
-        ``unsupported`` or ``error`` (with its step) when it ended before an output.
-    out : object
-        What ``run`` returned (a ``Tensor[total_q, num_q_heads, head_dim]`` if correct).
-    tail_poison, logits_precision : str or None
-        As in :class:`Verdict`, once ``why_unsupported`` answered.
-    details : dict
-        What ``describe`` returned.
-    nan_tail_output_finite : bool or None
-        The NaN-tail probe, for a ``stale`` tail poison.
-    prepared : object
-        What ``prepare`` returned (for timing).
-    """
-
-    verdict: Verdict | None = None
-    out: Any = None
-    tail_poison: str | None = None
-    logits_precision: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-    nan_tail_output_finite: bool | None = None
-    prepared: Any = None
-
-
-def _impl_fault(step: str, exc: BaseException, prefix: str = "") -> Verdict:
-    return Verdict(Status.ERROR, prefix + describe_exception(exc), step, exception=exc)
-
-
-def harness_fault(step: str, exc: BaseException) -> Verdict:
-    """pagedbench's own ``harness-error`` in ``step``: past its budget (``TimeoutError``)
-    or raised."""
-    if isinstance(exc, TimeoutError):
-        return Verdict(Status.HARNESS_ERROR, f"pagedbench's {step}: {exc}; not the "
-                       "implementation's fault", step)
-    return Verdict(Status.HARNESS_ERROR, f"pagedbench's {step} failed, not the "
-                   f"implementation: {describe_exception(exc)}", step, exception=exc)
-
-
-def claims(adapter: Adapter, case: PagedCase, device: str,
-           on_step: StepCallback = _ignore_step) -> Attempt:
-    """The implementation's ``why_unsupported`` and declared capabilities for ``case``: an
-    :class:`Attempt` with the tail poison and logits precision, or with the verdict
-    (``unsupported``, or ``error`` when it raised or answered something else)."""
-    on_step(IMPL, "why_unsupported")
+def implementation_side(adapter: Adapter, case: PagedCase, device: str, *,
+                        on_device: bool = False, probe_nan_tail: bool = True,
+                        timer: Timer | None = None) -> Side:
+    """The implementation's side of a check (see the module docstring): yields each
+    message and receives the judge's reply to :class:`~.messages.Ready` (a
+    :class:`~.messages.Go`) and to :class:`~.messages.Output` (a
+    :class:`~.messages.TimeIt`); ``None`` after the others. ``on_device``: the inputs
+    drawn on ``device`` (a device truth). Never raises for what the adapter does."""
+    yield Entered(step="why_unsupported")
     try:
         reasons = adapter.why_unsupported(case, device)
         capabilities = adapter.capabilities(device)
         poison, precision = tail_poison(capabilities), capabilities.logits_precision
+        returns_lse, in_place = capabilities.returns_lse, capabilities.kv_cache_in_place
     except (Exception, SystemExit) as exc:
-        return Attempt(_impl_fault("why_unsupported", exc, "why_unsupported raised: "))
+        yield _raised("why_unsupported", exc, "why_unsupported raised: ")
+        return
     if not isinstance(reasons, (list, tuple)) or not all(isinstance(r, str) for r in reasons):
-        return Attempt(Verdict(Status.ERROR, f"why_unsupported returned {reasons!r}, not a "
-                               "list of str", "why_unsupported"))
+        yield Concluded(status=str(Status.ERROR), step="why_unsupported",
+                        reason=f"why_unsupported returned {reasons!r:.200}, not a list of str")
+        return
     if reasons:
-        return Attempt(Verdict(Status.UNSUPPORTED, "; ".join(reasons), "why_unsupported"))
-    return Attempt(tail_poison=poison, logits_precision=precision)
-
-
-def attempt(adapter: Adapter, case: PagedCase, device: str, claimed: Attempt, *,
-            on_step: StepCallback = _ignore_step, on_device: bool = False,
-            probe_nan_tail: bool = True) -> Attempt:
-    """The implementation's side of a check, after :func:`claims` (``claimed``): inputs
-    (``materialize`` with its tail poison; ``on_device``: drawn on ``device``),
-    ``prepare``, ``run``, ``describe`` and, for a ``stale`` tail poison, the NaN-tail
-    probe. Whatever the adapter raises becomes an ``error`` verdict with its step; this
-    is what the runner's worker (the implementation's process) does, and nothing of it
-    is trusted but the output."""
-    done = Attempt(tail_poison=claimed.tail_poison, logits_precision=claimed.logits_precision)
-    on_step(IMPL, "inputs")
+        yield Concluded(status=str(Status.UNSUPPORTED), step="why_unsupported",
+                        reason="; ".join(reasons))
+        return
+    go = yield Ready(tail_poison=poison, logits_precision=precision, returns_lse=returns_lse,
+                     kv_cache_in_place=in_place)
+    if not go.go:
+        return
+    yield Entered(step="inputs")
     try:
-        inputs = materialize(case, device, tail_poison=claimed.tail_poison, on_device=on_device)
-    except Exception as exc:
-        done.verdict = harness_fault("inputs", exc)
-        return done
-    on_step(IMPL, "prepare")
+        inputs = materialize(case, device, tail_poison=poison, on_device=on_device)
+    except Exception as exc:  # pagedbench's own code; the judge records it as error
+        yield _raised("inputs", exc, "pagedbench could not draw the inputs: ")
+        return
+    yield Entered(step="prepare")
     try:
-        done.prepared = adapter.prepare(inputs)
+        prepared = adapter.prepare(inputs)
     except (Exception, SystemExit) as exc:  # the implementation's fault, never fatal
-        done.verdict = _impl_fault("prepare", exc)
-        return done
-    on_step(IMPL, "run")
+        yield _raised("prepare", exc)
+        return
+    yield Entered(step="run")
     try:
-        done.out = adapter.run(done.prepared)
+        out = adapter.run(prepared)
+        lse = adapter.lse(prepared) if returns_lse else None
         synchronize(device)
     except (Exception, SystemExit) as exc:
-        done.verdict = _impl_fault("run", exc)
-        return done
-    on_step(IMPL, "describe")
+        yield _raised("run", exc)
+        return
+    yield Entered(step="describe")
     try:
-        details = adapter.describe(done.prepared)
+        details = to_json_data(adapter.describe(prepared), "impl_details")
+        if not isinstance(details, dict):
+            raise TypeError(f"describe returned a {type(details).__name__}, not a dict")
     except (Exception, SystemExit) as exc:
-        done.verdict = _impl_fault("describe", exc, "describe raised: ")
-        return done
-    if not isinstance(details, dict):
-        done.verdict = Verdict(Status.ERROR, f"describe returned a {type(details).__name__}, "
-                               "not a dict", "describe", tail_poison=claimed.tail_poison)
-        return done
-    done.details = details
-    if claimed.tail_poison == "stale" and probe_nan_tail:
-        on_step(IMPL, "nan-tail probe")
-        done.nan_tail_output_finite = nan_tail_output_finite(adapter, case, device,
-                                                             on_device=on_device)
-    return done
-
-
-def expected_for(case: PagedCase, device: str, logits_precision: str, *,
-                 truth: Callable[..., tolerance.Expected] = compute_truth,
-                 truth_site: str = "host",
-                 device_truth: DeviceTruth = compute_device_truth) -> tolerance.Expected:
-    """The truth and yardstick ``case`` is judged against, computed from inputs drawn here
-    from its seed: ``truth(case, logits_precision=...)`` on the host, or, with
-    ``truth_site="device"``, ``device_truth(inputs, logits_precision=...)`` of inputs drawn
-    on ``device`` (``materialize(on_device=True)``).
-
-    Raises
-    ------
-    ValueError
-        If ``truth_site`` is not one of :data:`~.truth.TRUTH_SITES`; whatever the truth
-        raises.
-    """
-    if truth_site not in TRUTH_SITES:
-        raise ValueError(f"truth_site must be one of {TRUTH_SITES}, got {truth_site!r}")
-    if truth_site == "host":
-        return truth(case, logits_precision=logits_precision)
-    inputs = materialize(case, device, on_device=True)
-    return device_truth(inputs, logits_precision=logits_precision)
-
-
-def cu_seqlens_q(case: PagedCase) -> torch.Tensor:
-    """``Tensor[batch + 1]``, int64: the row ranges of ``case``'s sequences."""
-    return torch.tensor([0, *itertools.accumulate(case.q_lens_or_decode)])
-
-
-def verdict_of(case: PagedCase, claimed: Attempt, out: object,
-               expected: tolerance.Expected, truth_site: str = "host") -> Verdict:
-    """The verdict on ``out`` (the implementation's output on ``case``) against
-    ``expected`` (:func:`~.tolerance.compare`), with what ``claimed`` (its
-    :class:`Attempt`) says about the run; a comparison that raises is ``harness-error``."""
+        yield _raised("describe", exc, "describe returned data that is not JSON: "
+                      if isinstance(exc, PagedInputError) else "describe raised: ")
+        return
+    finite = None
+    if poison == "stale" and probe_nan_tail:
+        yield Entered(step="nan-tail probe")
+        finite = nan_tail_output_finite(adapter, case, device, on_device=on_device)
+    yield Entered(step="output")
     try:
-        comparison = tolerance.compare(out, expected, case.dtype, cu_seqlens_q(case))
-    except Exception as exc:
-        return harness_fault("compare", exc)
-    return Verdict(Status.PASS if comparison.passed else Status.FAIL, comparison.reason,
-                   None if comparison.passed else "compare", comparison, claimed.tail_poison,
-                   claimed.logits_precision, truth_site, claimed.details,
-                   claimed.nan_tail_output_finite if comparison.passed else None,
-                   prepared=claimed.prepared)
+        sent = [encode(out, output_shape(case), case.dtype)]
+        if returns_lse:
+            sent.append(encode(lse, lse_shape(case), "float32"))
+    except (Exception, SystemExit) as exc:
+        yield _raised("run", exc, "its output cannot be read: ")
+        return
+    reply = yield Output(outputs=[d for d, _ in sent], details=details,
+                         nan_tail_output_finite=finite, payload=b"".join(p for _, p in sent))
+    if not reply.time:
+        return
+    yield Entered(step="timing")
+    yield timed(adapter, prepared, inputs, reply, timer, kv=in_place)
 
 
-def judge(
-    adapter: Adapter,
-    case: PagedCase,
-    device: str,
-    *,
-    truth: Callable[..., tolerance.Expected] = compute_truth,
-    on_step: StepCallback = _ignore_step,
-    probe_nan_tail: bool = True,
-    truth_site: str = "host",
-    device_truth: DeviceTruth = compute_device_truth,
-) -> Verdict:
-    """Check ``adapter`` on ``case`` on ``device`` in this process (see the module
-    docstring): :func:`claims`, :func:`expected_for`, :func:`attempt`,
-    :func:`verdict_of`. For the pytest suites; the runner splits these steps between the
-    implementation's worker and the judging parent, so that nothing the implementation
-    does reaches the truth or the comparison.
+def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
+          timer: Timer, *, kv: bool) -> Timed:
+    """Time ``adapter.run(prepared)`` with ``timer``; before each timed sample
+    ``plan.refresh_calls[i]``, write new values into ``inputs``' own tensors
+    (:func:`~pagedbench.reference.writes.refresh_live` with ``plan.refresh_seeds[i]``: Q,
+    and K and V with ``kv``) and keep a copy of the next call's output, taken as soon as
+    it returns: the outputs the judge checks. What a timed call raises is
+    :attr:`~.messages.Timed.error`."""
+    seeds = dict(zip(plan.refresh_calls, plan.refresh_seeds))
+    kept: list[object] = []
+    armed = [False]
+    device = inputs.device
 
-    Parameters
-    ----------
-    truth : callable
-        ``truth(case, logits_precision=...) -> tolerance.Expected``.
-    on_step : callable
-        ``on_step(party, step)`` before each step.
-    probe_nan_tail : bool
-        Run the NaN-tail probe after a ``stale`` pass.
-    truth_site : str
-        ``"host"``: ``truth(case)``, inputs drawn on the host and moved to ``device``;
-        ``"device"``: inputs drawn on ``device`` (``materialize(on_device=True)``), and
-        ``device_truth(inputs, logits_precision=...)``.
+    def call() -> object:
+        out = adapter.run(prepared)
+        if armed[0]:
+            armed[0] = False
+            kept.append(out.detach().clone() if isinstance(out, torch.Tensor) else out)
+        return out
 
-    Returns
-    -------
-    Verdict
-        Never raises for what the adapter does (``SystemExit`` included); the harness's
-        own faults become ``harness-error``.
+    def between(sample: int) -> None:
+        if sample in seeds:
+            refresh_live(inputs, seeds[sample], kv=kv)
+            synchronize(device)
+            armed[0] = True
 
-    Raises
-    ------
-    ValueError
-        If ``truth_site`` is not one of :data:`~.truth.TRUTH_SITES`.
-    """
-    if truth_site not in TRUTH_SITES:
-        raise ValueError(f"truth_site must be one of {TRUTH_SITES}, got {truth_site!r}")
-    claimed = claims(adapter, case, device, on_step)
-    if claimed.verdict is not None:
-        return claimed.verdict
-    on_step(HARNESS, "truth")
-    try:  # before prepare, so that nothing the adapter does can change it
-        expected = expected_for(case, device, claimed.logits_precision, truth=truth,
-                                truth_site=truth_site, device_truth=device_truth)
-    except Exception as exc:
-        return harness_fault("truth", exc)
-    done = attempt(adapter, case, device, claimed, on_step=on_step,
-                   on_device=truth_site == "device", probe_nan_tail=probe_nan_tail)
-    if done.verdict is not None:
-        return done.verdict
-    on_step(HARNESS, "compare")
-    return verdict_of(case, done, done.out, expected, truth_site)
+    case = inputs.case
+    try:
+        timing = timer(call, between, case)
+        synchronize(device)
+        sent = [encode(out, output_shape(case), case.dtype) for out in kept]
+    except (Exception, SystemExit) as exc:
+        return Timed(error=describe_exception(exc))
+    return Timed(samples_ms=list(timing.samples_ms), method=timing.method,
+                 probe_ms=list(timing.probe_ms),
+                 calls=list(timing.calls) or [1] * len(timing.samples_ms),
+                 outputs=[d for d, _ in sent], payload=b"".join(p for _, p in sent))
 
 
 def nan_tail_output_finite(adapter: Adapter, case: PagedCase, device: str, *,
@@ -355,10 +216,61 @@ def nan_tail_output_finite(adapter: Adapter, case: PagedCase, device: str, *,
     return bool(torch.isfinite(out).all())
 
 
+# In this process ------------------------------------------------------------------------------
+def check(adapter: Adapter, case: PagedCase, device: str, *, truth: Truth = compute_truth,
+          on_step: Callable[[str], None] | None = None, probe_nan_tail: bool = True,
+          truth_site: str = "host", device_truth: DeviceTruth = compute_device_truth,
+          timer: Timer | None = None, samples: int = 1) -> Verdict:
+    """Check ``adapter`` on ``case`` on ``device`` in this process: both sides, as the
+    runner drives them across its pipe (pytest's check).
+
+    Parameters
+    ----------
+    truth, device_truth : callable
+        As :class:`CaseJudge` takes them.
+    on_step : callable
+        ``on_step(step)`` before each step of the implementation's side.
+    probe_nan_tail : bool
+        Run the NaN-tail probe after a ``stale`` pass.
+    truth_site : str
+        ``"host"`` or ``"device"`` (inputs drawn on ``device``).
+    timer : Timer or None
+        Time a pass with it (its timed calls checked); None: no timing.
+
+    Returns
+    -------
+    Verdict
+        Never raises for what the adapter does (``SystemExit`` included).
+
+    Raises
+    ------
+    ValueError
+        If ``truth_site`` is not one of :data:`~.truth.TRUTH_SITES`.
+    """
+    judge = CaseJudge(case, device, site=truth_site, truth=truth, device_truth=device_truth,
+                      timing=timer is not None, samples=samples)
+    side = implementation_side(adapter, case, device, on_device=truth_site == "device",
+                               probe_nan_tail=probe_nan_tail, timer=timer)
+    reply = None
+    while judge.verdict is None:
+        try:
+            message = side.send(reply)
+        except StopIteration:
+            raise AssertionError(f"the implementation's side of {case.case_id} ended "
+                                 "without a conclusion") from None
+        if isinstance(message, Entered):
+            if on_step is not None:
+                on_step(message.step)
+            reply = None
+            continue
+        reply = judge.handle(message)
+    side.close()
+    return judge.verdict
+
+
 def assert_conforms(adapter: Adapter, case: PagedCase, device: str, *,
-                    truth: Callable[..., tolerance.Expected] = compute_truth
-                    ) -> tolerance.Comparison:
-    """:func:`judge` for pytest: the comparison of a pass (``truth`` as for ``judge``).
+                    truth: Truth = compute_truth) -> tolerance.Comparison:
+    """:func:`check` for pytest: the comparison of a pass.
 
     Raises
     ------
@@ -366,7 +278,7 @@ def assert_conforms(adapter: Adapter, case: PagedCase, device: str, *,
         For any other verdict, with the adapter, case id, status, step and reason
         (chained to what the adapter raised, so pytest shows its traceback).
     """
-    verdict = judge(adapter, case, device, truth=truth, probe_nan_tail=False)
+    verdict = check(adapter, case, device, truth=truth, probe_nan_tail=False)
     if verdict.status is not Status.PASS:
         raise AssertionError(
             f"{adapter.name}:{case.case_id}: {verdict.status} in {verdict.step}: "
@@ -374,7 +286,6 @@ def assert_conforms(adapter: Adapter, case: PagedCase, device: str, *,
     return verdict.comparison
 
 
-__all__ = ["CASE_LOGITS_MARK", "HARNESS", "IMPL", "STALE_TAIL_MARK", "Attempt", "Verdict",
-           "assert_conforms", "attempt", "claims", "cu_seqlens_q", "describe_exception",
-           "expected_for", "harness_fault", "inputs_for", "judge", "nan_tail_output_finite", "synchronize",
-           "tail_poison", "verdict_of"]
+__all__ = ["CASE_LOGITS_MARK", "STALE_TAIL_MARK", "Timer", "assert_conforms", "check",
+           "implementation_side", "inputs_for", "nan_tail_output_finite", "synchronize",
+           "tail_poison", "timed"]

@@ -46,6 +46,8 @@ import torch
 
 from pagedbench.reference import (DTYPES, PagedInputs, logit_rounding, reference_attention,
                                   yardstick_attention)
+from pagedbench.reference.lse import reference_lse
+from pagedbench.reference.yardstick import UNIT_ROUNDOFF_FP32
 
 #: k in ``k * yardstick + floor``: FlashAttention's factor for the forward output.
 ERROR_RATIO = 2.0
@@ -65,25 +67,30 @@ class Expected:
     """What an output of one case is judged against, each ``Tensor[total_q, num_q_heads,
     v_head_dim]`` on the CPU: ``truth`` (float64), ``naive`` (the yardstick, case dtype) and
     ``logit_rounding`` (float64, :func:`~pagedbench.reference.logit_rounding`, float32
-    cases only; None adds nothing)."""
+    cases only; None adds nothing); for an implementation that returns its log-sum-exp,
+    ``lse`` and ``lse_scale`` (``Tensor[total_q, num_q_heads]``, float64,
+    :func:`~pagedbench.reference.lse.reference_lse`; None otherwise)."""
 
     truth: torch.Tensor
     naive: torch.Tensor
     logit_rounding: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    lse_scale: torch.Tensor | None = None
 
     @classmethod
     def of(cls, inputs: PagedInputs, logits_precision: str = "float32", *,
-           where_they_are: bool = False) -> Expected:
+           where_they_are: bool = False, with_lse: bool = False) -> Expected:
         """Compute both from ``inputs``, moved to the CPU first or, with
         ``where_they_are``, on their own device (results brought to the CPU); the
         yardstick's logits in ``logits_precision`` (``reference.yardstick_attention``:
         ``"float32"``, or ``"case"`` for an implementation that declares it computes them
-        in the case dtype)."""
+        in the case dtype); ``with_lse``: the log-sum-exp's truth too."""
         there = inputs if where_they_are else inputs.to("cpu")
         truth = reference_attention(there)
         rounding = logit_rounding(there, truth).cpu() if there.case.dtype == "float32" else None
+        lse, lse_scale = reference_lse(there) if with_lse else (None, None)
         return cls(truth.cpu(), yardstick_attention(there, truth, logits_precision).cpu(),
-                   rounding)
+                   rounding, lse, lse_scale)
 
 
 def ulp(magnitude: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -242,6 +249,96 @@ def compare(
         err_over_allowance=ratio,
         worst_index=index,
     )
+
+
+#: Float32 ulps of the LSE's magnitude every row is allowed (its own rounding, the exp
+#: and log of a kernel's online softmax), and how many times the logits' rounding
+#: (``Expected.lse_scale`` units of roundoff) on top.
+LSE_ULP_FLOOR = 16.0
+LSE_ROUNDING_FACTOR = 4.0
+#: Unit roundoff of logits computed in each dtype (an implementation declaring
+#: ``logits_precision="case"`` forms them in the case dtype).
+_LOGITS_ROUNDOFF = {"float32": UNIT_ROUNDOFF_FP32, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+@dataclass(frozen=True)
+class LseComparison:
+    """The log-sum-exp an implementation returned, against the truth.
+
+    Attributes
+    ----------
+    passed : bool
+    reason : str
+        Empty when passed; what failed, with the figures.
+    max_abs_err : float
+        Largest ``|lse - truth|`` over the rows that see a key (``nan`` if misshaped or
+        not finite there).
+    err_over_allowance : float
+        That row's error over its allowance (<= 1 passes).
+    worst_index : tuple[int, int, int] or None
+        ``(sequence, query row in the sequence, head)`` of the binding row.
+    """
+
+    passed: bool
+    reason: str
+    max_abs_err: float
+    err_over_allowance: float
+    worst_index: tuple[int, ...] | None
+
+
+def compare_lse(lse: object, expected: Expected, dtype: str, logits_precision: str,
+                cu_seqlens_q: torch.Tensor) -> LseComparison:
+    """Judge a returned log-sum-exp (``Tensor[total_q, num_q_heads]``, float32, natural
+    log) against ``expected.lse``: every row that sees a key within ``LSE_ULP_FLOOR``
+    float32 ulps of the truth's magnitude plus ``LSE_ROUNDING_FACTOR`` times the logits'
+    rounding (``u * expected.lse_scale``, ``u`` of float32, or of the case dtype for
+    ``logits_precision="case"``). Rows that see no key are not judged (libraries return
+    ``-inf``, ``+inf`` or 0 there).
+
+    Raises
+    ------
+    ValueError
+        If ``expected`` holds no LSE truth.
+    """
+    if expected.lse is None or expected.lse_scale is None:
+        raise ValueError("expected has no LSE truth (Expected.of(..., with_lse=True))")
+    nan = float("nan")
+    truth = expected.lse
+    if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(truth.shape):
+        shape = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
+        return LseComparison(False, f"log-sum-exp is {shape}, not a tensor of shape "
+                             f"{tuple(truth.shape)}", nan, nan, None)
+    seen = torch.isfinite(truth)
+    found = lse.detach().double().cpu()
+    bad = seen & ~torch.isfinite(found)
+    bounds = [int(b) for b in cu_seqlens_q]
+
+    def where(row: int, head: int) -> tuple[int, int, int]:
+        seq = max(s for s in range(len(bounds) - 1) if bounds[s] <= row < bounds[s + 1])
+        return (seq, row - bounds[seq], head)
+
+    if bool(bad.any()):
+        row, head = (int(i) for i in bad.nonzero()[0])
+        return LseComparison(False, f"{int(bad.sum())} non-finite log-sum-exp values where "
+                             f"the row sees a key (first at sequence, row, head "
+                             f"{where(row, head)})", nan, nan, where(row, head))
+    if not bool(seen.any()):
+        return LseComparison(True, "", 0.0, 0.0, None)
+    roundoff = _LOGITS_ROUNDOFF[dtype if logits_precision == "case" else "float32"]
+    allowed = (LSE_ULP_FLOOR * ulp(truth.abs(), "float32")
+               + LSE_ROUNDING_FACTOR * roundoff * expected.lse_scale)
+    error = torch.where(seen, (found - truth).abs(), 0.0)
+    over = torch.where(seen, error / allowed, 0.0)
+    flat = int(over.argmax())
+    row, head = divmod(flat, over.shape[1])
+    ratio, err = float(over[row, head]), float(error[row, head])
+    passed = ratio <= 1.0
+    reason = "" if passed else (
+        f"log-sum-exp at sequence, row, head {where(row, head)}: {float(found[row, head]):.9g} "
+        f"against {float(truth[row, head]):.9g}, error {err:.3g} over its allowance "
+        f"{float(allowed[row, head]):.3g} ({ratio:.3g}x)")
+    return LseComparison(passed, reason, float(error.max()), ratio,
+                         where(row, head) if not passed else None)
 
 
 def assert_close_report(out: object, expected: Expected, dtype: str, label: str,

@@ -28,6 +28,7 @@ refused with the figures.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -35,9 +36,11 @@ import os
 import secrets
 import stat
 import tempfile
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +48,7 @@ import torch
 from pagedbench.reference import (PagedCase, PagedInputs, PagedValueError, materialize,
                                   resolve_device)
 from pagedbench.reference.inputs import device_memory_bytes, footprint_bytes
+from pagedbench.reference.refresh import refresh_live
 
 from pagedbench.harness.verdict.tolerance import Expected
 
@@ -55,6 +59,8 @@ TRUTH_SITES = ("host", "device")
 HOST_TRUTH_FRACTION = 0.25
 #: Bytes of the cache folder's HMAC secret.
 KEY_BYTES = 32
+#: The arrays a cached truth may hold (:class:`~.tolerance.Expected`'s fields).
+_ARRAYS = ("truth", "naive", "logit_rounding", "lse", "lse_scale")
 
 
 def truth_bytes(case: PagedCase) -> int:
@@ -109,26 +115,41 @@ def truth_site(case: PagedCase, device: str, host_bytes: int | None = None) -> s
         f"({budget / 1e9:.3g} GB) and the {total / 1e9:.3g} GB of {resolved}")
 
 
-def compute_truth(case: PagedCase, logits_precision: str = "float32") -> Expected:
+def compute_truth(case: PagedCase, logits_precision: str = "float32", *,
+                  with_lse: bool = False, refresh_seed: int | None = None,
+                  refresh_kv: bool = False) -> Expected:
     """The truth and yardstick of ``case`` (logits of the yardstick in
-    ``logits_precision``), computed on the CPU (no cache)."""
-    return Expected.of(materialize(case, "cpu"), logits_precision)
+    ``logits_precision``; ``with_lse``: the log-sum-exp's truth too), computed on the CPU
+    (no cache); with ``refresh_seed``, of its inputs after
+    :func:`~pagedbench.reference.writes.refresh_live` with that seed (of Q, and of K and
+    V with ``refresh_kv``: what timed calls are checked on)."""
+    inputs = materialize(case, "cpu")
+    if refresh_seed is not None:
+        refresh_live(inputs, refresh_seed, kv=refresh_kv)
+    return Expected.of(inputs, logits_precision, with_lse=with_lse)
 
 
-def cache_key(case: PagedCase, logits_precision: str = "float32") -> str:
-    """SHA-256 (hex) of the case, the yardstick's logits precision, the reference's source
-    and the torch version."""
+def cache_key(case: PagedCase, logits_precision: str = "float32", *, with_lse: bool = False,
+              refresh_seed: int | None = None, refresh_kv: bool = False) -> str:
+    """SHA-256 (hex) of the case, the yardstick's logits precision, whether the LSE is
+    held, the refresh, the reference's source and the torch version."""
     digest = hashlib.sha256(json.dumps(case.to_dict(), sort_keys=True).encode())
     digest.update(logits_precision.encode())
+    if with_lse:
+        digest.update(b"lse")
+    if refresh_seed is not None:
+        digest.update(f"refresh={refresh_seed},{refresh_kv}".encode())
     for source in sorted(_REFERENCE_DIR.glob("*.py")):
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()
 
 
-def cache_path(case: PagedCase, cache_dir: Path, logits_precision: str = "float32") -> Path:
-    """Where the truth of ``case`` is cached under ``cache_dir``."""
-    return Path(cache_dir) / "truth" / f"{cache_key(case, logits_precision)[:32]}.npz"
+def cache_path(case: PagedCase, cache_dir: Path, logits_precision: str = "float32",
+               **variant: Any) -> Path:
+    """Where the truth of ``case`` is cached under ``cache_dir`` (``variant``: the
+    keywords of :func:`cache_key`)."""
+    return Path(cache_dir) / "truth" / f"{cache_key(case, logits_precision, **variant)[:32]}.npz"
 
 
 def _open_regular(path: Path):
@@ -196,7 +217,7 @@ def _mac(secret: bytes, key: str, arrays: dict[str, np.ndarray]) -> str:
 
 
 def _load(path: Path, case: PagedCase, key: str, secret: bytes,
-          q: torch.Tensor | None = None) -> Expected:
+          q: torch.Tensor | None = None, with_lse: bool = False) -> Expected:
     """The cached truth at ``path``; raises (ValueError, OSError, KeyError, ...) when the
     file is not exactly what :func:`_save` writes for ``case`` under ``secret`` (a pickle is
     refused by ``allow_pickle=False`` before anything of it runs), or, with ``q``, when its
@@ -204,27 +225,27 @@ def _load(path: Path, case: PagedCase, key: str, secret: bytes,
     shape = (case.total_q, case.num_q_heads, case.v_head_dim)
     with _open_regular(path) as f, np.load(f, allow_pickle=False) as saved:
         stored_key, stored_mac = str(saved["key"]), str(saved["mac"])
-        arrays = {name: saved[name] for name in ("truth", "naive", "logit_rounding", "q")
-                  if name in saved}
+        arrays = {name: saved[name] for name in (*_ARRAYS, "q") if name in saved}
     if q is not None and not np.array_equal(arrays.get("q"), q.float().cpu().numpy()):
         raise ValueError("its Q is not these inputs' (the device drew other values)")
     if stored_key != key:
         raise ValueError(f"stored key {stored_key[:12]}... is not this case's {key[:12]}...")
     if not hmac.compare_digest(stored_mac, _mac(secret, key, arrays)):
         raise ValueError("its HMAC does not match its values (not written by this cache)")
-    wanted = {"truth": np.float64, "naive": np.float32}
+    wanted = {"truth": (np.float64, shape), "naive": (np.float32, shape)}
     if case.dtype == "float32":  # the policy's logit-rounding term is float32's only
-        wanted["logit_rounding"] = np.float64
+        wanted["logit_rounding"] = (np.float64, shape)
+    if with_lse:
+        wanted |= dict.fromkeys(("lse", "lse_scale"), (np.float64, shape[:2]))
     if set(arrays) - {"q"} != set(wanted):
         raise ValueError(f"arrays {sorted(arrays)} are not {sorted(wanted)} (and q)")
-    for name, dtype in wanted.items():
-        if arrays[name].dtype != dtype or arrays[name].shape != shape:
+    for name, (dtype, want) in wanted.items():
+        if arrays[name].dtype != dtype or arrays[name].shape != want:
             raise ValueError(f"{name} is {arrays[name].dtype} {arrays[name].shape}, not "
-                             f"{np.dtype(dtype)} {shape}")
-    rounding = arrays.get("logit_rounding")
-    return Expected(torch.from_numpy(arrays["truth"]),
-                    torch.from_numpy(arrays["naive"]).to(case.torch_dtype),
-                    None if rounding is None else torch.from_numpy(rounding))
+                             f"{np.dtype(dtype)} {want}")
+    tensors = {name: torch.from_numpy(array) for name, array in arrays.items() if name != "q"}
+    tensors["naive"] = tensors["naive"].to(case.torch_dtype)
+    return Expected(**tensors)
 
 
 def _save(path: Path, key: str, secret: bytes, found: Expected,
@@ -232,8 +253,9 @@ def _save(path: Path, key: str, secret: bytes, found: Expected,
     """Write ``found`` (and ``q``, when given), signed with ``secret``, atomically. The
     yardstick and Q are stored as float32, which holds fp16 and bf16 values exactly."""
     arrays = {"truth": found.truth.numpy(), "naive": found.naive.float().numpy()}
-    if found.logit_rounding is not None:
-        arrays["logit_rounding"] = found.logit_rounding.double().numpy()
+    for name in ("logit_rounding", "lse", "lse_scale"):
+        if getattr(found, name) is not None:
+            arrays[name] = getattr(found, name).double().numpy()
     if q is not None:
         arrays["q"] = q.float().cpu().numpy()
     mac = _mac(secret, key, arrays)
@@ -242,7 +264,7 @@ def _save(path: Path, key: str, secret: bytes, found: Expected,
 
 
 def _cached(path: Path, case: PagedCase, key: str, compute: Callable[[], Expected],
-            q: torch.Tensor | None = None) -> Expected:
+            q: torch.Tensor | None = None, with_lse: bool = False) -> Expected:
     """The truth stored at ``path`` when it is ``case``'s under ``key`` (and of ``q``) and
     signed by this cache's secret; otherwise ``compute()``, stored there. A file that
     cannot be read as this case's truth is replaced, with a warning naming it; one that
@@ -250,7 +272,7 @@ def _cached(path: Path, case: PagedCase, key: str, compute: Callable[[], Expecte
     secret = cache_secret(path.parent.parent)
     if os.path.lexists(path):
         try:
-            return _load(path, case, key, secret, q)
+            return _load(path, case, key, secret, q, with_lse)
         except Exception as exc:  # any unusable file is recomputed, never fatal
             warnings.warn(f"truth cache {path} is unusable ({type(exc).__name__}: {exc}); "
                           "recomputing it", stacklevel=3)
@@ -263,18 +285,22 @@ def _cached(path: Path, case: PagedCase, key: str, compute: Callable[[], Expecte
     return found
 
 
-def truth_for(case: PagedCase, cache_dir: Path, logits_precision: str = "float32") -> Expected:
-    """The truth and yardstick of ``case``, from the cache when a valid file is there;
-    otherwise computed and cached (:func:`_cached`)."""
-    return _cached(cache_path(case, cache_dir, logits_precision), case,
-                   cache_key(case, logits_precision),
-                   lambda: compute_truth(case, logits_precision))
+def truth_for(case: PagedCase, cache_dir: Path, logits_precision: str = "float32", *,
+              with_lse: bool = False, refresh_seed: int | None = None,
+              refresh_kv: bool = False) -> Expected:
+    """:func:`compute_truth`, from the cache when a valid file is there; otherwise
+    computed and cached (:func:`_cached`)."""
+    variant = {"with_lse": with_lse, "refresh_seed": refresh_seed, "refresh_kv": refresh_kv}
+    return _cached(cache_path(case, cache_dir, logits_precision, **variant), case,
+                   cache_key(case, logits_precision, **variant),
+                   lambda: compute_truth(case, logits_precision, **variant), with_lse=with_lse)
 
 
-def compute_device_truth(inputs: PagedInputs, logits_precision: str = "float32") -> Expected:
+def compute_device_truth(inputs: PagedInputs, logits_precision: str = "float32", *,
+                         with_lse: bool = False) -> Expected:
     """The truth and yardstick of ``inputs`` computed on their device, sequence by
     sequence, brought back to the host (``[total_q, num_q_heads, head_dim]`` each)."""
-    return Expected.of(inputs, logits_precision, where_they_are=True)
+    return Expected.of(inputs, logits_precision, where_they_are=True, with_lse=with_lse)
 
 
 def device_name(device: torch.device) -> str:
@@ -286,20 +312,62 @@ def device_name(device: torch.device) -> str:
 
 
 def device_truth_for(inputs: PagedInputs, cache_dir: Path,
-                     logits_precision: str = "float32") -> Expected:
+                     logits_precision: str = "float32", *, with_lse: bool = False) -> Expected:
     """:func:`compute_device_truth` of ``inputs`` (drawn with ``on_device=True``), cached
     under ``cache_dir`` by case, logits precision, reference, torch and device name; a
     stored file is used only when its Q equals ``inputs.q``."""
     case = inputs.case
-    digest = hashlib.sha256(cache_key(case, logits_precision).encode())
+    digest = hashlib.sha256(cache_key(case, logits_precision, with_lse=with_lse).encode())
     digest.update(device_name(inputs.device).encode())
     key = digest.hexdigest()
     path = Path(cache_dir) / "truth" / f"device-{key[:32]}.npz"
-    return _cached(path, case, key, lambda: compute_device_truth(inputs, logits_precision),
-                   inputs.q)
+    return _cached(path, case, key,
+                   lambda: compute_device_truth(inputs, logits_precision, with_lse=with_lse),
+                   inputs.q, with_lse)
+
+
+#: One :func:`judging_state` at a time in this process: a judge thread left running past
+#: its harness timeout still holds the state, so the next case's thread waits for it
+#: (inside its own budget) instead of saving the first one's settings as "previous" and
+#: restoring them over the caller's.
+_JUDGING = threading.Lock()
+
+
+@contextlib.contextmanager
+def judging_state() -> Iterator[None]:
+    """Judge with torch's defaults, whatever this process had set, restored after:
+    ``float32`` matmul precision ``"highest"`` (no TF32), default dtype float32, denormals
+    kept in the judging thread (no flush to zero; left so after), reduced-precision
+    fp16/bf16 reductions at their defaults. Held by one thread at a time.
+
+    The intra-op thread count is left alone: ``torch.set_num_threads`` from a helper
+    thread sets the count every thread started later takes, and the truth does not
+    depend on it (the yardstick's bits are the same at 1 and 2 threads:
+    suites/harness/test_yardstick_orders.py)."""
+    with _JUDGING:
+        matmul = torch.backends.cuda.matmul
+        saved = (torch.get_float32_matmul_precision(), torch.get_default_dtype(),
+                 matmul.allow_fp16_reduced_precision_reduction,
+                 matmul.allow_bf16_reduced_precision_reduction, torch.backends.cudnn.allow_tf32)
+        torch.set_flush_denormal(False)  # the previous mode cannot be read back: left off
+        torch.set_float32_matmul_precision("highest")
+        torch.set_default_dtype(torch.float32)
+        matmul.allow_fp16_reduced_precision_reduction = True
+        matmul.allow_bf16_reduced_precision_reduction = True
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            yield
+        finally:
+            precision, dtype, fp16, bf16, cudnn_tf32 = saved
+            torch.set_float32_matmul_precision(precision)
+            torch.set_default_dtype(dtype)
+            matmul.allow_fp16_reduced_precision_reduction = fp16
+            matmul.allow_bf16_reduced_precision_reduction = bf16
+            torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
 __all__ = ["HOST_TRUTH_FRACTION", "KEY_BYTES", "TRUTH_SITES", "cache_key", "cache_path",
            "cache_secret",
            "compute_device_truth", "compute_truth", "device_name", "device_truth_for",
-           "fits_host", "host_budget_bytes", "truth_bytes", "truth_for", "truth_site"]
+           "fits_host", "host_budget_bytes", "judging_state", "truth_bytes", "truth_for",
+           "truth_site"]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedbench.harness.verdict.conformance import judge
+from pagedbench.harness.verdict.conformance import check
 from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase
 
@@ -70,13 +70,13 @@ def library(follow_table: bool) -> types.ModuleType:
 def test_readme_adapter_passes_with_a_correct_library(monkeypatch) -> None:
     adapter = load_adapter(monkeypatch, library(follow_table=True))
     assert adapter.available("cpu").ok
-    verdict = judge(adapter, CASE, "cpu", probe_nan_tail=False)
+    verdict = check(adapter, CASE, "cpu", probe_nan_tail=False)
     assert verdict.status is Status.PASS, verdict.reason
 
 
 def test_readme_adapter_fails_with_a_library_that_ignores_the_block_table(monkeypatch) -> None:
     adapter = load_adapter(monkeypatch, library(follow_table=False))
-    verdict = judge(adapter, CASE, "cpu", probe_nan_tail=False)
+    verdict = check(adapter, CASE, "cpu", probe_nan_tail=False)
     assert verdict.status is Status.FAIL
 
 

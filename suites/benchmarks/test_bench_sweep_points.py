@@ -7,7 +7,7 @@
 ``PAGEDBENCH_BENCH_DEVICE`` (``cpu`` by default); the implementations are
 ``harness.run.bench.CPU_IMPLS`` on the CPU, every built-in elsewhere.
 
-Each item first checks the point for conformance (``harness.verdict.conformance.judge``, as the
+Each item first checks the point for conformance (``harness.verdict.conformance.check``, as the
 bench command does): a point that does not pass fails the item and is never timed;
 unsupported or unavailable points are skipped with the reason. The harness timer
 (``harness.measure.timing``: ``torch.utils.benchmark`` on the CPU, ``do_bench``/CUDA graphs on a
@@ -72,12 +72,12 @@ def test_sweep_point(benchmark, adapters, impl, case) -> None:
     if impl not in adapters:
         adapters[impl] = load(BUILTIN[impl])
     adapter = adapters[impl]
-    verdict = conformance.judge(adapter, case, DEVICE)
+    verdict = conformance.check(adapter, case, DEVICE)
     if verdict.status in (Status.UNSUPPORTED, Status.UNAVAILABLE):
         pytest.skip(f"{impl}: {verdict.status}: {verdict.reason}")
     assert verdict.status is Status.PASS, f"{impl} on {case.case_id}: {verdict.status}: " \
         f"{verdict.reason} (a point that does not pass is never timed)"
-    timing = _time(adapter, verdict.prepared)
+    timing = _time(adapter, adapter.prepare(conformance.inputs_for(adapter, case, DEVICE)))
     _medians[impl, case.case_id] = timing.median_ms
     contiguous = next((c for c in CASES if c.name == case.name and c.dtype == case.dtype
                        and c.tag == CONTIGUOUS_TAG), None)

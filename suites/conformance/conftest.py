@@ -13,13 +13,13 @@ selftest`` reads it).
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
 
-from pagedbench.adapters import Adapter, entries, load
+from pagedbench.adapters import Adapter
 from pagedbench.suites import budget, plugin
+from pagedbench.suites.implementations import available_adapter, mark_compilers_nightly
 
 #: The device the suite checks on (``--pagedbench-device``), fixed when this is imported.
 DEVICE = plugin.early_device()
@@ -31,28 +31,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark ``nightly`` this folder's tests of a built-in that compiles each new shape
-    (seconds a case: FlexAttention's ``torch.compile``; its search's fewest examples take
-    2 minutes of a core): ``make test`` leaves them out (``-m "not nightly"``), keeping its
-    own cases and the saved ones; every other run keeps them."""
-    here = Path(__file__).parent
-    for item in items:
-        impl = getattr(item, "callspec", None) and item.callspec.params.get("impl")
-        if impl and item.path.parent == here and _compiles_per_shape(impl):
-            item.add_marker(pytest.mark.nightly)
-
-
-@functools.cache
-def _compiles_per_shape(impl: str) -> bool:
-    """For a built-in (a plug-in is imported only when its first test runs)."""
-    builtin = next(e.builtin for e in entries() if e.name == impl)
-    return builtin and _load(impl).compiles_per_shape
-
-
-@functools.cache
-def _load(impl: str) -> Adapter:
-    target = next(e.target for e in entries() if e.name == impl)
-    return load(target)
+    """This folder's tests of a built-in that compiles each new shape are ``nightly``
+    (its search's fewest examples take 2 minutes of a core); its own cases and the saved
+    ones still run."""
+    mark_compilers_nightly(items, Path(__file__).parent)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -65,11 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture
 def adapter(impl: str) -> Adapter:
     """The adapter under test; skipped (with the reason) when it cannot run here."""
-    instance = _load(impl)
-    availability = instance.available(DEVICE)
-    if not availability.ok:
-        pytest.skip(f"{impl} unavailable on {DEVICE}: {availability.reason}")
-    return instance
+    return available_adapter(impl, DEVICE)
 
 
 #: ``(impl, examples, seconds used, seconds of budget, runs)`` of each search this

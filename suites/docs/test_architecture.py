@@ -111,3 +111,25 @@ def test_harness_layers_match_the_page() -> None:
                     and here[2] != there[2] and layer[there[2]] >= layer[here[2]]):
                 upward.append(f"{module} -> {target}")
     assert sorted(upward) == [], "imports of a sub-package of the same or a higher layer"
+
+
+#: Most harness modules one case may pass through on its way to the leaderboard.
+CASE_PATH_MODULES = 12
+
+
+def test_the_path_of_one_case_is_the_code() -> None:
+    """The page's path of one case (between its ``case-path`` markers) names at most
+    :data:`CASE_PATH_MODULES` modules, each a module of the checkout that imports, or is
+    imported by, a module before it on the path: a module the case crosses that the page
+    leaves out, or one it names that is not on the way, shows here."""
+    text = PAGE.read_text()
+    section = text[text.index("<!-- case-path -->"):text.index("<!-- /case-path -->")]
+    path = re.findall(r"^\d+\. `([^`]+\.py)`", section, flags=re.M)
+    assert 0 < len(path) <= CASE_PATH_MODULES, path
+    graph = _imports()
+    names = ["pagedbench." + p.removesuffix(".py").replace("/", ".") for p in path]
+    assert [n for n in names if n not in graph] == [], "the path names no such module"
+    unlinked = [b for i, b in enumerate(names[1:], 1)
+                if not any(b in graph[a] or a in graph[b] for a in names[:i])]
+    assert unlinked == [], "modules of the path that no module before them imports or is "\
+                           "imported by"

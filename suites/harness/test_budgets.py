@@ -14,7 +14,7 @@ import torch
 
 from pagedbench.harness.results.record import Environment, ResultRecord
 from pagedbench.harness.results.store import environment
-from pagedbench.harness.run import judge
+from pagedbench.harness.run import runner
 from pagedbench.harness.run.runner import RunConfig, run_target
 from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase
@@ -49,13 +49,13 @@ TRUTH_DELAY_S = 3.0
 @pytest.fixture
 def slow_truth(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every truth the judge (this process) computes takes :data:`TRUTH_DELAY_S` more."""
-    original = judge.truth_for
+    original = runner.truth_for
 
-    def slowed(case, cache_dir, logits_precision="float32"):
+    def slowed(case, cache_dir, logits_precision="float32", **variant):
         time.sleep(TRUTH_DELAY_S)
-        return original(case, cache_dir, logits_precision)
+        return original(case, cache_dir, logits_precision, **variant)
 
-    monkeypatch.setattr(judge, "truth_for", slowed)
+    monkeypatch.setattr(runner, "truth_for", slowed)
 
 
 def test_the_truth_is_not_charged_to_the_implementation(tmp_path, slow_truth) -> None:

@@ -18,7 +18,7 @@ import torch
 from pagedbench.adapters import entries, load
 from pagedbench.harness import cli
 from pagedbench.harness.cases.workloads import grid_workload
-from pagedbench.harness.verdict import conformance, truth
+from pagedbench.harness.verdict import conformance, judging, truth
 from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase, PagedValueError, materialize
 
@@ -44,7 +44,7 @@ def _target(name: str) -> str:
     return {e.name: e.target for e in entries()}[name]
 
 
-def _figures(verdict: conformance.Verdict) -> dict:
+def _figures(verdict: judging.Verdict) -> dict:
     """The comparison's fields, NaN as None (so that equal figures compare equal)."""
     return {k: None if isinstance(v, float) and math.isnan(v) else v
             for k, v in dataclasses.asdict(verdict.comparison).items()}
@@ -62,8 +62,8 @@ def test_inputs_drawn_on_the_cpu_device_are_the_hosts(case: PagedCase) -> None:
 @pytest.mark.parametrize("case", [DECODE, RAGGED], ids=lambda c: c.case_id)
 def test_device_truth_gives_the_host_verdict_and_figures(name: str, case: PagedCase) -> None:
     adapter = load(_target(name))
-    host = conformance.judge(adapter, case, "cpu")
-    device = conformance.judge(adapter, case, "cpu", truth_site="device")
+    host = conformance.check(adapter, case, "cpu")
+    device = conformance.check(adapter, case, "cpu", truth_site="device")
     assert (host.status, device.status) == (Status.PASS, Status.PASS), (host, device)
     assert (host.truth_site, device.truth_site) == ("host", "device")
     assert _figures(device) == _figures(host)
@@ -73,8 +73,8 @@ def test_device_truth_gives_the_host_verdict_and_figures(name: str, case: PagedC
 @pytest.mark.parametrize("name", list(WRONG))
 def test_device_truth_fails_a_wrong_implementation(name: str) -> None:
     adapter = load(WRONG[name])
-    host = conformance.judge(adapter, DECODE, "cpu")
-    device = conformance.judge(adapter, DECODE, "cpu", truth_site="device")
+    host = conformance.check(adapter, DECODE, "cpu")
+    device = conformance.check(adapter, DECODE, "cpu", truth_site="device")
     assert (host.status, device.status) == (Status.FAIL, Status.FAIL), (host, device)
     assert device.step == "compare" and device.reason == host.reason
     assert _figures(device) == _figures(host)

@@ -19,8 +19,10 @@ from pagedbench.harness.results.record import ResultRecord, RunRecord
 from pagedbench.harness.results.store import ResultsFile, read_lines
 from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.protocol import Cancelled, Supervisor
-from pagedbench.harness.run.runner import EVALUATE_STEPS, Interrupted, make_plan, missing, run
-from pagedbench.harness.run.spread import DeviceSlot, check_devices, device_slots
+from pagedbench.harness.run.runner import Interrupted, make_plan, missing, run
+from pagedbench.harness.verdict.messages import JOB_STEPS
+from pagedbench.harness.run.config import check_devices
+from pagedbench.harness.run.spread import DeviceSlot, device_slots
 from pagedbench.reference import PagedCase, PagedValueError
 
 from .conftest import BROKEN, FAULTS
@@ -104,7 +106,7 @@ def test_gpu_slots_pin_each_worker_and_judge_on_the_same_gpu() -> None:
 
 def test_a_cancelled_supervisor_starts_no_worker() -> None:
     supervisor = Supervisor({"kind": "list", "device": "cpu", "entries": []}, dict(os.environ),
-                            {"impl": 5.0}, EVALUATE_STEPS)
+                            {"impl": 5.0}, JOB_STEPS["evaluate"])
     supervisor.cancel()
     with pytest.raises(Cancelled):
         supervisor.run(lambda message: None)

@@ -159,8 +159,8 @@ def test_sweep_coverage_lists_pairs_not_run(tmp_path: Path) -> None:
     """A sweep stopped at its budget: the planned (implementation, point) pairs without a
     result are what did not run; the points bench left out come from its start record."""
     from pagedbench.harness.results.record import SCHEMA_VERSION, RunRecord, now
-    from pagedbench.harness.run.records import result_record
-    from pagedbench.harness.run.runner import RunConfig, make_plan
+    from pagedbench.harness.results.outcome import result_record
+    from pagedbench.harness.run.runner import make_plan
     from pagedbench.harness.verdict.status import Status
     from pagedbench.harness.results.store import ResultsFile
 
@@ -174,8 +174,9 @@ def test_sweep_coverage_lists_pairs_not_run(tmp_path: Path) -> None:
 
     env = Environment.model_validate(store.environment("cpu") | {"threads": 1})
     for case in cases[:3]:
-        results.append(result_record(run_id="r", env=env, config=RunConfig(), name="a",
-                                     target="x:A", case=case, status=Status.UNSUPPORTED))
+        results.append(result_record(run_id="r", env=env, suite="default", device="cpu",
+                                     name="a", target="x:A", case=case,
+                                     status=Status.UNSUPPORTED))
     coverage = sweep.sweep_coverage(tmp_path / "sweep.jsonl")
     assert coverage == {"not_run": [f"a:{cases[3].case_id}",
                                     *(f"b:{c.case_id}" for c in cases)],

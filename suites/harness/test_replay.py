@@ -80,7 +80,7 @@ def test_replay_reproduces_a_failure_from_its_result_line(tmp_path):
 
     bare = Path(record.reason.rsplit("pagedbench replay ", 1)[1].split()[0])
     assert replay.load(bare).case == CASE
-    assert str(conformance.judge(load(CONTROL_TARGET), CASE, "cpu").status) == "pass"
+    assert str(conformance.check(load(CONTROL_TARGET), CASE, "cpu").status) == "pass"
 
 
 def test_replay_of_a_bare_case_needs_an_implementation(tmp_path, capsys):

@@ -214,7 +214,7 @@ def test_reordered_references_pass_every_probe(adapter: Reordered) -> None:
     assert len(cases) == len(PROBES) + 1 - left_out
     failed = []
     for case in cases:
-        verdict = conformance.judge(adapter, case, "cpu", probe_nan_tail=False)
+        verdict = conformance.check(adapter, case, "cpu", probe_nan_tail=False)
         if verdict.status is not Status.PASS:
             failed.append(f"{case.name}: {verdict.status} {verdict.reason}")
     assert not failed, failed

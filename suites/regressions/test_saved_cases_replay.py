@@ -42,7 +42,7 @@ def test_finder_still_gets_its_status(path: Path) -> None:
     adapter = load(TARGETS[saved["impl"]])
     if not adapter.available("cpu").ok:
         pytest.skip(f"{saved['impl']} unavailable here")
-    verdict = conformance.judge(adapter, PagedCase.from_dict(saved["case"]), "cpu")
+    verdict = conformance.check(adapter, PagedCase.from_dict(saved["case"]), "cpu")
     assert str(verdict.status) == saved["status"], (saved, verdict.reason)
 
 

@@ -64,21 +64,21 @@ class PatchesExpectedOf(_Zeros):
 
 
 class PatchesResultRecord(_Zeros):
-    """Replaces ``records.result_record`` with one that records every verdict as a pass."""
+    """Replaces ``outcome.result_record`` with one that records every verdict as a pass."""
 
     name = "patches-result-record"
 
     def __init__(self) -> None:
-        from pagedbench.harness.run import records
+        from pagedbench.harness.results import outcome
         from pagedbench.harness.verdict.status import Status
 
-        real = records.result_record
+        real = outcome.result_record
 
         def passes(**fields):
             fields.update(status=Status.PASS, reason="", step=None)
             return real(**fields)
 
-        records.result_record = passes
+        outcome.result_record = passes
 
 
 class ZeroesTheTruth(_Zeros):
@@ -132,7 +132,7 @@ class ForgesTheCompareStep(_Zeros):
         self.item = 0
 
     def run(self, prepared):
-        _forge(b'{"kind": "step", "item": %d, "party": "harness", "step": "compare"}\n'
+        _forge(b'{"kind": "step", "item": %d, "step": "compare"}\n'
                % self.item)
         self.item += 1
         time.sleep(3600)
@@ -149,7 +149,7 @@ class AlternatesItems(_Zeros):
     def run(self, prepared):
         while True:
             for item in self.ITEMS:
-                _forge(b'{"kind": "step", "item": %d, "party": "impl", "step": "run"}\n'
+                _forge(b'{"kind": "step", "item": %d, "step": "run"}\n'
                        % item)
                 time.sleep(0.2)
 

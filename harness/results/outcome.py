@@ -1,7 +1,7 @@
-"""The records a run writes for each (implementation, case): :func:`result_record`
-(status, verdict figures, timing, roofline, environment), the status a worker's fault
-costs the case in flight (:func:`fault_outcome`), and the listing row of an
-implementation that could not answer (:func:`error_row`)."""
+"""From a check's verdict to its results line: :func:`result_record` adds the case's
+derived figures (bytes moved, FLOPs, bandwidth, fractions of the device's peaks, the
+roofline floor) and the environment to the verdict's status, figures and timing, and
+validates the line (:class:`~.record.ResultRecord`)."""
 
 from __future__ import annotations
 
@@ -12,28 +12,36 @@ from pagedbench.harness.measure.timing import Timing, bytes_moved, flops, roofli
 from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Environment,
                                                ListingRow, ResultRecord, comparison_figures,
                                                now)
-from pagedbench.harness.run.config import RunConfig
-from pagedbench.harness.run.protocol import Fault
-from pagedbench.harness.verdict import conformance
+from pagedbench.harness.verdict.judging import Verdict
 from pagedbench.harness.verdict.status import Status
 
 
+def timing_of(verdict: Verdict | None) -> Timing | None:
+    """The :class:`~pagedbench.harness.measure.timing.Timing` of a verdict's checked
+    timing (None when it has none)."""
+    timed = verdict.timing if verdict is not None else None
+    if timed is None:
+        return None
+    return Timing(tuple(timed.samples_ms), timed.method, tuple(timed.probe_ms))
+
+
 def result_record(
-    *, run_id: str, env: Environment, config: RunConfig, name: str, target: str,
+    *, run_id: str, env: Environment, suite: str, device: str, name: str, target: str,
     case: PagedCase, status: Status, reason: str = "", step: str | None = None,
-    row: ListingRow | None = None, verdict: conformance.Verdict | None = None,
+    row: ListingRow | None = None, verdict: Verdict | None = None,
     timing: Timing | None = None, peaks: DevicePeaks | None = None, truth: str | None = None,
 ) -> ResultRecord:
     """The result line of ``name`` on ``case``; ``row`` is what the implementation said
-    when it loaded (version, details, interpreted), ``verdict`` its check, ``peaks``
-    what the device sustained (for fractions of peak and the roofline floor), ``truth``
-    where its truth was computed (``"host"`` or ``"device"``).
+    when it loaded (version, details, interpreted), ``verdict`` its check (whose timing
+    is used unless ``timing`` is given), ``peaks`` what the device sustained (for
+    fractions of peak and the roofline floor), ``truth`` where its truth was computed.
 
     Raises
     ------
     pydantic.ValidationError
         If something the adapter returned (``describe()``) is not JSON data.
     """
+    timing = timing or timing_of(verdict)
     seconds = timing.median_ms / 1e3 if timing else 0.0
     moved, work = bytes_moved(case), flops(case)
     gbps = moved / seconds / 1e9 if seconds > 0 else None
@@ -43,10 +51,10 @@ def result_record(
     if verdict is not None:
         details |= verdict.details
     return ResultRecord.model_validate(dict(
-        kind="result", schema_version=SCHEMA_VERSION, run_id=run_id, suite=config.suite,
+        kind="result", schema_version=SCHEMA_VERSION, run_id=run_id, suite=suite,
         impl=name, impl_target=target, impl_version=row.version if row else "",
         impl_details=details, case_id=case.case_id, case=case.to_dict(),
-        **workload_fields(case, config.suite), device=config.device,
+        **workload_fields(case, suite), device=device,
         status=status, reason=reason, step=step,
         **comparison_figures(verdict.comparison if verdict else None),
         time_ms=timing.to_dict() if timing else None,
@@ -67,26 +75,4 @@ def result_record(
     ), context={"case": case})
 
 
-def fault_outcome(fault: Fault, config: RunConfig) -> tuple[Status, str]:
-    """Status and reason of the item a :class:`~.protocol.Fault` hit, charged to its party."""
-    if fault.party == conformance.IMPL:
-        if fault.kind == "timeout":
-            return Status.TIMEOUT, (f"{fault.step} took longer than {config.case_timeout_s:g} s "
-                                    "(--case-timeout)")
-        if fault.kind == "crash":
-            return Status.CRASH, f"worker {fault.detail} during {fault.step}"
-        return Status.ERROR, f"worker {fault.detail} during {fault.step}"
-    budget = f"{config.harness_timeout_s:g} s (--harness-timeout)"
-    detail = f"took longer than {budget}" if fault.kind == "timeout" else f"worker {fault.detail}"
-    return (Status.HARNESS_ERROR,
-            f"pagedbench's {fault.step}: {detail}; not the implementation's fault")
-
-
-def error_row(name: str, target: str, status: str, reason: str) -> ListingRow:
-    """The listing row of an implementation that could not answer: ``status`` (``error``,
-    ``crash``, ``timeout``) and why."""
-    return ListingRow(name=name, target=target, status=status, description="", available=False,
-                      reason=reason, version="", details={}, interpreted=None, capabilities=None)
-
-
-__all__ = ["error_row", "fault_outcome", "result_record"]
+__all__ = ["result_record", "timing_of"]

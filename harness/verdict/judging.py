@@ -1,0 +1,374 @@
+"""The judge's side of a conformance check (``conformance.py`` has the implementation's
+side): :class:`CaseJudge` answers each message of the implementation's side with one
+handler per message type. It computes the truth before the implementation draws its
+inputs (so nothing the adapter does reaches it), compares the output (and the LSE of an
+implementation that returns one) under the tolerance policy, plans which timed samples
+get new inputs written into their buffers and judges those calls' outputs, refuses a
+timing whose calls cannot fit in the wall time it took or whose process kept computing
+after its last call returned, and concludes a :class:`Verdict`, the one result type from
+the check to the results line.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedbench.reference import PagedCase, materialize
+
+from pagedbench.harness.verdict import tolerance
+from pagedbench.harness.verdict.messages import (Concluded, Go, Message, Output, Ready, TimeIt,
+                                                 Timed, decode, lse_shape, output_shape,
+                                                 split_payload)
+from pagedbench.harness.verdict.status import Status
+from pagedbench.harness.verdict.truth import (TRUTH_SITES, compute_device_truth, compute_truth,
+                                              judging_state)
+
+#: Timed calls preceded by new inputs: the first timed sample always (work done in
+#: ``prepare`` or during warm-up shows there), and this many more at random samples.
+EXTRA_REFRESHES = 2
+#: Seconds the judge watches the implementation's process after its timing: it must use
+#: at most :data:`IDLE_CPU_SHARE` of one core then (no thread still computing).
+IDLE_WINDOW_S = 0.1
+IDLE_CPU_SHARE = 0.5
+#: Timing methods that take their samples inside a library call (Triton's ``do_bench``),
+#: so that new inputs are written before the first sample only.
+REFRESHED_ONCE = frozenset({"cuda_events", "cuda_graph"})
+
+#: ``truth(case, *, logits_precision, with_lse, refresh_seed) -> Expected``.
+Truth = Callable[..., tolerance.Expected]
+#: ``device_truth(inputs, *, logits_precision, with_lse) -> Expected``.
+DeviceTruth = Callable[..., tolerance.Expected]
+
+
+class Refused(Exception):
+    """A message the judge cannot accept now (the implementation's fault)."""
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message (file:line)`` of where ``exc`` was raised."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one adapter on one case, from the check to the results line.
+
+    Attributes
+    ----------
+    status : Status
+    reason : str
+        Why, for anything but ``pass``.
+    step : str or None
+        The step a non-pass outcome arose in.
+    comparison : tolerance.Comparison or None
+        The output's figures, once compared.
+    lse : tolerance.LseComparison or None
+        The log-sum-exp's, for an implementation that returns it.
+    tail_poison, logits_precision : str or None
+        What the implementation declared (``"nan"``/``"stale"``, ``"float32"``/``"case"``).
+    truth_site : str or None
+        Where the truth was computed (``"host"`` or ``"device"``), once it was.
+    details : dict
+        What ``describe()`` returned (JSON data).
+    nan_tail_output_finite : bool or None
+        For a ``stale`` pass: whether the output stays finite with NaN tails after all.
+    timing : Timed or None
+        The timing of a pass whose timed calls were checked.
+    exception : BaseException or None
+        What the adapter raised (in this process only, for pytest's traceback).
+    """
+
+    status: Status
+    reason: str = ""
+    step: str | None = None
+    comparison: tolerance.Comparison | None = None
+    lse: tolerance.LseComparison | None = None
+    tail_poison: str | None = None
+    logits_precision: str | None = None
+    truth_site: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    nan_tail_output_finite: bool | None = None
+    timing: Timed | None = None
+    exception: BaseException | None = None
+
+
+def judged_here(work: Callable[[], Any], what: str) -> Any:
+    """How the judge runs its own computations by default: ``work()`` under
+    :func:`~.truth.judging_state` (the runner adds its harness time budget)."""
+    with judging_state():
+        return work()
+
+
+def harness_fault(step: str, exc: BaseException) -> Verdict:
+    """pagedbench's own ``harness-error`` in ``step``: past its budget (``TimeoutError``)
+    or raised."""
+    if isinstance(exc, TimeoutError):
+        return Verdict(Status.HARNESS_ERROR, f"pagedbench's {step}: {exc}; not the "
+                       "implementation's fault", step)
+    return Verdict(Status.HARNESS_ERROR, f"pagedbench's {step} failed, not the "
+                   f"implementation: {describe_exception(exc)}", step, exception=exc)
+
+
+def cu_seqlens_q(case: PagedCase) -> torch.Tensor:
+    """``Tensor[batch + 1]``, int64: the row ranges of ``case``'s sequences."""
+    bounds = [0]
+    for q_len in case.q_lens_or_decode:
+        bounds.append(bounds[-1] + q_len)
+    return torch.tensor(bounds)
+
+
+class CaseJudge:
+    """The judge's side of one case (see the module docstring): :meth:`handle` answers
+    each message of the implementation's side and, once the case is concluded, sets
+    :attr:`verdict`.
+
+    Parameters
+    ----------
+    case, device : PagedCase, str
+    site : str
+        Where the truth is computed: ``"host"`` (``truth``) or ``"device"``
+        (``device_truth`` of inputs drawn on ``device``; their timed calls are not
+        refreshed, a second pool on the device being what such a point cannot afford).
+    truth, device_truth : callable
+        ``truth(case, logits_precision, with_lse=..., refresh_seed=...)`` and
+        ``device_truth(inputs, logits_precision, with_lse=...)``.
+    timing : bool
+        Ask for the timing of a pass.
+    samples : int
+        The timed samples a timing takes at least (where its refreshes are placed).
+    rng : random.Random
+        Chooses the refreshed samples and their seeds (the implementation cannot know).
+    work : callable
+        ``work(fn, what)`` runs the judge's computations (:func:`judged_here`; the
+        runner's adds a time budget and raises ``TimeoutError`` past it).
+    cpu_seconds : callable
+        CPU seconds the implementation's process has used so far (user + system).
+    """
+
+    def __init__(self, case: PagedCase, device: str, *, site: str = "host",
+                 truth: Truth = compute_truth, device_truth: DeviceTruth = compute_device_truth,
+                 timing: bool = False, samples: int = 1, rng: random.Random | None = None,
+                 work: Callable[[Callable[[], Any], str], Any] = judged_here,
+                 cpu_seconds: Callable[[], float] | None = None) -> None:
+        if site not in TRUTH_SITES:
+            raise ValueError(f"truth_site must be one of {TRUTH_SITES}, got {site!r}")
+        self.case, self.device, self.site = case, device, site
+        self.truth, self.device_truth = truth, device_truth
+        self.timing, self.samples = timing, samples
+        self.rng = rng or random.Random()
+        self.work = work
+        self.cpu_seconds = cpu_seconds or _own_cpu_seconds
+        self.verdict: Verdict | None = None
+        self._ready: Ready | None = None
+        self._expected: tolerance.Expected | None = None
+        self._passed: Verdict | None = None
+        self._plan: TimeIt | None = None
+        self._timing_began = 0.0
+        self._handlers: dict[type, Callable[[Any], Any]] = {
+            Concluded: self._concluded, Ready: self._on_ready, Output: self._on_output,
+            Timed: self._on_timed}
+
+    def handle(self, message: Message) -> Go | TimeIt | None:
+        """The reply to ``message`` (None when it needs none).
+
+        Raises
+        ------
+        Refused
+            If the case in flight cannot take this message now.
+        """
+        if self.verdict is not None:
+            raise Refused(f"a {message.kind!r} after the case was concluded")
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            raise Refused(f"a {message.kind!r} message is not part of a check")
+        return handler(message)
+
+    def _conclude(self, verdict: Verdict) -> None:
+        self.verdict = verdict
+
+    def _expected_of(self, refresh_seed: int | None = None) -> tolerance.Expected:
+        ready = self._ready
+        if self.site == "host":
+            return self.work(lambda: self.truth(
+                self.case, logits_precision=ready.logits_precision,
+                with_lse=ready.returns_lse, refresh_seed=refresh_seed,
+                refresh_kv=ready.kv_cache_in_place and refresh_seed is not None), "truth")
+
+        def on_device() -> tolerance.Expected:
+            inputs = materialize(self.case, self.device, on_device=True)
+            return self.device_truth(inputs, logits_precision=ready.logits_precision,
+                                     with_lse=ready.returns_lse)
+        return self.work(on_device, "truth")
+
+    def _concluded(self, message: Concluded) -> None:
+        if self._passed is not None:
+            raise Refused("an outcome after the output")
+        status = Status(message.status)
+        if status is not Status.UNSUPPORTED:
+            status = Status.ERROR  # nothing else is the implementation's to claim
+        site = None if status is Status.UNSUPPORTED or message.step == "why_unsupported" \
+            else self.site
+        self._conclude(Verdict(status, message.reason, message.step, truth_site=site,
+                               exception=message.exception))
+
+    def _on_ready(self, message: Ready) -> Go:
+        if self._ready is not None:
+            raise Refused("ready twice")
+        self._ready = message
+        try:  # before the inputs exist, so that nothing the adapter does can change it
+            self._expected = self._expected_of()
+        except Exception as exc:
+            self._conclude(replace(harness_fault("truth", exc), truth_site=self.site))
+            return Go(go=False)
+        return Go(go=True)
+
+    def _decoded(self, descriptors: list, payload: bytes) -> list[object]:
+        """The output (and LSE) sent, rebuilt; :class:`Refused` when the values are not
+        what the descriptors say."""
+        case = self.case
+        shapes = [(output_shape(case), case.dtype), (lse_shape(case), "float32")]
+        try:
+            chunks = split_payload(payload, descriptors)
+            return [decode(d, c, shape, dtype)
+                    for d, c, (shape, dtype) in zip(descriptors, chunks, shapes)]
+        except ValueError as exc:
+            raise Refused(str(exc)) from exc
+
+    def _compare(self, out: object, lse: object | None, expected: tolerance.Expected,
+                 ) -> tuple[tolerance.Comparison, tolerance.LseComparison | None]:
+        case, ready = self.case, self._ready
+
+        def both() -> tuple[tolerance.Comparison, tolerance.LseComparison | None]:
+            bounds = cu_seqlens_q(case)
+            found = tolerance.compare(out, expected, case.dtype, bounds)
+            return found, (None if lse is None else tolerance.compare_lse(
+                lse, expected, case.dtype, ready.logits_precision, bounds))
+        return self.work(both, "compare")
+
+    def _on_output(self, message: Output) -> TimeIt | None:
+        if self._expected is None or self._passed is not None:
+            raise Refused("an output before the truth or twice")
+        if len(message.outputs) != (2 if self._ready.returns_lse else 1):
+            raise Refused(f"{len(message.outputs)} outputs; the implementation declared "
+                          f"{'an output and its LSE' if self._ready.returns_lse else 'one'}")
+        out, *lse_sent = self._decoded(message.outputs, message.payload)
+        try:
+            comparison, lse = self._compare(out, lse_sent[0] if lse_sent else None,
+                                            self._expected)
+        except Exception as exc:
+            self._conclude(replace(harness_fault("compare", exc), truth_site=self.site))
+            return TimeIt(time=False)
+        passed = comparison.passed and (lse is None or lse.passed)
+        reason = comparison.reason or (lse.reason if lse is not None else "")
+        verdict = Verdict(
+            Status.PASS if passed else Status.FAIL, reason, None if passed else "compare",
+            comparison, lse, self._ready.tail_poison, self._ready.logits_precision, self.site,
+            dict(message.details), message.nan_tail_output_finite if passed else None)
+        if not passed or not self.timing:
+            self._conclude(verdict)
+            return TimeIt(time=False)
+        self._passed = verdict
+        self._plan = self._timing_plan()
+        self._timing_began = time.monotonic()
+        return self._plan
+
+    def _timing_plan(self) -> TimeIt:
+        """Refresh before the first timed sample and :data:`EXTRA_REFRESHES` random later
+        ones (host truths only), each with a fresh seed."""
+        if self.site != "host":
+            return TimeIt(time=True)
+        later = range(1, max(1, self.samples))
+        calls = sorted({0, *self.rng.sample(later, min(EXTRA_REFRESHES, len(later)))})
+        return TimeIt(time=True, refresh_calls=calls,
+                      refresh_seeds=[self.rng.randrange(2**31) for _ in calls])
+
+    def _on_timed(self, message: Timed) -> None:
+        if self._passed is None:
+            raise Refused("a timing before a pass")
+        envelope_s = time.monotonic() - self._timing_began
+        busy_s = self._busy_after()
+        if message.error is not None:
+            self._conclude(replace(self._passed, status=Status.ERROR, step="timing",
+                                   reason=f"run raised while timing: {message.error}"))
+            return
+        why = (self._timing_problem(message, envelope_s, busy_s)
+               or self._checked_calls(message))
+        if why:
+            self._conclude(replace(self._passed, status=Status.FAIL, step="timing",
+                                   reason=why))
+            return
+        self._conclude(replace(self._passed, timing=message.model_copy(update={"payload": b""})))
+
+    def _busy_after(self) -> float:
+        """CPU seconds the implementation's process uses in :data:`IDLE_WINDOW_S` after its
+        timing ended (it is waiting for the reply, so any is a thread still working)."""
+        before = self.cpu_seconds()
+        time.sleep(IDLE_WINDOW_S)
+        return self.cpu_seconds() - before
+
+    def _timing_problem(self, message: Timed, envelope_s: float, busy_s: float) -> str:
+        """Why this timing cannot be the implementation's (empty when it can)."""
+        if len(message.calls) != len(message.samples_ms) or not message.samples_ms:
+            return (f"the timing has {len(message.samples_ms)} samples and calls for "
+                    f"{len(message.calls)}")
+        if busy_s > IDLE_CPU_SHARE * IDLE_WINDOW_S:
+            return (f"its process used {busy_s * 1e3:.0f} ms of CPU in the "
+                    f"{IDLE_WINDOW_S * 1e3:.0f} ms after its last timed call returned: work "
+                    "still running after run() returned is not in its time")
+        timed_s = sum(ms * n for ms, n in zip(message.samples_ms, message.calls)) / 1e3
+        if timed_s > envelope_s:
+            return (f"its timed calls add up to {timed_s:.3g} s, more than the "
+                    f"{envelope_s:.3g} s the timing took: the reported times cannot be the "
+                    "calls'")
+        return ""
+
+    def _checked_calls(self, message: Timed) -> str:
+        """Why a checked timed call's output fails (empty when each passes): every refresh
+        planned before a sample the timing took must have its output back."""
+        plan = self._plan
+        samples = 1 if message.method in REFRESHED_ONCE else len(message.samples_ms)
+        taken = [c for c in plan.refresh_calls if c < samples]
+        if len(message.outputs) != len(taken):
+            return (f"{len(message.outputs)} outputs of checked timed calls came back, "
+                    f"{len(taken)} were asked for (before samples {taken})")
+        try:
+            chunks = split_payload(message.payload, message.outputs)
+            outs = [decode(d, c, output_shape(self.case), self.case.dtype)
+                    for d, c in zip(message.outputs, chunks)]
+        except ValueError as exc:
+            raise Refused(str(exc)) from exc
+        for sample, seed, out in zip(taken, plan.refresh_seeds, outs):
+            try:
+                expected = self._expected_of(refresh_seed=seed)
+            except Exception as exc:
+                return (f"pagedbench's truth of the refreshed inputs failed: "
+                        f"{describe_exception(exc)}")
+            found = self.work(lambda: tolerance.compare(
+                out, expected, self.case.dtype, cu_seqlens_q(self.case)), "compare")
+            if not found.passed:
+                return (f"the timed call after new inputs were written into its buffers "
+                        f"(before sample {sample}, seed {seed}) returned an output that "
+                        f"fails: {found.reason}")
+        return ""
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process so far."""
+    times = os.times()
+    return times.user + times.system
+
+
+__all__ = ["EXTRA_REFRESHES", "IDLE_CPU_SHARE", "IDLE_WINDOW_S", "REFRESHED_ONCE", "CaseJudge",
+           "DeviceTruth", "Refused", "Truth", "Verdict", "cu_seqlens_q", "describe_exception",
+           "harness_fault", "judged_here"]
