@@ -47,6 +47,10 @@ CAPABILITIES = Capabilities(
     head_dims=frozenset({64, 80, 96, 128, 256}),
     modes=frozenset({"decode"}),
     features=frozenset({"sliding_window", "logits_soft_cap", "empty_kv"}),
+    kv_cache_in_place=True,
+    # The launch reads kv_lens and block_tables when it runs: a plan made once per batch
+    # shape serves every later step of it (a captured graph's replay).
+    plan_reuse=True,
 )
 
 
@@ -61,6 +65,21 @@ class PagedbenchTritonAdapter(TritonAdapter):
         """What :meth:`available` records about the imported ``kernel`` module on
         ``device`` beside ``interpreted``; nothing by default."""
         return {}
+
+    def write_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, case: PagedCase) -> bool:
+        """Serving loop: new tokens' K and V written by our Triton cache-write op
+        (:mod:`pagedbench.kernels.cache_write`). Under Triton's interpreter a float32 value
+        is converted to bfloat16 and fp8 by truncation, not rounded to nearest as the
+        hardware and torch convert it (docs/KERNELS.md): there the op writes float32 and
+        float16 caches only, and pagedbench's writer stores the others."""
+        from pagedbench.kernels import cache_write
+
+        if cache_write.is_interpreted() and kv_cache.dtype not in (torch.float32,
+                                                                   torch.float16):
+            return False
+        cache_write.write_kv(kv_cache, slot_mapping, key, value, case.k_scale, case.v_scale)
+        return True
 
     def available(self, device: str = "cpu") -> Availability:
         """Ready when triton and :attr:`kernel_module` import and, on the CPU, the kernel

@@ -57,12 +57,14 @@ _COMMON = dict(
     features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks"}),
     kv_cache_dtypes=frozenset({"auto", "fp8_e4m3", "fp8_e5m2"}),
     min_compute_capability=(8, 0),
+    kv_cache_in_place=True,
 )
 SPLIT_CAPABILITIES = Capabilities(
-    modes=frozenset({"decode"}), **_COMMON | {"features": _COMMON["features"] | {"empty_kv"}})
+    modes=frozenset({"decode"}), returns_lse=True, plan_reuse=True,
+    **_COMMON | {"features": _COMMON["features"] | {"empty_kv"}})
 # Not empty_kv, unseen_rows: the prefill planner refuses q_len > kv_len.
 PREFILL_CAPABILITIES = Capabilities(
-    modes=frozenset({"decode", "prefill"}),
+    modes=frozenset({"decode", "prefill"}), plan_reuse=True,
     **_COMMON | {"features": _COMMON["features"] | {"empty_q"}})
 #: Triton converts fp8 E4M3 ("fp8e4nv") only from compute capability 8.9 (its error on
 #: sm_80: "type fp8e4nv not supported in this architecture").
@@ -155,10 +157,15 @@ class TritonSplitDecode(_TritonPaged):
                                          inputs.kv_lens, inputs.scale,
                                          **_feature_kwargs(inputs))
         plan = launch.plan
-        return Prepared(launch, launch.out, facts={
+        return Prepared(launch, launch.out, lse=launch.lse, facts={
             "num_splits": plan.num_splits, "merge": not plan.direct_output,
             "kv_tile": plan.config.kv_tile, "num_warps": plan.config.num_warps,
             "num_stages": plan.config.num_stages})
+
+    def refresh(self, prepared: Prepared, inputs: PagedInputs) -> Prepared:
+        """The split count depends on the lengths: plan again, over the same tensors
+        (FlashInfer's ``plan`` at every step, its ``run`` on the same buffers)."""
+        return self.prepare(inputs)
 
 
 class TritonPrefill(_TritonPaged):
@@ -195,3 +202,8 @@ class TritonPrefill(_TritonPaged):
             "block_m": plan.block_m, "programs": len(plan.work),
             "kv_tile": plan.config.kv_tile, "num_warps": plan.config.num_warps,
             "num_stages": plan.config.num_stages})
+
+    def refresh(self, prepared: Prepared, inputs: PagedInputs) -> Prepared:
+        """The work list follows the query and key lengths: plan again over the same
+        tensors."""
+        return self.prepare(inputs)

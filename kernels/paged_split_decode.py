@@ -59,6 +59,8 @@ from .paged_split_plan import (
 
 #: Warps of the merge kernel (it reads ``group x head_dim`` floats per split).
 MERGE_NUM_WARPS = 4
+#: ln 2: the kernels' base-2 log-sum-exp made natural.
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -76,14 +78,14 @@ def _visible_tiles(kv_len, sliding_window, KV_TILE: tl.constexpr,
 @triton.jit
 def _split_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, kv_lens_ptr,
-    alibi_slopes_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    alibi_slopes_ptr, sinks_ptr, out_ptr, lse_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     qk_scale, v_scale, logits_soft_cap, sliding_window,
     group_size, num_splits, tiles_per_split,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_k_block, stride_k_slot, stride_k_head, stride_k_dim,
     stride_v_block, stride_v_slot, stride_v_head, stride_v_dim,
     stride_table_seq, stride_table_block,
-    stride_out_seq, stride_out_head, stride_out_dim,
+    stride_out_seq, stride_out_head, stride_out_dim, stride_lse_seq,
     stride_part_seq, stride_part_head, stride_part_split,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, KV_TILE: tl.constexpr,
@@ -142,6 +144,7 @@ def _split_decode_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         _store_group(out_ptr, seq, q_heads, dims, row_ok[:, None] & dim_ok[None, :], out,
                      stride_out_seq, stride_out_head, stride_out_dim, BF16_VIA_FP32)
+        _store_lse(lse_ptr, seq, q_heads, row_ok, m_i, l_i, stride_lse_seq)
     else:
         part = (seq.to(tl.int64) * stride_part_seq + q_heads * stride_part_head
                 + split * stride_part_split)  # [GROUP_PAD]
@@ -152,10 +155,18 @@ def _split_decode_kernel(
 
 
 @triton.jit
+def _store_lse(lse_ptr, seq, q_heads, row_ok, m, l, stride_lse_seq):
+    """Each row's natural log-sum-exp from its base-2 max ``m`` and sum ``l`` (relative to
+    ``2^m``): ``ln 2 (m + log2 l)``, ``-inf`` for a row that saw no key and no sink."""
+    lse = tl.where(l > 0, (m + tl.log2(tl.where(l > 0, l, 1.0))) * LN2, float("-inf"))
+    tl.store(lse_ptr + seq.to(tl.int64) * stride_lse_seq + q_heads, lse, mask=row_ok)
+
+
+@triton.jit
 def _merge_kernel(
-    kv_lens_ptr, sinks_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    kv_lens_ptr, sinks_ptr, out_ptr, lse_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     sliding_window, group_size, num_splits, tiles_per_split,
-    stride_out_seq, stride_out_head, stride_out_dim,
+    stride_out_seq, stride_out_head, stride_out_dim, stride_lse_seq,
     stride_part_seq, stride_part_head, stride_part_split,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
     KV_TILE: tl.constexpr, HAS_SLIDING_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
@@ -191,6 +202,7 @@ def _merge_kernel(
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     _store_group(out_ptr, seq, q_heads, dims, row_ok[:, None] & dim_ok[None, :], out,
                  stride_out_seq, stride_out_head, stride_out_dim, BF16_VIA_FP32)
+    _store_lse(lse_ptr, seq, q_heads, row_ok, m_safe, l_sum, stride_lse_seq)
 
 
 @dataclass(frozen=True)
@@ -201,6 +213,9 @@ class SplitDecodeLaunch:
     Attributes
     ----------
     out : Tensor[batch, num_q_heads, head_dim], dtype of q
+    lse : Tensor[batch, num_q_heads], float32
+        Each row's natural log-sum-exp (the sink included; ``-inf`` for a row that saw
+        no key), rewritten with :attr:`out` at each call.
     plan : SplitPlan
     grid, merge_grid : tuple[int, ...]
         ``(batch, num_kv_heads, num_splits)`` and ``(batch, num_kv_heads)`` (no merge
@@ -210,6 +225,7 @@ class SplitDecodeLaunch:
     """
 
     out: torch.Tensor
+    lse: torch.Tensor
     plan: SplitPlan
     grid: tuple[int, int, int]
     merge_grid: tuple[int, int]
@@ -256,13 +272,14 @@ def plan_paged_split_decode(q: torch.Tensor, kv_cache: torch.Tensor,
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32,
                            device=q.device)
+    lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device)
     alibi_ptr, sinks_ptr, qk_scale, v_scale, cap, window = a.feature_args()
     args = (
-        q, a.k_cache, a.v_cache, block_tables, kv_lens, alibi_ptr, sinks_ptr, a.out,
+        q, a.k_cache, a.v_cache, block_tables, kv_lens, alibi_ptr, sinks_ptr, a.out, lse,
         part_acc, part_m, part_l, qk_scale, v_scale, cap, window, a.group_size,
         plan.num_splits, plan.tiles_per_split,
         *q.stride(), *a.k_cache.stride(), *a.v_cache.stride(), *block_tables.stride(),
-        *a.out.stride(), *part_m.stride(),
+        *a.out.stride(), lse.stride(0), *part_m.stride(),
     )
     features = a.feature_constexprs()
     shared = {
@@ -280,9 +297,9 @@ def plan_paged_split_decode(q: torch.Tensor, kv_cache: torch.Tensor,
         "DIRECT_OUTPUT": plan.direct_output,
         "BF16_VIA_FP32": interpreted_bf16,
     }
-    merge_args = (kv_lens, sinks_ptr, a.out, part_acc, part_m, part_l, window,
+    merge_args = (kv_lens, sinks_ptr, a.out, lse, part_acc, part_m, part_l, window,
                   a.group_size, plan.num_splits, plan.tiles_per_split, *a.out.stride(),
-                  *part_m.stride())
+                  lse.stride(0), *part_m.stride())
     merge_constexprs = {
         **shared,
         "KV_TILE": plan.config.kv_tile,
@@ -291,7 +308,7 @@ def plan_paged_split_decode(q: torch.Tensor, kv_cache: torch.Tensor,
         "FIXED_SPLIT": plan.batch_invariant,
         "BF16_VIA_FP32": interpreted_bf16,
     }
-    return SplitDecodeLaunch(a.out, plan, (batch, a.num_kv_heads, plan.num_splits),
+    return SplitDecodeLaunch(a.out, lse, plan, (batch, a.num_kv_heads, plan.num_splits),
                              (batch, a.num_kv_heads), args, merge_args, constexprs,
                              merge_constexprs)
 

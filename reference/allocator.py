@@ -258,6 +258,11 @@ class BlockAllocator:
             blocks_in_flight=pool.blocks_in_flight,
         )
 
+    def cached_blocks(self) -> dict[int, bytes]:
+        """Blocks filed in the prefix cache now, with their keys (a copy): one that leaves
+        it without being freed was evicted."""
+        return {b: key for b, key in enumerate(self._pool.block_hash) if key is not None}
+
     def pop_copies(self) -> list[BlockCopy]:
         """Copy-on-write copies made since the last call.
 

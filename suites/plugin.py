@@ -13,8 +13,9 @@ In a checkout, ``suites/conftest.py`` registers this same module when pytest has
 - Markers ``gpu`` (skipped without CUDA), ``slow``, ``bench``, ``vllm``.
 - Hypothesis profiles (``--hypothesis-profile NAME``, else ``HYPOTHESIS_PROFILE``):
   ``ci`` (default: no deadline, since interpreted and compiled kernels are slow at first
-  call, derandomized, no explain phase) and ``nightly`` (random, with the example
-  database); example counts follow the profile in force (``suites/budget.py``).
+  call, derandomized, no explain phase), ``catch`` (``ci`` without shrinking) and
+  ``nightly`` (random, with the example database); example counts follow the profile in
+  force (``suites/budget.py``).
 - Caches: compiler caches, matplotlib's, the temp folder and hypothesis's database go
   under ``--pagedbench-cache-dir``, else ``$PAGEDBENCH_CACHE_DIR``, else ``build/`` of
   the rootdir or working directory (a variable the user set, such as
@@ -171,6 +172,11 @@ def _profiles() -> None:
         "ci", max_examples=20, deadline=None, derandomize=True,
         phases=[p for p in Phase if p is not Phase.explain],  # explaining re-runs a failure
         print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    # ci without shrinking: what pagedbench selftest --first-catch runs the serving loop
+    # in (a shrinking state machine replays its loops for minutes; the catch is the point)
+    settings.register_profile(
+        "catch", parent=settings.get_profile("ci"),
+        phases=[p for p in Phase if p not in (Phase.explain, Phase.shrink)])
     settings.register_profile(
         "nightly", max_examples=1000, deadline=None, print_blob=True,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

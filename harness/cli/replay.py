@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+from rich.console import Console
 
 from pagedbench.reference import PagedInputError, PagedValueError, check_fits
 
+from pagedbench.harness.cli.loop import is_trace, replay_trace
 from pagedbench.harness.cli.options import (cache_dir_argument, checked_device, device_arg,
                                             positive_seconds, select_impls, writable_file,
                                             writable_folder)
@@ -32,8 +34,9 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
                     "worker, as `pagedbench run` does, and show the verdict and figures.",
         epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     replay_p.add_argument("case", type=Path, metavar="CASE.json",
-                          help="a PagedCase as JSON, a whole result line, or a regression "
-                               "case (suites/regressions/cases)")
+                          help="a PagedCase as JSON, a whole result line, a regression "
+                               "case (suites/regressions/cases), or a serving loop's trace "
+                               "(.jsonl, from pagedbench loop or suites/serving)")
     replay_p.add_argument("--impl", action="append", default=[], metavar="NAME",
                           help="implementation to run it on (repeatable; default: the one "
                                "a result line or regression case names)")
@@ -90,6 +93,8 @@ def _replay_lines(record: ResultRecord) -> list[str]:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if is_trace(args.case):
+        return _replay_trace(args)
     found = replay.load(args.case)
     names = args.impl or ([found.impl] if found.impl else [])
     selftest.register_catalogue_if_named(names)
@@ -122,6 +127,23 @@ def cmd_replay(args: argparse.Namespace) -> int:
                                            record.reason, save, str(record.status))
             print(f"  saved: {saved}")
     return int(exit_code(r.status for r in records))
+
+
+def _replay_trace(args: argparse.Namespace) -> int:
+    """``pagedbench replay TRACE --impl NAME``: the serving loop of a saved trace."""
+    if not args.impl:
+        raise PagedValueError("--impl", None, "an implementation name",
+                              f"--impl NAME is needed: {args.case} is a loop trace")
+    selftest.register_catalogue_if_named(args.impl)
+    device = checked_device(args.device or "cpu")
+    defaults = runner.RunConfig()
+    config = runner.RunConfig(device=device, timing=False, cache_dir=args.cache_dir,
+                              case_timeout_s=args.case_timeout or defaults.case_timeout_s,
+                              suite="loop")
+    console = Console(highlight=False, soft_wrap=True)
+    codes = [replay_trace(args.case, name, target, config, console)
+             for name, target in select_impls(args.impl).items()]
+    return max(codes)
 
 
 # pagedbench selftest -----------------------------------------------------------------

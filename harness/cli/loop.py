@@ -1,0 +1,198 @@
+"""``pagedbench loop``: a serving loop on one implementation (``harness/run/loop.py``), and
+``pagedbench replay TRACE`` of a loop's saved trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from rich.console import Console
+from rich.markup import escape
+
+from pagedbench.reference import PagedCase, PagedValueError
+
+from pagedbench.harness.cases.presets import MODEL_PRESETS
+from pagedbench.harness.cli.options import (cache_dir_argument, checked_device, device_arg,
+                                            int_in, positive_int, positive_seconds, select_impls)
+from pagedbench.harness.run.config import RunConfig
+from pagedbench.harness.run.loop import LoopOutcome, Scheduler, run_loop
+from pagedbench.harness.verdict.serving import TRANSITIONS, LoopEventError, LoopSpec, read_trace
+from pagedbench.harness.verdict.serving_judge import (LoopJudge, StepVerdict, describe_failure,
+                                                      save_failure)
+from pagedbench.harness.verdict.status import ExitCode, Status, exit_codes_help
+
+#: The loop's shape when no preset is named: small enough for an interpreted kernel.
+DEFAULT_HEADS, DEFAULT_HEAD_DIM = (8, 2), 64
+#: Where a failing loop's trace is kept (under the cache folder).
+TRACES = "loop-traces"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench loop`` and its options."""
+    p = sub.add_parser(
+        "loop", help="a serving loop on one implementation: one pool, blocks reused, prefix "
+                     "hits, forks, preemption, plans replayed",
+        description="Drive one implementation through a serving loop: the reference "
+                    "allocator admits requests (half sharing a cached prompt prefix), "
+                    "prefills them in chunks beside decodes, forks, finishes, preempts and "
+                    "swaps them, on one persistent pool whose freed blocks keep their K/V; "
+                    "every step's output is judged against the float64 truth. A failing "
+                    "loop's trace is saved; `pagedbench replay TRACE --impl NAME` reruns it.",
+        epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", required=True, metavar="NAME", help="the implementation")
+    p.add_argument("--steps", type=int_in(1, 100_000), default=50,
+                   help="forward steps (default: 50)")
+    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0,
+                   help="seeds the scheduler and the values (default: 0)")
+    p.add_argument("--trace", type=Path, metavar="FILE",
+                   help="replay this trace's events instead of scheduling")
+    p.add_argument("--preset", choices=list(MODEL_PRESETS), metavar="NAME",
+                   help=f"model shape (heads, head dim; one of {', '.join(MODEL_PRESETS)}); "
+                        f"default: {DEFAULT_HEADS[0]}/{DEFAULT_HEADS[1]} heads of "
+                        f"{DEFAULT_HEAD_DIM}")
+    p.add_argument("--block-size", type=positive_int, default=16, help="default: 16")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16",
+                   help="default: bfloat16")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                   default="auto", help="default: auto (the dtype's); fp8 takes k_scale 0.37 "
+                                        "and v_scale 2.9")
+    p.add_argument("--num-blocks", type=int_in(2, 1 << 20), default=48,
+                   help="blocks the allocator hands out (default: 48)")
+    p.add_argument("--max-batch", type=int_in(1, 4096), default=8, help="default: 8")
+    p.add_argument("--max-tokens", type=int_in(1, 1 << 20), default=160,
+                   help="longest sequence (default: 160)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cpu (default), cuda or cuda:N; checked against this machine")
+    p.add_argument("--case-timeout", type=positive_seconds, default=None, metavar="SECONDS",
+                   help="the implementation's own time per step (default: "
+                        f"{RunConfig.case_timeout_s:g})")
+    cache_dir_argument(p)
+
+
+def loop_spec(args: argparse.Namespace) -> LoopSpec:
+    """The spec of ``args``' case axes.
+
+    Raises
+    ------
+    PagedValueError
+        Naming the option when the axes do not make a case.
+    """
+    if args.preset:
+        preset = MODEL_PRESETS[args.preset]
+        shape = dict(num_q_heads=preset.num_q_heads, num_kv_heads=preset.num_kv_heads,
+                     head_dim=preset.head_dim, head_dim_v=preset.head_dim_v,
+                     latent_cache=preset.latent_cache, name=preset.name)
+    else:
+        shape = dict(num_q_heads=DEFAULT_HEADS[0], num_kv_heads=DEFAULT_HEADS[1],
+                     head_dim=DEFAULT_HEAD_DIM, name="loop")
+    scales = {} if args.kv_cache_dtype == "auto" else {"k_scale": 0.37, "v_scale": 2.9}
+    if scales and shape.get("latent_cache"):
+        scales["v_scale"] = scales["k_scale"]
+    case = PagedCase(kv_lens=(1,), block_size=args.block_size, dtype=args.dtype,
+                     kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, **shape, **scales)
+    return LoopSpec(case=case.to_dict(), num_blocks=args.num_blocks, max_batch=args.max_batch,
+                    max_tokens=args.max_tokens)
+
+
+def _line(verdict: StepVerdict, event: BaseModel) -> str:
+    """One step as the loop prints it (rich markup)."""
+    colour = verdict.status.colour
+    rows = ", ".join(f"{s}:{n}" for s, n in event.rows) if event.op == "step" else event.op
+    pad = f" +{event.pad} empty" if getattr(event, "pad", 0) else ""
+    text = f"step {verdict.index:>4} [{colour}]{verdict.status:<11}[/] {escape(rows)}{pad}"
+    if verdict.status is not Status.PASS and verdict.reason:
+        text += f": {escape(verdict.reason[:300])}"
+    return text
+
+
+def _summary(name: str, outcome: LoopOutcome, console: Console, trace_dir: Path) -> int:
+    judge = outcome.judge
+    counts = {status: sum(v.status is status for v in outcome.verdicts) for status in Status}
+    shown = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    console.print(f"{name}: {len(outcome.verdicts)} ticks ({shown or 'none'}), "
+                  f"{judge.coverage['step']} steps")
+    console.print("exercised: " + ", ".join(f"{k} {judge.coverage[k]}" for k in
+                                             ("admit", "fork", "finish", "preempt", "swap-out",
+                                              *TRANSITIONS)))
+    failed = next((v for v in outcome.verdicts if v.status in (Status.FAIL, Status.ERROR)), None)
+    if failed is not None or outcome.status in (Status.CRASH, Status.TIMEOUT, Status.ERROR):
+        path = save_failure(trace_dir / f"{name}-{judge.spec.template().seed}.jsonl", judge)
+        if failed is not None:
+            console.print(f"[red]{escape(describe_failure(failed, judge))}[/]")
+        if outcome.stopped:
+            console.print(f"[red]stopped: {escape(outcome.stopped)}[/]")
+        console.print(f"trace: {path}\nreplay: pagedbench replay {path} --impl {name}")
+        return int(ExitCode.CONFORMANCE_FAILURE)
+    if outcome.status is Status.UNAVAILABLE:
+        console.print(f"[yellow]{name} unavailable: {escape(outcome.stopped)}[/]")
+        return int(ExitCode.NOTHING_RAN)
+    if not counts[Status.PASS] or not judge.coverage["step"] or \
+            all(v.status is Status.UNSUPPORTED for v in outcome.verdicts if v.seqs):
+        console.print("[red]nothing ran: no step of the loop was judged[/]")
+        return int(ExitCode.NOTHING_RAN)
+    return int(ExitCode.CLEAN)
+
+
+def cmd_loop(args: argparse.Namespace) -> int:
+    (name, target), = select_impls([args.impl]).items()
+    device = checked_device(args.device or "cpu")
+    config = RunConfig(device=device, timing=False, cache_dir=args.cache_dir,
+                       case_timeout_s=args.case_timeout or RunConfig.case_timeout_s,
+                       suite="loop")
+    console = Console(highlight=False, soft_wrap=True)
+    if args.trace is not None:
+        return replay_trace(args.trace, name, target, config, console)
+    spec = loop_spec(args)
+    scheduler = Scheduler(spec, args.steps, args.seed)
+    return _run(name, target, spec, config, scheduler.next_event, console, args.cache_dir)
+
+
+def _run(name: str, target: str, spec: LoopSpec, config: RunConfig,
+         next_event: Callable[[LoopJudge], BaseModel | None], console: Console,
+         cache_dir: Path) -> int:
+    """Run the loop, print each step, a summary and what failed; the exit code."""
+    console.print(f"pagedbench loop: {name} on {config.device}, {spec.template().case_id}, "
+                  f"{spec.num_blocks} blocks, batches up to {spec.max_batch}, sequences up to "
+                  f"{spec.max_tokens} tokens")
+
+    def on_verdict(verdict: StepVerdict, judge: LoopJudge) -> None:
+        console.print(_line(verdict, judge.events[verdict.event]))
+
+    outcome = run_loop(name, target, spec, config, next_event, on_verdict)
+    return _summary(name, outcome, console, cache_dir / TRACES)
+
+
+def is_trace(path: Path) -> bool:
+    """Whether ``path`` holds a loop trace (its first line a loop spec)."""
+    try:
+        with open(path) as f:
+            first = json.loads(f.readline() or "null")
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and first.get("kind") == "loop"
+
+
+def replay_trace(path: Path, name: str, target: str, config: RunConfig,
+                 console: Console) -> int:
+    """Rerun the loop of the trace at ``path`` on ``name``; the exit code.
+
+    Raises
+    ------
+    PagedValueError
+        Naming the trace when it is not one (with the line at fault).
+    """
+    try:
+        spec, events = read_trace(path)
+    except (LoopEventError, OSError) as exc:
+        raise PagedValueError("TRACE", str(path), "a loop trace (its spec, then one event "
+                              "per line)", str(exc)) from None
+    remaining = iter(events)
+    return _run(name, target, spec, config, lambda judge: next(remaining, None), console,
+                config.cache_dir)
+
+
+__all__ = ["add_parser", "cmd_loop", "is_trace", "loop_spec", "replay_trace"]

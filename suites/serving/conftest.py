@@ -1,0 +1,44 @@
+"""Fixtures of the serving-loop suite: the implementations to drive (``--impl``, as the
+conformance suite takes them), on the device of ``--pagedbench-device``, with the loop's
+budget of the hypothesis profile in force (:data:`EXAMPLES`, :data:`STEPS`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedbench.adapters import Adapter
+from pagedbench.suites import budget, plugin
+from pagedbench.suites.implementations import available_adapter, mark_compilers_nightly
+
+#: The device the suite drives (``--pagedbench-device``), fixed when this is imported.
+DEVICE = plugin.early_device()
+#: Loops per implementation and loop configuration, by profile; an interpreted kernel
+#: gets the first of the pair.
+EXAMPLES = {"ci": (2, 8), "nightly": (30, 100)}
+#: Events per loop, by profile.
+STEPS = {"ci": 40, "nightly": 120}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "impl" in metafunc.fixturenames:
+        metafunc.parametrize("impl", plugin.implementations(metafunc.config))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mark_compilers_nightly(items, Path(__file__).parent)
+
+
+@pytest.fixture
+def adapter(impl: str) -> Adapter:
+    """The adapter under test; skipped (with the reason) when it cannot run here."""
+    return available_adapter(impl, DEVICE)
+
+
+def loop_budget(adapter: Adapter) -> tuple[int, int]:
+    """``(loops, events per loop)`` for ``adapter`` in the profile in force."""
+    name = budget.profile()
+    interpreted, compiled = EXAMPLES.get(name, EXAMPLES["ci"])
+    return (interpreted if adapter.is_interpreted(DEVICE) else compiled,
+            STEPS.get(name, STEPS["ci"]))
