@@ -1,26 +1,29 @@
-"""``pagedbench selftest``: run the conformance suite on every fault of the catalogue
-and report which property caught each one (a suite that proves its own strength).
+"""``pagedbench selftest``: run the conformance suite and the serving loop on every fault
+of the catalogue and report which caught each one (suites that prove their strength).
 
 The catalogue (``suites/faults``) is an out-of-tree distribution that is not installed:
-:func:`run` puts its metadata folder on ``PYTHONPATH`` of one pytest run of
-``suites/conformance`` whose ``--impl`` options name the control and every fault, in the
-given hypothesis profile, with a JUnit report (each test records its ``impl``) and
-``PAGEDBENCH_FAULT_LOG`` (a fault writes its name there the first time it takes its
-faulty branch). What each fault imitates comes from its ``available()`` details, asked
-in a worker like ``pagedbench list`` asks them, so no plug-in is imported here. A fault is
+:func:`run` puts its metadata folder on ``PYTHONPATH`` of two pytest runs, of
+``suites/conformance`` and of ``suites/serving``, whose ``--impl`` options name the
+control and every fault, with a JUnit report each (each test records its ``impl``) and
+``PAGEDBENCH_FAULT_LOG`` (a fault writes its name there the first time it takes its faulty
+branch). What each fault imitates, and whether it keeps state across calls of one pool,
+comes from its ``available()`` details, asked in a worker like ``pagedbench list`` asks
+them, so no plug-in is imported here. Each suite's column says:
 
-- ``caught`` when a test failed on it: the tests are the properties that caught it, its
-  shrunk case is the smallest case the failures' replay commands name, and its seconds
-  are its tests' durations summed;
-- ``missed`` otherwise: a gap in the suite.
+- ``caught`` when a test failed on it (for the per-call suite: the properties that caught
+  it, its shrunk case the smallest case the failures' replay commands name; for the loop:
+  the replay command of its trace);
+- ``missed`` otherwise: a gap, unless the fault keeps state across calls, which the
+  per-call suite (a fresh pool per call) cannot meet and the loop must catch.
 
-The control (``catalogue-control``) must pass every test: a failure there is the
-suite's fault or the catalogue's, never a catch.
+The control (``catalogue-control``) must pass both suites: a failure there is a suite's
+fault or the catalogue's, never a catch.
 
 With ``first_catch`` (what ``make test`` runs, to stay within minutes) this module is
-also the run's pytest plug-in: the pinned properties run before the search, and once a
-test failed on an implementation, its remaining tests are skipped; the table then names
-the first property that caught each fault.
+also the per-call run's pytest plug-in: the pinned properties run before the search, and
+once a test failed on an implementation, its remaining tests are skipped; the table then
+names the first property that caught each fault. The loop then runs in the ``catch``
+profile (``ci`` without shrinking).
 """
 
 from __future__ import annotations
@@ -47,13 +50,17 @@ from pagedbench.harness.run import replay, runner
 #: The checkout this module belongs to (the suites run from there).
 CHECKOUT = Path(__file__).resolve().parents[2]
 CONFORMANCE_SUITE = CHECKOUT / "suites" / "conformance"
+SERVING_SUITE = CHECKOUT / "suites" / "serving"
+#: The profile the serving loop runs in under first-catch: ``ci`` without shrinking.
+CATCH_PROFILE = "catch"
 DEFAULT_CATALOGUE = CHECKOUT / "suites" / "faults" / "site"
 #: Where failing cases found once are kept, and replayed by suites/regressions.
 REGRESSION_CASES = CHECKOUT / "suites" / "regressions" / "cases"
 CONTROL = "catalogue-control"
 #: The variable the faults append their name to when they fire (suites/faults/kernel.py).
 FAULT_LOG = "PAGEDBENCH_FAULT_LOG"
-_REPLAY = re.compile(r"pagedbench replay (\S+) --impl (\S+)")
+_REPLAY = re.compile(r"pagedbench replay (\S+\.json) --impl (\S+)")
+_LOOP_REPLAY = re.compile(r"pagedbench replay \S+\.jsonl --impl \S+")
 #: The hypothesis search, which first-catch runs last (the pinned properties are cheaper).
 SEARCH = "test_paged_matches_dense"
 #: Implementations a test has failed on, in a first-catch run (this module as plug-in).
@@ -83,9 +90,16 @@ class FaultRow:
         The smallest failing case the hypothesis search found (what
         :func:`save_regressions` keeps; pinned cases are run on every adapter anyway).
     seconds : float
-        Its tests' durations summed (s).
+        Its tests' durations summed (s), both suites.
     exercised : bool
         Whether its faulty branch ran.
+    keeps_state : bool
+        Whether the fault lives in state kept across calls of one pool (its details).
+    loop_verdict : str
+        The serving loop's (``suites/serving``): ``caught`` or ``missed`` for a fault,
+        ``passed`` or ``failed`` for the control.
+    loop_trace : str
+        The replay command of the loop that caught it.
     """
 
     name: str
@@ -99,6 +113,9 @@ class FaultRow:
     search_case: dict[str, Any] | None = None
     seconds: float = 0.0
     exercised: bool = False
+    keeps_state: bool = False
+    loop_verdict: str = "missed"
+    loop_trace: str = ""
 
     @property
     def case_id(self) -> str:
@@ -149,12 +166,13 @@ def _registered(site: Path) -> list[Entry]:
 
 
 def _pytest_command(names: list[str], profile: str, junit: Path, first_catch: bool,
-                    search_seconds: float | None = None) -> list[str]:
+                    search_seconds: float | None = None,
+                    suite: Path = CONFORMANCE_SUITE) -> list[str]:
     impls = [arg for name in names for arg in ("--impl", name)]
     plugin = ["-p", __name__] if first_catch else []
     seconds = [] if search_seconds is None else ["--pagedbench-search-seconds",
                                                  str(search_seconds)]
-    return [sys.executable, "-m", "pytest", str(CONFORMANCE_SUITE), "-q", "-p",
+    return [sys.executable, "-m", "pytest", str(suite), "-q", "-p",
             "no:cacheprovider", *plugin, "--hypothesis-profile", profile, *seconds,
             f"--junitxml={junit}", "-o", "junit_family=xunit1", *impls]
 
@@ -246,12 +264,14 @@ def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci",
     listing = {row.name: row for row in runner.list_adapters(found, "cpu", cache_dir)}
     targets = {e.name: e.target for e in found}
     names = sorted(targets, key=lambda n: (n != CONTROL, n))
-    proc = subprocess.run(_pytest_command(names, profile, junit, first_catch, search_seconds),
-                          cwd=CHECKOUT, env=env, stdin=subprocess.DEVNULL)
-    if proc.returncode not in (0, 1) or not junit.is_file():
-        raise RuntimeError(f"pytest exited {proc.returncode} without running the suite")
+    tests = _suite(_pytest_command(names, profile, junit, first_catch, search_seconds),
+                   junit, env)
+    loop_junit = output_dir / "serving.xml"
+    loop_junit.unlink(missing_ok=True)
+    loops = _suite(_pytest_command(names, CATCH_PROFILE if first_catch else profile,
+                                   loop_junit, False, search_seconds, SERVING_SUITE),
+                   loop_junit, env)
     fired = set(log.read_text().split()) if log.is_file() else set()
-    tests = _testcases(junit)
     rows = []
     for name in names:
         details = listing[name].details if name in listing else {}
@@ -264,12 +284,34 @@ def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci",
         row.case, row.reason = _smallest_case([t["failure"] for t in failures])
         row.search_case = _smallest_case([t["failure"] for t in failures
                                           if t["property"] == SEARCH])[0]
+        row.keeps_state = bool(details.get("keeps_state"))
+        looped = [t for t in loops if t["impl"] == name]
+        loop_failures = [t["failure"] for t in looped if t["failure"] is not None]
+        row.seconds += sum(t["seconds"] for t in looped)
+        row.loop_trace = next((found.group(0) for text in loop_failures
+                               if (found := _LOOP_REPLAY.search(text))), "")
         if name == CONTROL:
             row.verdict = "failed" if failures or not mine else "passed"
-        elif failures:
-            row.verdict = "caught"
+            row.loop_verdict = "failed" if loop_failures or not looped else "passed"
+        else:
+            row.verdict = "caught" if failures else "missed"
+            row.loop_verdict = "caught" if loop_failures else "missed"
         rows.append(row)
     return rows
+
+
+def _suite(command: list[str], junit: Path, env: dict[str, str]) -> list[dict[str, Any]]:
+    """Run one pytest suite of the self-test; its test cases (:func:`_testcases`).
+
+    Raises
+    ------
+    RuntimeError
+        If pytest did not run the suite (usage error, collection error, interruption).
+    """
+    proc = subprocess.run(command, cwd=CHECKOUT, env=env, stdin=subprocess.DEVNULL)
+    if proc.returncode not in (0, 1) or not junit.is_file():
+        raise RuntimeError(f"pytest exited {proc.returncode} without running {command[4]}")
+    return _testcases(junit)
 
 
 def save_regressions(rows: list[FaultRow], folder: Path,
@@ -294,22 +336,38 @@ def save_regressions(rows: list[FaultRow], folder: Path,
 
 
 def passed(rows: list[FaultRow]) -> bool:
-    """True when the control passed and every fault was caught."""
-    return all(r.verdict in ("caught", "passed") for r in rows)
+    """True when the control passed both suites and every fault was caught: by the
+    serving loop when it keeps state across calls, else by either suite."""
+    for row in rows:
+        if row.name == CONTROL:
+            if (row.verdict, row.loop_verdict) != ("passed", "passed"):
+                return False
+        elif row.loop_verdict != "caught" and (row.keeps_state or row.verdict != "caught"):
+            return False
+    return True
 
 
 def table(rows: list[FaultRow]) -> list[dict[str, str]]:
     """The rows as the printed table has them: fault, the report it imitates, caught by,
     shrunk case, seconds."""
-    def caught_by(row: FaultRow) -> str:
-        if row.verdict == "missed":
-            return "MISSED" + ("" if row.exercised else " (never triggered)")
+    def per_call(row: FaultRow) -> str:
         if row.name == CONTROL:
             return "control: passes" if row.verdict == "passed" else "CONTROL FAILED"
+        if row.verdict == "missed":
+            return ("missed (state across calls)" if row.keeps_state else "MISSED"
+                    + ("" if row.exercised else " (never triggered)"))
         return ", ".join(row.properties)
 
-    return [{"fault": r.name, "imitates": r.imitates or "-", "caught by": caught_by(r),
-             "shrunk case": r.case_id or "-", "seconds": f"{r.seconds:.1f}"} for r in rows]
+    def loop(row: FaultRow) -> str:
+        if row.name == CONTROL:
+            return "passes" if row.loop_verdict == "passed" else "CONTROL FAILED"
+        if row.loop_verdict == "caught":
+            return "caught"
+        return "MISSED" if row.keeps_state or row.verdict != "caught" else "missed"
+
+    return [{"fault": r.name, "imitates": r.imitates or "-", "per-call suite": per_call(r),
+             "serving loop": loop(r), "shrunk case": r.case_id or "-",
+             "seconds": f"{r.seconds:.1f}"} for r in rows]
 
 
 __all__ = ["CONTROL", "DEFAULT_CATALOGUE", "FAULT_LOG", "REGRESSION_CASES", "FaultRow",

@@ -41,6 +41,9 @@ CAPABILITIES = Capabilities(
     kv_cache_dtypes=frozenset(KV_CACHE_DTYPES),
     layouts=frozenset(LAYOUTS) - {"strided_out"},
     batch_invariant=True,
+    kv_cache_in_place=True,
+    plan_reuse=True,
+    returns_lse=True,
     notes={"features": "reads K and V at head_dim (no head_dim_v)",
            "layouts": "returns its own output tensor"},
 )
@@ -82,6 +85,12 @@ class PagedKernel(Adapter):
     description = "the fault catalogue's correct kernel (float32 math, rounded once)"
     imitates: ClassVar[str] = ""
     trigger: ClassVar[str] = ""
+    #: Whether the fault lives in state kept across calls of one pool (only a serving
+    #: loop, one pool for many calls, can meet it).
+    keeps_state: ClassVar[bool] = False
+    #: Whether the fault leaves the output exact everywhere (only what it returns beside
+    #: it, the log-sum-exp, is wrong).
+    output_exact: ClassVar[bool] = False
     #: Logit given to a masked key.
     masked_logit: ClassVar[float] = NEG_INF
 
@@ -90,10 +99,24 @@ class PagedKernel(Adapter):
 
     def available(self, device: str = "cpu") -> Availability:
         return Availability(True, version="catalogue", details={
-            "imitates": self.imitates, "trigger": self.trigger})
+            "imitates": self.imitates, "trigger": self.trigger, "keeps_state": self.keeps_state})
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
-        return Prepared(functools.partial(self.attend, inputs))
+        """Bind the inputs (read at each call: a refreshed plan sees their new values) and
+        an LSE buffer; every step runs in the call."""
+        case = inputs.case
+        lse = torch.full((case.total_q, case.num_q_heads), float("nan"), device=inputs.device)
+        return Prepared(functools.partial(self.attend_with_lse, inputs, lse), lse=lse)
+
+    def attend_with_lse(self, inputs: PagedInputs, lse: torch.Tensor) -> torch.Tensor:
+        """:meth:`attend`, then each row's log-sum-exp into ``lse`` (``[total_q,
+        num_q_heads]``, float32) from :meth:`sequence_state`."""
+        out = self.attend(inputs)
+        cu = inputs.cu_seqlens_q.tolist()
+        for i, kv_len in enumerate(inputs.kv_lens.tolist()):
+            q = self.queries(inputs, cu[i], cu[i + 1]).float()
+            lse[cu[i] : cu[i + 1]] = self.row_lse(self.sequence_state(inputs, i, q, kv_len))
+        return out
 
     def fired(self) -> None:
         """Record that this fault took its faulty branch (once per process)."""
@@ -124,6 +147,11 @@ class PagedKernel(Adapter):
                  kv_len: int) -> torch.Tensor:
         """Attention of sequence ``i`` (``q``: ``[q_len, hq, d]`` float32) over its
         ``kv_len`` keys: ``[q_len, hq, d]`` float32."""
+        return self.sequence_state(inputs, i, q, kv_len).o
+
+    def sequence_state(self, inputs: PagedInputs, i: int, q: torch.Tensor,
+                       kv_len: int) -> State:
+        """The attention state of sequence ``i`` (its output and log-sum-exp)."""
         case = inputs.case
         q_len = q.shape[0]
         pos_k = self.positions(kv_len, case.block_size, q_len)  # [n] tokens read
@@ -132,7 +160,11 @@ class PagedKernel(Adapter):
         k, v = k[:, heads], v[:, heads]  # [n, hq, d]
         pos_q = torch.arange(kv_len - q_len, kv_len, device=q.device)  # [q_len]
         logits = self.logits(q, k, case, pos_q, pos_k, kv_len, inputs.alibi_slopes)
-        return self.reduce(logits, v, inputs.sinks, case, q_len).o
+        return self.reduce(logits, v, inputs.sinks, case, q_len)
+
+    def row_lse(self, state: State) -> torch.Tensor:
+        """The log-sum-exp a caller gets, ``[q_len, hq]`` float32: natural log."""
+        return state.lse
 
     def positions(self, kv_len: int, block_size: int, q_len: int) -> torch.Tensor:
         """Token positions whose K and V are read, ``[n]`` int64: the live ones."""
