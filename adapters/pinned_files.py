@@ -154,7 +154,8 @@ class PinnedFiles:
                       stand_ins: Mapping[str, types.ModuleType], prefix: str,
                       unreached: Mapping[str, str] = {}) -> list[str]:
         """Each import in ``sources`` of a ``prefix`` module, or of a name from one, that
-        neither a loaded file, a stand-in nor ``unreached`` provides (relative imports
+        neither a loaded file, a stand-in (its attributes, or its ``__all__`` for names it
+        resolves once the files load) nor ``unreached`` provides (relative imports
         resolved), as ``"<file>:<line>: <name>"``; empty when the stand-ins cover the
         files. Imports inside ``if TYPE_CHECKING:`` are skipped."""
         provided = {*stand_ins, *sources}
@@ -180,7 +181,8 @@ class PinnedFiles:
                         found.append((node.lineno, f"module {name}"))
                     elif name in stand_ins:
                         found += [(node.lineno, f"{name}.{a.name}") for a in node.names
-                                  if not hasattr(stand_ins[name], a.name)]
+                                  if a.name not in getattr(stand_ins[name], "__all__", ())
+                                  and not hasattr(stand_ins[name], a.name)]
                 elif isinstance(node, ast.Import):
                     found += [(node.lineno, f"module {a.name}") for a in node.names
                               if a.name.startswith(prefix) and a.name not in provided
