@@ -132,6 +132,9 @@ WORKLOADS = {
                      2048, kind="few-shot"),
     )
 }
+#: The workloads tune runs without ``--workload`` or ``--trace`` (the prefix-sharing
+#: kinds after them are asked for by name: each adds its simulations and bench points).
+DEFAULT_WORKLOADS = ("long-chat", "short-instructions", "system-prompt", "parallel-sampling")
 
 
 def batch_case(preset: ModelPreset, sequences: int, kv_tokens: int, block_size: int,
@@ -228,8 +231,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-gib", type=float, default=DEFAULT_KV_BUDGET_GIB,
                         metavar="GIB", help=f"KV memory, GiB (default {DEFAULT_KV_BUDGET_GIB:g})")
     parser.add_argument("--workload", action="append", default=[], choices=list(WORKLOADS),
-                        help="generated workload (repeatable; default: all of "
-                             f"{', '.join(WORKLOADS)})")
+                        help="generated workload (repeatable; default: "
+                             f"{', '.join(DEFAULT_WORKLOADS)})")
     parser.add_argument("--trace", action="append", type=Path, default=[], metavar="FILE",
                         help="a trace file as pagedbench simulate reads (repeatable; named by "
                              "its file name; replaces the generated workloads unless "
@@ -266,7 +269,7 @@ def _workloads(args: argparse.Namespace) -> dict[str, tuple[str, list[Request], 
     if args.num_requests < 1:
         raise PagedValueError("--num-requests", args.num_requests, "an integer >= 1")
     chosen: dict[str, tuple[str, list[Request], int]] = {}
-    names = args.workload or ([] if args.trace else list(WORKLOADS))
+    names = args.workload or ([] if args.trace else list(DEFAULT_WORKLOADS))
     for name in dict.fromkeys(names):
         w = WORKLOADS[name]
         chosen[name] = (w.description, w.trace(args.num_requests, args.seed), w.max_context)
@@ -413,5 +416,5 @@ def run(args: argparse.Namespace) -> int:
     return int(code)
 
 
-__all__ = ["DEFAULT_BLOCK_SIZES", "WORKLOADS", "TuneWorkload", "add_arguments", "batch_case",
-           "bench_batches", "bench_cases", "run"]
+__all__ = ["DEFAULT_BLOCK_SIZES", "DEFAULT_WORKLOADS", "WORKLOADS", "TuneWorkload",
+           "add_arguments", "batch_case", "bench_batches", "bench_cases", "run"]
