@@ -152,13 +152,14 @@ class PinnedFiles:
 
     def unmet_imports(self, sources: Mapping[str, bytes],
                       stand_ins: Mapping[str, types.ModuleType], prefix: str,
-                      unreached: Mapping[str, str] = {}) -> list[str]:
+                      unreached: Mapping[str, str] | None = None) -> list[str]:
         """Each import in ``sources`` of a ``prefix`` module, or of a name from one, that
         neither a loaded file, a stand-in (its attributes, or its ``__all__`` for names it
         resolves once the files load) nor ``unreached`` provides (relative imports
         resolved), as ``"<file>:<line>: <name>"``; empty when the stand-ins cover the
         files. Imports inside ``if TYPE_CHECKING:`` are skipped."""
         provided = {*stand_ins, *sources}
+        unreached = unreached or {}
         unmet = []
         for module, data in sources.items():
             package = module.rpartition(".")[0]
