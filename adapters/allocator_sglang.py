@@ -20,6 +20,7 @@ slot); the pool holds ``num_blocks * block_size`` of them.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +28,14 @@ from dataclasses import dataclass
 from .allocator_base import Allocator, PoolUsage, Step
 from .base import Availability
 from .pinned_files import PinnedFilesInvalid
+
+
+@functools.cache
+def _radix():
+    """SGLang's classes, loaded once per process (:func:`.sglang_radix_load.load_radix`)."""
+    from .sglang_radix_load import load_radix
+
+    return load_radix()
 
 
 @dataclass
@@ -48,16 +57,9 @@ class SglangRadixCache(Allocator):
     supports_evict = True
     eviction = "RadixCache.evict: unlocked leaves, least recently used first, whole leaves"
 
-    def _radix(self):
-        from .sglang_radix_load import load_radix
-
-        if not hasattr(SglangRadixCache, "_loaded"):
-            SglangRadixCache._loaded = load_radix()
-        return SglangRadixCache._loaded
-
     def available(self) -> Availability:
         try:
-            radix = self._radix()
+            radix = _radix()
         except PinnedFilesInvalid as exc:
             return Availability(False, f"SGLang's radix cache files not usable: {exc}")
         return Availability(True, version=radix.version, details={"source": radix.source})
@@ -65,7 +67,7 @@ class SglangRadixCache(Allocator):
     def start(self, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
         import torch
 
-        self.sg = self._radix()
+        self.sg = _radix()
         self.pool = self.sg.TokenToKVPoolAllocator(
             size=num_blocks * block_size, dtype=torch.float32, device="cpu", kvcache=None,
             need_sort=False)
