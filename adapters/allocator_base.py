@@ -6,7 +6,7 @@ token pool, transformers' ``PagedAttentionCache``, :mod:`pagedbench.reference.al
 is driven through :class:`Allocator` with the calls its scheduler makes, one engine step
 each: every token an admission or an append reserves has its K/V written (and, with
 prefix caching, becomes matchable by that engine's own rule) before the call returns.
-``suites/allocator/test_allocator_contract.py`` judges every registered allocator
+``suites/allocator/contract_machine.py`` judges every registered allocator
 (:data:`ALLOCATORS`) with one state machine, each against what its design promises.
 
 Units are what the pool hands out: blocks of ``block_size`` slots (``unit="block"``), or
