@@ -9,7 +9,8 @@ holds only the names the files use, with the peer's meaning). ``sys.modules`` is
 it was, so importing the peer still fails in the process.
 
 :class:`PinnedFiles` describes one such set (the wheel, the files and their digests, the
-folder); the loaders are :mod:`.lmdeploy_triton_load` and :mod:`.sglang_radix_load`.
+folder); the loaders are :mod:`.sglang_triton_load`, :mod:`.sglang_radix_load` and
+:mod:`.lmdeploy_triton_load`.
 """
 
 from __future__ import annotations
