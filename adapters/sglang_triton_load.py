@@ -8,7 +8,8 @@ into ``build/wheels``, then the files of :data:`FILES` extracted into
 another folder, as the GPU lane's carry does). :func:`load_kernels` checks every file's
 sha256 against :data:`FILES` before executing any, then executes those verified bytes
 (``linecache`` primed, so that Triton's ``inspect.getsource`` reads them too) and leaves
-``sys.modules`` as it was: ``import sglang`` still fails in the process.
+``sys.modules`` as it was: ``import sglang`` still fails in the process. The mechanics are
+:class:`~.pinned_files.PinnedFiles`' (:data:`SGLANG_TRITON`).
 
 The files import two SGLang modules that pull in most of SGLang; :func:`stand_ins` builds
 stand-ins holding only the names the files use, each with SGLang 0.5.23's meaning, and
@@ -31,18 +32,15 @@ from __future__ import annotations
 
 import argparse
 import ast
-import hashlib
-import linecache
 import os
 import subprocess
 import sys
 import types
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .vllm_triton_import import sys_modules_restored
+from .pinned_files import PinnedFiles, PinnedFilesInvalid, module_path
 
 SGLANG_VERSION = "0.5.23"
 #: The one wheel of that release (CPython 3.11, manylinux 2.34, x86-64): pip matches each
@@ -79,19 +77,16 @@ ENV_VARS: dict[str, tuple[object, type]] = {
 }
 
 
-class SglangFilesInvalid(ValueError):
-    """The kernel files cannot be used: missing, changed, or they do not load with the
-    stand-ins; the message names the file."""
-
-
-def module_path(module: str) -> str:
-    """A module's file inside the wheel (``sglang/.../name.py``)."""
-    return module.replace(".", "/") + ".py"
+#: The files as :class:`~.pinned_files.PinnedFiles`: reading, checking, extracting, loading.
+SGLANG_TRITON = PinnedFiles("sglang", SGLANG_VERSION, WHEEL_TAGS, FILES, DIR_ENV, DEFAULT_DIR)
+#: Raised when the files cannot be used: missing, changed, or they do not load with the
+#: stand-ins; the message names the file.
+SglangFilesInvalid = PinnedFilesInvalid
 
 
 def files_dir() -> Path:
     """Where the extracted files are: ``$PAGEDBENCH_SGLANG_TRITON_DIR`` or :data:`DEFAULT_DIR`."""
-    return Path(os.environ.get(DIR_ENV) or DEFAULT_DIR)
+    return SGLANG_TRITON.files_dir()
 
 
 def read_files(folder: Path) -> dict[str, bytes]:
@@ -102,21 +97,7 @@ def read_files(folder: Path) -> dict[str, bytes]:
     SglangFilesInvalid
         If a file is absent or its sha256 differs from the pinned one.
     """
-    sources = {}
-    for module, digest in FILES.items():
-        path = folder / module_path(module)
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise SglangFilesInvalid(
-                f"{path}: {exc.strerror}; `make` (the venv step) extracts sglang "
-                f"{SGLANG_VERSION}'s kernel files there") from None
-        got = hashlib.sha256(data).hexdigest()
-        if got != digest:
-            raise SglangFilesInvalid(f"{path}: sha256 {got} differs from sglang "
-                                     f"{SGLANG_VERSION}'s {digest}")
-        sources[module] = data
-    return sources
+    return SGLANG_TRITON.read(folder)
 
 
 class _EnvVar:
@@ -221,25 +202,7 @@ def load_kernels(folder: Path | None = None) -> SglangTritonKernels:
     import triton  # noqa: F401  (the files need it; fail here with its own error)
 
     folder = Path(folder or files_dir()).resolve()
-    sources = read_files(folder)
-    modules = stand_ins()
-    loaded: dict[str, types.ModuleType] = {}
-    with sys_modules_restored((*modules, *FILES)):
-        sys.modules.update(modules)
-        for name, data in sources.items():
-            path = str(folder / module_path(name))
-            text = data.decode()
-            linecache.cache[path] = (len(text), None, text.splitlines(True), path)
-            module = types.ModuleType(name)
-            module.__file__ = path
-            module.__package__ = name.rpartition(".")[0]
-            sys.modules[name] = module
-            try:
-                exec(compile(data, path, "exec"), module.__dict__)  # noqa: S102 (verified bytes)
-            except (ImportError, AttributeError, NameError, SyntaxError) as exc:
-                raise SglangFilesInvalid(f"{path}: does not load with pagedbench's stand-ins "
-                                         f"for SGLang ({type(exc).__name__}: {exc})") from exc
-            loaded[name] = module
+    loaded = SGLANG_TRITON.execute(read_files(folder), stand_ins(), folder)
     attention = "sglang.kernels.ops.attention."
     return SglangTritonKernels(
         decode=loaded[attention + "decode_attention"],
@@ -290,22 +253,7 @@ def extract(wheel: Path, out: Path) -> list[Path]:
     SglangFilesInvalid
         If a file is missing from the wheel or differs from its pinned sha256.
     """
-    written = []
-    with zipfile.ZipFile(wheel) as archive:
-        for module, digest in FILES.items():
-            member = module_path(module)
-            try:
-                data = archive.read(member)
-            except KeyError:
-                raise SglangFilesInvalid(f"{wheel}: has no {member}") from None
-            got = hashlib.sha256(data).hexdigest()
-            if got != digest:
-                raise SglangFilesInvalid(f"{wheel}: {member} has sha256 {got}, not {digest}")
-            target = out / member
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-            written.append(target)
-    return written
+    return SGLANG_TRITON.extract(wheel, out)
 
 
 def download_wheel(dest: Path, run: Callable[..., object] = subprocess.run) -> Path:
@@ -319,12 +267,7 @@ def download_wheel(dest: Path, run: Callable[..., object] = subprocess.run) -> P
     FileNotFoundError
         If pip succeeded but left no wheel of that version in ``dest``.
     """
-    run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", *WHEEL_TAGS,
-         "--dest", str(dest), f"sglang=={SGLANG_VERSION}"], check=True)
-    wheels = sorted(dest.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    if not wheels:
-        raise FileNotFoundError(f"no sglang-{SGLANG_VERSION}-*.whl in {dest}")
-    return wheels[-1]
+    return SGLANG_TRITON.download_wheel(dest, run)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,14 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR,
                         help="where the files go (default build/sglang-triton)")
     args = parser.parse_args(argv)
-    try:
-        wheel = download_wheel(args.wheels)
-        for path in extract(wheel, args.out):
-            print(path)
-    except (SglangFilesInvalid, FileNotFoundError, subprocess.CalledProcessError) as exc:
-        print(f"sglang_triton_load: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return SGLANG_TRITON.install(args.wheels, args.out)
 
 
 if __name__ == "__main__":

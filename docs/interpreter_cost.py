@@ -6,9 +6,10 @@ Usage (from the repository root, after ``make .venv/.installed``)::
     .venv/bin/python docs/interpreter_cost.py vllm     # the three vLLM kernels, fp16
     .venv/bin/python docs/interpreter_cost.py paged    # pagedbench-triton-split, -prefill
     .venv/bin/python docs/interpreter_cost.py sglang   # sglang-decode, fp16
+    .venv/bin/python docs/interpreter_cost.py lmdeploy # lmdeploy-decode, fp16
 
 For each default-job model preset case the adapter admits on the CPU (``triton`` and
-``paged``: the bf16 cases of ``pagedbench run``; ``vllm`` and ``sglang``: their reduced
+``paged``: the bf16 cases of ``pagedbench run``; ``vllm``, ``sglang`` and ``lmdeploy``: their reduced
 forms in float16, since the interpreter cannot run those kernels in bfloat16), it times one
 ``run()`` in process CPU time (the interpreter compiles nothing, so one untimed call per
 adapter suffices), prints the launch's programs and key-loop steps, the time, the
@@ -27,6 +28,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is im
 
 import numpy as np  # noqa: E402
 
+from pagedbench.adapters.lmdeploy_triton import LmdeployDecode  # noqa: E402
 from pagedbench.adapters.sglang_triton import SglangDecode  # noqa: E402
 from pagedbench.adapters.triton_decode import TritonPagedDecode  # noqa: E402
 from pagedbench.adapters.triton_paged import TritonPrefill, TritonSplitDecode  # noqa: E402
@@ -45,6 +47,7 @@ WORKLOADS = {
     "paged": ([TritonSplitDecode(), TritonPrefill()], default_cases()),
     "vllm": ([VllmUnified(), VllmDecode(), VllmChunkedPrefill()], REDUCED_FP16),
     "sglang": ([SglangDecode()], REDUCED_FP16),
+    "lmdeploy": ([LmdeployDecode()], REDUCED_FP16),
 }
 
 

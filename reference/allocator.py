@@ -242,6 +242,17 @@ class BlockAllocator:
         """
         return self._plan_prompt(_check_token_ids(token_ids))[1]
 
+    def prefix_hit(self, token_ids: Sequence[int]) -> int:
+        """Prompt tokens :meth:`add_sequence` with this prompt would serve from the prefix
+        cache now (a multiple of ``block_size``; 0 without prefix caching).
+
+        Raises
+        ------
+        PagedValueError
+            If a token id is not an int64.
+        """
+        return len(self._pool.match_prefix(_check_token_ids(token_ids))) * self.block_size
+
     def usage(self) -> AllocatorUsage:
         """Memory accounting now (see :class:`AllocatorUsage`)."""
         pool = self._pool

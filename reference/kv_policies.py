@@ -18,9 +18,14 @@ section 3 and Fig. 2):
     :class:`~pagedbench.reference.allocator.BlockAllocator`; each of the ``n`` samples of a
     request is its own sequence with its own copy of the prompt.
 ``Paged+share``
-    The same allocator with prefix caching (requests with the same ``prefix_id`` share
-    the full blocks of their common prefix) and the ``n`` samples of a request forked from
-    one prompt, with copy-on-write of a shared partial block.
+    The same allocator with prefix caching (requests with the same ``prefix_id``, or a
+    conversation's turns, share the full blocks of their common prefix: vLLM's
+    block-hash prefix caching) and the ``n`` samples of a request forked from one
+    prompt, with copy-on-write of a shared partial block.
+``Radix``
+    SGLang's RadixAttention (:mod:`~pagedbench.reference.radix_policy`): a token-granular
+    prefix tree over a pool of pages of ``block_size`` tokens (SGLang's ``page_size``; 1 is
+    its default), LRU leaf eviction, reference-counted paths.
 
 Contiguous policies are a pool of slots without external fragmentation: any ``R`` free
 slots hold an ``R``-slot reservation. That is their best case (the paper's Fig. 2 also
@@ -35,14 +40,18 @@ from typing import Protocol
 
 from .allocator import BlockAllocator, OutOfBlocksError
 from .errors import PagedInputError, PagedValueError, is_integer
+from .radix_policy import RadixMemory
+from .trace_tokens import TraceTokens
 from .workload import Request
 
 #: Block sizes swept by the paged policies (tokens per block; the paper's Fig. 18b and 1).
 PAGED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+#: Page sizes of the ``Radix`` policy by default: SGLang's default, token granularity.
+RADIX_PAGE_SIZES = (1,)
 #: Contiguous policies, in table order.
 CONTIGUOUS_POLICIES = ("Max", "Pow2", "Oracle")
 #: Every policy name.
-POLICY_NAMES = (*CONTIGUOUS_POLICIES, "Paged", "Paged+share")
+POLICY_NAMES = (*CONTIGUOUS_POLICIES, "Paged", "Paged+share", "Radix")
 
 
 class CapacityError(PagedInputError, ValueError):
@@ -63,7 +72,8 @@ class Policy:
     name : str
         One of :data:`POLICY_NAMES` (see the module notes).
     block_size : int or None
-        Tokens per block for the paged policies (>= 1); ``None`` for contiguous ones.
+        Tokens per block for the paged policies, per page for ``Radix`` (>= 1); ``None``
+        for contiguous ones.
 
     Raises
     ------
@@ -88,7 +98,8 @@ class Policy:
 
     @property
     def paged(self) -> bool:
-        return self.name.startswith("Paged")
+        """Whether memory comes in blocks (pages) of ``block_size`` tokens."""
+        return self.name not in CONTIGUOUS_POLICIES
 
     @property
     def sharing(self) -> bool:
@@ -101,14 +112,17 @@ class Policy:
 
 
 def default_policies(
-    block_sizes: Sequence[int] = PAGED_BLOCK_SIZES, sharing: bool = False
+    block_sizes: Sequence[int] = PAGED_BLOCK_SIZES, sharing: bool = False,
+    radix_page_sizes: Sequence[int] = RADIX_PAGE_SIZES,
 ) -> list[Policy]:
     """``Max``, ``Pow2``, ``Oracle``, then ``Paged`` at each block size, then (if
-    ``sharing``) ``Paged+share`` at each block size."""
+    ``sharing``) ``Paged+share`` at each block size and ``Radix`` at each of
+    ``radix_page_sizes``."""
     policies = [Policy(name) for name in CONTIGUOUS_POLICIES]
     policies += [Policy("Paged", bs) for bs in block_sizes]
     if sharing:
         policies += [Policy("Paged+share", bs) for bs in block_sizes]
+        policies += [Policy("Radix", ps) for ps in radix_page_sizes]
     return policies
 
 
@@ -142,11 +156,14 @@ class KVMemory(Protocol):
         KV memory in token slots.
     cow_copies : int
         Blocks copied by copy-on-write so far.
+    prefix_hit_tokens : int
+        Tokens admissions took from a prefix cache so far (not computed).
     """
 
     label: str
     kv_budget_tokens: int
     cow_copies: int
+    prefix_hit_tokens: int
 
     def admit(self, live: LiveRequest) -> bool:
         """Reserve or allocate the prompt (plus tokens generated before a preemption) of
@@ -173,6 +190,11 @@ def make_memory(
     CapacityError
         If the budget holds no block of a paged policy's ``block_size``.
     """
+    if policy.paged and kv_budget_tokens < policy.block_size:
+        raise CapacityError(f"kv budget of {kv_budget_tokens} tokens holds no block of "
+                            f"block_size={policy.block_size}")
+    if policy.name == "Radix":
+        return RadixMemory(policy.label, policy.block_size, kv_budget_tokens, trace)
     if policy.paged:
         return _PagedMemory(policy, kv_budget_tokens, trace, seed)
     return _ContiguousMemory(policy, kv_budget_tokens, max_context)
@@ -191,6 +213,7 @@ class _ContiguousMemory:
         self.tokens = 0
         self.fragmentation = 0
         self.cow_copies = 0
+        self.prefix_hit_tokens = 0
         self._reserved: dict[int, int] = {}  # request index -> slots reserved for it
 
     def reservation(self, req: Request) -> int:
@@ -238,10 +261,7 @@ class _PagedMemory:
 
     Each allocation is one engine step: reserve the slots, make any copy-on-write copy,
     write the K/V and commit, so nothing is in flight between steps. Token ids matter only
-    with prefix caching: prefix group ``g`` is the token ``g`` repeated, request ``i``'s
-    own prompt tokens are ``num_groups + i``, and the tokens generated by sample ``k`` of
-    request ``i`` are ``num_groups + num_requests + first_sample[i] + k``, so only tokens
-    of a shared prefix ever hash alike.
+    with prefix caching (:class:`~pagedbench.reference.trace_tokens.TraceTokens`).
     """
 
     def __init__(
@@ -249,11 +269,6 @@ class _PagedMemory:
     ) -> None:
         assert policy.block_size is not None
         num_blocks = kv_budget_tokens // policy.block_size
-        if num_blocks < 1:
-            raise CapacityError(
-                f"kv budget of {kv_budget_tokens} tokens holds no block of "
-                f"block_size={policy.block_size}"
-            )
         self.label = policy.label
         self.kv_budget_tokens = kv_budget_tokens
         self.sharing = policy.sharing
@@ -261,27 +276,15 @@ class _PagedMemory:
             num_blocks, policy.block_size, seed=seed, enable_prefix_caching=self.sharing
         )
         self.cow_copies = 0
+        self.prefix_hit_tokens = 0
         self._seq_ids: dict[int, list[tuple[int, int]]] = {}  # request index -> its samples
-        groups = {pid: g for g, pid in enumerate(dict.fromkeys(
-            r.prefix_id for r in trace if r.prefix_id is not None))}
-        self._group = [groups.get(r.prefix_id) for r in trace]
-        self._own_base = len(groups)
-        self._gen_base = len(groups) + len(trace)
-        self._first_sample = []
-        total = 0
-        for r in trace:
-            self._first_sample.append(total)
-            total += r.n
+        self._tokens = TraceTokens(trace)
 
     def _prompt_tokens(self, live: LiveRequest) -> list[int]:
-        req = live.request
-        own = self._own_base + live.index
-        group = self._group[live.index]
-        shared = [] if group is None else [group] * req.prefix_len
-        return shared + [own] * (req.prompt_len - len(shared))
+        return self._tokens.prompt(live.index)
 
     def _generated_token(self, live: LiveRequest, sample: int) -> int:
-        return self._gen_base + self._first_sample[live.index] + sample
+        return self._tokens.generated(live.index, sample)
 
     def _step(self, seq: tuple[int, int], tokens: int | list[int]) -> int:
         """Append ``tokens`` to ``seq`` as one engine step; returns the copies made."""
@@ -297,7 +300,7 @@ class _PagedMemory:
         req = live.request
         alloc = self.allocator
         seq_ids = self._seq_ids[live.index] = []
-        copies = 0
+        copies = hit = 0
         try:
             if self.sharing:
                 first = (live.index, 0)
@@ -305,7 +308,7 @@ class _PagedMemory:
                 if req.n == 1:
                     prompt += [self._generated_token(live, 0)] * live.generated
                 seq_ids.append(first)
-                alloc.add_sequence(first, prompt)
+                hit = alloc.add_sequence(first, prompt)
                 alloc.commit(first, len(prompt))
                 for k in range(1, req.n):
                     seq_ids.append((live.index, k))
@@ -326,6 +329,7 @@ class _PagedMemory:
             del self._seq_ids[live.index]
             return False
         self.cow_copies += copies
+        self.prefix_hit_tokens += hit
         return True
 
     def grow(self, live: LiveRequest, sample: int) -> bool:

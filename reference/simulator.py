@@ -11,6 +11,7 @@ accounting in :class:`PolicyResult`'s.
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -72,6 +73,12 @@ class PolicyResult:
         caching, readmission may serve some of them from the cache).
     cow_copies : int
         Blocks copied by copy-on-write (``Paged+share`` only; blocks).
+    prefix_hit_tokens : int
+        Tokens admissions (readmissions included) took from a prefix cache instead of
+        computing them (``Paged+share``, ``Radix``; tokens).
+    prefill_tokens : int
+        Tokens admissions computed: every admitted request's prompt (and, readmitted,
+        what it had generated) less its prefix hit (tokens).
     concurrency_ratio : float or None
         ``mean_concurrency`` over the ``Max`` policy's on the same trace and budget;
         ``None`` when ``Max`` was not run.
@@ -97,6 +104,8 @@ class PolicyResult:
     preemptions: int
     recomputed_tokens: int
     cow_copies: int
+    prefix_hit_tokens: int
+    prefill_tokens: int
     concurrency_ratio: float | None = None
     throughput_ratio: float | None = None
 
@@ -114,7 +123,9 @@ def simulate(
     One iteration per step (vLLM v1's ``Scheduler.schedule``,
     ``vllm/v1/core/sched/scheduler.py``). At step ``s``:
 
-    1. Requests with ``arrival <= s`` join the back of the waiting queue, in trace order.
+    1. Requests with ``arrival <= s`` join the back of the waiting queue, in trace order
+       (a request with a ``parent`` no earlier than the step after its parent finished:
+       :class:`_Arrivals`).
     2. Decode (:func:`_decode_step`): every running request, oldest admission first, stores
        the K/V of one new token for each of its ``n`` samples. When a paged append cannot
        get a block, the newest running request is preempted by recomputation (its blocks
@@ -175,20 +186,18 @@ def simulate(
     validate_trace(trace, max_context)
     memory = make_memory(policy, kv_budget_tokens, trace, max_context, seed)
 
-    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival)
-    pending = deque(LiveRequest(i, trace[i]) for i in order)
+    pending = _Arrivals(trace)
     waiting: deque[LiveRequest] = deque()
     running: list[LiveRequest] = []
     preempted: set[int] = set()
-    waited = preemptions = recomputed = 0
+    waited = preemptions = recomputed = admitted_tokens = 0
     sum_reserved = sum_tokens = sum_frag = sum_running = 0
     peak = 0
     step = 0
     while pending or waiting or running:
-        if not waiting and not running and pending[0].request.arrival > step:
-            step = pending[0].request.arrival  # idle steps: nothing held, nothing running
-        while pending and pending[0].request.arrival <= step:
-            waiting.append(pending.popleft())
+        if not waiting and not running and pending.next_step() > step:
+            step = pending.next_step()  # idle steps: nothing held, nothing running
+        waiting.extend(pending.release(step))
 
         victims = _decode_step(running, memory)
         for victim, tokens in victims:
@@ -202,8 +211,9 @@ def simulate(
         if not victims:
             while waiting and memory.admit(waiting[0]):
                 live = waiting.popleft()
-                if live.index not in preempted and step > live.request.arrival:
+                if live.index not in preempted and step > pending.ready[live.index]:
                     waited += 1
+                admitted_tokens += live.request.prompt_len + live.generated
                 running.append(live)
             if waiting and not running:
                 raise _cannot_run_alone(waiting[0], memory)
@@ -219,6 +229,7 @@ def simulate(
         finished = [live for live in running if live.generated == live.request.output_len]
         for live in finished:
             memory.release(live)
+            pending.finished(live.index, step)
         if finished:
             running = [live for live in running if live.generated < live.request.output_len]
 
@@ -242,7 +253,52 @@ def simulate(
         preemptions=preemptions,
         recomputed_tokens=recomputed,
         cow_copies=memory.cow_copies,
+        prefix_hit_tokens=memory.prefix_hit_tokens,
+        prefill_tokens=admitted_tokens - memory.prefix_hit_tokens,
     )
+
+
+class _Arrivals:
+    """The requests not yet released to the waiting queue (step 1 of :func:`simulate`).
+
+    A request without a ``parent`` is released at its ``arrival``; one with a parent
+    waits for it, then is released at ``max(arrival, the step after the parent's last)``.
+    Ties keep trace order. ``ready[i]``: the step request ``i`` was released at.
+    """
+
+    def __init__(self, trace: Sequence[Request]) -> None:
+        self.trace = trace
+        self._heap = [(r.arrival, i) for i, r in enumerate(trace) if r.parent is None]
+        heapq.heapify(self._heap)
+        self._children: dict[int, list[int]] = {}
+        for i, r in enumerate(trace):
+            if r.parent is not None:
+                self._children.setdefault(r.parent, []).append(i)
+        self.ready: dict[int, int] = {}
+        self._blocked = len(trace) - len(self._heap)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap) or self._blocked > 0
+
+    def next_step(self) -> int:
+        """The step the next request is released at (a large number while every
+        pending request waits for a running parent)."""
+        return self._heap[0][0] if self._heap else 2**62
+
+    def release(self, step: int) -> list[LiveRequest]:
+        """Pop the requests released by ``step``, in (step, trace) order."""
+        released = []
+        while self._heap and self._heap[0][0] <= step:
+            _, index = heapq.heappop(self._heap)
+            self.ready[index] = step
+            released.append(LiveRequest(index, self.trace[index]))
+        return released
+
+    def finished(self, index: int, step: int) -> None:
+        """Request ``index`` finished before ``step``: its children become pending."""
+        for child in self._children.pop(index, ()):
+            heapq.heappush(self._heap, (max(self.trace[child].arrival, step), child))
+            self._blocked -= 1
 
 
 def _decode_step(running: list[LiveRequest], memory: KVMemory) -> list[tuple[LiveRequest, int]]:

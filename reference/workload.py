@@ -1,7 +1,8 @@
 """What a request trace is: the input of the KV-capacity simulator.
 
 A trace is a sequence of :class:`Request`: prompt and output lengths, the step the request
-arrives at, an optional shared prefix, and the number of parallel samples. Reading traces
+arrives at, an optional shared prefix or an earlier request it continues (a conversation's
+next turn), and the number of parallel samples. Reading traces
 from files and drawing them from a distribution is the harness's job
 (:mod:`pagedbench.harness.capacity.traces`); the simulator is :mod:`pagedbench.reference.simulator`.
 """
@@ -45,6 +46,12 @@ class Request:
         ``None`` means the whole prompt when ``prefix_id`` is set, else 0.
     n : int
         Parallel samples generated from the prompt, >= 1.
+    parent : int or None
+        Index in the trace of an earlier request whose whole sequence (its prompt and
+        sample 0's output) this prompt starts with: the previous turn of a conversation,
+        the previous step of an agent. The request arrives no earlier than the step after
+        its parent finished (and not before ``arrival``). Not with ``prefix_id`` (the
+        parent's tokens carry any shared prefix).
 
     Raises
     ------
@@ -58,6 +65,7 @@ class Request:
     prefix_id: str | None = None
     prefix_len: int | None = None
     n: int = 1
+    parent: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "output_len", "n"):
@@ -66,6 +74,13 @@ class Request:
                 raise TraceError(f"{name} must be an integer >= 1, got {value!r}")
         if not is_integer(self.arrival) or self.arrival < 0:
             raise TraceError(f"arrival must be an integer step >= 0, got {self.arrival!r}")
+        if self.parent is not None:
+            if not is_integer(self.parent) or self.parent < 0:
+                raise TraceError(f"parent must be empty or a request index >= 0, got "
+                                 f"{self.parent!r}")
+            if self.prefix_id is not None:
+                raise TraceError("parent and prefix_id exclude each other: a request "
+                                 "continuing another starts with its tokens")
         if self.prefix_id is None:
             if self.prefix_len not in (None, 0):
                 raise TraceError(
@@ -95,8 +110,10 @@ def validate_trace(trace: Sequence[Request], max_context: int) -> None:
     Raises
     ------
     TraceError
-        If the trace is empty, or a request's ``prompt_len + output_len`` exceeds
-        ``max_context`` (the message gives the request index and both lengths).
+        If the trace is empty, a request's ``prompt_len + output_len`` exceeds
+        ``max_context`` (the message gives the request index and both lengths), or a
+        ``parent`` is not an earlier request whose whole sequence is shorter than the
+        prompt.
     PagedValueError
         If ``max_context`` < 1.
     """
@@ -110,4 +127,26 @@ def validate_trace(trace: Sequence[Request], max_context: int) -> None:
                 f"request {i}: prompt_len + output_len = {req.prompt_len} + {req.output_len} "
                 f"= {req.total_len} exceeds max_context={max_context}"
             )
+        check_parent(trace, i)
+
+
+def check_parent(trace: Sequence[Request], index: int) -> None:
+    """Check request ``index``'s ``parent``: an earlier request whose ``prompt_len +
+    output_len`` is below this prompt's length (at least one new token).
+
+    Raises
+    ------
+    TraceError
+        Naming the request, its parent and the lengths.
+    """
+    parent = trace[index].parent
+    if parent is None:
+        return
+    if parent >= index:
+        raise TraceError(f"request {index}: parent {parent} is not an earlier request")
+    if trace[parent].total_len >= trace[index].prompt_len:
+        raise TraceError(
+            f"request {index}: prompt_len {trace[index].prompt_len} must exceed its parent "
+            f"{parent}'s prompt_len + output_len = {trace[parent].total_len} (the parent's "
+            "sequence and at least one new token)")
 

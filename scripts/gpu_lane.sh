@@ -64,6 +64,8 @@ export PATH="$site/bin:$PATH" FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_
 [ -d "$carry/vllm-triton" ] && export PAGEDBENCH_VLLM_TRITON_CARRY="$(cd "$carry/vllm-triton" && pwd)"
 # SGLang's Triton kernel files (sha256 checked by adapters/sglang_triton_load.py).
 [ -d "$carry/sglang-triton" ] && export PAGEDBENCH_SGLANG_TRITON_DIR="$(cd "$carry/sglang-triton" && pwd)"
+# LMDeploy's Triton kernel files (sha256 checked by adapters/lmdeploy_triton_load.py).
+[ -d "$carry/lmdeploy-triton" ] && export PAGEDBENCH_LMDEPLOY_TRITON_DIR="$(cd "$carry/lmdeploy-triton" && pwd)"
 "$python" -c "import pagedbench.harness.lane.steps" || {
   echo "gpu_lane.sh: pagedbench is not importable through $build/gpu-shim (a package the" \
        "image lacks? make gpu-carry builds its wheels into $carry/wheels)" >&2; exit 2; }

@@ -42,7 +42,7 @@ from pagedbench.harness.results.record import Environment, ResultRecord
 from pagedbench.harness.verdict.status import Status
 
 #: ``TuneReport.schema_version``: changes whenever a field is added, removed or changes meaning.
-TUNE_SCHEMA_VERSION = 1
+TUNE_SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,15 @@ def simulate_decode(trace: Sequence[Request], block_size: int, kv_budget_tokens:
     """Replay ``trace`` paged at ``block_size`` and record every decode step's batch.
 
     The policy is ``Paged+share`` (prefix caching of full blocks, forked samples) when a
-    request has a ``prefix_id`` or ``n > 1``, else ``Paged`` (as ``pagedbench simulate``).
+    request has a ``prefix_id``, a ``parent`` or ``n > 1`` (:func:`shares`), else
+    ``Paged`` (as ``pagedbench simulate``).
 
     Raises
     ------
     TraceError, CapacityError, PagedValueError
         As :func:`~pagedbench.reference.simulator.simulate`.
     """
-    sharing = any(r.n > 1 or r.prefix_id is not None for r in trace)
-    policy = Policy("Paged+share" if sharing else "Paged", block_size)
+    policy = Policy("Paged+share" if shares(trace) else "Paged", block_size)
     steps: list[DecodeStep] = []
 
     def on_decode(running: Sequence[LiveRequest]) -> None:
@@ -77,6 +77,12 @@ def simulate_decode(trace: Sequence[Request], block_size: int, kv_budget_tokens:
 
     result = simulate(trace, policy, kv_budget_tokens, max_context, seed, on_decode=on_decode)
     return result, steps
+
+
+def shares(trace: Sequence[Request]) -> bool:
+    """Whether ``trace`` shares prefixes or samples (a ``prefix_id``, a ``parent``, ``n >
+    1``): prefix caching then applies."""
+    return any(r.n > 1 or r.prefix_id is not None or r.parent is not None for r in trace)
 
 
 class OutOfMeasuredRange(PagedValueError):
@@ -239,7 +245,9 @@ class TuneRow(_Model):
     p90 times and ``throughput_high_tok_s`` the p10 times; all three are null and
     ``refused`` says why when a decode step lies outside the measured range.
     ``attention_ms_per_step``: mean over decode steps of ``num_layers`` times the
-    interpolated median kernel time (ms).
+    interpolated median kernel time (ms). ``prefix_hit_tokens`` and ``prefill_tokens``:
+    the simulation's (:class:`~pagedbench.reference.simulator.PolicyResult`); with a
+    ``prefill_ms_per_token``, the prefill tokens' time counts in the throughput.
     """
 
     workload: str
@@ -256,6 +264,8 @@ class TuneRow(_Model):
     max_sequences: int
     mean_kv_tokens: float
     max_kv_tokens: int
+    prefix_hit_tokens: int
+    prefill_tokens: int
     attention_ms_per_step: Optional[float]
     throughput_tok_s: Optional[float]
     throughput_low_tok_s: Optional[float]
@@ -278,11 +288,33 @@ class Recommendation(_Model):
     text: str
 
 
+class PrefixReuse(_Model):
+    """Prefix reuse of one sharing workload: SGLang's radix tree (page size 1,
+    ``Radix``) against block-hash prefix caching at the recommended block size (or the
+    smallest simulated when none is recommended), on the same trace and budget.
+
+    ``hit_gain_pct`` is ``100 * (tree / blocks - 1)`` of the prefix-hit tokens (null when
+    the blocks hit none); ``prefill_saved_tokens`` the prefill tokens the tree computes
+    fewer (negative: more); ``text`` says which wins and by how much.
+    """
+
+    workload: str
+    block_size: int
+    tree_prefix_hit_tokens: int
+    block_prefix_hit_tokens: int
+    tree_prefill_tokens: int
+    block_prefill_tokens: int
+    hit_gain_pct: Optional[float]
+    prefill_saved_tokens: int
+    tree_mean_concurrency: float
+    text: str
+
+
 class TuneReport(_Model):
     """Everything ``pagedbench tune`` found (``tune.json``)."""
 
     kind: Literal["tune"]
-    schema_version: Literal[1]
+    schema_version: Literal[2]
     preset: str
     num_layers: int
     kv_cache_dtype: str
@@ -294,6 +326,7 @@ class TuneReport(_Model):
     serving: Literal["cpu", "gpu"]
     env: Environment
     other_ms_per_step: float
+    prefill_ms_per_token: float
     block_sizes: list[int]
     dropped_block_sizes: list[str]
     workloads: dict[str, str]
@@ -303,17 +336,19 @@ class TuneReport(_Model):
     results: list[str]
     rows: list[TuneRow]
     recommendations: list[Recommendation]
+    prefix_reuse: list[PrefixReuse]
     conditions: list[str]
 
 
 def predict(workload: str, result: PolicyResult, steps: Sequence[DecodeStep],
             model: KernelModel | None, num_layers: int, other_ms_per_step: float,
-            refused: str | None = None) -> TuneRow:
+            refused: str | None = None, prefill_ms_per_token: float = 0.0) -> TuneRow:
     """The :class:`TuneRow` of one simulation: its decode steps timed by ``model``.
 
-    Each step costs ``num_layers * t + other_ms_per_step`` ms with ``t`` interpolated;
-    ``model`` None (no measured points at this block size) refuses the row with
-    ``refused``, as does a step outside the measured range.
+    Each step costs ``num_layers * t + other_ms_per_step`` ms with ``t`` interpolated,
+    and the run's prefill ``result.prefill_tokens * prefill_ms_per_token`` ms (so that
+    prefix reuse counts); ``model`` None (no measured points at this block size) refuses
+    the row with ``refused``, as does a step outside the measured range.
     """
     counts = Counter((s.sequences, s.kv_tokens) for s in steps)
     batches = np.array(list(counts), dtype=np.int64).reshape(-1, 2)  # [distinct, 2]
@@ -328,7 +363,8 @@ def predict(workload: str, result: PolicyResult, steps: Sequence[DecodeStep],
             refused = str(exc)
         else:
             step_ms = num_layers * times + other_ms_per_step
-            total_s = (step_ms * weight[:, None]).sum(axis=0) / 1000.0  # [3]
+            prefill_ms = result.prefill_tokens * prefill_ms_per_token
+            total_s = ((step_ms * weight[:, None]).sum(axis=0) + prefill_ms) / 1000.0  # [3]
             throughputs = [float(tokens / s) for s in total_s]
             per_step = float((num_layers * times[:, 0] * weight).sum() / weight.sum())
     elif model is not None:
@@ -343,6 +379,7 @@ def predict(workload: str, result: PolicyResult, steps: Sequence[DecodeStep],
         max_sequences=int(batches[:, 0].max(initial=0)),
         mean_kv_tokens=float((batches[:, 1] * weight).sum() / n),
         max_kv_tokens=int(batches[:, 1].max(initial=0)),
+        prefix_hit_tokens=result.prefix_hit_tokens, prefill_tokens=result.prefill_tokens,
         attention_ms_per_step=per_step, throughput_tok_s=throughputs[0],
         throughput_low_tok_s=throughputs[2], throughput_high_tok_s=throughputs[1],
         refused=refused)
@@ -379,6 +416,39 @@ def recommend(rows: Sequence[TuneRow], serving: Literal["cpu", "gpu"]) -> Recomm
                           holds=holds, serving=serving, text=text)
 
 
+def prefix_reuse(workload: str, tree: PolicyResult, rows: Sequence[TuneRow],
+                 recommended: int | None) -> PrefixReuse:
+    """The :class:`PrefixReuse` of ``workload``: the ``Radix`` page-1 simulation ``tree``
+    against its row at ``recommended`` (else its smallest block size)."""
+    row = next((r for r in rows if r.block_size == recommended),
+               min(rows, key=lambda r: r.block_size))
+    gain = (100.0 * (tree.prefix_hit_tokens / row.prefix_hit_tokens - 1.0)
+            if row.prefix_hit_tokens else None)
+    saved = row.prefill_tokens - tree.prefill_tokens
+    if tree.prefix_hit_tokens > row.prefix_hit_tokens:
+        verdict = (f"the radix tree (page 1) beats block_size {row.block_size}: "
+                   f"{tree.prefix_hit_tokens} prefix-hit tokens against "
+                   f"{row.prefix_hit_tokens}" + (f" (+{gain:.1f}%)" if gain is not None else ""))
+    elif tree.prefix_hit_tokens == row.prefix_hit_tokens:
+        verdict = (f"the radix tree (page 1) and block_size {row.block_size} hit the same "
+                   f"{row.prefix_hit_tokens} prefix tokens")
+    else:
+        verdict = (f"block_size {row.block_size} beats the radix tree (page 1): "
+                   f"{row.prefix_hit_tokens} prefix-hit tokens against "
+                   f"{tree.prefix_hit_tokens} ({gain:.1f}%)")
+    text = (f"{workload}: {verdict}; the tree computes {abs(saved)} "
+            f"{'fewer' if saved >= 0 else 'more'} prefill tokens ({tree.prefill_tokens} "
+            f"against {row.prefill_tokens})")
+    return PrefixReuse(workload=workload, block_size=row.block_size,
+                       tree_prefix_hit_tokens=tree.prefix_hit_tokens,
+                       block_prefix_hit_tokens=row.prefix_hit_tokens,
+                       tree_prefill_tokens=tree.prefill_tokens,
+                       block_prefill_tokens=row.prefill_tokens, hit_gain_pct=gain,
+                       prefill_saved_tokens=saved,
+                       tree_mean_concurrency=tree.mean_concurrency, text=text)
+
+
 __all__ = ["TUNE_SCHEMA_VERSION", "DecodeStep", "KernelModel", "KernelPoint",
-           "OutOfMeasuredRange", "Recommendation", "TuneReport", "TuneRow", "kernel_models",
-           "kernel_points", "predict", "recommend", "simulate_decode"]
+           "OutOfMeasuredRange", "PrefixReuse", "Recommendation", "TuneReport", "TuneRow",
+           "kernel_models", "kernel_points", "predict", "prefix_reuse", "recommend",
+           "shares", "simulate_decode"]

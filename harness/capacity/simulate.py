@@ -1,9 +1,12 @@
 """``pagedbench simulate``: the KV capacity simulator from the command line.
 
 Replays one request trace under the contiguous policies (``Max``, ``Pow2``, ``Oracle``)
-and paged allocation at several block sizes (:mod:`pagedbench.reference.simulator`),
-prints the policy table (pandas), and writes a plot (matplotlib, PNG): the share of
-reserved KV memory holding tokens per policy, and concurrency against block size.
+and paged allocation at several block sizes (:mod:`pagedbench.reference.simulator`); when
+the trace shares prefixes or samples, also block-hash prefix caching (``Paged+share``) at
+those block sizes and SGLang's radix tree (``Radix``) at ``--radix-page-sizes``. Prints
+the policy table (pandas), and writes a plot (matplotlib, PNG): the share of reserved KV
+memory holding tokens per policy, and concurrency against block size. ``--trace-kind``
+draws a trace with shared prefixes (:mod:`~pagedbench.harness.capacity.prefix_traces`).
 
 With no arguments: preset ``llama3.1-8b`` (128 KiB of K/V per token in bfloat16), a
 4 GiB KV budget (32768 token slots), ``max_context`` 2048, 1000 requests drawn with
@@ -24,11 +27,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from pagedbench.harness.capacity.prefix_traces import TRACE_KINDS
 from pagedbench.harness.capacity.traces import generate_trace, read_trace
 from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.reference.kv_policies import (
     CONTIGUOUS_POLICIES,
     PAGED_BLOCK_SIZES,
+    RADIX_PAGE_SIZES,
     CapacityError,
     default_policies,
 )
@@ -62,6 +67,8 @@ TABLE_COLUMNS = {
     "waited": "waited",
     "preempted": "preempted",
     "recomputed_tokens": "recomputed tok",
+    "prefix_hit_tokens": "prefix hit tok",
+    "prefill_tokens": "prefill tok",
     "cow_copies": "CoW copies",
     "steps": "steps",
 }
@@ -119,6 +126,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prefix_id, prefix_len, n; default: a generated trace",
     )
     trace.add_argument(
+        "--trace-kind", default="mixed", choices=list(TRACE_KINDS),
+        help="generated trace: mixed (independent requests, default), multi-turn (chat "
+        "sessions), agent (tool-calling loops) or few-shot (batches over shared prompts)",
+    )
+    trace.add_argument(
         "--num-requests", type=int, default=DEFAULT_NUM_REQUESTS,
         help=f"requests in the generated trace (default {DEFAULT_NUM_REQUESTS})",
     )
@@ -143,6 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--block-sizes", type=block_sizes, default=PAGED_BLOCK_SIZES, metavar="LIST",
         help="paged block sizes, comma-separated (default "
         + ",".join(map(str, PAGED_BLOCK_SIZES)) + ")",
+    )
+    out.add_argument(
+        "--radix-page-sizes", type=block_sizes, default=RADIX_PAGE_SIZES, metavar="LIST",
+        help="page sizes of the Radix policy (SGLang's page_size), comma-separated (default "
+        + ",".join(map(str, RADIX_PAGE_SIZES)) + ")",
     )
     out.add_argument(
         "--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, metavar="DIR",
@@ -170,6 +187,17 @@ def _budget_tokens(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _load_trace(args: argparse.Namespace) -> list[Request]:
+    mixed_only = {
+        "--parallel-samples": args.parallel_samples != 1,
+        "--prefix-share": args.prefix_share != 0.0,
+        "--arrival-rate": args.arrival_rate is not None,
+    }
+    if args.trace is None and args.trace_kind != "mixed":
+        given = [name for name, set_ in mixed_only.items() if set_]
+        if given:
+            raise ValueError(f"{', '.join(given)} shape(s) the mixed trace only, not "
+                             f"--trace-kind {args.trace_kind}")
+        return TRACE_KINDS[args.trace_kind](args.num_requests, args.max_context, args.seed)
     if args.trace is None:
         return generate_trace(
             args.num_requests,
@@ -179,12 +207,8 @@ def _load_trace(args: argparse.Namespace) -> list[Request]:
             prefix_share=args.prefix_share,
             parallel_samples=args.parallel_samples,
         )
-    generated_only = {
-        "--parallel-samples": args.parallel_samples != 1,
-        "--prefix-share": args.prefix_share != 0.0,
-        "--arrival-rate": args.arrival_rate is not None,
-    }
-    given = [name for name, set_ in generated_only.items() if set_]
+    given = [name for name, set_ in mixed_only.items() if set_]
+    given += ["--trace-kind"] if args.trace_kind != "mixed" else []
     if given:
         raise ValueError(
             f"{', '.join(given)} shape(s) the generated trace only; a --trace file sets "
@@ -300,8 +324,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         kv_budget_tokens, per_token = _budget_tokens(args)
         trace = _load_trace(args)
-        shares = any(r.n > 1 or r.prefix_id is not None for r in trace)
-        policies = default_policies(args.block_sizes, sharing=shares)
+        shares = any(r.n > 1 or r.prefix_id is not None or r.parent is not None
+                     for r in trace)
+        policies = default_policies(args.block_sizes, sharing=shares,
+                                    radix_page_sizes=args.radix_page_sizes)
         results = compare_policies(trace, policies, kv_budget_tokens, args.max_context, args.seed)
     except (TraceError, CapacityError, ValueError, OSError) as err:
         print(f"pagedbench simulate: error: {err}", file=sys.stderr)
@@ -313,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
 
     frame = results_frame(results)
     budget_gib = kv_budget_tokens * per_token / _GIB
-    source = str(args.trace) if args.trace is not None else f"generated, seed {args.seed}"
+    source = (str(args.trace) if args.trace is not None
+              else f"generated {args.trace_kind}, seed {args.seed}")
     title = (
         f"{args.preset} ({per_token // 1024} KiB/token), KV budget {budget_gib:.2f} GiB = "
         f"{kv_budget_tokens} tokens, max_context {args.max_context}, "

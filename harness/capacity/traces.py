@@ -19,11 +19,13 @@ from pagedbench.reference.workload import (
     DEFAULT_MAX_CONTEXT,
     Request,
     TraceError,
+    check_parent,
 )
 from pagedbench.reference.errors import PagedValueError, is_integer
 
 #: Columns a trace file may have; the first two are required.
-TRACE_COLUMNS = ("prompt_len", "output_len", "arrival", "prefix_id", "prefix_len", "n")
+TRACE_COLUMNS = ("prompt_len", "output_len", "arrival", "prefix_id", "prefix_len", "n",
+                 "parent")
 REQUIRED_TRACE_COLUMNS = ("prompt_len", "output_len")
 #: Shared prefixes in a generated trace unless a caller says otherwise.
 DEFAULT_NUM_PREFIXES = 4
@@ -145,8 +147,9 @@ def read_trace(path: str | Path, max_context: int) -> list[Request]:
 
     The format follows the suffix: ``.csv``, or ``.jsonl`` / ``.ndjson`` (one JSON object
     per line; blank lines are skipped). Columns: ``prompt_len`` and ``output_len``
-    (required), ``arrival`` (step), ``prefix_id``, ``prefix_len`` and ``n`` (optional;
-    an empty CSV cell or JSON ``null`` takes the :class:`Request` default).
+    (required), ``arrival`` (step), ``prefix_id``, ``prefix_len``, ``n`` and ``parent``
+    (the 0-based request index a conversation's next turn continues; optional: an empty
+    CSV cell or JSON ``null`` takes the :class:`Request` default).
 
     Returns
     -------
@@ -159,7 +162,8 @@ def read_trace(path: str | Path, max_context: int) -> list[Request]:
         If the suffix is not one of the above, the file has no requests, a required
         column is missing, an unknown column appears, a value is not an integer, a length
         is out of range, or ``prompt_len + output_len > max_context``; the message names
-        the file, the line and the column.
+        the file, the line and the column; or a ``parent`` is not an earlier request
+        whose whole sequence the prompt outgrows.
     FileNotFoundError
         If ``path`` does not exist.
     PagedValueError
@@ -184,6 +188,10 @@ def read_trace(path: str | Path, max_context: int) -> list[Request]:
                 f"{req.output_len} = {req.total_len} exceeds max_context={max_context}"
             )
         trace.append(req)
+        try:
+            check_parent(trace, len(trace) - 1)
+        except TraceError as err:
+            raise TraceError(f"{path}:{line}: {err}") from None
     if not trace:
         raise TraceError(f"{path}: the file holds no requests")
     return trace

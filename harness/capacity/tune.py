@@ -7,7 +7,10 @@ points (``pagedbench bench`` results of one device, or points this command bench
 itself), never extrapolated, and turned into predicted decode throughput and a
 recommended block size per workload (:mod:`~pagedbench.harness.capacity.prediction` has
 the arithmetic). Prefill, recomputation after preemption, the model's GEMMs and sampling
-are not timed (``--other-ms-per-step`` adds a measured cost of the rest of a step). A
+are not timed (``--other-ms-per-step`` adds a measured cost of the rest of a step,
+``--prefill-ms-per-token`` one of each computed prefill token, which prefix reuse saves).
+For a workload that shares prefixes it also replays SGLang's radix tree (page size 1) and
+says whether it reuses more prefix tokens than the blocks, and by how much. A
 recommendation is for the device its timings come from: CPU timings make a CPU-serving
 recommendation, and results of two devices are never mixed. What it prints and writes:
 :mod:`~pagedbench.harness.capacity.tune_output`.
@@ -31,12 +34,15 @@ from typing import Literal
 import numpy as np
 
 from pagedbench.reference import DTYPES, PagedCase, PagedValueError
-from pagedbench.reference.simulator import PolicyResult, budget_tokens_from_bytes
+from pagedbench.reference.kv_policies import Policy
+from pagedbench.reference.simulator import PolicyResult, budget_tokens_from_bytes, simulate
 from pagedbench.reference.workload import Request
 
 from pagedbench.harness.capacity.prediction import (TUNE_SCHEMA_VERSION, DecodeStep,
                                                     TuneReport, kernel_models, kernel_points,
-                                                    predict, recommend, simulate_decode)
+                                                    predict, prefix_reuse, recommend, shares,
+                                                    simulate_decode)
+from pagedbench.harness.capacity.prefix_traces import TRACE_KINDS
 from pagedbench.harness.capacity.simulate import block_sizes as listed_block_sizes
 from pagedbench.harness.capacity.traces import generate_trace, read_trace
 from pagedbench.harness.capacity.tune_output import (JSON_NAME, PLOT_NAME, conditions, text,
@@ -79,6 +85,9 @@ class TuneWorkload:
         Tokens of each shared prefix.
     parallel_samples : int
         ``n`` of every request.
+    kind : str
+        ``"mixed"`` (the above), or a kind of :data:`~.prefix_traces.TRACE_KINDS` whose
+        own distribution replaces them.
     """
 
     name: str
@@ -87,9 +96,12 @@ class TuneWorkload:
     prefix_share: float = 0.0
     shared_prefix_len: int | None = None
     parallel_samples: int = 1
+    kind: str = "mixed"
 
     def trace(self, num_requests: int, seed: int) -> list[Request]:
         """``num_requests`` requests drawn with ``seed``."""
+        if self.kind != "mixed":
+            return TRACE_KINDS[self.kind](num_requests, self.max_context, seed)
         return generate_trace(num_requests, self.max_context, seed,
                               prefix_share=self.prefix_share,
                               shared_prefix_len=self.shared_prefix_len,
@@ -97,7 +109,9 @@ class TuneWorkload:
 
 
 #: The generated workloads, after the vLLM paper's traces (Kwon et al., SOSP 2023, 6.1:
-#: ShareGPT chat, Alpaca instructions; 6.3 parallel sampling; 6.4 a shared prefix).
+#: ShareGPT chat, Alpaca instructions; 6.3 parallel sampling; 6.4 a shared prefix), and
+#: the prefix-sharing kinds of harness/capacity/prefix_traces.py (SGLang's, Zheng et al.
+#: 2024, section 6: multi-turn chat, agents, few-shot).
 WORKLOADS = {
     w.name: w
     for w in (
@@ -110,8 +124,17 @@ WORKLOADS = {
                      shared_prefix_len=256),
         TuneWorkload("parallel-sampling", "4 samples per prompt (n=4), prompts and outputs "
                      "log-uniform in 1..512 tokens", 1024, parallel_samples=4),
+        TuneWorkload("multi-turn", "chat sessions of 2-8 turns, each prompt the whole "
+                     "conversation so far", 2048, kind="multi-turn"),
+        TuneWorkload("agent", "tool-calling loops of 3-12 steps over a shared 512-token "
+                     "tool prompt, growing scratchpads", 2048, kind="agent"),
+        TuneWorkload("few-shot", "batches over 4 shared 512-768-token few-shot prompts",
+                     2048, kind="few-shot"),
     )
 }
+#: The workloads tune runs without ``--workload`` or ``--trace`` (the prefix-sharing
+#: kinds after them are asked for by name: each adds its simulations and bench points).
+DEFAULT_WORKLOADS = ("long-chat", "short-instructions", "system-prompt", "parallel-sampling")
 
 
 def batch_case(preset: ModelPreset, sequences: int, kv_tokens: int, block_size: int,
@@ -208,8 +231,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-gib", type=float, default=DEFAULT_KV_BUDGET_GIB,
                         metavar="GIB", help=f"KV memory, GiB (default {DEFAULT_KV_BUDGET_GIB:g})")
     parser.add_argument("--workload", action="append", default=[], choices=list(WORKLOADS),
-                        help="generated workload (repeatable; default: all of "
-                             f"{', '.join(WORKLOADS)})")
+                        help="generated workload (repeatable; default: "
+                             f"{', '.join(DEFAULT_WORKLOADS)})")
     parser.add_argument("--trace", action="append", type=Path, default=[], metavar="FILE",
                         help="a trace file as pagedbench simulate reads (repeatable; named by "
                              "its file name; replaces the generated workloads unless "
@@ -230,6 +253,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--other-ms-per-step", type=_non_negative_ms, default=0.0,
                         metavar="MS", help="measured time of the rest of the model per "
                         "decode step, added to every step (default 0: attention only)")
+    parser.add_argument("--prefill-ms-per-token", type=_non_negative_ms, default=0.0,
+                        metavar="MS", help="measured time of the whole model per computed "
+                        "prefill token, charged to every prefill token a workload computes "
+                        "(default 0: prefill not counted; prefix reuse saves it)")
     parser.add_argument("--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, metavar="DIR",
                         help=f"where {PLOT_NAME}, {JSON_NAME} and the benched points' "
                              f"bench/<run-id>.jsonl go (default {DEFAULT_OUTPUT_DIR}/)")
@@ -242,7 +269,7 @@ def _workloads(args: argparse.Namespace) -> dict[str, tuple[str, list[Request], 
     if args.num_requests < 1:
         raise PagedValueError("--num-requests", args.num_requests, "an integer >= 1")
     chosen: dict[str, tuple[str, list[Request], int]] = {}
-    names = args.workload or ([] if args.trace else list(WORKLOADS))
+    names = args.workload or ([] if args.trace else list(DEFAULT_WORKLOADS))
     for name in dict.fromkeys(names):
         w = WORKLOADS[name]
         chosen[name] = (w.description, w.trace(args.num_requests, args.seed), w.max_context)
@@ -331,9 +358,13 @@ def run(args: argparse.Namespace) -> int:
         block_sizes = tuple(sorted({p.block_size for p in points}))
         if args.block_sizes != DEFAULT_BLOCK_SIZES:
             block_sizes = tuple(b for b in block_sizes if b in args.block_sizes)
+    trees: dict[str, PolicyResult] = {}
     for name, (_, trace, max_context) in workloads.items():
         for bs in block_sizes:
             sims[name, bs] = simulate_decode(trace, bs, budget_tokens, max_context, args.seed)
+        if shares(trace):
+            trees[name] = simulate(trace, Policy("Radix", 1), budget_tokens, max_context,
+                                   args.seed)
     if args.kernel_results is None:
         batches = bench_batches({name: [s for (w, _), (_, steps) in sims.items() if w == name
                                         for s in steps] for name in workloads})
@@ -354,21 +385,26 @@ def run(args: argparse.Namespace) -> int:
     for (name, bs), (result, steps) in sims.items():
         rows.append(predict(name, result, steps, models.get(bs), preset.num_layers,
                             args.other_ms_per_step,
-                            refused=None if bs in models else f"block_size {bs}: not measured"))
+                            refused=None if bs in models else f"block_size {bs}: not measured",
+                            prefill_ms_per_token=args.prefill_ms_per_token))
     recommendations = [recommend([r for r in rows if r.workload == name], serving)
                        for name in workloads]
+    reuse = [prefix_reuse(name, tree, [r for r in rows if r.workload == name],
+                          next(r.block_size for r in recommendations if r.workload == name))
+             for name, tree in trees.items()]
     fields = dict(kind="tune", schema_version=TUNE_SCHEMA_VERSION, preset=preset.name,
                   num_layers=preset.num_layers, kv_cache_dtype=args.dtype,
                   kv_bytes_per_token=per_token, kv_budget_gib=float(args.kv_budget_gib),
                   kv_budget_tokens=budget_tokens, impl=args.impl, impl_version=version,
                   serving=serving, env=env, other_ms_per_step=float(args.other_ms_per_step),
+                  prefill_ms_per_token=float(args.prefill_ms_per_token),
                   block_sizes=list(block_sizes), dropped_block_sizes=dropped,
                   workloads={n: d for n, (d, _, _) in workloads.items()},
                   num_requests=args.num_requests, seed=args.seed,
                   points=sorted(points, key=lambda p: (p.block_size, p.sequences, p.kv_tokens)),
-                  results=sources, rows=rows, recommendations=recommendations)
-    sharing = {n: any(r.n > 1 or r.prefix_id is not None for r in t)
-               for n, (_, t, _) in workloads.items()}
+                  results=sources, rows=rows, recommendations=recommendations,
+                  prefix_reuse=reuse)
+    sharing = {n: shares(t) for n, (_, t, _) in workloads.items()}
     report = TuneReport(**fields, conditions=conditions(fields, sharing, models))
     write(report, args.output_dir)
     if args.json:
@@ -380,5 +416,5 @@ def run(args: argparse.Namespace) -> int:
     return int(code)
 
 
-__all__ = ["DEFAULT_BLOCK_SIZES", "WORKLOADS", "TuneWorkload", "add_arguments", "batch_case",
-           "bench_batches", "bench_cases", "run"]
+__all__ = ["DEFAULT_BLOCK_SIZES", "DEFAULT_WORKLOADS", "WORKLOADS", "TuneWorkload",
+           "add_arguments", "batch_case", "bench_batches", "bench_cases", "run"]

@@ -39,10 +39,14 @@ def conditions(report_fields: dict, sharing: dict[str, bool],
                           "the model (--other-ms-per-step)" if f["other_ms_per_step"] else
                           "; prefill, the model's GEMMs and sampling are not counted"),
     ]
+    if f["prefill_ms_per_token"]:
+        lines.append(f"prefill: {f['prefill_ms_per_token']:g} ms per computed prefill token "
+                     "(--prefill-ms-per-token); prefix hits are not computed")
     shared = [w for w, s in sharing.items() if s]
     if shared:
         lines.append(f"prefix caching of full blocks and forked samples (Paged+share) for "
-                     f"{', '.join(shared)}")
+                     f"{', '.join(shared)}; against SGLang's radix tree at page size 1 "
+                     "(Radix) on the same trace and budget")
     lines += [f"measured at block_size {bs}: {m.range_text()}" for bs, m in models.items()]
     return lines
 
@@ -52,6 +56,7 @@ TABLE_COLUMNS = {
     "workload": "workload", "block_size": "block_size", "mean_concurrency": "mean conc.",
     "peak_concurrency": "peak conc.", "waste_pct": "waste %", "preempted": "preempted",
     "mean_sequences": "mean batch", "mean_kv_tokens": "mean KV tok",
+    "prefix_hit_tokens": "prefix hit tok", "prefill_tokens": "prefill tok",
     "attention_ms_per_step": "attn ms/step", "throughput_tok_s": "tok/s",
     "throughput_low_tok_s": "tok/s p90-time", "throughput_high_tok_s": "tok/s p10-time",
 }
@@ -124,6 +129,9 @@ def text(report: TuneReport) -> str:
     lines = [f"pagedbench tune: {report.preset} with {report.impl} on {report.env.device} "
              f"({report.serving.upper()} serving)", "", table(report), "", "recommended:"]
     lines += [f"  {r.text}" for r in report.recommendations]
+    if report.prefix_reuse:
+        lines += ["", "prefix reuse, radix tree against blocks:"]
+        lines += [f"  {r.text}" for r in report.prefix_reuse]
     lines += ["", "conditions:"] + [f"  - {c}" for c in report.conditions]
     lines += [f"  - dropped: {d}" for d in report.dropped_block_sizes]
     refused = sorted({r.refused for r in report.rows if r.refused})

@@ -20,7 +20,9 @@ the lane needs beyond the image is built here, once, and named in the call's ``c
   (:mod:`pagedbench.adapters.vllm_triton_carry`).
 - ``sglang-triton/``: SGLang's Triton kernel files as ``make`` extracted them from the
   pinned wheel (:mod:`pagedbench.adapters.sglang_triton_load`, sha256 checked on copy and
-  again before use), named by the lane in ``PAGEDBENCH_SGLANG_TRITON_DIR``.
+  again before use), named by the lane in ``PAGEDBENCH_SGLANG_TRITON_DIR``;
+  ``lmdeploy-triton/``: LMDeploy's likewise
+  (:mod:`pagedbench.adapters.lmdeploy_triton_load`), in ``PAGEDBENCH_LMDEPLOY_TRITON_DIR``.
 - ``--flashinfer``: FlashInfer (:data:`FLASHINFER`) into its own folder
   (``build/gpu-carry-flashinfer``), for a second call on the machine still warm from the
   first, whose ``build/gpu-site`` (ignored, kept between calls) already holds pydantic:
@@ -54,6 +56,8 @@ from pagedbench.adapters.vllm_triton_carry import (
     unmet_names,
 )
 from pagedbench.adapters import sglang_triton_load as sglang_load
+from pagedbench.adapters.lmdeploy_triton_load import LMDEPLOY
+from pagedbench.adapters.pinned_files import PinnedFilesInvalid
 from pagedbench.adapters.vllm_triton_import import KERNEL_MODULES
 
 from pagedbench.harness.lane.steps import ROOT, TOTAL_BUDGET_S
@@ -207,6 +211,21 @@ def copy_sglang_triton(dest: Path) -> None:
         target.write_bytes(data)
 
 
+def copy_lmdeploy_triton(dest: Path) -> None:
+    """Copy LMDeploy's kernel files (:data:`~pagedbench.adapters.lmdeploy_triton_load.LMDEPLOY`,
+    each checked against its sha256) from where ``make`` extracted them into ``dest``.
+
+    Raises
+    ------
+    PinnedFilesInvalid
+        If a file is missing or changed (``make`` extracts them afresh).
+    """
+    for module, data in LMDEPLOY.read().items():
+        target = dest / sglang_load.module_path(module)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+
+
 def lane_command(carry: Path, root: Path = ROOT) -> str:
     """The command to run on the GPU machine, in the copied checkout: this checkout's
     commit and dirtiness filled in (the machine has no git history to read them from),
@@ -230,6 +249,7 @@ def build(out: Path, flashinfer: bool) -> int:
     if not flashinfer:
         copy_vllm_triton(out / "vllm-triton")
         copy_sglang_triton(out / "sglang-triton")
+        copy_lmdeploy_triton(out / "lmdeploy-triton")
     total = check_size(out, tree_bytes())
     for wheel in wheels:
         print(f"{wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.name}")
@@ -255,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         build(out, args.flashinfer)
-    except (CarryTooLarge, CarryInvalid, sglang_load.SglangFilesInvalid, FileNotFoundError,
-            PackageNotFoundError, subprocess.CalledProcessError,
+    except (CarryTooLarge, CarryInvalid, sglang_load.SglangFilesInvalid, PinnedFilesInvalid,
+            FileNotFoundError, PackageNotFoundError, subprocess.CalledProcessError,
             subprocess.TimeoutExpired) as exc:
         print(f"gpu_carry: {exc}", file=sys.stderr)
         return 1

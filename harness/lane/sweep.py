@@ -26,6 +26,7 @@ GPU_TESTS = (
     "suites/conformance",
     "suites/adapters/test_flash_attn_layout.py",
     "suites/adapters/test_flashinfer_layout.py",
+    "suites/adapters/test_lmdeploy_triton.py",
     "suites/adapters/test_mla_cuda_layout.py",
     "suites/adapters/test_vllm_cuda_layout.py",
     "suites/adapters/test_vllm_triton_layout.py",

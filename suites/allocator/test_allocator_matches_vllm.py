@@ -31,6 +31,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedbench.reference.allocator import BlockAllocator
+from pagedbench.suites.allocator.contract_machine import check_contract
 from pagedbench.suites.allocator.vllm_driver import OursDriver, VllmDriver
 
 pytestmark = pytest.mark.vllm
@@ -324,3 +325,10 @@ def test_uncommitted_block_matched_by_vllm_not_by_us(vllm_api):
     assert theirs.admit(2, prompt) == 8
     ours.commit(1, len(prompt))
     assert ours.add_sequence(3, prompt) == 8
+
+
+@pytest.mark.parametrize("pool", ["ample", "tight"])
+def test_vllm_keeps_the_allocator_contract(vllm_api, pool):
+    """vLLM's ``KVCacheManager`` under the allocator contract's state machine
+    (``contract_machine.py``), here so that this file's process imports vLLM once."""
+    check_contract("vllm", pool)

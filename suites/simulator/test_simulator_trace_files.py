@@ -166,7 +166,7 @@ def test_generate_trace_rejects_bad_parameters(kwargs: dict, message: str) -> No
     ("args", "message"),
     [
         (("Orca",),
-         r"policy name must be one of \['Max', 'Pow2', 'Oracle', 'Paged', 'Paged\+share'\]"),
+         r"policy name must be one of \['Max', 'Pow2', 'Oracle', 'Paged', 'Paged\+share', 'Radix'\]"),
         (("Paged",), "block_size must be an integer >= 1 for policy Paged, got None"),
         (("Paged+share", 0), "block_size must be an integer >= 1 for policy Paged\\+share, got 0"),
         (("Max", 16), "block_size must be None for contiguous policy Max"),
