@@ -5,9 +5,7 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -21,12 +19,12 @@ from pagedbench.harness.cases.workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES
 from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
                                             positive_seconds, run_and_bench_arguments,
                                             select_impls, writable_file, writable_folder)
-from pagedbench.harness.cli.run import (interrupted, progress_line, results_of_run,
-                                        shard_of, warn_oversubscribed)
+from pagedbench.harness.cli.run import (device_peaks, interrupted, progress_line,
+                                        results_of_run, shard_of, warn_oversubscribed)
 from pagedbench.harness.results import report
 from pagedbench.harness.results.derived import DEFAULT_BASELINE
 from pagedbench.harness.results.junit import write_junit_xml
-from pagedbench.harness.results.record import DevicePeaks, ResultRecord
+from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.results.store import ResultsFile, new_run_id, write_output
 from pagedbench.harness.run import bench, runner
 from pagedbench.harness.run.progress import RunProgress
@@ -94,12 +92,6 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                         "around the first values (CPU default); none: no grid workloads")
     p.add_argument("--no-contiguous", action="store_true",
                    help="skip each workload's contiguous point (no paging overhead then)")
-    p.add_argument("--no-peaks", action="store_true",
-                   help="do not measure the device's copy bandwidth and bf16 throughput")
-    p.add_argument("--peaks", type=Path, default=None, metavar="FILE",
-                   help="take the device's peaks from FILE instead of measuring them: a JSON "
-                        "object with copy_gbps, bf16_tflops and method, at its top or under "
-                        "'peaks' (the GPU lane's env.json, measured in the same call)")
     p.add_argument("--host-truth-bytes", type=int_in(0, 2**62), default=None,
                    metavar="BYTES",
                    help="largest truth (inputs plus one sequence's float64 work) computed on "
@@ -209,16 +201,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     warn_oversubscribed(config, console)
     console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
-    peaks = None
-    if args.peaks is not None:
-        peaks = peaks_file(args.peaks)
-        console.print(f"device peaks from {args.peaks}: {peaks.copy_gbps:.1f} GB/s copy, "
-                      f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul")
-    elif not args.no_peaks:
-        peaks, why = runner.device_peaks(config)
-        console.print(f"device peaks: {peaks.copy_gbps:.1f} GB/s copy, "
-                      f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul" if peaks
-                      else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
+    peaks = device_peaks(args, config, console)
     start = time.monotonic()
     order = [p for p in runner.missing(plan, []) if pairs is None or p in pairs]
     with RunProgress(console, "bench", order) as progress:
@@ -252,21 +235,3 @@ def cmd_bench(args: argparse.Namespace) -> int:
         f"{len(timed)} timed ({noisy} noisy) in {time.monotonic() - start:.0f} s; exit "
         f"{int(code)}; results {results.path}, report {md_path}")
     return int(code)
-
-
-def peaks_file(path: Path) -> DevicePeaks:
-    """The device peaks in ``path`` (``--peaks``): a JSON object of
-    :class:`~pagedbench.harness.results.record.DevicePeaks`, at its top or under ``"peaks"``.
-
-    Raises
-    ------
-    PagedValueError
-        Naming ``--peaks`` and the file when it cannot be read or holds no valid peaks.
-    """
-    try:
-        data = json.loads(path.read_text())
-        data = data.get("peaks", data) if isinstance(data, dict) else data
-        return DevicePeaks.model_validate(data)
-    except (OSError, ValueError) as exc:  # ValidationError is a ValueError
-        raise PagedValueError("--peaks", str(path), "a JSON file of copy_gbps, bf16_tflops "
-                              "and method", f"--peaks {path}: {exc}") from None

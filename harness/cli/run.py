@@ -14,14 +14,15 @@ from pagedbench.reference import DTYPES, PagedInputError, PagedValueError, check
 
 from pagedbench.harness.cases.presets import (DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS,
                                               default_cases)
-from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
-                                            positive_seconds, run_and_bench_arguments, run_id_arg,
-                                            select_impls, writable_file, writable_folder)
+from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, peaks_file,
+                                            positive_int, positive_seconds,
+                                            run_and_bench_arguments, run_id_arg, select_impls,
+                                            writable_file, writable_folder)
 from pagedbench.harness.measure.timing import oversubscribed
 from pagedbench.harness.results import report
 from pagedbench.harness.results.junit import write_junit_xml
 from pagedbench.harness.results import shard
-from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord, Shard
+from pagedbench.harness.results.record import DevicePeaks, Plan, ResultRecord, RunRecord, Shard
 from pagedbench.harness.results.store import (ResultsFile, ResultsFileError, new_run_id,
                                               results_of, run_states, write_output)
 from pagedbench.harness.run import runner
@@ -183,6 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with results.locked():  # one writer per run: a second resume is refused
         console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
                       f"{len(plan.cases)} cases on {config.device} -> {results.path}")
+        peaks = device_peaks(args, config, console)
         order = runner.missing(plan, results_of_run(results, run_id)) if args.resume else \
             runner.missing(plan, [])
         order = order if pairs is None else [p for p in order if p in pairs]
@@ -190,7 +192,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             try:
                 records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
                                      on_record=lambda r: progress.update(r, progress_line(r)),
-                                     shard=part, pairs=pairs)
+                                     peaks=peaks, shard=part, pairs=pairs)
             except runner.Interrupted as exc:
                 if args.junit_xml is not None:
                     write_junit_xml(results_of_run(results, run_id), args.junit_xml,
@@ -216,6 +218,32 @@ def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id:
     console.print(f"shard {args.shard} of plan {part.plan_sha256[:12]}: {len(pairs)} of "
                   f"{plan.size} (implementation, point) pairs")
     return part, pairs
+
+
+def device_peaks(args: argparse.Namespace, config: runner.RunConfig,
+                 console: Console) -> DevicePeaks | None:
+    """The device's peaks for a timed run or bench (the fractions of peak, the roofline
+    and the physical floor: ``harness/results/floor.py``): read from ``--peaks FILE``,
+    else measured in a worker (:func:`~pagedbench.harness.run.runner.device_peaks`), said
+    on ``console``; None with ``--no-peaks``, without timing, or when the measurement
+    failed (then said why)."""
+    if args.peaks is not None:
+        peaks = peaks_file(args.peaks)
+        console.print(f"device peaks from {args.peaks}: {_peaks_text(peaks)}")
+        return peaks
+    if args.no_peaks or not config.timing:
+        return None
+    peaks, why = runner.device_peaks(config)
+    console.print(f"device peaks: {_peaks_text(peaks)}" if peaks
+                  else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
+    return peaks
+
+
+def _peaks_text(peaks: DevicePeaks) -> str:
+    cached = ("" if peaks.cache_copy_gbps is None
+              else f", {peaks.cache_copy_gbps:.1f} GB/s copy in cache")
+    return (f"{peaks.copy_gbps:.1f} GB/s copy{cached}, {peaks.bf16_tflops:.3g} TFLOP/s bf16 "
+            "matmul")
 
 
 def warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:

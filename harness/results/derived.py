@@ -11,8 +11,8 @@ name and library versions, :func:`~.record.environment_key`), with these derived
   p90 / ref p10 - 1]`` is its spread.
 - ``speedup``: the baseline's median on the same point over this one's (> 1: faster).
 
-Only timed passes have figures (a fast wrong kernel is not on the board); interpreted
-timings are never ranked. Scores follow flashinfer-bench's rule: an implementation that
+Only timed passes have figures (a fast wrong kernel is not on the board, nor a time the
+physical floor refuses: :func:`~.floor.judged`); interpreted timings are never ranked. Scores follow flashinfer-bench's rule: an implementation that
 fails any case of a workload group (``fail``, ``error``, ``crash``, ``timeout``) scores 0
 for that group; otherwise the group's score is the geometric mean of its speedups.
 ``fast_p`` (KernelBench, arXiv:2502.10517) is the share of workload groups on which an
@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from pagedbench.harness.cases.workloads import BENCH_SUITE
+from pagedbench.harness.results.floor import judged
 from pagedbench.harness.results.record import ResultRecord, environment_key, result_key
 from pagedbench.harness.verdict.status import Status
 
@@ -73,7 +74,7 @@ def bench_frame(records: Iterable[ResultRecord], baseline: str = DEFAULT_BASELIN
     """One row per bench result, with :data:`COLUMNS` plus ``paging_overhead``,
     ``overhead_low``, ``overhead_high``, ``overhead_vs`` and ``speedup`` (see the module
     docstring); empty (with those columns) when no record is a bench result."""
-    latest = {result_key(r): r for r in records if r.suite == BENCH_SUITE}
+    latest = {result_key(r): judged(r) for r in records if r.suite == BENCH_SUITE}
     df = pd.DataFrame([_row(r) for r in latest.values()], columns=COLUMNS)
     group = ["device_name", "versions", "workload", "dtype"]
     contiguous = df[df["contiguous"] & df["timed"]].sort_values("block_size").drop_duplicates(

@@ -139,11 +139,17 @@ class TimingStats(_Strict):
 
 class DevicePeaks(_Strict):
     """What the device sustained when the run measured it (``harness.measure.timing.measure_peaks``):
-    copy bandwidth (GB/s) and bf16 matmul throughput (TFLOP/s)."""
+    copy bandwidth (GB/s) and bf16 matmul throughput (TFLOP/s); the fastest copy in cache
+    (GB/s), absent from lines written before it was measured."""
 
     copy_gbps: float
     bf16_tflops: float
     method: Literal[METHODS]
+    cache_copy_gbps: Optional[float] = Field(
+        default=None, description="the fastest copy whose source and destination stay in "
+        "a cache between calls (harness/measure/timing.py, CACHE_COPY_BYTES), GB/s read "
+        "plus written; bounds what a point timed with a warm cache can move "
+        "(harness/results/floor.py); null when not measured")
 
 
 #: The libraries whose versions every result records (``env.<name>``, by top-level import
@@ -216,7 +222,10 @@ class _ResultFields(_Strict):
     status: Status
     reason: str
     step: Optional[str] = Field(description="where a non-pass outcome arose "
-                                "(import, available, prepare, run, truth, timing, ...)")
+                                "(import, available, prepare, run, truth, timing, ...); "
+                                "floor: a fail whose output passed but whose time no "
+                                "device could take (harness/results/floor.py), its time "
+                                "kept as evidence and never ranked")
     time_ms: Optional[TimingStats]
     time_ms_median: Figure
     timing_method: Optional[str]
@@ -376,7 +385,7 @@ class RunRecord(_Strict):
     config: Optional[dict[str, JsonValue]]
     device_peaks: Optional[DevicePeaks] = Field(
         default=None, description="measured when the run started or resumed (pagedbench "
-        "bench); null otherwise")
+        "bench, and run with timing), or read from --peaks; null otherwise")
     left_out: Optional[list[str]] = Field(
         default=None, description="started: the sweep's points left out, each with why "
         "(pagedbench bench: a truth that fits neither the host budget nor the device, a "
