@@ -477,5 +477,6 @@ def roofline_floor_ms(moved: int, work: int, peaks: DevicePeaks) -> float:
 
 __all__ = ["CPU_THREADS", "CUDA_GRAPH_BELOW_MS", "DevicePeaks", "METHODS", "NOISE_THRESHOLD", "Timing",
            "PROBE_SHARE", "DriftProbe",
-           "bytes_moved", "cache_copy_gbps", "flops", "measure_peaks", "oversubscribed", "roofline_floor_ms", "time_cpu",
+           "bytes_moved", "cache_copy_gbps", "flops", "measure_peaks", "oversubscribed",
+           "roofline_floor_ms", "time_cpu",
            "time_cuda", "time_once"]
