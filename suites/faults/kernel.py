@@ -75,13 +75,17 @@ class PagedKernel(Adapter):
     """Correct paged attention, every step overridable (see the module docstring).
 
     Class attributes describe a fault for ``pagedbench selftest``: ``imitates`` (the
-    public report, ``owner/repo#N``), and ``trigger`` (the inputs on which it is wrong).
+    public report, ``owner/repo#N``), ``trigger`` (the inputs on which it is wrong) and
+    ``trigger_batch`` (the fewest sequences those need).
     """
 
     name = "catalogue-control"
     description = "the fault catalogue's correct kernel (float32 math, rounded once)"
     imitates: ClassVar[str] = ""
     trigger: ClassVar[str] = ""
+    #: The fewest sequences of a batch on which the fault can be wrong (the self-test
+    #: bounds a fault's shrunk case by it).
+    trigger_batch: ClassVar[int] = 1
     #: Logit given to a masked key.
     masked_logit: ClassVar[float] = NEG_INF
 
