@@ -128,16 +128,23 @@ def run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
                         "object with copy_gbps, bf16_tflops and method (and "
                         "cache_copy_gbps), at its top or under 'peaks' (the GPU lane's "
                         "env.json, measured in the same call)")
-    p.add_argument("--shard", type=shard_spec, default=None, metavar="K/N",
+    p.add_argument("--shard", type=shard_spec, default=None, metavar="K/N|auto",
                    help=f"run only the K-th of N parts of the (implementation, {unit}) "
                         "pairs, balanced by expected cost and the same on every machine; "
-                        "report and gate merge the N results files (docs/ci.md)")
+                        "report and gate merge the N results files; auto: K and N from the "
+                        "CI (Buildkite parallelism, a Slurm array, a Kubernetes indexed Job "
+                        "with auto/N, PAGEDBENCH_SHARD=K/N; docs/ci.md)")
+    p.add_argument("--balance-from", type=Path, default=None, metavar="FILE",
+                   help="with --shard: balance the parts by the seconds each pair took in "
+                        "these results (a file or folder of an earlier run of the plan), "
+                        "not by bytes moved; every shard needs the same FILE")
 
 
 def shard_spec(text: str) -> shard.ShardSpec:
-    """``--shard K/N`` (:func:`~pagedbench.harness.results.shard.parse_spec`)."""
+    """``--shard K/N`` or ``auto`` (:func:`~pagedbench.harness.results.shard.resolve`, from
+    this process's environment)."""
     try:
-        return shard.parse_spec(text)
+        return shard.resolve(text)
     except PagedValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

@@ -107,7 +107,8 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
                                       ("--devices", args.devices)) if value]
     if given:
         raise PagedValueError("--resume", given,
-                              "only --results-dir, --cache-dir and --junit-xml beside it",
+                              "only --results-dir, --cache-dir, --junit-xml, the peaks "
+                              "options and --balance-from beside it",
                               f"--resume finishes the run with its recorded selection and "
                               f"settings; drop {', '.join(given)}")
     results = ResultsFile(args.results_dir / f"{args.resume}.jsonl")
@@ -208,15 +209,31 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id: str,
              console: Console) -> tuple[Shard | None, set[tuple[str, str]] | None]:
-    """``--shard K/N``'s record and pairs of ``plan`` (a resumed run's: those it recorded);
-    ``(None, None)`` for the whole plan."""
+    """``--shard``'s record and pairs of ``plan``, balanced by ``--balance-from``'s
+    seconds where given (a resumed run's: those it recorded); ``(None, None)`` for the
+    whole plan.
+
+    Raises
+    ------
+    PagedValueError
+        ``--balance-from`` without ``--shard``, or results that cannot be read.
+    """
+    seconds = None
+    if args.balance_from is not None:
+        if args.shard is None and not getattr(args, "resume", None):
+            raise PagedValueError("--balance-from", str(args.balance_from), "with --shard",
+                                  "--balance-from balances the parts of --shard: give both")
+        seconds = shard.measured_seconds([args.balance_from])
     if getattr(args, "resume", None):  # run --resume (bench has none)
-        return None, shard.recorded_pairs(plan, results.lines(), run_id)
+        return None, shard.recorded_pairs(plan, results.lines(), run_id, seconds)
     if args.shard is None:
         return None, None
-    part, pairs = shard.shard_record(plan, args.shard), shard.pairs_of(plan, args.shard)
-    console.print(f"shard {args.shard} of plan {part.plan_sha256[:12]}: {len(pairs)} of "
-                  f"{plan.size} (implementation, point) pairs")
+    part = shard.shard_record(plan, args.shard, seconds)
+    pairs = shard.pairs_of(plan, args.shard, seconds)
+    how = ("bytes moved" if part.balance is None else
+           f"the seconds measured in {args.balance_from}")
+    console.print(f"shard {args.shard} of plan {part.plan_sha256[:12]}, balanced by {how}: "
+                  f"{len(pairs)} of {plan.size} (implementation, point) pairs")
     return part, pairs
 
 

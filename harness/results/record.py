@@ -370,6 +370,10 @@ class Shard(_Strict):
     count: int = Field(ge=1, description="N of --shard K/N")
     plan_sha256: str = Field(description="SHA-256 of the whole plan's JSON (harness/results/shard.py)")
     pairs: int = Field(ge=0, description="(implementation, case) pairs of this shard")
+    balance: Optional[str] = Field(
+        default=None, description="how the pairs were balanced: null for the bytes they "
+        "move, 'seconds:<sha256>' for the seconds measured in --balance-from's results "
+        "(the hash of the costs used; harness/results/shard.py)")
 
 
 class RunRecord(_Strict):
@@ -465,8 +469,10 @@ def validation_problem(exc: ValidationError) -> str:
 
 
 def now() -> datetime:
-    """The timestamp records carry: now, UTC, to the second."""
-    return datetime.now(timezone.utc).replace(microsecond=0)
+    """The timestamp records carry: now, UTC, to the millisecond (consecutive records'
+    timestamps are what a pair took: ``--balance-from``, harness/results/shard.py)."""
+    moment = datetime.now(timezone.utc)
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
 
 
 def json_schema() -> dict[str, Any]:
