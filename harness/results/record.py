@@ -40,7 +40,7 @@ from pagedbench.harness.measure.timing import METHODS
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.status import Status
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).
 MAX_DETAILS_BYTES = 64 * 1024
 #: Deepest nesting accepted in adapter metadata (a self-referencing dict would recurse).
@@ -139,17 +139,13 @@ class TimingStats(_Strict):
 
 class DevicePeaks(_Strict):
     """What the device sustained when the run measured it (``harness.measure.timing.measure_peaks``):
-    copy bandwidth (GB/s) and bf16 matmul throughput (TFLOP/s); the fastest copy in cache
-    (GB/s), absent from lines written before it was measured."""
+    copy bandwidth (GB/s), bf16 matmul throughput (TFLOP/s), fastest copy in cache (GB/s)."""
 
     copy_gbps: float
     bf16_tflops: float
     method: Literal[METHODS]
-    cache_copy_gbps: Optional[float] = Field(
-        default=None, description="the fastest copy whose source and destination stay in "
-        "a cache between calls (harness/measure/timing.py, CACHE_COPY_BYTES), GB/s read "
-        "plus written; bounds what a point timed with a warm cache can move "
-        "(harness/results/floor.py); null when not measured")
+    cache_copy_gbps: Optional[float] = Field(default=None, description="the fastest copy "
+        "staying in a cache (GB/s; harness/results/floor.py); null when not measured")
 
 
 #: The libraries whose versions every result records (``env.<name>``, by top-level import
@@ -205,7 +201,7 @@ class _ResultFields(_Strict):
     """The fields of a result line other than the comparison's figures."""
 
     kind: Literal["result"]
-    schema_version: Literal[7]
+    schema_version: Literal[8]
     run_id: str
     suite: str
     impl: str
@@ -221,11 +217,9 @@ class _ResultFields(_Strict):
     device: str
     status: Status
     reason: str
-    step: Optional[str] = Field(description="where a non-pass outcome arose "
-                                "(import, available, prepare, run, truth, timing, ...); "
-                                "floor: a fail whose output passed but whose time no "
-                                "device could take (harness/results/floor.py), its time "
-                                "kept as evidence and never ranked")
+    step: Optional[str] = Field(description="where a non-pass outcome arose (import, "
+                                "available, prepare, run, truth, timing, ...); floor: a "
+                                "time no device could take (harness/results/floor.py)")
     time_ms: Optional[TimingStats]
     time_ms_median: Figure
     timing_method: Optional[str]
@@ -370,10 +364,8 @@ class Shard(_Strict):
     count: int = Field(ge=1, description="N of --shard K/N")
     plan_sha256: str = Field(description="SHA-256 of the whole plan's JSON (harness/results/shard.py)")
     pairs: int = Field(ge=0, description="(implementation, case) pairs of this shard")
-    balance: Optional[str] = Field(
-        default=None, description="how the pairs were balanced: null for the bytes they "
-        "move, 'seconds:<sha256>' for the seconds measured in --balance-from's results "
-        "(the hash of the costs used; harness/results/shard.py)")
+    balance: Optional[str] = Field(default=None, description="null: balanced by bytes; "
+        "'seconds:<sha256 of the costs>': by --balance-from's seconds")
 
 
 class RunRecord(_Strict):
@@ -381,7 +373,7 @@ class RunRecord(_Strict):
     ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
 
     kind: Literal["run"]
-    schema_version: Literal[7]
+    schema_version: Literal[8]
     run_id: str
     event: Literal["started", "resumed", "interrupted", "finished"]
     timestamp: AwareDatetime
@@ -469,8 +461,7 @@ def validation_problem(exc: ValidationError) -> str:
 
 
 def now() -> datetime:
-    """The timestamp records carry: now, UTC, to the millisecond (consecutive records'
-    timestamps are what a pair took: ``--balance-from``, harness/results/shard.py)."""
+    """The timestamp records carry: now, UTC, to the millisecond (``--balance-from``)."""
     moment = datetime.now(timezone.utc)
     return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
 
