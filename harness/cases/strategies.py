@@ -237,7 +237,8 @@ def paged_cases(
                 return st.one_of(drawn, st.just(kv))
             return drawn
 
-        q_lens = (tuple(ragged.randint(low, q_len_bound(kv)) for kv in kv_lens) if ragged
+        q_lens = (tuple(ragged.randint(low, q_len_bound(kv)) for kv in kv_lens)
+                  if ragged is not None
                   else tuple(draw(q_len_of(kv)) for kv in kv_lens))
         if edges and set(q_lens) == {1}:
             q_lens = None
