@@ -21,7 +21,10 @@ make every refill short; and a run slower than the one before it, the other work
 ``pytest -n 2`` taking the core, overruns by a part of a part), with a seed of its own
 under a derandomized profile (so no run repeats another's examples), until the time, the
 most examples of :data:`EXAMPLES` or the space of cases runs out. Every implementation gets at least the fewest examples of
-:data:`EXAMPLES`. A fast plug-in the table has never seen gets hundreds of examples in
+:data:`EXAMPLES`. Examples differ in cost (a batch of hundreds of sequences beside ones of
+a few), so a run sized by a cheaper run before it could overrun: once the seconds are
+spent (and the fewest examples checked), the run ends before its next example is
+checked, and the search within one example of its seconds. A fast plug-in the table has never seen gets hundreds of examples in
 ``ci``; the table is only the first guess.
 """
 
@@ -36,6 +39,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
+from hypothesis.errors import StopTest, UnsatisfiedAssumption
 
 #: Seconds of search per implementation, per profile with a time budget.
 SECONDS = {"ci": 30.0, "nightly": 600.0}
@@ -88,6 +92,12 @@ def search_seconds(override: float | None = None) -> float | None:
     return override if override is not None else SECONDS.get(profile())
 
 
+class SecondsSpent(BaseException):
+    """Ends a run of the search whose seconds are spent (:meth:`TimedSearch.counted`): a
+    ``BaseException``, as pytest's skip is, so hypothesis stops on it without a verdict,
+    a retry or a shrink."""
+
+
 @dataclass
 class TimedSearch:
     """One implementation's conformance search, filling ``seconds`` (module docstring).
@@ -120,9 +130,18 @@ class TimedSearch:
     elapsed_s: float = 0.0
     runs: list[int] = field(default_factory=list)
     last_run: tuple[int, float] = (0, 0.0)
+    _run_start: float = 0.0
+    _failing: bool = False
 
     def counted(self) -> None:
-        """Count one example (a supported case about to be checked)."""
+        """Count one example (a supported case about to be checked), or, once the seconds
+        are spent and the fewest examples of :attr:`bounds` checked, end the run with
+        :class:`SecondsSpent` before it is checked (a run sized by a cheaper run before
+        it ends at the seconds, not past them); never once an example has failed, so that
+        hypothesis shrinks and reports the failure whatever the time."""
+        if (self.seconds is not None and self.examples >= self.bounds[0] and not self._failing
+                and self.elapsed_s + self.clock() - self._run_start >= self.seconds):
+            raise SecondsSpent
         self.examples += 1
 
     def first_count(self) -> int:
@@ -163,20 +182,32 @@ class TimedSearch:
         while count > 0:
             before = self.examples
             self._one_run(body, count)
-            if self.examples - before < count:  # the space of cases ran out
+            if self.examples - before < count:  # the space of cases or the seconds ran out
                 return
             count = self.next_count()
 
     def _one_run(self, body: Callable[[st.DataObject], None], count: int) -> None:
-        test = given(data=st.data())(body)
+        def watched(data: st.DataObject) -> None:
+            try:
+                body(data)
+            except (SecondsSpent, UnsatisfiedAssumption, StopTest):
+                raise
+            except BaseException:  # a failure: shrink and report it, however long it takes
+                self._failing = True
+                raise
+
+        test = given(data=st.data())(watched)
         test = settings(suppress_health_check=list(HealthCheck),
                         **({"max_examples": count} if count else {}))(test)
         if self.runs and settings().derandomize:  # each refill draws examples of its own
             test = seed(len(self.runs))(test)
         self.runs.append(count)
         start, before = self.clock(), self.examples
+        self._run_start = start
         try:
             test()
+        except SecondsSpent:
+            pass
         finally:
             seconds = self.clock() - start
             self.elapsed_s += seconds
@@ -195,6 +226,7 @@ def timed_search(impl: str, seconds_override: float | None = None,
 
 
 __all__ = ["EXAMPLES", "FIRST_MAX_FACTOR", "FIRST_SHARE", "MAX_RUNS", "REFILL_SHARE", "SECONDS",
+           "SecondsSpent",
            "TABLE", "UNMEASURED_SECONDS",
            "TimedSearch", "by_profile", "profile", "search_seconds", "seconds_per_example",
            "timed_search"]

@@ -12,7 +12,8 @@ With no arguments: preset ``llama3.1-8b`` (128 KiB of K/V per token in bfloat16)
 4 GiB KV budget (32768 token slots), ``max_context`` 2048, 1000 requests drawn with
 seed 0 from :func:`~pagedbench.harness.capacity.traces.generate_trace`'s distribution, all
 queued at step 0; the plot goes to ``results/simulate/capacity.png`` and the table to
-``results/simulate/policies.csv``.
+``results/simulate/policies.csv``. ``--emit-batches FILE`` also writes every decode step's
+kernel batch for ``pagedbench bench --trace`` (:mod:`~pagedbench.harness.capacity.batches`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from pagedbench.harness.capacity.batches import decode_steps, write_steps
 from pagedbench.harness.capacity.prefix_traces import TRACE_KINDS
 from pagedbench.harness.capacity.traces import generate_trace, read_trace
 from pagedbench.harness.cases.presets import MODEL_PRESETS
@@ -169,6 +171,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--json", action="store_true",
         help="print the table as JSON records instead of text (the files are still written)",
+    )
+    out.add_argument(
+        "--emit-batches", type=Path, default=None, metavar="FILE",
+        help="also write the kernel batch of every decode step, paged at the first "
+        "--block-sizes value, one JSON line each: pagedbench bench --trace FILE times them",
     )
 
 
@@ -351,6 +358,12 @@ def run(args: argparse.Namespace) -> int:
     table_path = args.output_dir / TABLE_NAME
     frame.to_csv(table_path, index=False)
     plot_capacity(frame, plot_path, title)
+    if args.emit_batches is not None:
+        steps = decode_steps(trace, args.block_sizes[0], kv_budget_tokens, args.max_context,
+                             MODEL_PRESETS[args.preset], args.seed)
+        write_steps(args.emit_batches, steps)
+        print(f"wrote {len(steps)} decode batches (block_size {args.block_sizes[0]}) to "
+              f"{args.emit_batches}", file=sys.stderr)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in results], indent=1))
         print(f"wrote {plot_path} and {table_path}", file=sys.stderr)

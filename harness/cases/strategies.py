@@ -18,9 +18,13 @@ a V head dim of its own; fresh prefills (``q_len = kv_len``); and, in one exampl
 :data:`TOGETHER_ONE_IN`, every declared option at once. The conformance search draws the
 edge box with one of :data:`LOGIT_REGIMES` (issue 20). Every value is drawn within what
 the implementation under test declares, so no example is wasted on an unsupported case.
+Given ``max_large_batch``, one example in :data:`LARGE_BATCH_ONE_IN` is a batch like a
+serving engine's, hundreds of ragged sequences, at shapes small enough to stay cheap.
 """
 
 from __future__ import annotations
+
+import random
 
 from hypothesis import strategies as st
 
@@ -84,6 +88,14 @@ TOGETHER_OFF_ONE_IN = 8
 #: With ``edges=True``, a sequence of at most this many keys may take ``q_len = kv_len``
 #: (a fresh prefill: every key causal to some row of the sequence).
 FRESH_PREFILL_MAX_KV = 96
+#: Batches like production (``max_large_batch``): one example in this many holds more
+#: sequences than ``max_batch``, up to ``max_large_batch`` (vLLM serves 64 to 512 ragged
+#: sequences a step; a kernel that keeps per-sequence state in a fixed table fails only
+#: past its size). Their shapes stay small, so that they stay cheap: one KV head, every
+#: KV length at most :data:`LARGE_BATCH_MAX_KV` (the block boundaries up to it
+#: included), no fresh prefill, no shared block; their lengths come from one drawn seed.
+LARGE_BATCH_ONE_IN = 8
+LARGE_BATCH_MAX_KV = 40
 # --- end search ----------------------------------------------------------------------------
 
 
@@ -111,6 +123,7 @@ def paged_cases(
     edges: bool = False,
     logit_range: bool = False,
     logit_regimes: bool = False,
+    max_large_batch: int | None = None,
 ) -> PagedCase:
     """A random :class:`PagedCase` within ``capabilities`` (all axes when ``None``).
 
@@ -136,6 +149,11 @@ def paged_cases(
     below the Q/K one is MLA's latent cache (``latent_cache``) in one edge example of two,
     and always where the implementation needs it; an implementation whose V head dims
     (``v_head_dims``) exclude the drawn Q/K one always gets a V head dim of its own.
+    With ``max_large_batch``, one example in :data:`LARGE_BATCH_ONE_IN` is a ragged batch
+    of ``max_batch + 1`` to ``max_large_batch`` sequences (shrinking toward the fewest) at
+    small shapes: one KV head, KV lengths up to :data:`LARGE_BATCH_MAX_KV` (half block
+    boundaries, half uniform, and q_lens where prefill is drawn, from a seed drawn once:
+    ``random.Random``, so the same on every host).
 
     Raises
     ------
@@ -166,8 +184,14 @@ def paged_cases(
     if not edges:
         features = features - EDGE_FEATURES
     block_size = draw(st.sampled_from(block_sizes))
+    # batches like production: many sequences at small shapes (shrinks to False)
+    large = (max_large_batch is not None and max_large_batch > max_batch
+             and draw(st.integers(0, LARGE_BATCH_ONE_IN - 1)) == LARGE_BATCH_ONE_IN - 1)
+    if large:
+        max_kv_len = min(max_kv_len, LARGE_BATCH_MAX_KV)
     # MLA's one latent KV head where the implementation needs a latent cache
-    num_kv_heads = 1 if caps and caps.needs_latent_cache else draw(st.integers(1, max_kv_heads))
+    num_kv_heads = (1 if (caps and caps.needs_latent_cache) or large
+                    else draw(st.integers(1, max_kv_heads)))
     # search: every declared option at once (shrinks to False, drawn only with edges)
     together = edges and draw(st.integers(0, TOGETHER_ONE_IN - 1)) == TOGETHER_ONE_IN - 1
 
@@ -182,13 +206,21 @@ def paged_cases(
     if together and any(r > 1 for r in ratios):
         ratios = [r for r in ratios if r > 1]
     ratio = draw(st.sampled_from(ratios))
-    batch = draw(st.integers(1, max_batch))
+    batch = draw(st.integers(max_batch + 1, max_large_batch) if large
+                 else st.integers(1, max_batch))
     boundary = [n for n in (1, block_size - 1, block_size, block_size + 1, 0)
                 if 1 <= n <= max_kv_len or (n == 0 and "empty_kv" in features)]
     lengths = [st.sampled_from(boundary), st.integers(1, max_kv_len)]
     if edges and threshold_lengths(max_kv_len):
         lengths.append(st.sampled_from(threshold_lengths(max_kv_len)))
-    kv_lens = tuple(draw(st.lists(st.one_of(*lengths), min_size=batch, max_size=batch)))
+    # A large batch's lengths come from one drawn seed: a failure then shrinks its batch
+    # in a few steps, not by hundreds of one-length steps at hundreds of sequences each.
+    ragged = random.Random(draw(st.integers(0, 2**16))) if large else None
+    if ragged is not None:
+        kv_lens = tuple(ragged.choice(boundary) if ragged.random() < 0.5
+                        else ragged.randint(1, max_kv_len) for _ in range(batch))
+    else:
+        kv_lens = tuple(draw(st.lists(st.one_of(*lengths), min_size=batch, max_size=batch)))
 
     modes = caps.modes if caps else frozenset({"decode", "prefill"})
     q_lens = None
@@ -196,13 +228,18 @@ def paged_cases(
         low = 0 if "empty_q" in features else 1
         past = 8 if "unseen_rows" in features else 0  # rows before position 0
 
+        def q_len_bound(kv: int) -> int:
+            return max(low, min(kv + (past if kv else 4), 16))
+
         def q_len_of(kv: int) -> st.SearchStrategy[int]:
-            drawn = st.integers(low, max(low, min(kv + (past if kv else 4), 16)))
+            drawn = st.integers(low, q_len_bound(kv))
             if edges and 16 < kv <= FRESH_PREFILL_MAX_KV:  # search: a fresh prefill
                 return st.one_of(drawn, st.just(kv))
             return drawn
 
-        q_lens = tuple(draw(q_len_of(kv)) for kv in kv_lens)
+        q_lens = (tuple(ragged.randint(low, q_len_bound(kv)) for kv in kv_lens)
+                  if ragged is not None
+                  else tuple(draw(q_len_of(kv)) for kv in kv_lens))
         if edges and set(q_lens) == {1}:
             q_lens = None
     sliding_window = None
@@ -246,8 +283,9 @@ def paged_cases(
         values |= {"qk_magnitude": draw(st.sampled_from(QK_MAGNITUDES)),
                    "v_magnitude": draw(st.sampled_from(V_MAGNITUDES)),
                    "logit_offset": draw(st.sampled_from(LOGIT_OFFSETS))}
-    # Shared blocks (issue 20), in every box where the implementation takes them.
-    if capabilities is None or capabilities.shared_blocks:
+    # Shared blocks (issue 20), in every box where the implementation takes them (not
+    # across a large batch: one drawn choice per sequence).
+    if (capabilities is None or capabilities.shared_blocks) and not large:
         values |= draw(shared_blocks(kv_lens, block_size))
     if values.get("head_dim_v", head_dim) < head_dim and (
             (caps and caps.needs_latent_cache) or (edges and draw(st.booleans()))):

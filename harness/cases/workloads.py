@@ -5,13 +5,18 @@ head_dim; :meth:`Workload.case` pages it at a block size and dtype. Lengths are 
 of the workload alone, never of the block size, so every block size sees the same batch
 and a row of the sweep reads "how does block size change the time".
 
-Workloads come from three places:
+Workloads come from four places:
 
 - the grid: mode x GQA layout x batch size x context length (:func:`grid_workload`);
 - vLLM's batch-spec strings (``benchmarks/attention_benchmarks/batch_spec.py``):
   underscore-separated segments ``[count]q<q_len>[k][s<kv_len>[k]]``, ``k`` = x1024,
   ``kv_len`` defaulting to ``q_len`` (:func:`parse_batch_spec`); ``8q1s1k`` is eight
-  decodes over 1024 tokens, ``2q2k_32q1s1k`` two 2048-token prefills and 32 decodes;
+  decodes over 1024 tokens, ``2q2k_32q1s1k`` two 2048-token prefills and 32 decodes; its
+  production-mix configs' odd residual lengths are the same grammar
+  (``q257_7q1s1057_3q4s2051_2q129s4093``: a 257-token prefill, 7 decodes over 1057, 3
+  four-token speculative decodes over 2051, 2 129-token chunks over 4093);
+- batch traces (:mod:`.batch_trace`): one step of a serving engine, or of
+  ``pagedbench simulate``, a line;
 - model presets (:data:`~.presets.MODEL_PRESETS`): a ragged decode batch, lengths drawn
   log-uniformly from the workload's own seed (:func:`preset_workload`).
 
@@ -68,7 +73,7 @@ def parse_batch_spec(spec: str) -> tuple[tuple[int, int], ...]:
         raise PagedValueError("batch_spec", spec, BATCH_SPEC_GRAMMAR)
     sequences: list[tuple[int, int]] = []
     kv_tokens = 0
-    for segment in spec.split("_"):
+    for segment in spec.split("_"):  # vLLM's grammar, production-mix specs included
         match = _SEGMENT.fullmatch(segment)
         if match is None:
             raise PagedValueError("batch_spec", spec, BATCH_SPEC_GRAMMAR,
@@ -95,6 +100,26 @@ def parse_batch_spec(spec: str) -> tuple[tuple[int, int], ...]:
                                   f"{q_len} > kv_len {kv_len}")
         sequences += [(q_len, kv_len)] * count
     return tuple(sequences)
+
+
+def check_sequences(sequences: tuple[tuple[int, int], ...], parameter: str,
+                    where: str) -> None:
+    """Check ``(q_len, kv_len)`` pairs against :data:`BATCH_BOUNDS` (before anything is
+    allocated for them).
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``parameter`` and ``where`` (a file and step, say) for a batch past the
+        bounds of one batch.
+    """
+    if (len(sequences) > MAX_BATCH_SEQUENCES
+            or max(max(q, kv) for q, kv in sequences) > MAX_SEQ_LEN
+            or sum(kv for _, kv in sequences) > MAX_BATCH_KV_TOKENS):
+        raise PagedValueError(parameter, where, BATCH_BOUNDS,
+                              f"{parameter} {where}: {len(sequences)} sequences of "
+                              f"{sum(kv for _, kv in sequences)} KV tokens are past the bounds "
+                              f"of one batch ({BATCH_BOUNDS}; no GPU batch is that large)")
 
 
 def _number(digits: str, scale: int) -> int:
@@ -315,6 +340,7 @@ def workload_fields(case: PagedCase, suite: str) -> dict[str, str | None]:
 
 __all__ = ["BATCH_BOUNDS", "BATCH_SPEC_GRAMMAR", "BENCH_SUITE", "CONTIGUOUS_TAG",
            "LAYOUT_RATIOS", "MAX_BATCH_KV_TOKENS", "MAX_BATCH_SEQUENCES", "MAX_SEQ_LEN",
-           "MODES", "Workload", "format_batch_spec", "grid_batch_spec", "grid_workload",
+           "MODES", "Workload", "check_sequences", "format_batch_spec", "grid_batch_spec",
+           "grid_workload",
            "layout_heads", "mode_of", "parse_batch_spec", "preset_workload", "spec_workload",
            "workload_fields"]

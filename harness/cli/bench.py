@@ -5,11 +5,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
@@ -17,16 +17,17 @@ from pagedbench.adapters import entries
 from pagedbench.reference import DTYPES, PagedInputError, PagedValueError, check_fits
 
 from pagedbench.harness.cases.presets import MODEL_PRESETS
+from pagedbench.harness.cases.batch_trace import trace_workloads
 from pagedbench.harness.cases.workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
 from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
                                             positive_seconds, run_and_bench_arguments,
                                             select_impls, writable_file, writable_folder)
-from pagedbench.harness.cli.run import (interrupted, progress_line, results_of_run,
-                                        shard_of, warn_oversubscribed)
+from pagedbench.harness.cli.run import (device_peaks, interrupted, progress_line,
+                                        results_of_run, shard_of, warn_oversubscribed)
 from pagedbench.harness.results import report
-from pagedbench.harness.results.derived import DEFAULT_BASELINE
+from pagedbench.harness.results.derived import DEFAULT_BASELINE, trace_times
 from pagedbench.harness.results.junit import write_junit_xml
-from pagedbench.harness.results.record import DevicePeaks, ResultRecord
+from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.results.store import ResultsFile, new_run_id, write_output
 from pagedbench.harness.run import bench, runner
 from pagedbench.harness.run.progress import RunProgress
@@ -81,9 +82,16 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
          f"{show(cpu.block_sizes)}, GPU: {show(gpu.block_sizes)})", type=positive_int)
     axis("--dtype", "dtypes", f"dtype (repeatable; default CPU: {show(cpu.dtypes)}, GPU: "
          f"{show(gpu.dtypes)})", choices=list(DTYPES))
-    axis("--batch-spec", "batch_specs", "a vLLM batch-spec workload such as 8q1s1k or "
-         "2q2k_32q1s1k, with every --layout (repeatable); alone (no --mode, --batch-size or "
-         "--context) it replaces the grid", type=_batch_spec, metavar="SPEC")
+    axis("--batch-spec", "batch_specs", "a vLLM batch-spec workload such as 8q1s1k, "
+         "2q2k_32q1s1k or the production mix q257_7q1s1057_3q4s2051_2q129s4093, with every "
+         "--layout (repeatable); alone (no --mode, --batch-size or --context) it replaces "
+         "the grid", type=_batch_spec, metavar="SPEC")
+    p.add_argument("--trace", type=Path, default=None, metavar="FILE",
+                   help="a batch trace: one step of a serving engine a JSON line (kv_lens, "
+                        "q_lens, shapes; pagedbench simulate --emit-batches writes one; "
+                        "docs/benchmarks.md), each step a workload, with the heads of the "
+                        "first --layout where a line gives none; prints each step's time and "
+                        "their total; alone it replaces the grid and its contiguous points")
     axis("--preset", "presets", "a ragged decode batch with a model preset's heads "
          "(repeatable); alone it replaces the grid", choices=list(MODEL_PRESETS),
          metavar="NAME")
@@ -94,12 +102,6 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                         "around the first values (CPU default); none: no grid workloads")
     p.add_argument("--no-contiguous", action="store_true",
                    help="skip each workload's contiguous point (no paging overhead then)")
-    p.add_argument("--no-peaks", action="store_true",
-                   help="do not measure the device's copy bandwidth and bf16 throughput")
-    p.add_argument("--peaks", type=Path, default=None, metavar="FILE",
-                   help="take the device's peaks from FILE instead of measuring them: a JSON "
-                        "object with copy_gbps, bf16_tflops and method, at its top or under "
-                        "'peaks' (the GPU lane's env.json, measured in the same call)")
     p.add_argument("--host-truth-bytes", type=int_in(0, 2**62), default=None,
                    metavar="BYTES",
                    help="largest truth (inputs plus one sequence's float64 work) computed on "
@@ -129,11 +131,15 @@ def bench_sweep(args: argparse.Namespace) -> bench.Sweep:
     grid_given = any(getattr(args, d) for d in ("modes", "batch_sizes", "contexts"))
     if args.grid:
         changes["grid"] = args.grid
-    elif (args.batch_specs or args.presets) and not grid_given:
+    elif (args.batch_specs or args.presets or args.trace) and not grid_given:
         changes["grid"] = "none"
-    if (args.batch_specs or args.grid == "none") and not args.presets:
+    if (args.batch_specs or args.trace or args.grid == "none") and not args.presets:
         changes.setdefault("presets", ())
-    if args.no_contiguous:
+    if args.trace is not None:
+        changes["trace"] = tuple(trace_workloads(args.trace, (args.layouts or [None])[0]))
+        changes["trace_file"] = str(args.trace)
+    if args.no_contiguous or (args.trace and not (grid_given or args.batch_specs
+                                                  or args.presets)):
         changes["contiguous"] = False
     return sweep.with_(**changes)
 
@@ -209,16 +215,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     warn_oversubscribed(config, console)
     console.print(f"pagedbench bench {run_id}: {len(cases)} points x {len(impls)} "
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
-    peaks = None
-    if args.peaks is not None:
-        peaks = peaks_file(args.peaks)
-        console.print(f"device peaks from {args.peaks}: {peaks.copy_gbps:.1f} GB/s copy, "
-                      f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul")
-    elif not args.no_peaks:
-        peaks, why = runner.device_peaks(config)
-        console.print(f"device peaks: {peaks.copy_gbps:.1f} GB/s copy, "
-                      f"{peaks.bf16_tflops:.3g} TFLOP/s bf16 matmul" if peaks
-                      else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
+    peaks = device_peaks(args, config, console)
     start = time.monotonic()
     order = [p for p in runner.missing(plan, []) if pairs is None or p in pairs]
     with RunProgress(console, "bench", order) as progress:
@@ -240,8 +237,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"JUnit XML: {args.junit_xml}")
     lines = [line for line in results.lines() if line.run_id == run_id]
     md_path = results.path.with_suffix(".md")
-    write_output(md_path, report.markdown(lines, title=f"pagedbench bench ({device})",
-                                          baseline=args.baseline))
+    text = report.markdown(lines, title=f"pagedbench bench ({device})", baseline=args.baseline)
+    if sweep.trace:
+        steps = trace_section(records, [w.name for w in sweep.trace], args.trace)
+        print(f"\n{steps}")
+        text += f"\n{steps}"
+    write_output(md_path, text)
     counts = {str(s): n for s in Status
               if (n := sum(r.status is s for r in records))}
     timed = [r for r in records if r.time_ms is not None and r.status is Status.PASS]
@@ -254,19 +255,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return int(code)
 
 
-def peaks_file(path: Path) -> DevicePeaks:
-    """The device peaks in ``path`` (``--peaks``): a JSON object of
-    :class:`~pagedbench.harness.results.record.DevicePeaks`, at its top or under ``"peaks"``.
-
-    Raises
-    ------
-    PagedValueError
-        Naming ``--peaks`` and the file when it cannot be read or holds no valid peaks.
-    """
-    try:
-        data = json.loads(path.read_text())
-        data = data.get("peaks", data) if isinstance(data, dict) else data
-        return DevicePeaks.model_validate(data)
-    except (OSError, ValueError) as exc:  # ValidationError is a ValueError
-        raise PagedValueError("--peaks", str(path), "a JSON file of copy_gbps, bf16_tflops "
-                              "and method", f"--peaks {path}: {exc}") from None
+def trace_section(records: list[ResultRecord], steps: list[str], path: Path) -> str:
+    """The Markdown of a trace's times (:func:`~pagedbench.harness.results.derived.
+    trace_times`): per block size and dtype, each step's median ms per implementation and
+    their total."""
+    times = trace_times(records, steps)
+    out = [f"## Trace {report.escape(path)}", "",
+           report.escape(f"Median ms per step (a step: one batch of the trace), and the total "
+                         f"over its {len(steps)} steps: the time the trace's attention takes "
+                         "per layer. '-': not a timed pass (see the reasons above), and no "
+                         "total then."), ""]
+    for (block_size, dtype), table in times.groupby(["block_size", "dtype"], sort=False):
+        shown = table.drop(columns=["block_size", "dtype"]).set_index("step")
+        shown = shown.map(lambda v: "-" if pd.isna(v) else f"{v:.4g}")
+        out += [f"### block_size {block_size}, {dtype}", "",
+                report.escape_frame(shown).to_markdown(), ""]
+    return "\n".join(out)

@@ -4,6 +4,7 @@ fractions, cache and output folders, the implementations chosen."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -14,6 +15,7 @@ from pagedbench.adapters import entries
 from pagedbench.reference import PagedInputError, PagedValueError, resolve_device
 
 from pagedbench.harness.results import shard
+from pagedbench.harness.results.record import DevicePeaks
 from pagedbench.harness.results.store import DEFAULT_RESULTS_DIR
 from pagedbench.harness.run import runner
 from pagedbench.harness.run.environment import CACHE_DIR_VARIABLE, default_cache_dir
@@ -117,18 +119,52 @@ def run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
                         "cpu:N (N CPU workers, whose timings contend) with --device cpu; "
                         "all, or GPU indices or UUIDs, with --device cuda (each worker pinned "
                         "to its GPU); every result names its device (docs/running.md)")
-    p.add_argument("--shard", type=shard_spec, default=None, metavar="K/N",
+    p.add_argument("--no-peaks", action="store_true",
+                   help="do not measure the device's copy bandwidth, in-cache copy and bf16 "
+                        "throughput (then no fraction of peak, and no physical floor: "
+                        "docs/trust.md)")
+    p.add_argument("--peaks", type=Path, default=None, metavar="FILE",
+                   help="take the device's peaks from FILE instead of measuring them: a JSON "
+                        "object with copy_gbps, bf16_tflops and method (and "
+                        "cache_copy_gbps), at its top or under 'peaks' (the GPU lane's "
+                        "env.json, measured in the same call)")
+    p.add_argument("--shard", type=shard_spec, default=None, metavar="K/N|auto",
                    help=f"run only the K-th of N parts of the (implementation, {unit}) "
                         "pairs, balanced by expected cost and the same on every machine; "
-                        "report and gate merge the N results files (docs/ci.md)")
+                        "report and gate merge the N results files; auto: K and N from the "
+                        "CI (Buildkite parallelism, a Slurm array, a Kubernetes indexed Job "
+                        "with auto/N, PAGEDBENCH_SHARD=K/N; docs/ci.md)")
+    p.add_argument("--balance-from", type=Path, default=None, metavar="FILE",
+                   help="with --shard: balance the parts by the seconds each pair took in "
+                        "these results (a file or folder of an earlier run of the plan), "
+                        "not by bytes moved; every shard needs the same FILE")
 
 
 def shard_spec(text: str) -> shard.ShardSpec:
-    """``--shard K/N`` (:func:`~pagedbench.harness.results.shard.parse_spec`)."""
+    """``--shard K/N`` or ``auto`` (:func:`~pagedbench.harness.results.shard.resolve`, from
+    this process's environment)."""
     try:
-        return shard.parse_spec(text)
+        return shard.resolve(text)
     except PagedValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def peaks_file(path: Path) -> DevicePeaks:
+    """The device peaks in ``path`` (``--peaks``): a JSON object of
+    :class:`~pagedbench.harness.results.record.DevicePeaks`, at its top or under ``"peaks"``.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``--peaks`` and the file when it cannot be read or holds no valid peaks.
+    """
+    try:
+        data = json.loads(path.read_text())
+        data = data.get("peaks", data) if isinstance(data, dict) else data
+        return DevicePeaks.model_validate(data)
+    except (OSError, ValueError) as exc:  # ValidationError is a ValueError
+        raise PagedValueError("--peaks", str(path), "a JSON file of copy_gbps, bf16_tflops "
+                              "and method", f"--peaks {path}: {exc}") from None
 
 
 def writable_folder(path: Path, option: str) -> None:

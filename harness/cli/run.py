@@ -14,14 +14,15 @@ from pagedbench.reference import DTYPES, PagedInputError, PagedValueError, check
 
 from pagedbench.harness.cases.presets import (DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS,
                                               default_cases)
-from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
-                                            positive_seconds, run_and_bench_arguments, run_id_arg,
-                                            select_impls, writable_file, writable_folder)
+from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, peaks_file,
+                                            positive_int, positive_seconds,
+                                            run_and_bench_arguments, run_id_arg, select_impls,
+                                            writable_file, writable_folder)
 from pagedbench.harness.measure.timing import oversubscribed
 from pagedbench.harness.results import report
 from pagedbench.harness.results.junit import write_junit_xml
 from pagedbench.harness.results import shard
-from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord, Shard
+from pagedbench.harness.results.record import DevicePeaks, Plan, ResultRecord, RunRecord, Shard
 from pagedbench.harness.results.store import (ResultsFile, ResultsFileError, new_run_id,
                                               results_of, run_states, write_output)
 from pagedbench.harness.run import runner
@@ -106,7 +107,8 @@ def _resume_target(args: argparse.Namespace) -> tuple[Plan, runner.RunConfig, Re
                                       ("--devices", args.devices)) if value]
     if given:
         raise PagedValueError("--resume", given,
-                              "only --results-dir, --cache-dir and --junit-xml beside it",
+                              "only --results-dir, --cache-dir, --junit-xml, the peaks "
+                              "options and --balance-from beside it",
                               f"--resume finishes the run with its recorded selection and "
                               f"settings; drop {', '.join(given)}")
     results = ResultsFile(args.results_dir / f"{args.resume}.jsonl")
@@ -183,6 +185,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     with results.locked():  # one writer per run: a second resume is refused
         console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
                       f"{len(plan.cases)} cases on {config.device} -> {results.path}")
+        peaks = device_peaks(args, config, console)
         order = runner.missing(plan, results_of_run(results, run_id)) if args.resume else \
             runner.missing(plan, [])
         order = order if pairs is None else [p for p in order if p in pairs]
@@ -190,7 +193,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             try:
                 records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
                                      on_record=lambda r: progress.update(r, progress_line(r)),
-                                     shard=part, pairs=pairs)
+                                     peaks=peaks, shard=part, pairs=pairs)
             except runner.Interrupted as exc:
                 if args.junit_xml is not None:
                     write_junit_xml(results_of_run(results, run_id), args.junit_xml,
@@ -206,16 +209,58 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id: str,
              console: Console) -> tuple[Shard | None, set[tuple[str, str]] | None]:
-    """``--shard K/N``'s record and pairs of ``plan`` (a resumed run's: those it recorded);
-    ``(None, None)`` for the whole plan."""
+    """``--shard``'s record and pairs of ``plan``, balanced by ``--balance-from``'s
+    seconds where given (a resumed run's: those it recorded); ``(None, None)`` for the
+    whole plan.
+
+    Raises
+    ------
+    PagedValueError
+        ``--balance-from`` without ``--shard``, or results that cannot be read.
+    """
+    seconds = None
+    if args.balance_from is not None:
+        if args.shard is None and not getattr(args, "resume", None):
+            raise PagedValueError("--balance-from", str(args.balance_from), "with --shard",
+                                  "--balance-from balances the parts of --shard: give both")
+        seconds = shard.measured_seconds([args.balance_from])
     if getattr(args, "resume", None):  # run --resume (bench has none)
-        return None, shard.recorded_pairs(plan, results.lines(), run_id)
+        return None, shard.recorded_pairs(plan, results.lines(), run_id, seconds)
     if args.shard is None:
         return None, None
-    part, pairs = shard.shard_record(plan, args.shard), shard.pairs_of(plan, args.shard)
-    console.print(f"shard {args.shard} of plan {part.plan_sha256[:12]}: {len(pairs)} of "
-                  f"{plan.size} (implementation, point) pairs")
+    part = shard.shard_record(plan, args.shard, seconds)
+    pairs = shard.pairs_of(plan, args.shard, seconds)
+    how = ("bytes moved" if part.balance is None else
+           f"the seconds measured in {args.balance_from}")
+    console.print(f"shard {args.shard} of plan {part.plan_sha256[:12]}, balanced by {how}: "
+                  f"{len(pairs)} of {plan.size} (implementation, point) pairs")
     return part, pairs
+
+
+def device_peaks(args: argparse.Namespace, config: runner.RunConfig,
+                 console: Console) -> DevicePeaks | None:
+    """The device's peaks for a timed run or bench (the fractions of peak, the roofline
+    and the physical floor: ``harness/results/floor.py``): read from ``--peaks FILE``,
+    else measured in a worker (:func:`~pagedbench.harness.run.runner.device_peaks`), said
+    on ``console``; None with ``--no-peaks``, without timing, or when the measurement
+    failed (then said why)."""
+    if args.peaks is not None:
+        peaks = peaks_file(args.peaks)
+        console.print(f"device peaks from {args.peaks}: {_peaks_text(peaks)}")
+        return peaks
+    if args.no_peaks or not config.timing:
+        return None
+    peaks, why = runner.device_peaks(config)
+    console.print(f"device peaks: {_peaks_text(peaks)}" if peaks
+                  else f"[yellow]device peaks not measured: {rich_escape(why)}[/]")
+    return peaks
+
+
+def _peaks_text(peaks: DevicePeaks) -> str:
+    cached = ("" if peaks.cache_copy_gbps is None
+              else f", {peaks.cache_copy_gbps:.1f} GB/s copy in cache")
+    return (f"{peaks.copy_gbps:.1f} GB/s copy{cached}, {peaks.bf16_tflops:.3g} TFLOP/s bf16 "
+            "matmul")
 
 
 def warn_oversubscribed(config: runner.RunConfig, console: Console) -> None:

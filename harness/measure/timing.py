@@ -23,7 +23,9 @@ Derived bandwidth counts the bytes a case must move at least once (FlashInfer's
 count from the actual sequence lengths): Q, the K and V of every attended token, O, and
 the block tables; FLOPs count the two matmuls. :func:`measure_peaks` measures the
 device's copy bandwidth and bf16 matmul throughput with the same timers, so each point
-has a roofline position: the floor ``max(bytes / bandwidth, flops / throughput)``.
+has a roofline position: the floor ``max(bytes / bandwidth, flops / throughput)``; and
+the copy rate in cache, which bounds what a point whose data stays cached can move
+(``harness/results/floor.py``).
 GB = 1e9 bytes, TFLOP = 1e12 FLOPs.
 """
 
@@ -365,25 +367,62 @@ class DevicePeaks:
         A square bf16 matmul (``2 n^3`` FLOPs) at its median time (TFLOP/s).
     method : str
         The timing method (``torch_timer`` or ``cuda_events``).
+    cache_copy_gbps : float or None
+        The fastest ``dst.copy_(src)`` of :data:`CACHE_COPY_BYTES`, whose source and
+        destination stay in a cache between calls (GB/s, read plus write;
+        :func:`cache_copy_gbps`); None when not measured.
     """
 
     copy_gbps: float
     bf16_tflops: float
     method: str
+    cache_copy_gbps: float | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {"copy_gbps": self.copy_gbps, "bf16_tflops": self.bf16_tflops,
-                "method": self.method}
+                "method": self.method, "cache_copy_gbps": self.cache_copy_gbps}
 
 
 #: Bytes of the copy that measures bandwidth (far beyond any cache: 256 MiB on the CPU,
 #: 1 GiB on a GPU), and the matmul size that measures bf16 throughput.
 COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2**30}
 MATMUL_N = {"cpu": 512, "cuda": 8192}
+#: Footprints (source plus destination, bytes) of the in-cache copies: from a CPU core's
+#: L1 to its L2 and a slice of L3; within a GPU's L2 (4 MiB on a T4, 40-126 MiB on
+#: A100 to B200), replayed as a CUDA graph so that the L2 stays warm.
+CACHE_COPY_BYTES = {"cpu": (64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20),
+                    "cuda": (2 * 2**20, 8 * 2**20)}
+
+
+def cache_copy_gbps(device: str, threads: int) -> float:
+    """The fastest copy rate of ``device`` at the :data:`CACHE_COPY_BYTES` footprints,
+    each timed over calls that leave source and destination in the cache (GB/s, bytes
+    read plus written): what a point whose data stays cached between timed calls can move
+    at most, beside the copy bandwidth of :data:`COPY_BYTES` (far past any cache).
+
+    Raises
+    ------
+    PagedValueError
+        If ``device`` is not a device of this machine.
+    """
+    resolved = resolve_device(device)
+    best = 0.0
+    for footprint in CACHE_COPY_BYTES[resolved.type]:
+        src = torch.ones(footprint // 4, dtype=torch.bfloat16, device=resolved)  # half of it
+        dst = torch.empty_like(src)
+        copy = lambda: dst.copy_(src)  # noqa: E731
+        if resolved.type == "cuda":
+            with torch.cuda.device(resolved):
+                timed = time_cuda(copy, graph_below_ms=math.inf)  # graph replay: warm L2
+        else:
+            timed = time_cpu(copy, threads=threads, min_samples=5, min_run_time_s=0.05)
+        best = max(best, 2 * src.nbytes / (timed.median_ms / 1e3) / 1e9)
+    return best
 
 
 def measure_peaks(device: str, threads: int) -> DevicePeaks:
-    """Measure ``device``'s copy bandwidth and bf16 matmul throughput (medians).
+    """Measure ``device``'s copy bandwidth, bf16 matmul throughput and in-cache copy rate
+    (:func:`cache_copy_gbps`; medians).
 
     Raises
     ------
@@ -408,7 +447,7 @@ def measure_peaks(device: str, threads: int) -> DevicePeaks:
         mm_t = time_cpu(matmul, threads=threads, min_samples=5, min_run_time_s=0.2)
     return DevicePeaks(copy_gbps=2 * src.nbytes / (copy_t.median_ms / 1e3) / 1e9,
                        bf16_tflops=2 * n**3 / (mm_t.median_ms / 1e3) / 1e12,
-                       method=copy_t.method)
+                       method=copy_t.method, cache_copy_gbps=cache_copy_gbps(device, threads))
 
 
 def bytes_moved(case: PagedCase) -> int:
@@ -454,5 +493,6 @@ def roofline_floor_ms(moved: int, work: int, peaks: DevicePeaks) -> float:
 
 __all__ = ["CPU_THREADS", "CUDA_GRAPH_BELOW_MS", "DevicePeaks", "METHODS", "NOISE_THRESHOLD", "Timing",
            "PROBE_SHARE", "DriftProbe",
-           "bytes_moved", "flops", "measure_peaks", "oversubscribed", "roofline_floor_ms", "time_cpu",
+           "bytes_moved", "cache_copy_gbps", "flops", "measure_peaks", "oversubscribed",
+           "roofline_floor_ms", "time_cpu",
            "time_cuda", "time_once"]

@@ -11,12 +11,13 @@ name and library versions, :func:`~.record.environment_key`), with these derived
   p90 / ref p10 - 1]`` is its spread.
 - ``speedup``: the baseline's median on the same point over this one's (> 1: faster).
 
-Only timed passes have figures (a fast wrong kernel is not on the board); interpreted
-timings are never ranked. Scores follow flashinfer-bench's rule: an implementation that
+Only timed passes have figures (a fast wrong kernel is not on the board, nor a time the
+physical floor refuses: :func:`~.floor.judged`); interpreted timings are never ranked. Scores follow flashinfer-bench's rule: an implementation that
 fails any case of a workload group (``fail``, ``error``, ``crash``, ``timeout``) scores 0
 for that group; otherwise the group's score is the geometric mean of its speedups.
 ``fast_p`` (KernelBench, arXiv:2502.10517) is the share of workload groups on which an
-implementation is correct and its score exceeds ``p``.
+implementation is correct and its score exceeds ``p``. :func:`trace_times` gives a batch
+trace's time per step and in total (``pagedbench bench --trace``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from pagedbench.harness.cases.workloads import BENCH_SUITE
+from pagedbench.harness.results.floor import judged
 from pagedbench.harness.results.record import ResultRecord, environment_key, result_key
 from pagedbench.harness.verdict.status import Status
 
@@ -73,7 +75,7 @@ def bench_frame(records: Iterable[ResultRecord], baseline: str = DEFAULT_BASELIN
     """One row per bench result, with :data:`COLUMNS` plus ``paging_overhead``,
     ``overhead_low``, ``overhead_high``, ``overhead_vs`` and ``speedup`` (see the module
     docstring); empty (with those columns) when no record is a bench result."""
-    latest = {result_key(r): r for r in records if r.suite == BENCH_SUITE}
+    latest = {result_key(r): judged(r) for r in records if r.suite == BENCH_SUITE}
     df = pd.DataFrame([_row(r) for r in latest.values()], columns=COLUMNS)
     group = ["device_name", "versions", "workload", "dtype"]
     contiguous = df[df["contiguous"] & df["timed"]].sort_values("block_size").drop_duplicates(
@@ -135,5 +137,34 @@ def fast_p(scores: pd.DataFrame, thresholds: Sequence[float] = FAST_P) -> pd.Dat
     return pd.DataFrame(rows, columns=["device_name", "versions", "impl", *thresholds])
 
 
+def trace_times(records: Iterable[ResultRecord], steps: Sequence[str]) -> pd.DataFrame:
+    """The times of a batch trace: for each block size and dtype the trace's workloads
+    were paged at, one row per step (``steps``: the workload names, in trace order) with
+    each implementation's median ms (NaN where it is not a timed pass), then a ``total``
+    row: the sum of the steps' medians, NaN for an implementation with a step not timed.
+
+    Returns
+    -------
+    pandas.DataFrame
+        Columns ``block_size``, ``dtype``, ``step`` and one per implementation (in the
+        order they appear); empty when no record is of a step.
+    """
+    df = bench_frame(records)
+    df = df[df["workload"].isin(steps)]
+    if df.empty:
+        return pd.DataFrame(columns=["block_size", "dtype", "step"])
+    impls = list(dict.fromkeys(df["impl"]))
+    tables = []
+    for (block_size, dtype), group in df.groupby(["block_size", "dtype"], sort=False):
+        table = group.pivot_table(index="workload", columns="impl", values="median_ms",
+                                  aggfunc="first", dropna=False).reindex(index=list(steps),
+                                                                         columns=impls)
+        table.loc["total"] = table.sum(skipna=False)
+        tables.append(table.rename_axis("step").reset_index().assign(
+            block_size=block_size, dtype=dtype))
+    out = pd.concat(tables, ignore_index=True)
+    return out[["block_size", "dtype", "step", *impls]]
+
+
 __all__ = ["DEFAULT_BASELINE", "FAST_P", "RANKED_METHODS", "bench_frame",
-           "fast_p", "group_scores"]
+           "fast_p", "group_scores", "trace_times"]

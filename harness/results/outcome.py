@@ -9,6 +9,7 @@ from pagedbench.reference import PagedCase
 
 from pagedbench.harness.cases.workloads import workload_fields
 from pagedbench.harness.measure.timing import Timing, bytes_moved, flops, roofline_floor_ms
+from pagedbench.harness.results import floor
 from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Environment,
                                                ListingRow, ResultRecord, comparison_figures,
                                                now)
@@ -34,7 +35,9 @@ def result_record(
     """The result line of ``name`` on ``case``; ``row`` is what the implementation said
     when it loaded (version, details, interpreted), ``verdict`` its check (whose timing
     is used unless ``timing`` is given), ``peaks`` what the device sustained (for
-    fractions of peak and the roofline floor), ``truth`` where its truth was computed.
+    fractions of peak and the roofline floor, and the physical floor: a pass whose time
+    is impossible is a ``fail``, :func:`~pagedbench.harness.results.floor.judged`),
+    ``truth`` where its truth was computed (``"host"`` or ``"device"``).
 
     Raises
     ------
@@ -50,7 +53,7 @@ def result_record(
     details = dict(row.details) if row else {}
     if verdict is not None:
         details |= verdict.details
-    return ResultRecord.model_validate(dict(
+    return floor.judged(ResultRecord.model_validate(dict(
         kind="result", schema_version=SCHEMA_VERSION, run_id=run_id, suite=suite,
         impl=name, impl_target=target, impl_version=row.version if row else "",
         impl_details=details, case_id=case.case_id, case=case.to_dict(),
@@ -72,7 +75,7 @@ def result_record(
         roofline_floor_ms=floor_ms,
         frac_of_roofline=floor_ms / timing.median_ms if floor_ms and timing else None,
         env=env, timestamp=now(),
-    ), context={"case": case})
+    ), context={"case": case}))
 
 
 __all__ = ["result_record", "timing_of"]

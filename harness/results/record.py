@@ -38,7 +38,9 @@ from pagedbench.harness.verdict.messages import MAX_DETAILS_BYTES, to_json_data
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.status import Status
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
+
+
 def _finite_or_none(value: object) -> object:
     if isinstance(value, (float, np.floating)) and not math.isfinite(value):
         return None
@@ -86,11 +88,13 @@ class TimingStats(_Strict):
 
 class DevicePeaks(_Strict):
     """What the device sustained when the run measured it (``harness.measure.timing.measure_peaks``):
-    copy bandwidth (GB/s) and bf16 matmul throughput (TFLOP/s)."""
+    copy bandwidth (GB/s), bf16 matmul throughput (TFLOP/s), fastest copy in cache (GB/s)."""
 
     copy_gbps: float
     bf16_tflops: float
     method: Literal[METHODS]
+    cache_copy_gbps: Optional[float] = Field(default=None, description="the fastest copy "
+        "staying in a cache (GB/s; harness/results/floor.py); null when not measured")
 
 
 #: The libraries whose versions every result records (``env.<name>``, by top-level import
@@ -146,7 +150,7 @@ class _ResultFields(_Strict):
     """The fields of a result line other than the comparison's figures."""
 
     kind: Literal["result"]
-    schema_version: Literal[7]
+    schema_version: Literal[8]
     run_id: str
     suite: str
     impl: str
@@ -162,8 +166,9 @@ class _ResultFields(_Strict):
     device: str
     status: Status
     reason: str
-    step: Optional[str] = Field(description="where a non-pass outcome arose "
-                                "(import, available, prepare, run, truth, timing, ...)")
+    step: Optional[str] = Field(description="where a non-pass outcome arose (import, "
+                                "available, prepare, run, truth, timing, ...); floor: a "
+                                "time no device could take (harness/results/floor.py)")
     time_ms: Optional[TimingStats]
     time_ms_median: Figure
     timing_method: Optional[str]
@@ -208,7 +213,7 @@ class _ResultFields(_Strict):
     def _case_is_a_case(self, info: ValidationInfo) -> _ResultFields:
         """Parse ``case`` once (raises PagedInputError, a ValueError), unless the caller
         passes the :class:`PagedCase` it came from as ``context={"case": ...}``
-        (:func:`~pagedbench.harness.run.records.result_record`: the case is not parsed
+        (:func:`~pagedbench.harness.results.outcome.result_record`: the case is not parsed
         again in the process that wrote it). A record validated again (as a field of
         another model) keeps the case it has."""
         if self._paged is None:
@@ -308,6 +313,8 @@ class Shard(_Strict):
     count: int = Field(ge=1, description="N of --shard K/N")
     plan_sha256: str = Field(description="SHA-256 of the whole plan's JSON (harness/results/shard.py)")
     pairs: int = Field(ge=0, description="(implementation, case) pairs of this shard")
+    balance: Optional[str] = Field(default=None, description="null: balanced by bytes; "
+        "'seconds:<sha256 of the costs>': by --balance-from's seconds")
 
 
 class RunRecord(_Strict):
@@ -315,7 +322,7 @@ class RunRecord(_Strict):
     ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
 
     kind: Literal["run"]
-    schema_version: Literal[7]
+    schema_version: Literal[8]
     run_id: str
     event: Literal["started", "resumed", "interrupted", "finished"]
     timestamp: AwareDatetime
@@ -323,7 +330,7 @@ class RunRecord(_Strict):
     config: Optional[dict[str, JsonValue]]
     device_peaks: Optional[DevicePeaks] = Field(
         default=None, description="measured when the run started or resumed (pagedbench "
-        "bench); null otherwise")
+        "bench, and run with timing), or read from --peaks; null otherwise")
     left_out: Optional[list[str]] = Field(
         default=None, description="started: the sweep's points left out, each with why "
         "(pagedbench bench: a truth that fits neither the host budget nor the device, a "
@@ -410,8 +417,9 @@ def validation_problem(exc: ValidationError) -> str:
 
 
 def now() -> datetime:
-    """The timestamp records carry: now, UTC, to the second."""
-    return datetime.now(timezone.utc).replace(microsecond=0)
+    """The timestamp records carry: now, UTC, to the millisecond (``--balance-from``)."""
+    moment = datetime.now(timezone.utc)
+    return moment.replace(microsecond=moment.microsecond // 1000 * 1000)
 
 
 def json_schema() -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from pagedbench.harness.results.derived import DEFAULT_BASELINE, bench_frame, fast_p, group_scores
+from pagedbench.harness.results.floor import judged
 from pagedbench.harness.results.record import ResultRecord, RunRecord, environment_key, result_key
 from pagedbench.harness.results.store import results_of, run_states
 from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
@@ -85,8 +86,9 @@ def frame(records: Iterable[ResultRecord]) -> pd.DataFrame:
     """One row per result with the columns reports need. The last record of each
     :func:`~.record.result_key` (implementation, device name, versions, case) wins, so
     re-runs appended to a file replace earlier lines and results of two devices (by name:
-    two CPU models, an H100 and an H200) or two library versions never replace each other."""
-    latest = {result_key(r): r for r in records}
+    two CPU models, an H100 and an H200) or two library versions never replace each other.
+    Each is taken as the physical floor judges it (:func:`~.floor.judged`)."""
+    latest = {result_key(r): judged(r) for r in records}
     rows = [
         {
             "case_id": r.case_id,

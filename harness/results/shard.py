@@ -1,6 +1,11 @@
-"""Sharding a plan over machines (``pagedbench run|bench --shard K/N``) and merging the
-shards back (``pagedbench report``, ``pagedbench gate``).
+"""Sharding a plan over machines (``pagedbench run|bench --shard K/N``, or ``--shard
+auto`` from the CI's own variables) and merging the shards back (``pagedbench report``,
+``pagedbench gate``).
 
+- :func:`resolve`: ``K/N``, or ``auto`` (``auto/N`` where the CI gives no count): the
+  index and count of Buildkite's parallel jobs, a Slurm job array, a Kubernetes indexed
+  Job or pagedbench's own ``PAGEDBENCH_SHARD`` (a GitHub matrix value passed through),
+  refusing an incomplete set with the variable it lacks (:data:`CI_VARIABLES`).
 - :func:`assign`: the plan's (implementation, case) pairs in N shards balanced by
   expected cost, greedily, largest first, onto the least loaded shard (the LPT rule, within
   4/3 of the best balance: Graham, "Bounds on multiprocessing timing anomalies", 1969).
@@ -8,13 +13,16 @@ shards back (``pagedbench report``, ``pagedbench gate``).
   (:func:`~.timing.bytes_moved`) plus a fixed cost per pair: computed from the case alone,
   integers only, ties broken by names, so every machine given the same plan makes the same
   shards. (The interpreter cost model of Triton adapters needs the adapter, which the
-  parent never imports.)
+  parent never imports.) With ``--balance-from FILE`` (:func:`measured_seconds`) the cost
+  of a pair is the seconds it took there, and of a pair it lacks its bytes at the seconds
+  per byte of those it has (:func:`pair_costs`); the same file gives the same shards.
 - Each shard's run records the whole plan and a :class:`~.record.Shard`: K, N, the plan's
-  SHA-256 (:func:`plan_sha256`) and its number of pairs; it runs only its pairs.
-- :func:`check_merge`: sharded runs read together must be of one plan and one N, every
-  shard present on every device that ran one, and no pair measured twice on one device;
-  else :class:`ShardMergeError` (exit 2) naming the files. Runs without ``--shard`` are
-  not checked.
+  SHA-256 (:func:`plan_sha256`), its number of pairs and how they were balanced; it runs
+  only its pairs.
+- :func:`check_merge`: sharded runs read together must be of one plan, one N and one
+  balance, every shard present on every device that ran one, and no pair measured twice on
+  one device; else :class:`ShardMergeError` (exit 2) naming the files. Runs without
+  ``--shard`` are not checked.
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import os
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from pagedbench.reference import PagedCase, PagedValueError
@@ -58,6 +68,100 @@ class ShardSpec:
         return f"{self.index}/{self.count}"
 
 
+#: The CI variables ``--shard auto`` reads, in this order: (system, index variable, its
+#: first index, count variables). Slurm's count is ``SLURM_ARRAY_TASK_COUNT``, or
+#: ``SLURM_ARRAY_TASK_MAX`` - ``SLURM_ARRAY_TASK_MIN`` + 1 (over ``SLURM_ARRAY_TASK_STEP``),
+#: and its index counts from ``SLURM_ARRAY_TASK_MIN``; a Kubernetes indexed Job has no
+#: count variable (``auto/N`` gives it); ``PAGEDBENCH_SHARD`` is ``K/N`` itself.
+CI_VARIABLES = (
+    ("Buildkite", "BUILDKITE_PARALLEL_JOB", 0, ("BUILDKITE_PARALLEL_JOB_COUNT",)),
+    ("Slurm", "SLURM_ARRAY_TASK_ID", None, ("SLURM_ARRAY_TASK_COUNT", "SLURM_ARRAY_TASK_MIN",
+                                            "SLURM_ARRAY_TASK_MAX")),
+    ("Kubernetes", "JOB_COMPLETION_INDEX", 0, ()),
+    ("pagedbench", "PAGEDBENCH_SHARD", 1, ()),
+)
+_AUTO = re.compile(r"auto(?:/(\d+))?")
+
+
+def _integer(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name].strip()
+    if not value.isdigit():
+        raise PagedValueError("--shard", "auto", f"{name} an integer >= 0",
+                              f"--shard auto: {name}={environ[name]!r} is not an integer >= 0")
+    return int(value)
+
+
+def _slurm(environ: Mapping[str, str]) -> tuple[int, int]:
+    """``(index from 0, count)`` of a Slurm array task."""
+    task = _integer(environ, "SLURM_ARRAY_TASK_ID")
+    lacking = [n for n in ("SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX") if n not in environ]
+    if "SLURM_ARRAY_TASK_COUNT" not in environ and lacking:
+        raise PagedValueError("--shard", "auto", "SLURM_ARRAY_TASK_COUNT, or "
+                              "SLURM_ARRAY_TASK_MIN and SLURM_ARRAY_TASK_MAX",
+                              f"--shard auto: SLURM_ARRAY_TASK_ID is set but not "
+                              f"SLURM_ARRAY_TASK_COUNT, nor {' and '.join(lacking)}")
+    low = _integer(environ, "SLURM_ARRAY_TASK_MIN") if "SLURM_ARRAY_TASK_MIN" in environ else 0
+    step = _integer(environ, "SLURM_ARRAY_TASK_STEP") if "SLURM_ARRAY_TASK_STEP" in environ else 1
+    count = (_integer(environ, "SLURM_ARRAY_TASK_COUNT") if "SLURM_ARRAY_TASK_COUNT" in environ
+             else (_integer(environ, "SLURM_ARRAY_TASK_MAX") - low) // max(step, 1) + 1)
+    if step < 1 or (task - low) % step:
+        raise PagedValueError("--shard", "auto", "a task of the array",
+                              f"--shard auto: SLURM_ARRAY_TASK_ID {task} is not a task of the "
+                              f"array from {low} in steps of {step}")
+    return (task - low) // step, count
+
+
+def resolve(text: str, environ: Mapping[str, str] | None = None) -> ShardSpec:
+    """``--shard``'s value: ``K/N`` (:func:`parse_spec`), or ``auto``/``auto/N`` read from
+    the CI's variables in ``environ`` (default ``os.environ``; :data:`CI_VARIABLES`).
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``--shard``: no CI variable set, those of two systems set, a count variable
+        (or ``auto/N``'s count) lacking, a count that differs from ``auto/N``'s, a value
+        that is not an integer, or an index past the count.
+    """
+    found = _AUTO.fullmatch(text.strip())
+    if found is None:
+        return parse_spec(text)
+    environ = os.environ if environ is None else environ
+    given = int(found.group(1)) if found.group(1) else None
+    systems = [entry for entry in CI_VARIABLES if entry[1] in environ]
+    if not systems:
+        raise PagedValueError("--shard", text, "a CI's index variable", (
+            f"--shard {text}: no CI index variable is set (looked for "
+            f"{', '.join(entry[1] for entry in CI_VARIABLES)}); give --shard K/N"))
+    if len(systems) > 1:
+        raise PagedValueError("--shard", text, "the variables of one CI", (
+            f"--shard {text}: both {systems[0][1]} ({systems[0][0]}) and {systems[1][1]} "
+            f"({systems[1][0]}) are set; give --shard K/N"))
+    system, index_name, first, counts = systems[0]
+    if system == "Slurm":
+        index, count = _slurm(environ)
+    elif system == "pagedbench":
+        spec = parse_spec(environ[index_name])
+        index, count = spec.index - 1, spec.count
+    else:
+        index = _integer(environ, index_name) - first
+        if counts and counts[0] not in environ:
+            raise PagedValueError("--shard", text, f"{counts[0]} beside {index_name}",
+                                  f"--shard {text}: {index_name} is set but not {counts[0]}")
+        if not counts and given is None:
+            raise PagedValueError("--shard", text, "auto/N", (
+                f"--shard {text}: {index_name} ({system}) gives the index but no count: "
+                "give it as --shard auto/N (a Kubernetes indexed Job's completions)"))
+        count = _integer(environ, counts[0]) if counts else given
+    if given is not None and given != count:
+        raise PagedValueError("--shard", text, f"auto/{count}", (
+            f"--shard {text}: {system} says {count} shards"))
+    if not 0 <= index < count:
+        raise PagedValueError("--shard", text, f"an index below the count {count}", (
+            f"--shard {text}: {system}'s index {index} (from {index_name}) is not below its "
+            f"count {count}"))
+    return ShardSpec(index + 1, count)
+
+
 def parse_spec(text: str) -> ShardSpec:
     """``"K/N"`` as a :class:`ShardSpec` (argparse's ``type=``).
 
@@ -84,14 +188,42 @@ def pair_cost(case: PagedCase) -> int:
     return bytes_moved(case) + PAIR_COST_BYTES
 
 
-def assign(plan: Plan, count: int) -> list[set[Pair]]:
+#: Measured seconds of (implementation, case id) pairs (:func:`measured_seconds`).
+Seconds = Mapping[Pair, float]
+
+
+def pair_costs(plan: Plan, seconds: Seconds | None = None) -> dict[Pair, int]:
+    """The cost of each of the plan's pairs: :func:`pair_cost` (bytes) without
+    ``seconds``; with them, microseconds: a measured pair's, and for a pair they lack its
+    :func:`pair_cost` at the microseconds per byte of the plan's measured pairs (bytes
+    alone where none is measured). Integers, so every machine computes the same."""
+    by_bytes = {(impl.name, c.case_id): pair_cost(c) for impl in plan.impls
+                for c in plan.paged_cases()}
+    measured = {pair: seconds[pair] for pair in by_bytes if seconds and pair in seconds}
+    if not measured:
+        return by_bytes
+    per_byte = sum(measured.values()) * 1e6 / sum(by_bytes[p] for p in measured)
+    return {pair: round(measured[pair] * 1e6) if pair in measured else round(cost * per_byte)
+            for pair, cost in by_bytes.items()}
+
+
+def balance_of(plan: Plan, seconds: Seconds | None = None) -> str | None:
+    """What a shard records of how it was balanced: None for bytes (no ``seconds`` of the
+    plan's pairs), else ``seconds:`` and the SHA-256 of the pairs' costs."""
+    if not seconds or not any(pair in seconds for pair in pair_costs(plan)):
+        return None
+    text = json.dumps(sorted(pair_costs(plan, seconds).items()), separators=(",", ":"))
+    return "seconds:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def assign(plan: Plan, count: int, seconds: Seconds | None = None) -> list[set[Pair]]:
     """The plan's (implementation name, case id) pairs in ``count`` shards (index 0 is
-    shard 1/N): largest :func:`pair_cost` first (ties: implementation, then case id), each
+    shard 1/N): largest :func:`pair_costs` first (ties: implementation, then case id), each
     onto the shard with the least cost so far (ties: the lowest index)."""
     if count < 1:
         raise PagedValueError("count", count, "an int >= 1")
-    costs = {c.case_id: pair_cost(c) for c in plan.paged_cases()}
-    pairs = sorted(((costs[case], impl.name, case) for impl in plan.impls for case in costs),
+    costs = pair_costs(plan, seconds)
+    pairs = sorted(((cost, impl, case) for (impl, case), cost in costs.items()),
                    key=lambda p: (-p[0], p[1], p[2]))
     shards: list[set[Pair]] = [set() for _ in range(count)]
     loads = [(0, i) for i in range(count)]
@@ -102,27 +234,58 @@ def assign(plan: Plan, count: int) -> list[set[Pair]]:
     return shards
 
 
-def pairs_of(plan: Plan, spec: ShardSpec) -> set[Pair]:
+def pairs_of(plan: Plan, spec: ShardSpec, seconds: Seconds | None = None) -> set[Pair]:
     """The pairs shard ``spec`` of ``plan`` runs (:func:`assign`)."""
-    return assign(plan, spec.count)[spec.index - 1]
+    return assign(plan, spec.count, seconds)[spec.index - 1]
 
 
-def shard_record(plan: Plan, spec: ShardSpec) -> Shard:
+def shard_record(plan: Plan, spec: ShardSpec, seconds: Seconds | None = None) -> Shard:
     """What the ``started`` line of shard ``spec`` of ``plan`` records."""
     return Shard(index=spec.index, count=spec.count, plan_sha256=plan_sha256(plan),
-                 pairs=len(pairs_of(plan, spec)))
+                 pairs=len(pairs_of(plan, spec, seconds)), balance=balance_of(plan, seconds))
+
+
+def measured_seconds(paths: Iterable[Path]) -> dict[Pair, float]:
+    """The seconds each (implementation, case id) pair took in the results files or
+    folders ``paths`` (``--balance-from``): the time from the record before it in its run
+    and device slot (``env.device_index``; the run's start or resumption for the first),
+    to its own: its worker's start where it was the first, its inputs, calls, timing and
+    judging. A pair measured in several runs keeps the last.
+
+    Raises
+    ------
+    ResultsFileError
+        From reading a file (:func:`~.store.numbered_lines`).
+    """
+    started: dict[str, datetime] = {}
+    last: dict[tuple[str, str | None], datetime] = {}
+    out: dict[Pair, float] = {}
+    for _, _, line in numbered_lines(paths):
+        if isinstance(line, RunRecord):
+            if line.event in ("started", "resumed"):
+                started[line.run_id] = line.timestamp
+                for key in [k for k in last if k[0] == line.run_id]:
+                    del last[key]
+            continue
+        slot = (line.run_id, line.env.device_index)
+        before = last.get(slot, started.get(line.run_id))
+        last[slot] = line.timestamp
+        if before is not None:
+            out[(line.impl, line.case_id)] = max(0.0, (line.timestamp - before).total_seconds())
+    return out
 
 
 def recorded_pairs(plan: Plan, lines: Iterable[ResultRecord | RunRecord],
-                   run_id: str) -> set[Pair] | None:
+                   run_id: str, seconds: Seconds | None = None) -> set[Pair] | None:
     """The pairs run ``run_id`` runs, from its last ``started`` line among ``lines``
-    (``--resume``): its shard's (:func:`pairs_of` of ``plan``), or None for a run without
-    ``--shard``.
+    (``--resume``): its shard's (:func:`pairs_of` of ``plan``, with the ``seconds`` it was
+    balanced by), or None for a run without ``--shard``.
 
     Raises
     ------
     PagedValueError
-        If ``plan`` is not the plan the shard was made of (its hash differs).
+        If ``plan`` is not the plan the shard was made of (its hash differs), or
+        ``seconds`` do not balance it as it was (``--balance-from``).
     """
     starts = [line for line in lines if isinstance(line, RunRecord)
               and line.run_id == run_id and line.event == "started"]
@@ -133,7 +296,12 @@ def recorded_pairs(plan: Plan, lines: Iterable[ResultRecord | RunRecord],
         raise PagedValueError("--resume", run_id, "a shard of the plan it recorded",
                               f"--resume {run_id}: its plan's hash is not the "
                               f"{shard.plan_sha256[:12]} its shard recorded")
-    return pairs_of(plan, ShardSpec(shard.index, shard.count))
+    if balance_of(plan, seconds) != shard.balance:
+        recorded = "bytes moved" if shard.balance is None else "measured seconds"
+        raise PagedValueError("--balance-from", run_id, "the balance the shard recorded", (
+            f"--resume {run_id}: its shard was balanced by {recorded}, which the options "
+            "given do not reproduce: give the --balance-from FILE it ran with, or none"))
+    return pairs_of(plan, ShardSpec(shard.index, shard.count), seconds)
 
 
 class ShardMergeError(PagedValueError):
@@ -186,6 +354,13 @@ def check_merge(paths: Iterable[Path]) -> None:
                 f"{run.shard.plan_sha256[:12]} is not a shard of the plan of {first.file} "
                 f"(shard {first.shard.index}/{first.shard.count} of plan "
                 f"{first.shard.plan_sha256[:12]}): merge only the shards of one plan")
+        if run.shard.balance != first.shard.balance:
+            raise ShardMergeError(
+                f"{run.file}:{run.line}: shard {run.shard.index}/{run.shard.count} was "
+                f"balanced by {run.shard.balance or 'bytes'}, shard "
+                f"{first.shard.index}/{first.shard.count} of {first.file} by "
+                f"{first.shard.balance or 'bytes'}: their pairs may overlap or miss some; "
+                "give every shard the same --balance-from FILE")
     seen: dict[tuple[str, str, str], tuple[Path, int, str]] = {}
     for file, number, record in results:
         run = runs.get(record.run_id)
@@ -217,6 +392,7 @@ def check_merge(paths: Iterable[Path]) -> None:
                 f"{have})")
 
 
-__all__ = ["PAIR_COST_BYTES", "ShardMergeError", "ShardSpec", "assign", "check_merge",
-           "pair_cost", "pairs_of", "parse_spec", "plan_sha256", "recorded_pairs",
+__all__ = ["CI_VARIABLES", "PAIR_COST_BYTES", "ShardMergeError", "ShardSpec", "assign",
+           "balance_of", "check_merge", "measured_seconds", "pair_cost", "pair_costs",
+           "pairs_of", "parse_spec", "plan_sha256", "recorded_pairs", "resolve",
            "shard_record"]

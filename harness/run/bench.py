@@ -62,6 +62,9 @@ class Sweep:
         Ragged decode batches of ``preset_batch_size`` up to ``preset_max_kv_len``.
     contiguous : bool
         Also page every workload at its contiguous block size.
+    trace : tuple[Workload, ...]
+        The steps of a batch trace (:mod:`~pagedbench.harness.cases.batch_trace`), in
+        order; ``trace_file`` names the file they came from (``--trace``).
     workload_patterns : tuple[str, ...]
         Keep only workloads whose name matches one of these shell patterns (``fnmatch``);
         all when empty.
@@ -87,6 +90,8 @@ class Sweep:
     preset_batch_size: int = 8
     preset_max_kv_len: int = 2048
     contiguous: bool = True
+    trace: tuple[Workload, ...] = ()
+    trace_file: str | None = None
     workload_patterns: tuple[str, ...] = ()
     max_flops: int | None = None
     _left_out: list[str] = field(default_factory=list, compare=False, repr=False)
@@ -126,8 +131,8 @@ class Sweep:
         return list(dict.fromkeys(points))
 
     def workloads(self) -> list[Workload]:
-        """Grid workloads, then batch specs x layouts, then presets; filtered by
-        :attr:`workload_patterns`, duplicates (by name) dropped."""
+        """Grid workloads, then batch specs x layouts, then presets, then the trace's
+        steps; filtered by :attr:`workload_patterns`, duplicates (by name) dropped."""
         found: list[Workload] = []
         for mode, layout, batch, context in self._grid_points():
             try:
@@ -138,6 +143,7 @@ class Sweep:
                   for layout in self.layouts]
         found += [preset_workload(p, self.preset_batch_size, self.preset_max_kv_len)
                   for p in self.presets]
+        found += self.trace
         if self.workload_patterns:
             found = [w for w in found
                      if any(fnmatch.fnmatchcase(w.name, p) for p in self.workload_patterns)]
@@ -171,7 +177,7 @@ class Sweep:
     def arguments(self) -> list[str]:
         """The options of ``pagedbench bench`` that give this sweep's points back (the
         inverse of :func:`pagedbench.harness.cli.bench.bench_sweep`; the GPU lane's sweep
-        step): every axis, the grid, the batch specs and presets, ``--no-contiguous``
+        step): every axis, the grid, the batch specs, presets and trace, ``--no-contiguous``
         without contiguous points, and the workloads by name (``--workload``), so that
         bench adds none of its defaults. What no option sets (:attr:`max_flops`, the
         presets' batch) is the bench device's default sweep's: this one must share it."""
@@ -183,6 +189,7 @@ class Sweep:
                 *each("--block-size", self.block_sizes), *each("--dtype", self.dtypes),
                 "--grid", self.grid, *each("--batch-spec", self.batch_specs),
                 *each("--preset", self.presets),
+                *(["--trace", self.trace_file] if self.trace_file else []),
                 *each("--workload", [w.name for w in self.workloads()]),
                 *([] if self.contiguous else ["--no-contiguous"])]
 

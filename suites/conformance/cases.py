@@ -18,11 +18,21 @@ from pagedbench.reference import PagedCase, PagedInputError
 from .conftest import DEVICE
 
 
+#: The most sequences of the search's batches like production
+#: (``harness/cases/strategies.py``, ``max_large_batch``): past 256, the size of a
+#: per-sequence table a kernel might keep; under Triton's interpreter, where every
+#: sequence is a program run in Python (257 of them: 5 to 15 s a case on a loaded 2-core
+#: host, against 1 to 2.4 s for 17), one past 16 and a few more.
+LARGE_BATCH = 257
+INTERPRETED_LARGE_BATCH = 24
+
+
 def case_strategy(adapter: Adapter) -> st.SearchStrategy[PagedCase]:
     """The cases the search draws for ``adapter``: within its capabilities, from the
     edge box (degenerate rows, fresh prefills, layouts, poisons, a V head dim of its own,
-    every declared option at once now and then) and one logit regime of the pinned
-    probes' at a time (``harness/cases/strategies.py``); smaller where it runs interpreted."""
+    every declared option at once now and then), one logit regime of the pinned
+    probes' at a time, and now and then a ragged batch of up to :data:`LARGE_BATCH`
+    sequences (``harness/cases/strategies.py``); smaller where it runs interpreted."""
     interpreted = adapter.is_interpreted(DEVICE)
     return paged_cases(
         adapter.capabilities(DEVICE),
@@ -31,6 +41,7 @@ def case_strategy(adapter: Adapter) -> st.SearchStrategy[PagedCase]:
         max_kv_heads=1 if interpreted else 2,
         edges=True,
         logit_regimes=True,
+        max_large_batch=INTERPRETED_LARGE_BATCH if interpreted else LARGE_BATCH,
     )
 
 

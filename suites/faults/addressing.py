@@ -1,5 +1,6 @@
 """Faults in how a kernel finds its keys: which slots it reads, how it walks the block
-table, which KV head a query head reads, and how it reads its query rows.
+table, which KV head a query head reads, how it reads its query rows, and where it keeps
+what it found per block and per sequence.
 
 Each class is :class:`~.kernel.PagedKernel` with one step replaced by the faulty one of
 the public report its docstring cites; everywhere else it is the fault-free kernel.
@@ -226,6 +227,48 @@ class BlockKeyedScratch(PagedKernel):
         return out
 
 
+class PerSequenceStateIn16(PagedKernel):
+    """Keeps each sequence's output in a table of 16 slots, the sequence's number modulo
+    16, written for the whole batch first and read back after, as a kernel sizes its
+    per-sequence scratch (work list, split plan, partial results) for a fixed batch:
+    right up to 16 sequences; from a 17th on, each sequence overwrites the slot of the one
+    16 before it, whose output is then the later one's (its last rows, zeros before
+    where that one had fewer). Imitates gittensor-ai-lab/sparkinfer#21 (a decode
+    runner's scratch buffers sized for ``max_batch`` sequences, silently overrun by a
+    larger batch), at 16 slots so that a CPU test reaches it."""
+
+    name = "fault-per-sequence-state-16"
+    imitates = "gittensor-ai-lab/sparkinfer#21"
+    trigger = "a batch of 17 sequences or more"
+    trigger_batch = 17
+    SLOTS = 16
+
+    def attend(self, inputs: PagedInputs) -> torch.Tensor:
+        case = inputs.case
+        cu = inputs.cu_seqlens_q.tolist()
+        batch = len(cu) - 1
+        slots: list[torch.Tensor] = []  # [q_len, hq, d] float32 each
+        for i, kv_len in enumerate(inputs.kv_lens.tolist()):
+            q = self.queries(inputs, cu[i], cu[i + 1]).float()  # [q_len, hq, d]
+            state = self.sequence(inputs, i, q, kv_len)
+            if i < self.SLOTS:
+                slots.append(state)
+            else:
+                slots[i % self.SLOTS] = state
+        if batch > self.SLOTS:
+            self.fired()
+        out = torch.empty(case.total_q, case.num_q_heads, case.head_dim,
+                          dtype=case.torch_dtype, device=inputs.device)
+        for i in range(batch):
+            q_len, saved = cu[i + 1] - cu[i], slots[i % self.SLOTS]
+            rows = saved[saved.shape[0] - min(q_len, saved.shape[0]):]  # its last rows
+            missing = q_len - rows.shape[0]
+            if missing:
+                rows = torch.cat([rows.new_zeros(missing, *rows.shape[1:]), rows])
+            out[cu[i] : cu[i + 1]] = rows.to(case.torch_dtype)
+        return out
+
+
 __all__ = ["BlockIds16Bit", "BlockKeyedScratch", "BlockSizeAssumed16", "GqaHeadTileBleed",
-           "LastBlockUnmasked", "NanTailTimesZero", "NonContiguousQuery", "ShortSequenceZeros",
-           "StaleBlockTable"]
+           "LastBlockUnmasked", "NanTailTimesZero", "NonContiguousQuery", "PerSequenceStateIn16",
+           "ShortSequenceZeros", "StaleBlockTable"]

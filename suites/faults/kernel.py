@@ -78,7 +78,8 @@ class PagedKernel(Adapter):
     """Correct paged attention, every step overridable (see the module docstring).
 
     Class attributes describe a fault for ``pagedbench selftest``: ``imitates`` (the
-    public report, ``owner/repo#N``), and ``trigger`` (the inputs on which it is wrong).
+    public report, ``owner/repo#N``), ``trigger`` (the inputs on which it is wrong) and
+    ``trigger_batch`` (the fewest sequences those need).
     """
 
     name = "catalogue-control"
@@ -91,6 +92,9 @@ class PagedKernel(Adapter):
     #: Whether the fault leaves the output exact everywhere (only what it returns beside
     #: it, the log-sum-exp, is wrong).
     output_exact: ClassVar[bool] = False
+    #: The fewest sequences of a batch on which the fault can be wrong (the self-test
+    #: bounds a fault's shrunk case by it).
+    trigger_batch: ClassVar[int] = 1
     #: Logit given to a masked key.
     masked_logit: ClassVar[float] = NEG_INF
 

@@ -131,6 +131,52 @@ def test_a_slow_start_does_not_make_every_refill_short():
     assert search.elapsed_s == pytest.approx(30.0, abs=0.1)
 
 
+def test_examples_of_uneven_cost_end_the_search_at_its_seconds():
+    """The first 24 examples take 0.1 s, the rest 2 s (dear examples, batches of hundreds
+    of sequences, come later): the second run, sized at the first's 0.1 s for 3/4 of the
+    28.4 s left (floored), holds 212 examples, 408 s of them; the search stops at the first example
+    after its 30 s instead. Its fewest 8 examples are checked even past the seconds."""
+    clock = FakeClock()
+    search = budget.TimedSearch(seconds=30.0, guess_s=0.1, bounds=(8, 500), clock=clock)
+
+    def body(data) -> None:
+        data.draw(st.integers())
+        search.counted()
+        clock.now += 0.1 if search.examples <= 24 else 2.0
+
+    search.run(body)
+    assert search.runs == [16, 212], search.runs
+    assert 30.0 <= search.elapsed_s <= 32.0 and search.examples == 24 + 14
+    # the floor comes first: 8 examples of 4 s each are checked although they take 32 s
+    slow = budget.TimedSearch(seconds=30.0, guess_s=4.0, bounds=(8, 500), clock=FakeClock())
+
+    def dear(data) -> None:
+        data.draw(st.integers())
+        slow.counted()
+        slow.clock.now += 4.0
+
+    slow.run(dear)
+    assert slow.examples == 8 and slow.elapsed_s == pytest.approx(32.0)
+
+
+def test_a_failure_found_near_the_seconds_is_shrunk_and_reported():
+    """Examples of 4 s, the seventh and later failing: the failure comes at 24 s of 30,
+    and hypothesis's shrinking runs past the seconds; the search raises it, never ends
+    quietly at its seconds."""
+    clock = FakeClock()
+    search = budget.TimedSearch(seconds=30.0, guess_s=4.0, bounds=(8, 500), clock=clock)
+
+    def body(data) -> None:
+        data.draw(st.integers())
+        search.counted()
+        clock.now += 4.0
+        assert search.examples < 7, "the seventh example fails"
+
+    with pytest.raises(AssertionError, match="the seventh example fails"):
+        search.run(body)
+    assert clock.now > 30.0
+
+
 def test_each_refill_draws_new_examples_and_a_small_space_ends_the_search():
     """Under the derandomized ``ci`` profile each run has its own seed (the refill is not
     the first run again); a strategy of two values ends the search at its first run."""

@@ -2,7 +2,8 @@
 item 4): in 400 derandomized draws over every axis, degenerate rows, fresh prefills,
 one-token contexts, every layout and poison, a V head dim of its own, every logit regime,
 and examples with every option on at once; float32 cases get every regime and logit
-scale too (the tolerance allows for the logits' float32 rounding: docs/tolerance.md)."""
+scale too (the tolerance allows for the logits' float32 rounding: docs/tolerance.md);
+and, given ``max_large_batch``, ragged batches of hundreds of sequences at small shapes."""
 
 from __future__ import annotations
 
@@ -11,20 +12,20 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedbench.harness.cases.strategies import LOGIT_REGIMES, paged_cases
+from pagedbench.harness.cases.strategies import LARGE_BATCH_MAX_KV, LOGIT_REGIMES, paged_cases
 from pagedbench.reference.axes import LAYOUTS, POISONS
 
 DRAWS = 400
 
 
-def _drawn():
+def _drawn(**options):
     cases = []
 
     @settings(max_examples=DRAWS, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))
     @given(st.data())
     def draw(data) -> None:
-        cases.append(data.draw(paged_cases(edges=True, logit_regimes=True)))
+        cases.append(data.draw(paged_cases(edges=True, logit_regimes=True, **options)))
 
     draw()
     return cases
@@ -58,3 +59,15 @@ def test_the_search_draws_the_edges_and_every_option_together() -> None:
     together = [c for c in cases if c.sliding_window and c.logits_soft_cap and c.alibi
                 and c.sinks and c.kv_cache_dtype != "auto" and c.gqa_ratio > 1 and c.q_lens]
     assert len(together) >= DRAWS // 40, len(together)
+
+
+def test_the_search_draws_batches_like_production_at_small_shapes() -> None:
+    """With ``max_large_batch`` (the conformance search's 257), batches past 16 and up to
+    past 128 sequences, ragged, one KV head, every KV length at most
+    :data:`LARGE_BATCH_MAX_KV`; without it, none past ``max_batch``."""
+    large = [c for c in _drawn(max_large_batch=257) if c.batch_size > 4]
+    assert any(c.batch_size > 16 for c in large) and max(c.batch_size for c in large) > 128
+    assert all(c.batch_size <= 257 and c.num_kv_heads == 1 for c in large)
+    assert all(max(c.kv_lens) <= LARGE_BATCH_MAX_KV and len(set(c.kv_lens)) > 1
+               for c in large)
+    assert max(c.batch_size for c in _drawn()) <= 4

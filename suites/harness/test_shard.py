@@ -238,3 +238,34 @@ def test_the_matrix_workflow_merge_job_runs_on_the_shards(runs: Path, tmp_path: 
         assert proc.returncode in allowed, (name, out[-3000:])
     board = (tmp_path / "build" / "leaderboard.md").read_text()
     assert "torch-gather" in board and board in (tmp_path / "summary.md").read_text()
+
+
+def _auto(base: Path, folder: str, environ: dict[str, str]) -> subprocess.Popen:
+    env = {k: v for k, v in _env(base).items()
+           if k not in [n for _, n, *_ in shard.CI_VARIABLES]} | environ
+    return subprocess.Popen(
+        [sys.executable, "-m", "pagedbench.harness.cli", *BENCH, "--shard", "auto",
+         "--results-dir", str(base / folder), "--cache-dir", str(base / "build")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_auto_shards_from_slurm_and_buildkite_merge_to_the_k_n_verdicts(runs: Path,
+                                                                       capsys) -> None:
+    """Shard 1 of 2 as a Slurm array task (``--array=4-5``, task 4) and shard 2 as
+    Buildkite's second parallel job, at once: each runs the pairs ``--shard K/N`` ran and
+    gets its verdicts, and merged they give the unsharded run's."""
+    slurm = {"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_MIN": "4",
+             "SLURM_ARRAY_TASK_MAX": "5", "SLURM_ARRAY_TASK_COUNT": "2"}
+    buildkite = {"BUILDKITE_PARALLEL_JOB": "1", "BUILDKITE_PARALLEL_JOB_COUNT": "2"}
+    procs = [_auto(runs, "slurm", slurm), _auto(runs, "buildkite", buildkite)]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == ExitCode.CLEAN, out[-3000:]
+    for folder, k_n, index in (("slurm", "one", 1), ("buildkite", "two", 2)):
+        started = _started(runs / folder)
+        assert (started.shard.index, started.shard.count) == (index, 2)
+        assert started.shard == _started(runs / k_n).shard
+        assert _verdicts(runs / folder) == _verdicts(runs / k_n)
+    assert _verdicts(runs / "slurm") | _verdicts(runs / "buildkite") == _verdicts(runs / "whole")
+    assert main(["report", str(runs / "slurm"), str(runs / "buildkite")]) == ExitCode.CLEAN
+    capsys.readouterr()
