@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from rich.console import Console
+from rich.markup import escape as rich_escape
+from rich.text import Text
 
 from pagedbench.adapters import entries
 from pagedbench.reference import PagedValueError
@@ -21,14 +24,21 @@ from pagedbench.reference import PagedValueError
 from pagedbench.harness.cli.options import (cache_dir_argument, device_arg, fraction, int_in,
                                             positive_seconds, writable_file)
 from pagedbench.harness.gate import baselines, compare as gate
-from pagedbench.harness.measure.speed import Thresholds
+from pagedbench.harness.measure.speed import Outcome, Thresholds
 from pagedbench.harness.results import plots, report, shard
 from pagedbench.harness.results.derived import DEFAULT_BASELINE
 from pagedbench.harness.results.record import ListingRow, json_schema
 from pagedbench.harness.results.store import read_lines, write_output
 from pagedbench.harness.run import runner
+from pagedbench.harness.run.summary import fitted_table, print_summary, terminal
 from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from pagedbench.harness.verdict.status import GATE_EXIT_MEANING, ExitCode, exit_codes_help
+
+
+#: The gate's outcomes that moved (its summary lists them, then the too noisy ones).
+MOVED = (Outcome.BROKEN, Outcome.SLOWER, Outcome.FASTER, Outcome.FIXED)
+#: Most points the gate's summary lists (the report of --output has every one).
+MAX_GATE_ROWS = 30
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -87,6 +97,10 @@ def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
                         help="exit 0, not 7, when no point regressed but some could not be "
                              "judged (too noisy, timed on one side only, or in only one of "
                              "baseline and current); the last line still counts them")
+    gate_p.add_argument("--output", type=Path, default=None, metavar="FILE",
+                        help="also write the full report (Markdown: every point that moved or "
+                             "was too noisy, with its figures) there; the terminal gets a "
+                             "summary")
     gate_p.add_argument("--update-baseline", action="store_true",
                         help="after comparing, write the current results as the new golden "
                              "(--baseline's file, or <folder>/<device>/"
@@ -193,6 +207,42 @@ def capability_matrix(rows: list[ListingRow]) -> str:
     return report.escape_frame(table.fillna("?")).to_markdown(index=False)
 
 
+def print_gate(console: Console, result: gate.GateReport, written: bool) -> None:
+    """The gate's part of its summary: its notes, the points that moved (broken and slower
+    first, each by effect) and those too noisy, in a table cut to the console's width,
+    then its one-line verdict (:meth:`~pagedbench.harness.gate.compare.GateReport.summary`,
+    printed whole)."""
+    for note in result.notes:
+        console.print(Text(note, style="dim"), overflow="ellipsis", no_wrap=True,
+                      soft_wrap=False)
+    shown = [p for p in result.points if p.outcome in MOVED or p.outcome is Outcome.NOISY]
+    shown.sort(key=lambda p: (list(Outcome).index(p.outcome), -abs(p.ratio - 1)
+                              if math.isfinite(p.ratio) else 0))
+    if shown:
+        rows = [(f"[{_colour(p.outcome)}]{p.outcome}[/]", rich_escape(p.key.impl),
+                 rich_escape(p.key.case_id), _ms(p.baseline_ms), _ms(p.current_ms),
+                 f"{p.ratio - 1:+.1%}" if math.isfinite(p.ratio) else "")
+                for p in shown[:MAX_GATE_ROWS]]
+        console.print(fitted_table(
+            f"Points that moved or were too noisy ({len(shown)})",
+            ("outcome", "implementation", "case", "baseline ms", "current ms", "change"),
+            rows, console.width, shrink=(1, 2)))
+        if len(shown) > MAX_GATE_ROWS:
+            console.print(f"... and {len(shown) - MAX_GATE_ROWS} more" + (
+                " in the gate report" if written else " (--output FILE writes them all)"))
+    console.print(rich_escape(result.summary()), soft_wrap=True)
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
+
+
+def _colour(outcome: Outcome) -> str:
+    if outcome.fails_gate:
+        return "red"
+    return "green" if outcome in (Outcome.FASTER, Outcome.FIXED) else "yellow"
+
+
 def cmd_gate(args: argparse.Namespace) -> int:
     thresholds = Thresholds(alpha=args.alpha, min_effect=args.min_effect,
                             min_samples=args.min_samples, probe=not args.raw)
@@ -209,7 +259,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
     shard.check_merge(sources)
     result = gate.compare(baselines.read_results(sources), current, thresholds,
                           allow_unjudged=args.allow_unjudged)
-    print(result.markdown())
+    if args.output:
+        writable_file(args.output, "--output")
+        write_output(args.output, result.markdown())
+    console = terminal(soft_wrap=True)
+    print_summary(console, current, f"pagedbench gate: {args.current}",
+                  files=[("gate report", args.output)] if args.output else (),
+                  write_cases=False)
+    print_gate(console, result, bool(args.output))
     if args.update_baseline:
         for path in baselines.write_baseline(current, args.baseline):
             print(f"baseline written: {path}")
