@@ -4,7 +4,8 @@
                         finishes an interrupted run).
 ``pagedbench bench``    the benchmark sweep: workloads x block sizes x dtypes, each point
                         checked, then timed (``harness.run.bench``).
-``pagedbench list``     implementations, their availability (with reasons) and capabilities.
+``pagedbench list``     implementations, their availability (with reasons), version and build;
+                        ``list NAME`` or ``--wide``: what each declares.
 ``pagedbench report``   the leaderboard of stored result files (Markdown, CSV or HTML).
 ``pagedbench gate``     current results against a baseline: exit 1 on a conformance
                         regression or a slowdown beyond noise
@@ -22,7 +23,8 @@ Implementations are found without importing them and imported only in worker pro
 (:mod:`pagedbench.harness.run.worker`), so no plug-in can take a command down. Bad options and
 input files are refused with the option, the value and what is allowed (exit 2); exit codes are
 those of :class:`~pagedbench.harness.verdict.status.ExitCode`. Each command's options and body are
-in one module of this package (:mod:`.run`, :mod:`.bench`, :mod:`.results`, :mod:`.replay`;
+in one module of this package (:mod:`.run`, :mod:`.bench`, :mod:`.listing`, :mod:`.results`,
+:mod:`.replay`;
 ``simulate``'s in :mod:`pagedbench.harness.capacity.simulate`); this one builds the parser and
 turns errors into exit codes.
 """
@@ -40,7 +42,7 @@ from pathlib import Path
 from pagedbench.reference import PagedInputError
 
 from pagedbench.harness.capacity import simulate, tune
-from pagedbench.harness.cli import bench, replay, results, run
+from pagedbench.harness.cli import bench, listing, replay, results, run
 from pagedbench.harness.cli.options import cache_dir_argument, writable_folder
 from pagedbench.harness.results.store import OutputError
 from pagedbench.harness.run.environment import (apply_environment, cache_environment,
@@ -55,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run.add_parser(sub)
     bench.add_parser(sub)
+    listing.add_parser(sub)
     results.add_parsers(sub)
     simulate.add_arguments(sub.add_parser(
         "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     (:class:`~pagedbench.harness.verdict.status.ExitCode`; ``128 + N`` when stopped by signal
     N)."""
     args = _parser().parse_args(argv)
-    commands = {"run": run.cmd_run, "bench": bench.cmd_bench, "list": results.cmd_list,
+    commands = {"run": run.cmd_run, "bench": bench.cmd_bench, "list": listing.cmd_list,
                 "report": results.cmd_report, "schema": results.cmd_schema,
                 "simulate": simulate.run, "tune": tune.run, "replay": replay.cmd_replay,
                 "selftest": replay.cmd_selftest, "gate": results.cmd_gate}

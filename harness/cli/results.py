@@ -1,7 +1,6 @@
-"""The commands that read: ``pagedbench list`` (implementations, availability,
-capabilities), ``report`` (leaderboards of stored result files), ``schema`` (the JSON
-Schema of a results line) and ``gate`` (current results against a baseline,
-:mod:`pagedbench.harness.gate.compare`)."""
+"""The commands that read results: ``pagedbench report`` (leaderboards of stored result
+files), ``schema`` (the JSON Schema of a results line) and ``gate`` (current results
+against a baseline, :mod:`pagedbench.harness.gate.compare`)."""
 
 from __future__ import annotations
 
@@ -11,27 +10,21 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
-import pandas as pd
 from rich.console import Console
 from rich.markup import escape as rich_escape
 from rich.text import Text
 
-from pagedbench.adapters import entries
 from pagedbench.reference import PagedValueError
 
-from pagedbench.harness.cli.options import (cache_dir_argument, device_arg, fraction, int_in,
-                                            positive_seconds, writable_file)
+from pagedbench.harness.cli.options import fraction, int_in, writable_file
 from pagedbench.harness.gate import baselines, compare as gate
 from pagedbench.harness.measure.speed import Outcome, Thresholds
 from pagedbench.harness.results import plots, report, shard
 from pagedbench.harness.results.derived import DEFAULT_BASELINE
-from pagedbench.harness.results.record import ListingRow, json_schema
+from pagedbench.harness.results.record import json_schema
 from pagedbench.harness.results.store import read_lines, write_output
-from pagedbench.harness.run import runner
 from pagedbench.harness.run.summary import fitted_table, print_summary, terminal
-from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from pagedbench.harness.verdict.status import GATE_EXIT_MEANING, ExitCode, exit_codes_help
 
 
@@ -42,15 +35,7 @@ MAX_GATE_ROWS = 30
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """``pagedbench list``, ``report``, ``schema`` and ``gate`` and their options."""
-    list_p = sub.add_parser("list", help="implementations, availability and capabilities")
-    list_p.add_argument("--device", type=device_arg, default="cpu",
-                        help="device to check availability on: cpu, cuda or cuda:N")
-    list_p.add_argument("--json", action="store_true", help="machine-readable output")
-    list_p.add_argument("--timeout", type=positive_seconds, default=runner.LIST_TIMEOUT_S,
-                        metavar="SECONDS", help="each implementation's time to import and "
-                        f"answer; past it: 'timeout' (default: {runner.LIST_TIMEOUT_S:g})")
-    cache_dir_argument(list_p, "compiler and scratch caches of the workers that answer")
+    """``pagedbench report``, ``schema`` and ``gate`` and their options."""
     report_p = sub.add_parser("report", help="leaderboard from stored result files")
     report_p.add_argument("paths", nargs="+", type=Path,
                           help=".jsonl result files or folders of them (merged in order)")
@@ -107,17 +92,6 @@ def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
                              f"{baselines.BASELINE_FILE}) and exit 0")
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    # Any device, even one this machine lacks: what each implementation declares for it
-    # is worth seeing, and its availability there says why it cannot run here.
-    rows = runner.list_adapters(entries(), args.device, args.cache_dir, args.timeout)
-    if args.json:
-        print(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
-        return 0
-    print(capability_matrix(rows))
-    return 0
-
-
 def cmd_report(args: argparse.Namespace) -> int:
     missing = [str(p) for p in args.paths if not p.exists()]
     if missing:
@@ -149,62 +123,6 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_schema(args: argparse.Namespace) -> int:
     print(json.dumps(json_schema(), indent=2, sort_keys=True))
     return 0
-
-
-def capability_matrix(rows: list[ListingRow]) -> str:
-    """Markdown table: implementations x (availability, version, library build and ISA
-    paths with those this host cannot take, devices, dtypes, block sizes, head dims,
-    modes, features), from ``pagedbench list`` rows."""
-    def join(values: Any) -> str:
-        if values is None:
-            return "any"
-        if not isinstance(values, list):
-            return str(values)
-        steps = {b - a for a, b in zip(values, values[1:])} if all(
-            isinstance(v, int) for v in values) else set()
-        if len(values) > 6 and len(steps) == 1:
-            return f"{values[0]}..{values[-1]} step {steps.pop()}"
-        return ", ".join(map(str, values)) or "-"
-
-    def paths(row: ListingRow) -> str:
-        # The library build and ISA paths an implementation names (impl_details), those
-        # this host cannot take, and where its kernel files came from.
-        named = (row.details.get(key)
-                 for key in ("library", "cpu_isa", "isa", "isa_not_here", "source"))
-        return "; ".join(str(value) for value in named if value) or "-"
-
-    def axes(row: ListingRow) -> dict[str, str]:
-        caps = row.capabilities
-        if caps is None:
-            return {}
-        return {
-            "devices": join(caps.get("devices")),
-            "dtypes": join(caps.get("dtypes")),
-            "block sizes": join(caps.get("block_sizes")),
-            "head dims": join(caps.get("head_dims")) + (
-                "" if caps.get("v_head_dims") is None else f" (V {join(caps['v_head_dims'])})"),
-            "modes": join(caps.get("modes")),
-            "features": join(caps.get("features")) + (
-                "; latent cache only" if caps.get("needs_latent_cache") else ""),
-            "kv cache": join(caps.get("kv_cache_dtypes")),
-            "NaN-safe tail": "yes" if caps.get("nan_safe_tail") else f"no ({STALE_TAIL_MARK})",
-            "logits": ("float32" if caps.get("logits_precision", "float32") == "float32"
-                       else f"case dtype ({CASE_LOGITS_MARK})"),
-        }
-
-    table = pd.DataFrame([
-        {
-            "implementation": row.name,
-            "available": "yes" + (" (interp.)" if row.interpreted else "") if row.available
-            else f"no: {row.reason}" if row.status == "unavailable"
-            else f"{row.status}: {row.reason}",
-            "version": row.version,
-            "build, ISA paths": paths(row),
-            **axes(row),
-        }
-        for row in rows
-    ])
-    return report.escape_frame(table.fillna("?")).to_markdown(index=False)
 
 
 def print_gate(console: Console, result: gate.GateReport, written: bool) -> None:

@@ -121,7 +121,7 @@ def fitted_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
     wanted = sum(natural[i] for i in shrink)
     caps = {i: natural[i] if wanted <= spare else max(8, natural[i] * spare // wanted)
             for i in shrink}
-    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", pad_edge=False,
+    table = Table(box=box.SIMPLE_HEAD, title=title or None, title_justify="left", pad_edge=False,
                   collapse_padding=True)
     for i, header in enumerate(headers):
         table.add_column(header, max_width=caps.get(i), overflow="ellipsis", no_wrap=True)
