@@ -17,10 +17,10 @@ from rich.text import Text
 
 from pagedbench.reference import PagedValueError
 
-from pagedbench.harness.cli.options import fraction, int_in, writable_file
+from pagedbench.harness.cli.options import fraction, int_in, writable_file, writable_folder
 from pagedbench.harness.gate import baselines, compare as gate
 from pagedbench.harness.measure.speed import Outcome, Thresholds
-from pagedbench.harness.results import plots, report, shard
+from pagedbench.harness.results import plots, report, shard, site
 from pagedbench.harness.results.derived import DEFAULT_BASELINE
 from pagedbench.harness.results.record import json_schema
 from pagedbench.harness.results.store import read_lines, write_output
@@ -39,14 +39,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     report_p = sub.add_parser("report", help="leaderboard from stored result files")
     report_p.add_argument("paths", nargs="+", type=Path,
                           help=".jsonl result files or folders of them (merged in order)")
-    report_p.add_argument("--format", choices=["md", "csv", "html"], default="md",
+    report_p.add_argument("--format", choices=["md", "csv", "html", "site"], default="md",
                           help="md: leaderboard + summary (+ bench tables); csv: one row per "
-                               "result with derived figures; html: one standalone page of "
-                               "tables and plots")
-    report_p.add_argument("--baseline", default=DEFAULT_BASELINE, metavar="NAME",
+                               "result with derived figures; html: one standalone page "
+                               "(board, plots, tables); site: a folder (--output DIR) of "
+                               "index.html and one such page per device and environment")
+    report_p.add_argument("--baseline", "--baseline-impl", dest="baseline",
+                          default=DEFAULT_BASELINE, metavar="NAME",
                           help="implementation speedups are measured against (default: "
                                f"{DEFAULT_BASELINE})")
-    report_p.add_argument("--output", type=Path, help="write here instead of stdout")
+    report_p.add_argument("--output", type=Path, help="write here instead of stdout (a "
+                          "folder with --format site)")
     report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
                           help="also write the bench plots there as PNG files")
     sub.add_parser("schema", help="JSON Schema of a results-file line (docs/results.md)")
@@ -97,25 +100,34 @@ def cmd_report(args: argparse.Namespace) -> int:
     if missing:
         raise PagedValueError("paths", missing, "existing files or folders",
                               f"no such file or folder: {', '.join(missing)}")
-    if args.output:
+    if args.format == "site":
+        if args.output is None:
+            raise PagedValueError("--output", None, "a folder",
+                                  "--format site needs --output DIR, the site's folder")
+        writable_folder(args.output, "--output")
+    elif args.output:
         writable_file(args.output, "--output")
     shard.check_merge(args.paths)
     lines = list(read_lines(args.paths))
-    if args.format == "csv":
-        text = report.csv_text(lines, args.baseline)
-    elif args.format == "html":
-        text = report.html(lines, baseline=args.baseline)
+    if args.format == "site":
+        for path in site.build(lines, args.output, args.baseline):
+            print(f"site: {path}", file=sys.stderr)
     else:
-        text = report.markdown(lines, baseline=args.baseline)
-    if args.output:
-        write_output(args.output, text)
-    else:
-        print(text)
+        text = (report.csv_text(lines, args.baseline) if args.format == "csv"
+                else site.single_page(lines, args.baseline) if args.format == "html"
+                else report.markdown(lines, baseline=args.baseline))
+        if args.output:
+            write_output(args.output, text)
+        else:
+            print(text)
     if args.plots_dir:
-        for section in report.sections(lines, args.baseline):
-            prefix = "" if len(report.sections(lines, args.baseline)) == 1 else (
+        found = report.sections(lines, args.baseline)
+        for section in found:
+            prefix = "" if len(found) == 1 else (
                 re.sub(r"[^A-Za-z0-9]+", "-", section["title"]).strip("-")[:60] + "-")
-            for path in plots.save(section["bench"], section["scores"], args.plots_dir, prefix):
+            peaks = section["copy_gbps"]
+            for path in plots.save(section["bench"], section["scores"], args.plots_dir,
+                                   prefix, peaks):
                 print(f"plot: {path}", file=sys.stderr)
     return 0
 
