@@ -132,17 +132,20 @@ def fitted_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
 
 def fastest_table(records: Sequence[ResultRecord], group: Callable[[ResultRecord], str],
                   group_title: str, width: int) -> Table | None:
-    """Rows of (group, case) in order of appearance: the fastest ranked pass, its median
+    """Rows of (group, case) in order of appearance (the device beside the group when
+    ``records`` span several): the fastest ranked pass, its median
     [p10-p90] (:func:`duration`), and the next fastest with how many times slower it is;
     None when nothing was ranked. Within ``width`` columns the fastest implementation and
     its time stay whole; the group, case and next-fastest columns share what is left."""
-    cases: dict[tuple[str, str], list[ResultRecord]] = {}
+    devices = len({r.env.device for r in records}) > 1  # a gate over several devices
+    cases: dict[tuple[str, str, str], list[ResultRecord]] = {}
     for record in records:
-        cases.setdefault((group(record), record.case_id), []).append(record)
+        name = f"{group(record)} ({record.env.device})" if devices else group(record)
+        cases.setdefault((name, record.env.device, record.case_id), []).append(record)
     rows: list[tuple[str, ...]] = []
     sections: list[int] = []
     previous = None
-    for (name, _), mine in cases.items():
+    for (name, _, _), mine in cases.items():
         timed = sorted((r for r in mine if ranked(r)), key=lambda r: r.time_ms.median)
         if not timed:
             continue
@@ -171,11 +174,11 @@ def verdict_table(records: Sequence[ResultRecord]) -> tuple[Table | None, list[s
     absent = {impl: mine[0].reason for impl, mine in by_impl.items()
               if all(r.status is Status.UNAVAILABLE for r in mine)}
     fastest: Counter[str] = Counter()
-    best: dict[str, ResultRecord] = {}
+    best: dict[tuple[str, str], ResultRecord] = {}
     for record in filter(ranked, records):
-        held = best.get(record.case_id)
+        held = best.get((record.env.device, record.case_id))
         if held is None or record.time_ms.median < held.time_ms.median:
-            best[record.case_id] = record
+            best[record.env.device, record.case_id] = record
     fastest.update(r.impl for r in best.values())
     shown = [impl for impl in by_impl if impl not in absent]
     lines = [f"{impl}: unavailable: {reason}" for impl, reason in absent.items()]
@@ -234,7 +237,7 @@ def print_summary(console: Console, records: Sequence[ResultRecord], title: str,
         Write the case file of a failure whose reason names none (a crash, a timeout),
         for its replay command; False for a command that writes nothing (``gate``).
     """
-    latest = list({(r.impl, r.case_id): r for r in records}.values())
+    latest = list({(r.impl, r.env.device, r.case_id): r for r in records}.values())
     console.rule(escape(title), style="dim")
     if group_title is None:
         group_title = "workload" if any(r.workload for r in latest) else "preset"

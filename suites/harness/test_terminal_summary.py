@@ -17,7 +17,7 @@ from pagedbench.harness.run import summary
 from pagedbench.harness.run.replay import REPLAY_DIR_VARIABLE
 from pagedbench.harness.verdict.status import Status
 
-from .conftest import result
+from .conftest import ENV, result
 
 ROOT = Path(__file__).resolve().parents[2]
 #: A committed ``make run`` of every built-in on the CPU: 21 implementations x 36 cases.
@@ -93,3 +93,13 @@ def test_without_a_terminal_the_width_is_columns_or_100(environ, width, monkeypa
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     assert summary.terminal(file=io.StringIO()).width == width
+
+
+def test_two_devices_are_ranked_apart() -> None:
+    h100, h200 = ({**ENV, "device": name} for name in ("NVIDIA H100", "NVIDIA H200"))
+    records = [result("a", "c1", ms=1.0, env=h100), result("b", "c1", ms=2.0, env=h100),
+               result("a", "c1", ms=4.0, env=h200), result("b", "c1", ms=3.0, env=h200)]
+    lines = _printed(records, 100)
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines if " fp32 bs4 " in line]
+    assert [(row[0], row[2]) for row in rows] == [("c1 (NVIDIA H100)", "a"),
+                                                  ("c1 (NVIDIA H200)", "b")]
