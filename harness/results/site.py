@@ -10,7 +10,7 @@ page holding every environment (:func:`single_page`).
 The board has a row per case, its parameters in columns (model or workload, dtype, block
 size, batch, context, mode), and a column per implementation in the implementation's
 colour (:func:`~.plots.colour_of`). A timed pass shows its median and spread, shaded by
-its speed against the row's fastest (:func:`shade`: darkest for the fastest, pale at 20x
+its speed against the row's fastest (:func:`shade`: darkest for the fastest, pale at 10x
 slower or more) and its speedup over the baseline; a fail is red with its largest error
 in ulps; ``error``, ``crash`` and ``timeout`` red with the status; an interpreted pass
 blue-grey and never ranked; ``unsupported`` and ``unavailable`` grey, and hidden, with
@@ -41,7 +41,7 @@ from pagedbench.harness.results.store import results_of, run_states, write_outpu
 from pagedbench.harness.verdict.status import Status
 
 #: Speed ratio to the row's fastest at which a pass's shade is palest.
-PALEST_RATIO = 20.0
+PALEST_RATIO = 10.0
 _DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 _FAILED = {Status.FAIL: "fail", Status.ERROR: "bad", Status.CRASH: "bad",
            Status.TIMEOUT: "bad", Status.HARNESS_ERROR: "herr"}
@@ -49,9 +49,10 @@ _FAILED = {Status.FAIL: "fail", Status.ERROR: "bad", Status.CRASH: "bad",
 
 def shade(ratio: float) -> tuple[str, str]:
     """Background and text colour of a pass ``ratio`` times slower than its row's
-    fastest (>= 1): green from dark (1) to pale (:data:`PALEST_RATIO` and beyond), on a
-    log scale."""
-    speed = 1 - min(1.0, math.log(max(ratio, 1.0)) / math.log(PALEST_RATIO))
+    fastest (>= 1): green from dark (1) to pale (:data:`PALEST_RATIO` and beyond), its
+    darkness the square of ``1 - log ratio / log PALEST_RATIO`` (so 1.5x slower is
+    already clearly lighter than the fastest)."""
+    speed = (1 - min(1.0, math.log(max(ratio, 1.0)) / math.log(PALEST_RATIO))) ** 2
     lightness = 94 - 52 * speed
     return f"hsl(140,{38 + 22 * speed:.0f}%,{lightness:.0f}%)", (
         "#fff" if lightness < 62 else "#14361d")
