@@ -105,7 +105,10 @@ def duration(record: ResultRecord) -> str:
     t = record.time_ms
     scale, unit = next((f, u) for f, u in ((1e-3, "s"), (1.0, "ms"), (1e3, "us"))
                        if t.median * f >= 1 or u == "us")
-    return f"{t.median * scale:.3g} [{t.p10 * scale:.3g}-{t.p90 * scale:.3g}] {unit}"
+    def number(value: float) -> str:  # 3 significant digits, never an exponent
+        return f"{value:.0f}" if value >= 1000 else f"{value:.3g}"
+
+    return f"{number(t.median * scale)} [{number(t.p10 * scale)}-{number(t.p90 * scale)}] {unit}"
 
 
 def fitted_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]],
