@@ -98,7 +98,8 @@ gpu-ingest: $(VENV)/.installed
 	$(BIN)/python -m pagedbench.harness.lane.ingest "$(FROM)"
 
 # The published CPU leaderboard (docs/benchmarks.md): the default CPU sweep, then its
-# Markdown, HTML, CSV and PNG plots, and the environment it ran in. Made under build/ and
+# Markdown, HTML page, site (site/index.html), CSV and PNG plots, and the environment it
+# ran in. Made under build/ and
 # moved into results/ at the end, so the checkout is clean (`dirty` false) while it is
 # measured. Exit 1 of bench (some implementation failed a point) still publishes: the
 # board shows the failure.
@@ -117,6 +118,7 @@ leaderboard: $(VENV)/.installed $(SGLANG_FILES)
 	$(BIN)/pagedbench report $(NEW_BOARD) --format csv --output $(NEW_BOARD)/leaderboard.csv
 	$(BIN)/pagedbench report $(NEW_BOARD) --format html --output $(NEW_BOARD)/leaderboard.html \
 	  --plots-dir $(NEW_BOARD)/plots
+	$(BIN)/pagedbench report $(NEW_BOARD) --format site --output $(NEW_BOARD)/site
 	rm -rf $(LEADERBOARD) && mv $(NEW_BOARD) $(LEADERBOARD)
 
 clean:

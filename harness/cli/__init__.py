@@ -6,7 +6,8 @@
                         checked, then timed (``harness.run.bench``).
 ``pagedbench loop``     a serving loop on one implementation: one pool, blocks reused,
                         prefix hits, forks, preemption, plans replayed (``harness.run.loop``).
-``pagedbench list``     implementations, their availability (with reasons) and capabilities.
+``pagedbench list``     implementations, their availability (with reasons), version and build;
+                        ``list NAME`` or ``--wide``: what each declares.
 ``pagedbench report``   the leaderboard of stored result files (Markdown, CSV or HTML).
 ``pagedbench gate``     current results against a baseline: exit 1 on a conformance
                         regression or a slowdown beyond noise
@@ -24,7 +25,8 @@ Implementations are found without importing them and imported only in worker pro
 (:func:`pagedbench.harness.run.protocol.worker_main`), so no plug-in can take a command down. Bad options and
 input files are refused with the option, the value and what is allowed (exit 2); exit codes are
 those of :class:`~pagedbench.harness.verdict.status.ExitCode`. Each command's options and body are
-in one module of this package (:mod:`.run`, :mod:`.bench`, :mod:`.results`, :mod:`.replay`;
+in one module of this package (:mod:`.run`, :mod:`.bench`, :mod:`.listing`, :mod:`.results`,
+:mod:`.replay`;
 ``simulate``'s in :mod:`pagedbench.harness.capacity.simulate`); this one builds the parser and
 turns errors into exit codes.
 """
@@ -42,7 +44,7 @@ from pathlib import Path
 from pagedbench.reference import PagedInputError
 
 from pagedbench.harness.capacity import simulate, tune
-from pagedbench.harness.cli import bench, loop, replay, results, run
+from pagedbench.harness.cli import bench, listing, loop, replay, results, run
 from pagedbench.harness.cli.options import cache_dir_argument, writable_folder
 from pagedbench.harness.results.store import OutputError
 from pagedbench.harness.run.environment import (apply_environment, cache_environment,
@@ -58,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_parser(sub)
     bench.add_parser(sub)
     loop.add_parser(sub)
+    listing.add_parser(sub)
     results.add_parsers(sub)
     simulate.add_arguments(sub.add_parser(
         "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     N)."""
     args = _parser().parse_args(argv)
     commands = {"run": run.cmd_run, "bench": bench.cmd_bench, "loop": loop.cmd_loop,
-                "list": results.cmd_list,
+                "list": listing.cmd_list,
                 "report": results.cmd_report, "schema": results.cmd_schema,
                 "simulate": simulate.run, "tune": tune.run, "replay": replay.cmd_replay,
                 "selftest": replay.cmd_selftest, "gate": results.cmd_gate}

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from rich.console import Console
 from rich.markup import escape as rich_escape
 
 from pagedbench.adapters import entries
@@ -22,8 +21,8 @@ from pagedbench.harness.cases.workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES
 from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
                                             positive_seconds, run_and_bench_arguments,
                                             select_impls, writable_file, writable_folder)
-from pagedbench.harness.cli.run import (device_peaks, interrupted, progress_line,
-                                        results_of_run, shard_of, warn_oversubscribed)
+from pagedbench.harness.cli.run import (device_peaks, interrupted, results_of_run, shard_of,
+                                        warn_oversubscribed)
 from pagedbench.harness.results import report
 from pagedbench.harness.results.derived import DEFAULT_BASELINE, trace_times
 from pagedbench.harness.results.junit import write_junit_xml
@@ -31,6 +30,7 @@ from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.results.store import ResultsFile, new_run_id, write_output
 from pagedbench.harness.run import bench, runner
 from pagedbench.harness.run.progress import RunProgress
+from pagedbench.harness.run.summary import print_summary, terminal
 from pagedbench.harness.verdict.status import Status, exit_code, exit_codes_help
 from pagedbench.harness.verdict.truth import HOST_TRUTH_FRACTION, truth_site
 
@@ -158,8 +158,6 @@ def _bench_impls(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import time
-
     writable_folder(args.results_dir, "--results-dir")
     if args.junit_xml is not None:
         writable_file(args.junit_xml, "--junit-xml")
@@ -167,7 +165,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sweep = bench_sweep(args)
     cases = sweep.cases()
     impls = _bench_impls(args)
-    console = Console(highlight=False, soft_wrap=True, stderr=False)
+    console = terminal(soft_wrap=True)
     if args.dry_run:
         for case in cases:
             print(case.case_id)
@@ -219,12 +217,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     start = time.monotonic()
     order = [p for p in runner.missing(plan, []) if pairs is None or p in pairs]
     with RunProgress(console, "bench", order) as progress:
-        def on_record(record: ResultRecord) -> None:
-            progress.update(record, None if record.status is Status.PASS
-                            else progress_line(record))
-
         try:
-            records = runner.run(plan, config, results, run_id, on_record=on_record,
+            records = runner.run(plan, config, results, run_id, on_record=progress.update,
                                  peaks=peaks, left_out=left_out, shard=part, pairs=pairs)
         except runner.Interrupted as exc:
             if args.junit_xml is not None:
@@ -243,6 +237,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"\n{steps}")
         text += f"\n{steps}"
     write_output(md_path, text)
+    print_summary(console, records, f"pagedbench bench {run_id} ({device})",
+                  files=[("results", results.path), ("report", md_path)])
     counts = {str(s): n for s in Status
               if (n := sum(r.status is s for r in records))}
     timed = [r for r in records if r.time_ms is not None and r.status is Status.PASS]
@@ -251,7 +247,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console.print(
         f"bench {run_id}: {len(records)} results ({', '.join(f'{n} {s}' for s, n in counts.items())}), "
         f"{len(timed)} timed ({noisy} noisy) in {time.monotonic() - start:.0f} s; exit "
-        f"{int(code)}; results {results.path}, report {md_path}")
+        f"{int(code)}")
     return int(code)
 
 

@@ -1,7 +1,6 @@
-"""The commands that read: ``pagedbench list`` (implementations, availability,
-capabilities), ``report`` (leaderboards of stored result files), ``schema`` (the JSON
-Schema of a results line) and ``gate`` (current results against a baseline,
-:mod:`pagedbench.harness.gate.compare`)."""
+"""The commands that read results: ``pagedbench report`` (leaderboards of stored result
+files), ``schema`` (the JSON Schema of a results line) and ``gate`` (current results
+against a baseline, :mod:`pagedbench.harness.gate.compare`)."""
 
 from __future__ import annotations
 
@@ -11,47 +10,46 @@ import math
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
-import pandas as pd
+from rich.console import Console
+from rich.markup import escape as rich_escape
+from rich.text import Text
 
-from pagedbench.adapters import entries
 from pagedbench.reference import PagedValueError
 
-from pagedbench.harness.cli.options import (cache_dir_argument, device_arg, fraction, int_in,
-                                            positive_seconds, writable_file)
+from pagedbench.harness.cli.options import fraction, int_in, writable_file, writable_folder
 from pagedbench.harness.gate import baselines, compare as gate
-from pagedbench.harness.measure.speed import Thresholds
-from pagedbench.harness.results import plots, report, shard
+from pagedbench.harness.measure.speed import Outcome, Thresholds
+from pagedbench.harness.results import plots, report, shard, site
 from pagedbench.harness.results.derived import DEFAULT_BASELINE
-from pagedbench.harness.results.record import ListingRow, json_schema
+from pagedbench.harness.results.record import json_schema
 from pagedbench.harness.results.store import read_lines, write_output
-from pagedbench.harness.run import runner
-from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
+from pagedbench.harness.run.summary import fitted_table, print_summary, terminal
 from pagedbench.harness.verdict.status import GATE_EXIT_MEANING, ExitCode, exit_codes_help
 
 
+#: The gate's outcomes that moved (its summary lists them, then the too noisy ones).
+MOVED = (Outcome.BROKEN, Outcome.SLOWER, Outcome.FASTER, Outcome.FIXED)
+#: Most points the gate's summary lists (the report of --output has every one).
+MAX_GATE_ROWS = 30
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """``pagedbench list``, ``report``, ``schema`` and ``gate`` and their options."""
-    list_p = sub.add_parser("list", help="implementations, availability and capabilities")
-    list_p.add_argument("--device", type=device_arg, default="cpu",
-                        help="device to check availability on: cpu, cuda or cuda:N")
-    list_p.add_argument("--json", action="store_true", help="machine-readable output")
-    list_p.add_argument("--timeout", type=positive_seconds, default=runner.LIST_TIMEOUT_S,
-                        metavar="SECONDS", help="each implementation's time to import and "
-                        f"answer; past it: 'timeout' (default: {runner.LIST_TIMEOUT_S:g})")
-    cache_dir_argument(list_p, "compiler and scratch caches of the workers that answer")
+    """``pagedbench report``, ``schema`` and ``gate`` and their options."""
     report_p = sub.add_parser("report", help="leaderboard from stored result files")
     report_p.add_argument("paths", nargs="+", type=Path,
                           help=".jsonl result files or folders of them (merged in order)")
-    report_p.add_argument("--format", choices=["md", "csv", "html"], default="md",
+    report_p.add_argument("--format", choices=["md", "csv", "html", "site"], default="md",
                           help="md: leaderboard + summary (+ bench tables); csv: one row per "
-                               "result with derived figures; html: one standalone page of "
-                               "tables and plots")
-    report_p.add_argument("--baseline", default=DEFAULT_BASELINE, metavar="NAME",
+                               "result with derived figures; html: one standalone page "
+                               "(board, plots, tables); site: a folder (--output DIR) of "
+                               "index.html and one such page per device and environment")
+    report_p.add_argument("--baseline", "--baseline-impl", dest="baseline",
+                          default=DEFAULT_BASELINE, metavar="NAME",
                           help="implementation speedups are measured against (default: "
                                f"{DEFAULT_BASELINE})")
-    report_p.add_argument("--output", type=Path, help="write here instead of stdout")
+    report_p.add_argument("--output", type=Path, help="write here instead of stdout (a "
+                          "folder with --format site)")
     report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
                           help="also write the bench plots there as PNG files")
     sub.add_parser("schema", help="JSON Schema of a results-file line (docs/results.md)")
@@ -87,21 +85,14 @@ def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
                         help="exit 0, not 7, when no point regressed but some could not be "
                              "judged (too noisy, timed on one side only, or in only one of "
                              "baseline and current); the last line still counts them")
+    gate_p.add_argument("--output", type=Path, default=None, metavar="FILE",
+                        help="also write the full report (Markdown: every point that moved or "
+                             "was too noisy, with its figures) there; the terminal gets a "
+                             "summary")
     gate_p.add_argument("--update-baseline", action="store_true",
                         help="after comparing, write the current results as the new golden "
                              "(--baseline's file, or <folder>/<device>/"
                              f"{baselines.BASELINE_FILE}) and exit 0")
-
-
-def cmd_list(args: argparse.Namespace) -> int:
-    # Any device, even one this machine lacks: what each implementation declares for it
-    # is worth seeing, and its availability there says why it cannot run here.
-    rows = runner.list_adapters(entries(), args.device, args.cache_dir, args.timeout)
-    if args.json:
-        print(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
-        return 0
-    print(capability_matrix(rows))
-    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -109,25 +100,34 @@ def cmd_report(args: argparse.Namespace) -> int:
     if missing:
         raise PagedValueError("paths", missing, "existing files or folders",
                               f"no such file or folder: {', '.join(missing)}")
-    if args.output:
+    if args.format == "site":
+        if args.output is None:
+            raise PagedValueError("--output", None, "a folder",
+                                  "--format site needs --output DIR, the site's folder")
+        writable_folder(args.output, "--output")
+    elif args.output:
         writable_file(args.output, "--output")
     shard.check_merge(args.paths)
     lines = list(read_lines(args.paths))
-    if args.format == "csv":
-        text = report.csv_text(lines, args.baseline)
-    elif args.format == "html":
-        text = report.html(lines, baseline=args.baseline)
+    if args.format == "site":
+        for path in site.build(lines, args.output, args.baseline):
+            print(f"site: {path}", file=sys.stderr)
     else:
-        text = report.markdown(lines, baseline=args.baseline)
-    if args.output:
-        write_output(args.output, text)
-    else:
-        print(text)
+        text = (report.csv_text(lines, args.baseline) if args.format == "csv"
+                else site.single_page(lines, args.baseline) if args.format == "html"
+                else report.markdown(lines, baseline=args.baseline))
+        if args.output:
+            write_output(args.output, text)
+        else:
+            print(text)
     if args.plots_dir:
-        for section in report.sections(lines, args.baseline):
-            prefix = "" if len(report.sections(lines, args.baseline)) == 1 else (
+        found = report.sections(lines, args.baseline)
+        for section in found:
+            prefix = "" if len(found) == 1 else (
                 re.sub(r"[^A-Za-z0-9]+", "-", section["title"]).strip("-")[:60] + "-")
-            for path in plots.save(section["bench"], section["scores"], args.plots_dir, prefix):
+            peaks = section["copy_gbps"]
+            for path in plots.save(section["bench"], section["scores"], args.plots_dir,
+                                   prefix, peaks):
                 print(f"plot: {path}", file=sys.stderr)
     return 0
 
@@ -137,60 +137,40 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return 0
 
 
-def capability_matrix(rows: list[ListingRow]) -> str:
-    """Markdown table: implementations x (availability, version, library build and ISA
-    paths with those this host cannot take, devices, dtypes, block sizes, head dims,
-    modes, features), from ``pagedbench list`` rows."""
-    def join(values: Any) -> str:
-        if values is None:
-            return "any"
-        if not isinstance(values, list):
-            return str(values)
-        steps = {b - a for a, b in zip(values, values[1:])} if all(
-            isinstance(v, int) for v in values) else set()
-        if len(values) > 6 and len(steps) == 1:
-            return f"{values[0]}..{values[-1]} step {steps.pop()}"
-        return ", ".join(map(str, values)) or "-"
+def print_gate(console: Console, result: gate.GateReport, written: bool) -> None:
+    """The gate's part of its summary: its notes, the points that moved (broken and slower
+    first, each by effect) and those too noisy, in a table cut to the console's width,
+    then its one-line verdict (:meth:`~pagedbench.harness.gate.compare.GateReport.summary`,
+    printed whole)."""
+    for note in result.notes:
+        console.print(Text(note, style="dim"), overflow="ellipsis", no_wrap=True,
+                      soft_wrap=False)
+    shown = [p for p in result.points if p.outcome in MOVED or p.outcome is Outcome.NOISY]
+    shown.sort(key=lambda p: (list(Outcome).index(p.outcome), -abs(p.ratio - 1)
+                              if math.isfinite(p.ratio) else 0))
+    if shown:
+        rows = [(f"[{_colour(p.outcome)}]{p.outcome}[/]", rich_escape(p.key.impl),
+                 rich_escape(p.key.case_id), _ms(p.baseline_ms), _ms(p.current_ms),
+                 f"{p.ratio - 1:+.1%}" if math.isfinite(p.ratio) else "")
+                for p in shown[:MAX_GATE_ROWS]]
+        console.print(fitted_table(
+            f"Points that moved or were too noisy ({len(shown)})",
+            ("outcome", "implementation", "case", "baseline ms", "current ms", "change"),
+            rows, console.width, shrink=(1, 2)))
+        if len(shown) > MAX_GATE_ROWS:
+            console.print(f"... and {len(shown) - MAX_GATE_ROWS} more" + (
+                " in the gate report" if written else " (--output FILE writes them all)"))
+    console.print(rich_escape(result.summary()), soft_wrap=True)
 
-    def paths(row: ListingRow) -> str:
-        # The library build and ISA paths an implementation names (impl_details), those
-        # this host cannot take, and where its kernel files came from.
-        named = (row.details.get(key)
-                 for key in ("library", "cpu_isa", "isa", "isa_not_here", "source"))
-        return "; ".join(str(value) for value in named if value) or "-"
 
-    def axes(row: ListingRow) -> dict[str, str]:
-        caps = row.capabilities
-        if caps is None:
-            return {}
-        return {
-            "devices": join(caps.get("devices")),
-            "dtypes": join(caps.get("dtypes")),
-            "block sizes": join(caps.get("block_sizes")),
-            "head dims": join(caps.get("head_dims")) + (
-                "" if caps.get("v_head_dims") is None else f" (V {join(caps['v_head_dims'])})"),
-            "modes": join(caps.get("modes")),
-            "features": join(caps.get("features")) + (
-                "; latent cache only" if caps.get("needs_latent_cache") else ""),
-            "kv cache": join(caps.get("kv_cache_dtypes")),
-            "NaN-safe tail": "yes" if caps.get("nan_safe_tail") else f"no ({STALE_TAIL_MARK})",
-            "logits": ("float32" if caps.get("logits_precision", "float32") == "float32"
-                       else f"case dtype ({CASE_LOGITS_MARK})"),
-        }
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.4g}"
 
-    table = pd.DataFrame([
-        {
-            "implementation": row.name,
-            "available": "yes" + (" (interp.)" if row.interpreted else "") if row.available
-            else f"no: {row.reason}" if row.status == "unavailable"
-            else f"{row.status}: {row.reason}",
-            "version": row.version,
-            "build, ISA paths": paths(row),
-            **axes(row),
-        }
-        for row in rows
-    ])
-    return report.escape_frame(table.fillna("?")).to_markdown(index=False)
+
+def _colour(outcome: Outcome) -> str:
+    if outcome.fails_gate:
+        return "red"
+    return "green" if outcome in (Outcome.FASTER, Outcome.FIXED) else "yellow"
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
@@ -209,7 +189,14 @@ def cmd_gate(args: argparse.Namespace) -> int:
     shard.check_merge(sources)
     result = gate.compare(baselines.read_results(sources), current, thresholds,
                           allow_unjudged=args.allow_unjudged)
-    print(result.markdown())
+    if args.output:
+        writable_file(args.output, "--output")
+        write_output(args.output, result.markdown())
+    console = terminal(soft_wrap=True)
+    print_summary(console, current, f"pagedbench gate: {args.current}",
+                  files=[("gate report", args.output)] if args.output else (),
+                  write_cases=False)
+    print_gate(console, result, bool(args.output))
     if args.update_baseline:
         for path in baselines.write_baseline(current, args.baseline):
             print(f"baseline written: {path}")

@@ -1,5 +1,6 @@
 """``pagedbench run``: check and time implementations on model-preset cases (``--resume
-RUN_ID`` finishes an interrupted run); what ``run`` and ``bench`` print as they go."""
+RUN_ID`` finishes an interrupted run); what ``run`` and ``bench`` share (sharding, the
+oversubscription warning, an interrupted run's message)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from pagedbench.harness.results.store import (ResultsFile, ResultsFileError, new
                                               results_of, run_states, write_output)
 from pagedbench.harness.run import runner
 from pagedbench.harness.run.progress import RunProgress
-from pagedbench.harness.verdict.status import ExitCode, Status, exit_code, exit_codes_help
+from pagedbench.harness.run.summary import print_summary, terminal
+from pagedbench.harness.verdict.status import ExitCode, exit_code, exit_codes_help
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,28 +67,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     run_and_bench_arguments(run_p, "case")
 
 
-def progress_line(record: ResultRecord) -> str:
-    """One result as ``run`` and ``bench`` print it (rich markup)."""
-    status = record.status
-    detail = report.cell_text(record)
-    if status is not Status.PASS:
-        detail += f": {record.reason}"
-    return (f"[{status.colour}]{rich_escape(record.impl):<22}[/] "
-            f"{rich_escape(record.case_id):<58} {rich_escape(detail)}")
-
-
 def _finish(records: list[ResultRecord], lines: list, results: ResultsFile,
-            console: Console, device: str) -> int:
-    """Write and print the report of a run; its exit code."""
+            console: Console, device: str, run_id: str) -> int:
+    """Write the full report of a run, print its summary; its exit code."""
     text = report.markdown(lines, title=f"pagedbench leaderboard ({device})")
     md_path = results.path.with_suffix(".md")
     write_output(md_path, text)
-    print(f"\n{text}")
-    console.print(f"results: {results.path}  report: {md_path}")
+    print_summary(console, records, f"pagedbench run {run_id} ({device})",
+                  files=[("results", results.path), ("report", md_path)])
     code = exit_code(r.status for r in records)
     failing = sorted({r.impl for r in records if r.status.failing})
     if code is ExitCode.CONFORMANCE_FAILURE:
-        console.print(f"[red]conformance failures in: {', '.join(failing)}[/]")
+        console.print(f"[red]conformance failures in: {rich_escape(', '.join(failing))}[/]")
     elif code is ExitCode.HARNESS_FAULT:
         console.print("[yellow]harness errors (pagedbench's own fault, see the reasons)[/]")
     elif code is ExitCode.NOTHING_RAN:
@@ -147,7 +139,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     writable_folder(args.results_dir, "--results-dir")
     if args.junit_xml is not None:
         writable_file(args.junit_xml, "--junit-xml")
-    console = Console(highlight=False, soft_wrap=True)
+    console = terminal(soft_wrap=True)
     if args.resume:
         plan, config, results = _resume_target(args)
         checked_device(config.device, config.devices)
@@ -192,7 +184,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         with RunProgress(console, "run", order) as progress:
             try:
                 records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
-                                     on_record=lambda r: progress.update(r, progress_line(r)),
+                                     on_record=progress.update,
                                      peaks=peaks, shard=part, pairs=pairs)
             except runner.Interrupted as exc:
                 if args.junit_xml is not None:
@@ -204,7 +196,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             write_junit_xml(records, args.junit_xml, f"pagedbench run {run_id}",
                             progress.seconds)
             console.print(f"JUnit XML: {args.junit_xml}")
-        return _finish(records, lines, results, console, config.device)
+        return _finish(records, lines, results, console, config.device, run_id)
 
 
 def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id: str,

@@ -1,4 +1,5 @@
-"""Reports: leaderboards, summaries and bench tables from result records (md, csv, html).
+"""Reports: leaderboards, summaries and bench tables from result records (md, csv; the
+HTML pages are :mod:`.site`'s).
 
 Results are grouped by environment: device name and library versions
 (:func:`~.record.environment_key`); two devices, or two sets of versions, never share a
@@ -9,17 +10,16 @@ spread [p10-p90], sample count and noise flag; the fastest ranked pass of a row 
 Interpreted timings (Triton's interpreter on the CPU) are shown as ``(interp.)`` and never
 ranked; speed is shown only for ``pass``. Bench results add paging
 overhead and GB/s vs block size, latency vs batch size, workload-group scores and fast_p
-(:mod:`.derived`); the HTML page embeds the plots of :mod:`.plots`. A run that has not
+(:mod:`.derived`). A run that has not
 recorded its end is named as unfinished; failure and unsupported reasons are listed.
 With several environments a table across them comes first: the cases every one ran
 (:func:`across_devices`), one column per implementation and device.
-Every Markdown cell is escaped (HTML, ``|``, newlines; :func:`escape`) and every HTML text
-escaped, since case ids and reasons come from user input and from implementations.
+Every Markdown cell is escaped (HTML, ``|``, newlines; :func:`escape`), since case ids
+and reasons come from user input and from implementations.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from html import escape as html_escape
 from typing import Any
@@ -220,11 +220,8 @@ def unfinished(lines: list[ResultRecord | RunRecord]) -> list[str]:
     return notes
 
 
-_LEGEND = (
-    "Cells: verdict against the float64 truth, then the median time per call, its "
-    "spread [p10-p90] and the number of samples; `noisy`: IQR above 10% of the median. "
-    "Bold: fastest passing implementation of the row in its environment. `(interp.)`: ran "
-    "under an interpreter, checked for correctness, never ranked. "
+#: What the marks after a verdict mean (the Markdown and HTML boards' legends end with it).
+MARKS = (
     f"`{STALE_TAIL_MARK}`: the implementation "
     "declares that it multiplies the unused slots of a partly filled last block by "
     "zero (NaN there would reach its output), so it was checked with finite stale V "
@@ -236,6 +233,11 @@ _LEGEND = (
     "decode reads the NaN/Inf poison of unused slots as a large finite number (0x7F: 480 "
     "in E4M3), so a read past kv_len showed as a large value, and one multiplied by a "
     "zero weight not at all (results/fp8-interpreter, docs/edges.md).")
+LEGEND = (
+    "Cells: verdict against the float64 truth, then the median time per call, its "
+    "spread [p10-p90] and the number of samples; `noisy`: IQR above 10% of the median. "
+    "Bold: fastest passing implementation of the row in its environment. `(interp.)`: ran "
+    "under an interpreter, checked for correctness, never ranked. " + MARKS)
 
 
 _ACROSS = ("The cases every device (and set of library versions) below has a result on, "
@@ -329,8 +331,9 @@ def _environment_note(env_records: list[ResultRecord], peaks: dict) -> str:
 def sections(lines: list[ResultRecord | RunRecord], baseline: str = DEFAULT_BASELINE
              ) -> list[dict]:
     """One section per environment (device name + library versions) of ``lines``:
-    ``{"title", "conditions", "tables": [(title, note, frame)], "reasons", "bench",
-    "scores"}``; tables not escaped."""
+    ``{"title", "copy_gbps", "conditions", "tables": [(title, note, frame)], "reasons",
+    "bench", "scores"}`` (``copy_gbps``: the measured copy bandwidth, None when not
+    measured); tables not escaped."""
     records = results_of(lines)
     df = frame(records)
     bdf = bench_frame(records, baseline)
@@ -341,10 +344,12 @@ def sections(lines: list[ResultRecord | RunRecord], baseline: str = DEFAULT_BASE
         env_records = [r for r in records if environment_key(r) == (device_name, versions)]
         benv = bdf[(bdf["device_name"] == device_name) & (bdf["versions"] == versions)]
         scores = group_scores(benv)
-        tables = [("Leaderboard", _LEGEND, leaderboard(mine)),
+        tables = [("Leaderboard", LEGEND, leaderboard(mine)),
                   ("Summary", "", summary(mine)),
                   *bench_tables(benv, scores, fast_p(scores))]
+        seen = peaks.get(env_records[0].env.device)
         out.append({"title": f"{device_name} ({versions})",
+                    "copy_gbps": None if seen is None else seen.copy_gbps,
                     "conditions": _environment_note(env_records, peaks),
                     "tables": tables, "reasons": reasons(mine), "bench": benv,
                     "scores": scores})
@@ -391,52 +396,3 @@ def csv_text(lines: list[ResultRecord | RunRecord], baseline: str = DEFAULT_BASE
                        "overhead_vs", "speedup"]]
         df = df.merge(derived, on=["impl", "device_name", "versions", "case_id"], how="left")
     return df.to_csv(index=False)
-
-
-def html(lines: list[ResultRecord | RunRecord], title: str = "pagedbench leaderboard",
-         baseline: str = DEFAULT_BASELINE) -> str:
-    """A standalone HTML page (no external resource): per environment its conditions
-    above every table, the tables of :func:`markdown`, and the plots of :mod:`.plots`
-    embedded as base64 PNG."""
-    from pagedbench.harness.results import plots
-
-    h = html_escape
-
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{h(title)}</title>"
-             f"<style>{_CSS}</style></head><body><h1>{h(title)}</h1>"]
-    for note in unfinished(lines):
-        parts.append(f"<p class='warn'>{h(note)}</p>")
-    found = sections(lines, baseline)
-    if not found:
-        parts.append("<p>No results.</p>")
-    shared = across_devices(frame(results_of(lines)))
-    if not shared.empty:
-        parts.append(f"<h2>Across devices</h2><p class='note'>{h(_ACROSS)}</p>"
-                     + re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>",
-                              shared.to_html(escape=True, border=0, classes="board")))
-    for section in found:
-        parts.append(f"<h2>{h(section['title'])}</h2>")
-        for table_title, note, table in section["tables"]:
-            parts.append(f"<h3>{h(table_title)}</h3><p class='cond'>"
-                         f"{h(section['conditions'])}</p>")
-            if note:
-                parts.append(f"<p class='note'>{h(note)}</p>")
-            parts.append(re.sub(r"\*\*(.+?)\*\*", r"<b>\1</b>",
-                                table.to_html(escape=True, border=0, classes="board")))
-        for name, figure in plots.figures(section["bench"], section["scores"]).items():
-            parts.append(f"<h3>{h(plots.TITLES[name])}</h3><p class='cond'>"
-                         f"{h(section['conditions'])}</p>"
-                         f"<img alt='{h(name)}' src='data:image/png;base64,"
-                         f"{plots.png_base64(figure)}'>")
-        if section["reasons"]:
-            parts.append("<h3>Reasons</h3><ul>" + "".join(
-                f"<li>{h(n)}</li>" for n in section["reasons"]) + "</ul>")
-    parts.append("</body></html>")
-    return "\n".join(parts)
-
-
-_CSS = ("body{font-family:sans-serif;margin:2em;color:#222;background:#fff}"
-        "table.board{border-collapse:collapse;font-size:13px;margin:0.5em 0 1.5em}"
-        "table.board th,table.board td{border:1px solid #999;padding:3px 6px;text-align:left}"
-        "table.board th{background:#dde6f0}p.cond{color:#444;font-size:12px}"
-        "p.warn{color:#a00;font-weight:bold}img{max-width:100%;border:1px solid #ccc}")

@@ -1,19 +1,24 @@
 """Progress of ``pagedbench run`` and ``bench`` over their (implementation, case) pairs,
 and each result's wall time (JUnit's ``time=``).
 
-On a terminal: one rich bar whose count, elapsed time and ETA come first and whose
-last column, the next pair's name, is cut with an ellipsis to what the width leaves
-(so at 80 columns the name never pushes the count or the ETA off the line). Elsewhere
-(CI logs, a pipe), where a live bar would print only its final state: one line per
-result, ``[done/total eta H:MM:SS]`` before it. The runner runs one implementation's
-cases one after another in its worker, so the time between two results is the second
-one's wall time (the first case of an implementation also carries its worker's start).
+Lines are printed for what a reader acts on: each failure (``fail``, ``error``, ``crash``,
+``timeout``, ``harness-error``) as it arrives, and one line per implementation once its
+last pair is in: its verdict counts, or, when it was unavailable on every case, that
+with the reason (once, not once per case). On a terminal they scroll above one rich bar
+whose count, elapsed time and ETA come first and whose last column, the next pair's
+name, is cut with an ellipsis to what the width leaves (so at 80 columns the name never
+pushes the count or the ETA off the line). Elsewhere (CI logs, a pipe), where a live bar
+would print only its final state, each line starts with ``[done/total eta H:MM:SS]``.
+The runner runs one implementation's cases one after another in its worker, so the time
+between two results is the second one's wall time (the first case of an implementation
+also carries its worker's start).
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from collections import Counter
 
 from rich.console import Console
 from rich.markup import escape
@@ -21,7 +26,28 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Column
 
+from pagedbench.harness.results import report
 from pagedbench.harness.results.record import ResultRecord
+from pagedbench.harness.verdict.status import Status
+
+
+def result_line(record: ResultRecord) -> str:
+    """One result as a line of rich markup: implementation, case id, its leaderboard cell
+    and, but for a pass, its reason."""
+    detail = report.cell_text(record)
+    if record.status is not Status.PASS:
+        detail += f": {record.reason}"
+    return (f"[{record.status.colour}]{escape(record.impl)}[/] {escape(record.case_id)} "
+            f"{escape(detail)}")
+
+
+def implementation_line(impl: str, counts: Counter[Status], unavailable: str | None) -> str:
+    """An implementation whose pairs are all in: ``NAME: unavailable: REASON`` when every
+    one was unavailable, else ``NAME done: 24 pass, 12 unsupported`` (rich markup)."""
+    if unavailable is not None:
+        return f"[dim]{escape(impl)}: unavailable: {escape(unavailable)}[/]"
+    told = ", ".join(f"[{s.colour}]{counts[s]} {s}[/]" for s in Status if counts[s])
+    return f"{escape(impl)} done: {told}"
 
 
 class RunProgress:
@@ -37,6 +63,9 @@ class RunProgress:
     def __init__(self, console: Console, label: str, order: list[tuple[str, str]]) -> None:
         self.console, self.label, self.order = console, label, order
         self.seconds: dict[tuple[str, str], float] = {}
+        self._left = Counter(impl for impl, _ in order)
+        self._counts: dict[str, Counter[Status]] = {}
+        self._unavailable: dict[str, str] = {}
         self._bar: Progress | None = None
         self._start = self._last = time.monotonic()
 
@@ -60,21 +89,32 @@ class RunProgress:
     def _name(self, done: int) -> str:
         return escape(" ".join(self.order[done])) if done < len(self.order) else ""
 
-    def update(self, record: ResultRecord, line: str | None) -> None:
-        """One more result: time it, advance, and print ``line`` (rich markup; None
-        prints nothing on a terminal, the result's status off one)."""
+    def update(self, record: ResultRecord) -> None:
+        """One more result: time it, advance, and print its line if it is a failure and
+        its implementation's line if it was the implementation's last pair."""
         now = time.monotonic()
         self.seconds[record.impl, record.case_id] = now - self._last
         self._last = now
+        lines = []
+        if record.status.failing or record.status is Status.HARNESS_ERROR:
+            lines.append(result_line(record))
+        counts = self._counts.setdefault(record.impl, Counter())
+        counts[record.status] += 1
+        if record.status is Status.UNAVAILABLE:
+            self._unavailable.setdefault(record.impl, record.reason)
+        self._left[record.impl] -= 1
+        if self._left[record.impl] == 0:
+            every = counts[Status.UNAVAILABLE] == sum(counts.values())
+            lines.append(implementation_line(
+                record.impl, counts, self._unavailable.get(record.impl) if every else None))
         done = len(self.seconds)
         if self._bar is not None:
-            if line is not None:
-                self._bar.console.print(line)
+            for line in lines:
+                self._bar.console.print(line, soft_wrap=True)
             self._bar.update(self._task, advance=1, description=self._name(done))
             return
         left = len(self.order) - done
         eta = datetime.timedelta(seconds=round((now - self._start) / done * left))
-        text = line if line is not None else (f"{escape(record.impl)} "
-                                              f"{escape(record.case_id)} {record.status}")
-        self.console.print(escape(f"[{done}/{len(self.order)} eta {eta}] ") + text,
-                           soft_wrap=True)  # one log line per result, never wrapped
+        for line in lines:  # one log line per event, never wrapped
+            self.console.print(escape(f"[{done}/{len(self.order)} eta {eta}] ") + line,
+                               soft_wrap=True)

@@ -26,7 +26,7 @@ from hypothesis import assume, example, given, note
 
 from pagedbench.adapters import entries
 from pagedbench.adapters.vllm_cpu import library_for_cpu, loaded_library
-from pagedbench.harness.cli.results import capability_matrix
+from pagedbench.harness.cli.listing import capability_matrix
 from pagedbench.harness.run import runner
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.adapters.vllm_cpu_cases import (

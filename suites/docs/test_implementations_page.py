@@ -6,12 +6,12 @@ declares for the CPU today, rendered by the command's own formatter."""
 from __future__ import annotations
 
 from pagedbench.adapters import BUILTIN, load
-from pagedbench.harness.cli.results import capability_matrix
+from pagedbench.harness.cli.listing import capability_matrix
 from pagedbench.harness.results.record import ListingRow
 from pagedbench.suites.docs.markdown import ROOT
 
 PAGE = ROOT / "docs" / "implementations.md"
-HEADING = "## `pagedbench list` on a CPU-only machine"
+HEADING = "## `pagedbench list --wide` on a CPU-only machine"
 #: Columns that depend on the machine the page's table was printed on (the library build
 #: and ISA paths a host takes among them).
 MACHINE_COLUMNS = ("available", "version", "build, ISA paths")

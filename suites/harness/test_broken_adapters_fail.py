@@ -4,6 +4,7 @@ survive in the same results file."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -145,12 +146,22 @@ def test_pagedbench_run_exits_1_with_broken_adapter_registered(tmp_path, plugin_
 
 
 def test_pagedbench_run_exits_0_when_all_pass(tmp_path) -> None:
+    # Timed, at COLUMNS=120: what follows the progress lines fits in 120 columns and names
+    # the fastest pass of each case.
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | {"COLUMNS": "120"}
     proc = subprocess.run(
-        [*CLI, "run", *ONE_PRESET, "--impl", "torch-gather", "--results-dir", str(tmp_path),
-         "--cache-dir", str(tmp_path / "build")],
-        capture_output=True, text=True, timeout=600,
+        [*CLI, "run", *ONE_PRESET[:-1], "--repetitions", "1", "--impl", "torch-gather",
+         "--results-dir", str(tmp_path), "--cache-dir", str(tmp_path / "build")],
+        capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == ExitCode.CLEAN, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    (done,) = (i for i, line in enumerate(lines) if line.startswith("[2/2 "))
+    after = lines[done + 1:]
+    assert after and max(map(len, after)) <= 120, after
+    assert any(line.split()[:2] == ["llama3.1-70b-tp8", "bf16"] and "torch-gather" in line
+               for line in after), after
+    assert after[-1].startswith("report: ") and after[-1].endswith(".md")
     (jsonl,) = tmp_path.glob("*.jsonl")
     statuses = [r.status for r in read_lines([jsonl]) if isinstance(r, ResultRecord)]
     assert statuses == [Status.PASS, Status.PASS]  # the full and the reduced case at bs 16

@@ -74,9 +74,10 @@ def test_the_merge_job_reports_and_gates_what_every_shard_uploaded() -> None:
     folder = download["with"]["path"]
     parser = _parser()
     (report, _) = _commands(step(MERGE_JOB, "Leaderboard of every device"))
-    (_, gate) = _commands(step(MERGE_JOB, "Gate against results/baselines/<device>/"))
+    (gate,) = _commands(step(MERGE_JOB, "Gate against results/baselines/<device>/"))
     assert parser.parse_args(report[1:]).paths == [Path(folder)]
     assert parser.parse_args(gate[1:]).current == Path(folder)
+    assert "cat build/gate.md" in step(MERGE_JOB, "Gate report")["run"]
 
 
 def stand_in(script: str) -> str:

@@ -143,5 +143,7 @@ def test_the_workflow_runs_its_commands_on_a_cpu_stand_in(outside, wheel) -> Non
     board = (workspace / "build" / "leaderboard.md").read_text()
     assert "torch-gather" in board and board in summary.read_text()
     assert list((workspace / "build" / "baselines").rglob("baseline.jsonl"))
-    gate_output = ran["Gate against results/baselines/<device>/"].stdout
-    assert gate_output.strip() and gate_output.strip() in summary.read_text()
+    verdict = ran["Gate against results/baselines/<device>/"].stdout.strip().splitlines()[-1]
+    gate_report = (workspace / "build" / "gate.md").read_text()
+    assert verdict.startswith("gate: ") and verdict in gate_report
+    assert gate_report.strip() in summary.read_text()

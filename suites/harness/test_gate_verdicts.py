@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -120,8 +121,9 @@ def test_raw_ms_are_judged_where_a_side_has_no_drift_probe(tmp_path, capsys) -> 
     paths = ["--baseline", write(tmp_path / "b.jsonl", base),
              "--current", write(tmp_path / "c.jsonl", now)]
     assert main(["gate", *paths]) == ExitCode.CLEAN
-    assert main(["gate", *paths, "--raw"]) == ExitCode.REGRESSION
-    assert "raw ms, --raw" in capsys.readouterr().out
+    report = tmp_path / "gate.md"
+    assert main(["gate", *paths, "--raw", "--output", str(report)]) == ExitCode.REGRESSION
+    assert "raw ms, --raw" in report.read_text()
 
 
 def test_thresholds_refuse_bad_values_naming_the_option() -> None:
@@ -157,9 +159,15 @@ def test_the_table_lists_what_moved_by_effect_then_what_was_too_noisy(tmp_path, 
            timed("a", "c2", lognormal(5)), timed("a", "c3", lognormal(10)),
            timed("a", "c4", lognormal(10, n=4))]
     code = main(["gate", "--baseline", write(tmp_path / "b.jsonl", base),
-                 "--current", write(tmp_path / "c.jsonl", now)])
-    out = capsys.readouterr().out
+                 "--current", write(tmp_path / "c.jsonl", now),
+                 "--output", str(tmp_path / "gate.md")])
+    printed = capsys.readouterr().out
     assert code == ExitCode.REGRESSION
+    # The terminal's summary: the same order, outcome first, then the one verdict line.
+    listed = re.findall(r"^ *(slower|faster|too noisy) +a +(c\d)-", printed, re.MULTILINE)
+    assert listed == [("slower", "c1"), ("slower", "c0"), ("faster", "c2"), ("too noisy", "c4")]
+    assert printed.strip().splitlines()[-1].startswith("gate: FAIL: 5 points compared")
+    out = (tmp_path / "gate.md").read_text()
     moved = out.split("## What moved", 1)[1].split("## Too noisy", 1)[0]
     rows = [line.split("|")[3].strip().split("-")[0] for line in moved.splitlines()
             if "| a " in line]
