@@ -40,7 +40,7 @@ from pagedbench.harness.measure.timing import METHODS
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.status import Status
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 #: Largest JSON text one adapter may put into a record's ``impl_details`` (bytes).
 MAX_DETAILS_BYTES = 64 * 1024
 #: Deepest nesting accepted in adapter metadata (a self-referencing dict would recurse).
@@ -115,7 +115,11 @@ class TimingStats(_Strict):
     ``harness.measure.timing.NOISE_THRESHOLD``; ``probe``: ms per call of the fixed work timed
     after each sample (``harness.measure.timing.DriftProbe``, CPU only, else ``[]``). Lines written
     before schema 3 have no samples (``[]``), and ``iqr`` and ``noisy`` are null; before
-    schema 4 no drift probe (``[]``)."""
+    schema 4 no drift probe (``[]``). On CUDA (schema 8 on): ``copies``, the input copies
+    the samples rotated over (1 with ``cuda_events``); ``sm_clock_mhz`` and
+    ``temperature_c``, read after the point's pre-roll and after its samples (an entry null
+    where not read); ``fallback``, why the point's planned ``cuda_graph`` gave way to the
+    cold timing. All null elsewhere and in older lines."""
 
     median: float
     p10: float
@@ -126,6 +130,10 @@ class TimingStats(_Strict):
     samples: list[float]
     noisy: Optional[bool]
     probe: list[float]
+    copies: Optional[Annotated[int, Field(ge=1)]] = None
+    sm_clock_mhz: Optional[Annotated[list[Figure], Field(min_length=2, max_length=2)]] = None
+    temperature_c: Optional[Annotated[list[Figure], Field(min_length=2, max_length=2)]] = None
+    fallback: Optional[str] = None
 
     @field_validator("probe", mode="after")
     @classmethod
@@ -199,7 +207,7 @@ class _ResultFields(_Strict):
     """The fields of a result line other than the comparison's figures."""
 
     kind: Literal["result"]
-    schema_version: Literal[7]
+    schema_version: Literal[8]
     run_id: str
     suite: str
     impl: str
@@ -368,7 +376,7 @@ class RunRecord(_Strict):
     ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
 
     kind: Literal["run"]
-    schema_version: Literal[7]
+    schema_version: Literal[8]
     run_id: str
     event: Literal["started", "resumed", "interrupted", "finished"]
     timestamp: AwareDatetime

@@ -317,7 +317,8 @@ def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
     ``step`` or comparison figures; versions 1 and 2 had no bench fields, and their
     timings no samples (``[]``), IQR or noise flag (null); versions 1 to 3 no drift probe
     (``[]``); fields added later with a default (``truth``, a run's ``shard``, the
-    environment's ``device_index`` and ``device_uuid``) take it."""
+    environment's ``device_index`` and ``device_uuid``, a timing's ``copies``, clocks,
+    temperatures and ``fallback``) take it."""
     data = {**data, "schema_version": SCHEMA_VERSION}
     if found == 1:
         data = {"kind": "result", **data}
