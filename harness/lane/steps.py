@@ -332,8 +332,8 @@ def _refit(selection: Selection, device: str, available: tuple[str, ...], l2_byt
     """The sweep's points fitted again to the implementations ``list`` found available."""
     impls = tuple(dict.fromkeys((SWEEP_BASELINE, *available)))
     refit, model = fit_points(selection.with_(points=None), device, impls, l2_bytes)
-    listing.notes.append(f"{len(impls)} implementations available: the sweep's points "
-                         f"fitted again to {refit.points} (time model {model['total']:.0f} s)")
+    listing.notes.append(f"available: {', '.join(impls)}; the sweep's points fitted again "
+                         f"to {refit.points} (time model {model['total']:.0f} s)")
     return refit, model
 
 
