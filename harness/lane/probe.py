@@ -48,8 +48,8 @@ def measure_device(device: str) -> dict[str, Any]:
     :data:`~pagedbench.harness.measure.timing.COPY_BYTES` (1 GiB on CUDA), bytes read plus written
     per second (1e9 B/s); ``bf16_tflops``: a bf16 matrix product of
     :data:`~pagedbench.harness.measure.timing.MATMUL_N` (8192 on CUDA), 2 n^3 FLOP. Medians of
-    ``do_bench`` (CUDA events, L2 cleared) on CUDA, of ``torch.utils.benchmark`` on the CPU
-    (rehearsal).
+    ``time_cuda`` (CUDA events, L2 flushed, after a pre-roll) on CUDA, of
+    ``torch.utils.benchmark`` on the CPU (rehearsal).
     """
     from pagedbench.harness.measure.timing import COPY_BYTES, MATMUL_N, measure_peaks
 
