@@ -287,12 +287,12 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
     conformance = Step("conformance", conformance_command(
         python, device, available, selection, work / "conformance", out / "junit.xml"),
         left("conformance"))
-    run_step(conformance, out)
+    _run_if_any(conformance, out, available)
     _first_results(work / "conformance", out / "conformance.jsonl")
     peaks = out / "env.json" if env.ok and (out / "env.json").is_file() else None
     command, notes = sweep_command(python, device, available, selection, work / "sweep", peaks)
     sweep = Step("sweep", command, left(), notes=notes)
-    run_step(sweep, out)
+    _run_if_any(sweep, out, available)
     if _first_results(work / "sweep", out / "sweep.jsonl"):
         with contextlib.suppress(OSError):
             next((work / "sweep").glob("*.md")).rename(out / "sweep.md")
@@ -313,6 +313,15 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
     record["summary"] = summary_line(record)
     (out / "lane.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def _run_if_any(step: Step, out: Path, impls: tuple[str, ...]) -> None:
+    """:func:`run_step`, unless ``list`` found no implementation available (a runner
+    given none would take every one)."""
+    if impls:
+        run_step(step, out)
+    else:
+        step.notes.append("not run: no implementation is available (see list.json)")
 
 
 def _impl_flags(impls: tuple[str, ...]) -> list[str]:
