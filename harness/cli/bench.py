@@ -108,6 +108,13 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                         "the host; larger points get their truth on the device (default: "
                         f"{HOST_TRUTH_FRACTION:g} of the host's memory)"),
     p.add_argument("--dry-run", action="store_true", help="print the points and exit")
+    p.add_argument("--points", type=positive_int, default=None, metavar="N",
+                   help="only the first N points of the sweep, in its order (workloads in "
+                        "the order of the --workload patterns they match)")
+    p.add_argument("--point-major", action="store_true",
+                   help="every implementation at a point before the next point (default: "
+                        "one implementation's points after another's); a run stopped early "
+                        "leaves whole points")
     p.add_argument("--repetitions", type=int_in(1, 100_000), default=None, metavar="N",
                    help="CPU timing samples per point, as the time limit allows (default: "
                         f"{bench.CPU_TIMING['default']['repetitions']}; pagedbench gate "
@@ -164,6 +171,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     device = checked_device(args.device, args.devices)
     sweep = bench_sweep(args)
     cases = sweep.cases()
+    if args.points is not None:
+        cases = cases[:args.points]
     impls = _bench_impls(args)
     console = terminal(soft_wrap=True)
     if args.dry_run:
@@ -215,11 +224,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
     peaks = device_peaks(args, config, console)
     start = time.monotonic()
-    order = [p for p in runner.missing(plan, []) if pairs is None or p in pairs]
+    order = ([p for point in bench.point_order(plan, pairs) for p in point]
+             if args.point_major else
+             [p for p in runner.missing(plan, []) if pairs is None or p in pairs])
+    run = bench.run_point_major if args.point_major else runner.run
     with RunProgress(console, "bench", order) as progress:
         try:
-            records = runner.run(plan, config, results, run_id, on_record=progress.update,
-                                 peaks=peaks, left_out=left_out, shard=part, pairs=pairs)
+            records = run(plan, config, results, run_id, on_record=progress.update,
+                          peaks=peaks, left_out=left_out, shard=part, pairs=pairs)
         except runner.Interrupted as exc:
             if args.junit_xml is not None:
                 write_junit_xml(results_of_run(results, run_id), args.junit_xml,

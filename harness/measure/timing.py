@@ -5,10 +5,14 @@
   calls; each sample is the mean time per call of one block, blocks sized so that
   ``min_samples`` of them fit in the run, which lasts at least ``min_run_time_s`` (longer
   for ``min_samples`` samples of a slow call) and never much longer than ``max_run_time_s``.
-- CUDA: ``triton.testing.do_bench``, CUDA events with the L2 cache cleared before every
-  call (cold-L2 timing, as FlashInfer's ``bench_gpu_time`` defaults to); a call faster
-  than :data:`CUDA_GRAPH_BELOW_MS` is timed again by replaying a CUDA graph of many calls
-  (``triton.testing.do_bench_cudagraph``: launch overhead amortised, warm L2).
+- CUDA: one method per point for every implementation (:func:`point_plan`, from the
+  point's bytes and the device's L2 alone): cold CUDA events, an L2 flush before each
+  call, for a point that moves at least :data:`ROTATE_PAST_L2` times the L2; below that,
+  replay of a CUDA graph of calls on input copies rotated past that much (launch gaps
+  gone, every call's inputs cold), the cold timing kept when the graph cannot be made.
+  Each point starts with a pre-roll and records the SM clock and temperature before and
+  after its samples; it takes at least the gate's minimum of samples (the loops are in
+  :mod:`.cuda_timers`).
 
 Every :class:`Timing` keeps its raw samples (ms, in order: the regression gate tests on
 them), and derives median, p10/p90 and the IQR (numpy's linear percentiles); it is
@@ -20,8 +24,9 @@ machine's drift between and within runs (:mod:`pagedbench.harness.gate.compare`)
 
 Derived bandwidth counts the bytes a case must move at least once (FlashInfer's
 ``attention_tb_per_sec_with_actual_seq_lens`` and tritonbench's ``decoding_attention``
-count from the actual sequence lengths): Q, the K and V of every attended token, O, and
-the block tables; FLOPs count the two matmuls. :func:`measure_peaks` measures the
+count from the actual sequence lengths): Q, the K and V of every attended token (V with
+``head_dim_v``; a latent cache, whose V is inside K, once), O, and the block tables;
+FLOPs count the two matmuls. :func:`measure_peaks` measures the
 device's copy bandwidth and bf16 matmul throughput with the same timers, so each point
 has a roofline position: the floor ``max(bytes / bandwidth, flops / throughput)``; and
 the copy rate in cache, which bounds what a point whose data stays cached can move
@@ -31,118 +36,28 @@ GB = 1e9 bytes, TFLOP = 1e12 FLOPs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pagedbench.reference import PagedCase, resolve_device
 
-#: IQR / median above which a timing is flagged noisy (``Timer.adaptive_autorange``'s
-#: default ``threshold``).
-NOISE_THRESHOLD = 0.1
-#: A CUDA call with a cold-L2 median below this (ms) is timed again by CUDA-graph replay.
-CUDA_GRAPH_BELOW_MS = 0.1
-#: Methods a timing may carry; only the first three are ever ranked.
-METHODS = ("torch_timer", "cuda_events", "cuda_graph", "interpreted", "perf_counter")
+from pagedbench.harness.measure import cuda_timers
+from pagedbench.harness.measure.samples import METHODS, NOISE_THRESHOLD, Timing, time_once
+from pagedbench.harness.measure.speed import Thresholds
 
-
-@dataclass(frozen=True)
-class Timing:
-    """Latency samples of one implementation on one case, with their statistics.
-
-    Attributes
-    ----------
-    samples_ms : tuple[float, ...]
-        Milliseconds per call, one per repetition (a block of calls on the CPU, one call
-        with ``cuda_events``, one graph replay with ``cuda_graph``), in order.
-    probe_ms : tuple[float, ...]
-        Milliseconds per :class:`DriftProbe` call of the block timed right after each
-        sample (CPU only; empty otherwise).
-    calls : tuple[int, ...]
-        Calls each sample averaged (one per sample when empty).
-    method : str
-        One of :data:`METHODS`: ``torch_timer`` (CPU), ``cuda_events`` (``do_bench``,
-        cold L2), ``cuda_graph`` (``do_bench_cudagraph``, warm L2), ``interpreted``
-        (one wall-clock call of an interpreter: never ranked) or ``perf_counter``
-        (records written before schema 3).
-
-    Raises
-    ------
-    ValueError
-        If there is no sample, a sample is not finite and > 0, the drift probe has not one
-        block per sample, or the method is unknown.
-    """
-
-    samples_ms: tuple[float, ...]
-    method: str
-    probe_ms: tuple[float, ...] = ()
-    calls: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        samples = tuple(float(s) for s in self.samples_ms)
-        probe = tuple(float(s) for s in self.probe_ms)
-        for name, values in (("samples", samples), ("probe", probe)):
-            if not all(math.isfinite(s) and s > 0 for s in values):
-                raise ValueError(f"timing {name} must be finite and > 0 ms, got {values[:5]}")
-        if not samples:
-            raise ValueError("a timing needs at least one sample")
-        if probe and len(probe) != len(samples):
-            raise ValueError(f"one drift probe block per sample: {len(probe)} for "
-                             f"{len(samples)} samples")
-        if self.calls and (len(self.calls) != len(samples) or min(self.calls) < 1):
-            raise ValueError(f"calls must be one count >= 1 per sample, got {self.calls[:5]}")
-        if self.method not in METHODS:
-            raise ValueError(f"timing method {self.method!r} not in {METHODS}")
-        object.__setattr__(self, "samples_ms", samples)
-        object.__setattr__(self, "probe_ms", probe)
-
-    def _percentile(self, q: float) -> float:
-        return float(np.percentile(self.samples_ms, q))
-
-    @property
-    def n(self) -> int:
-        return len(self.samples_ms)
-
-    @property
-    def median_ms(self) -> float:
-        return self._percentile(50)
-
-    @property
-    def p10_ms(self) -> float:
-        return self._percentile(10)
-
-    @property
-    def p90_ms(self) -> float:
-        return self._percentile(90)
-
-    @property
-    def iqr_ms(self) -> float:
-        """p75 - p25 (ms)."""
-        return self._percentile(75) - self._percentile(25)
-
-    @property
-    def noisy(self) -> bool:
-        """IQR / median > :data:`NOISE_THRESHOLD`."""
-        return self.iqr_ms / self.median_ms > NOISE_THRESHOLD
-
-    def to_dict(self) -> dict[str, object]:
-        """The record's ``time_ms`` (:class:`~pagedbench.harness.results.record.TimingStats`)."""
-        return {"median": self.median_ms, "p10": self.p10_ms, "p90": self.p90_ms,
-                "iqr": self.iqr_ms, "n": self.n, "method": self.method,
-                "samples": list(self.samples_ms), "noisy": self.noisy,
-                "probe": list(self.probe_ms)}
-
-
-def time_once(fn: Callable[[], object], method: str = "interpreted") -> Timing:
-    """One wall-clock call (``time.perf_counter``), for an interpreter."""
-    start = time.perf_counter()
-    fn()
-    return Timing(((time.perf_counter() - start) * 1e3,), method)
+#: A CUDA point that moves fewer bytes than this many times the L2 is timed by graph
+#: replay of input copies rotated past as many bytes (FlashInfer's
+#: ``calculate_rotation_count``: no rotation only when the inputs are at least 5x the L2).
+ROTATE_PAST_L2 = 5
+#: Most input copies a graph rotates (smaller points rotate less than ROTATE_PAST_L2 L2s:
+#: on a 60 MB L2, points under 2.4 MB; the record says how many copies).
+MAX_COPIES = 128
 
 
 class DriftProbe:
@@ -306,7 +221,8 @@ def time_cpu(
                 break
     finally:
         torch.set_num_threads(previous)
-    return Timing(tuple(samples_ms), "torch_timer", tuple(probe_ms), tuple(block_calls))
+    return Timing(tuple(samples_ms), "torch_timer", tuple(probe_ms),
+                  calls=tuple(block_calls))
 
 
 def _probe_block(probe: Callable[[], object], calls: int) -> float:
@@ -317,42 +233,126 @@ def _probe_block(probe: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) * 1e3 / calls
 
 
-def _do_bench():
-    from triton.testing import do_bench, do_bench_cudagraph
+@dataclass(frozen=True)
+class PointPlan:
+    """How every implementation is timed at one point on one CUDA device
+    (:func:`point_plan`).
 
-    return do_bench, do_bench_cudagraph
+    Attributes
+    ----------
+    method : str
+        ``"cuda_events"`` or ``"cuda_graph"``.
+    copies : int
+        Input copies a graph rotates over (1 with ``cuda_events``).
+    moved_bytes, l2_bytes : int
+        The point's :func:`bytes_moved` and the device's L2 size (bytes).
+    min_samples : int
+        Fewest samples taken (the gate's ``Thresholds.min_samples``).
+    """
+
+    method: str
+    copies: int
+    moved_bytes: int
+    l2_bytes: int
+    min_samples: int = Thresholds.min_samples
+
+    @property
+    def rotated_bytes(self) -> int:
+        """Bytes the rotation passes between two uses of one copy's inputs, at least."""
+        return self.copies * self.moved_bytes
 
 
-def time_cuda(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100,
-              graph_below_ms: float = CUDA_GRAPH_BELOW_MS,
-              between: Callable[[int], None] | None = None) -> Timing:
-    """Time ``fn()`` on the current CUDA device: ``do_bench`` (cold L2), and, when its
-    median is below ``graph_below_ms``, CUDA-graph replay instead (if ``fn`` can be
-    captured; otherwise the cold-L2 timing stands). ``between(0)`` runs once, untimed, before the first call (``do_bench`` takes its
-    samples itself).
+def point_plan(case: PagedCase, l2_bytes: int,
+               min_samples: int = Thresholds.min_samples) -> PointPlan:
+    """The timing method of ``case`` on a device with ``l2_bytes`` of L2, the same for
+    every implementation: ``cuda_events`` when :func:`bytes_moved` is at least
+    :data:`ROTATE_PAST_L2` L2s, else ``cuda_graph`` over ``ceil(ROTATE_PAST_L2 * l2 /
+    moved) + 1`` copies (FlashInfer's count), at most :data:`MAX_COPIES`.
 
-    ``warmup_ms``/``rep_ms`` are do_bench's budgets in milliseconds (its defaults).
+    Raises
+    ------
+    ValueError
+        If ``l2_bytes`` < 1 or ``min_samples`` < 1.
+    """
+    if l2_bytes < 1 or min_samples < 1:
+        raise ValueError(f"need l2_bytes >= 1 and min_samples >= 1, got {l2_bytes}, "
+                         f"{min_samples}")
+    moved = bytes_moved(case)
+    if moved >= ROTATE_PAST_L2 * l2_bytes:
+        return PointPlan("cuda_events", 1, moved, l2_bytes, min_samples)
+    copies = min(math.ceil(ROTATE_PAST_L2 * l2_bytes / moved) + 1, MAX_COPIES)
+    return PointPlan("cuda_graph", copies, moved, l2_bytes, min_samples)
+
+
+def device_l2_bytes(device: str | torch.device | None = None) -> int:
+    """The L2 cache size of a CUDA device (bytes; ``L2_cache_size`` of its properties)."""
+    return int(torch.cuda.get_device_properties(device).L2_cache_size)
+
+
+def time_cuda_point(calls: Sequence[Callable[[], object]], plan: PointPlan,
+                    device: cuda_timers.CudaDevice | None = None) -> Timing:
+    """Time one implementation at one point as ``plan`` says: a pre-roll of ``calls[0]``,
+    the SM clock and temperature, ``calls[0]`` cold (:func:`~.cuda_timers.cold_events`,
+    at least ``plan.min_samples``); with ``cuda_graph``, then a graph of every call in
+    turn (:func:`~.cuda_timers.graph_replay`), whose timing replaces the cold one unless
+    its attempt raises anything (then ``fallback`` says what); the clock and temperature
+    again.
+
+    Parameters
+    ----------
+    calls : sequence of callables
+        One complete call of the implementation per input copy (``plan.copies`` of
+        them), each on its own inputs and output; ``calls[0]`` alone with
+        ``cuda_events``.
+    plan : PointPlan
+        The point's :func:`point_plan`.
+    device : CudaDevice, optional
+        The current CUDA device when None.
+
+    Raises
+    ------
+    ValueError
+        If ``len(calls)`` is not ``plan.copies``.
+    RuntimeError
+        If CUDA is not available (and no ``device`` is given).
+    """
+    if len(calls) != plan.copies:
+        raise ValueError(f"{plan.method} at this point needs {plan.copies} calls (one per "
+                         f"input copy), got {len(calls)}")
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("time_cuda_point needs a CUDA device; none is visible to torch")
+        device = cuda_timers.CudaDevice()
+    per_call_ms = cuda_timers.preroll(device, calls[0])
+    clock_before, temperature_before = device.conditions()
+    count = cuda_timers.sample_count(per_call_ms, plan.min_samples)
+    samples = cuda_timers.cold_events(device, calls[0], count)
+    method, copies, fallback = "cuda_events", 1, None
+    if plan.method == "cuda_graph":
+        try:
+            samples = cuda_timers.graph_replay(device, calls, per_call_ms, plan.min_samples)
+            method, copies = "cuda_graph", plan.copies
+        except Exception as exc:  # noqa: BLE001 (whatever the implementation raises)
+            fallback = f"graph replay raised {type(exc).__name__}: {str(exc)[:300]}"
+            with contextlib.suppress(Exception):
+                device.synchronize()
+    clock_after, temperature_after = device.conditions()
+    return Timing(tuple(samples), method, copies=copies,
+                  sm_clock_mhz=(clock_before, clock_after),
+                  temperature_c=(temperature_before, temperature_after), fallback=fallback)
+
+
+def time_cuda(fn: Callable[[], object], *,
+              min_samples: int = Thresholds.min_samples) -> Timing:
+    """Time ``fn()`` on the current CUDA device with cold CUDA events (an L2 flush
+    before each call, at least ``min_samples``): :func:`time_cuda_point` with one copy.
 
     Raises
     ------
     RuntimeError
         If CUDA is not available.
     """
-    if not torch.cuda.is_available():
-        raise RuntimeError("time_cuda needs a CUDA device; none is visible to torch")
-    do_bench, do_bench_cudagraph = _do_bench()
-    if between is not None:
-        between(0)
-    cold = Timing(tuple(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")),
-                  "cuda_events")
-    if cold.median_ms >= graph_below_ms:
-        return cold
-    try:
-        replayed = do_bench_cudagraph(fn, rep=rep_ms, return_mode="all")
-    except RuntimeError:  # not capturable (a host sync, an allocation on another stream)
-        torch.cuda.synchronize()
-        return cold
-    return Timing(tuple(replayed), "cuda_graph")
+    return time_cuda_point([fn], PointPlan("cuda_events", 1, 0, 1, min_samples))
 
 
 @dataclass(frozen=True)
@@ -441,7 +441,7 @@ def measure_peaks(device: str, threads: int) -> DevicePeaks:
     matmul = lambda: torch.mm(a, b, out=c)  # noqa: E731
     if kind == "cuda":
         with torch.cuda.device(resolved):
-            copy_t, mm_t = time_cuda(copy, graph_below_ms=0), time_cuda(matmul, graph_below_ms=0)
+            copy_t, mm_t = time_cuda(copy), time_cuda(matmul)
     else:
         copy_t = time_cpu(copy, threads=threads, min_samples=5, min_run_time_s=0.2)
         mm_t = time_cpu(matmul, threads=threads, min_samples=5, min_run_time_s=0.2)
@@ -453,26 +453,29 @@ def measure_peaks(device: str, threads: int) -> DevicePeaks:
 def bytes_moved(case: PagedCase) -> int:
     """Bytes a kernel must move at least once for ``case`` (bytes).
 
-    Q and O (``total_q * num_q_heads * head_dim`` elements each), K and V of every token
-    each sequence attends to (``sum(kv_lens) * num_kv_heads * head_dim`` each, at the KV
-    cache's element size: 1 byte for fp8; with a sliding window, only the keys inside it),
-    and the used block-table entries (int32).
+    Q (``total_q * num_q_heads * head_dim`` elements) and O (``... * head_dim_v``), K and
+    V of every token each sequence attends to (``sum(kv_lens) * num_kv_heads`` times
+    ``head_dim`` for K and ``head_dim_v`` for V, at the KV cache's element size: 1 byte
+    for fp8; with a sliding window, only the keys inside it; a latent cache's V is K's
+    first channels, read with K: counted once), and the used block-table entries (int32).
     """
     elem = torch.empty((), dtype=case.torch_dtype).element_size()
     kv_elem = torch.empty((), dtype=case.kv_torch_dtype).element_size()  # 1 for fp8
-    qo = 2 * case.total_q * case.num_q_heads * case.head_dim * elem
+    qo = case.total_q * case.num_q_heads * (case.head_dim + case.v_head_dim) * elem
     attended = sum(
         min(kv, case.sliding_window + q - 1) if case.sliding_window else kv
         for kv, q in zip(case.kv_lens, case.q_lens_or_decode)
     )
-    kv = 2 * attended * case.num_kv_heads * case.head_dim * kv_elem
+    channels = case.head_dim + (0 if case.latent_cache else case.v_head_dim)
+    kv = attended * case.num_kv_heads * channels * kv_elem
     tables = sum(case.blocks_per_seq) * 4
     return qo + kv + tables
 
 
 def flops(case: PagedCase) -> int:
-    """Floating-point operations of the two matmuls (FLOPs): ``4 * head_dim * num_q_heads``
-    per visible (query, key) pair (FlashInfer's ``attention_flops_with_actual_seq_lens``)."""
+    """Floating-point operations of the two matmuls (FLOPs): ``2 * (head_dim + head_dim_v)
+    * num_q_heads`` per visible (query, key) pair (FlashInfer's
+    ``attention_flops_with_actual_seq_lens``)."""
     pairs = 0
     for kv, q in zip(case.kv_lens, case.q_lens_or_decode):
         first = kv - q  # position of the first query token
@@ -481,7 +484,7 @@ def flops(case: PagedCase) -> int:
                 pairs += pos - max(0, pos - case.sliding_window + 1) + 1
         else:  # sum of (pos + 1) for pos in [first, kv)
             pairs += (kv * (kv + 1) - first * (first + 1)) // 2
-    return 4 * case.head_dim * case.num_q_heads * pairs
+    return 2 * (case.head_dim + case.v_head_dim) * case.num_q_heads * pairs
 
 
 def roofline_floor_ms(moved: int, work: int, peaks: DevicePeaks) -> float:
@@ -491,8 +494,7 @@ def roofline_floor_ms(moved: int, work: int, peaks: DevicePeaks) -> float:
     return max(moved / (peaks.copy_gbps * 1e9), work / (peaks.bf16_tflops * 1e12)) * 1e3
 
 
-__all__ = ["CPU_THREADS", "CUDA_GRAPH_BELOW_MS", "DevicePeaks", "METHODS", "NOISE_THRESHOLD", "Timing",
-           "PROBE_SHARE", "DriftProbe",
-           "bytes_moved", "cache_copy_gbps", "flops", "measure_peaks", "oversubscribed",
-           "roofline_floor_ms", "time_cpu",
-           "time_cuda", "time_once"]
+__all__ = ["CPU_THREADS", "DevicePeaks", "MAX_COPIES", "METHODS", "NOISE_THRESHOLD",
+           "PROBE_SHARE", "ROTATE_PAST_L2", "DriftProbe", "PointPlan", "Timing", "bytes_moved", "cache_copy_gbps",
+           "device_l2_bytes", "flops", "measure_peaks", "oversubscribed", "point_plan",
+           "roofline_floor_ms", "time_cpu", "time_cuda", "time_cuda_point", "time_once"]

@@ -21,9 +21,7 @@ def timing_of(verdict: Verdict | None) -> Timing | None:
     """The :class:`~pagedbench.harness.measure.timing.Timing` of a verdict's checked
     timing (None when it has none)."""
     timed = verdict.timing if verdict is not None else None
-    if timed is None:
-        return None
-    return Timing(tuple(timed.samples_ms), timed.method, tuple(timed.probe_ms))
+    return None if timed is None else Timing.from_message(timed.model_dump())
 
 
 def result_record(

@@ -64,7 +64,11 @@ class TimingStats(_Strict):
     ``harness.measure.timing.NOISE_THRESHOLD``; ``probe``: ms per call of the fixed work timed
     after each sample (``harness.measure.timing.DriftProbe``, CPU only, else ``[]``). Lines written
     before schema 3 have no samples (``[]``), and ``iqr`` and ``noisy`` are null; before
-    schema 4 no drift probe (``[]``)."""
+    schema 4 no drift probe (``[]``). On CUDA (schema 8 on): ``copies``, the input copies
+    the samples rotated over (1 with ``cuda_events``); ``sm_clock_mhz`` and
+    ``temperature_c``, read after the point's pre-roll and after its samples (an entry null
+    where not read); ``fallback``, why the point's planned ``cuda_graph`` gave way to the
+    cold timing. All null elsewhere and in older lines."""
 
     median: float
     p10: float
@@ -75,6 +79,10 @@ class TimingStats(_Strict):
     samples: list[float]
     noisy: Optional[bool]
     probe: list[float]
+    copies: Optional[Annotated[int, Field(ge=1)]] = None
+    sm_clock_mhz: Optional[Annotated[list[Figure], Field(min_length=2, max_length=2)]] = None
+    temperature_c: Optional[Annotated[list[Figure], Field(min_length=2, max_length=2)]] = None
+    fallback: Optional[str] = None
 
     @field_validator("probe", mode="after")
     @classmethod

@@ -318,7 +318,8 @@ def _upgrade(data: dict[str, Any], found: int) -> dict[str, Any]:
     timings no samples (``[]``), IQR or noise flag (null); versions 1 to 3 no drift probe
     (``[]``); fields added later with a default (``truth``, a run's ``shard``, the
     environment's ``device_index`` and ``device_uuid``, the peaks' ``cache_copy_gbps``,
-    a shard's ``balance``) take it."""
+    a shard's ``balance``, a timing's ``copies``, clocks, temperatures and ``fallback``)
+    take it."""
     data = {**data, "schema_version": SCHEMA_VERSION}
     if found == 1:
         data = {"kind": "result", **data}

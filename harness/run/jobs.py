@@ -18,8 +18,10 @@ from pydantic import ValidationError
 from pagedbench.adapters import Adapter, load
 from pagedbench.reference import PagedCase
 
-from pagedbench.harness.measure.timing import (DriftProbe, Timing, measure_peaks, time_cpu,
-                                               time_cuda, time_once)
+from pagedbench.harness.measure.cuda_timers import release_device_memory
+from pagedbench.harness.measure.timing import (DriftProbe, Timing, device_l2_bytes,
+                                               measure_peaks, point_plan, time_cpu,
+                                               time_cuda_point, time_once)
 from pagedbench.harness.results.record import DevicePeaks, ListingRow, validation_problem
 from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.protocol import Channel
@@ -70,15 +72,21 @@ def _load(name: str, target: str, device: str, channel: Channel,
 
 def timer_for(config: RunConfig, interpreted: bool) -> conformance.Timer:
     """How the worker times ``run`` under ``config``: one wall-clock call for an
-    interpreter, CUDA events on a GPU, blocks of calls with a drift probe on the CPU; each
-    calls ``between(k)`` before timed sample ``k``."""
-    def timer(call, between, case: PagedCase) -> Timing:
+    interpreter; on a GPU the point's one method for every implementation
+    (:func:`~pagedbench.harness.measure.timing.point_plan`: cold events, or graph replay
+    over rotated input copies); blocks of calls with a drift probe on the CPU. Each calls
+    ``between(k)`` before timed sample ``k`` (a GPU timing, whose samples a loop of its
+    own takes, before the first)."""
+    def timer(call, between, case: PagedCase, copy) -> Timing:
         if interpreted:
             between(0)
             return time_once(call)
         if torch.device(config.device).type == "cuda":
             with torch.cuda.device(torch.device(config.device)):
-                return time_cuda(call, between=between)
+                plan = point_plan(case, device_l2_bytes(config.device))
+                between(0)
+                return time_cuda_point([call, *(copy() for _ in range(plan.copies - 1))],
+                                       plan)
         probe = DriftProbe(case)
         return time_cpu(call, threads=config.threads, warmup=config.warmup,
                         min_samples=config.repetitions, min_run_time_s=config.time_budget_s,
@@ -124,6 +132,8 @@ def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
             adapter, case, config.device, on_device=job["sites"][index] == "device",
             timer=timer)
         _drive(side, channel, index)
+        if torch.device(config.device).type == "cuda":
+            release_device_memory()  # the case's pools and copies, before the next
 
 
 def _loop_job(job: dict[str, Any], channel: Channel) -> None:

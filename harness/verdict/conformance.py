@@ -49,11 +49,12 @@ STALE_TAIL_MARK = "†"
 CASE_LOGITS_MARK = "‡"
 class Timer(Protocol):
     """Times ``call()`` (one complete call), calling ``between(k)`` untimed before timed
-    sample ``k``; returns ``harness/measure/timing.py``'s ``Timing`` (``samples_ms``,
-    ``method``, ``probe_ms``, ``calls`` per sample)."""
+    sample ``k`` (once, before the first, where a library takes the samples), and
+    ``copy()`` for another call on inputs of its own when it rotates copies; returns
+    ``harness/measure/samples.py``'s ``Timing``."""
 
     def __call__(self, call: Callable[[], object], between: Callable[[int], None],
-                 case: PagedCase) -> Any: ...
+                 case: PagedCase, copy: Callable[[], Callable[[], object]]) -> Any: ...
 
 
 def tail_poison(capabilities: Capabilities) -> str:
@@ -158,17 +159,18 @@ def implementation_side(adapter: Adapter, case: PagedCase, device: str, *,
     if not reply.time:
         return
     yield Entered(step="timing")
-    yield timed(adapter, prepared, inputs, reply, timer, kv=in_place)
+    yield timed(adapter, prepared, inputs, reply, timer, kv=in_place, poison=poison)
 
 
 def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
-          timer: Timer, *, kv: bool) -> Timed:
+          timer: Timer, *, kv: bool, poison: str = "nan") -> Timed:
     """Time ``adapter.run(prepared)`` with ``timer``; before each timed sample
     ``plan.refresh_calls[i]``, write new values into ``inputs``' own tensors
-    (:func:`~pagedbench.reference.writes.refresh_live` with ``plan.refresh_seeds[i]``: Q,
-    and K and V with ``kv``) and keep a copy of the next call's output, taken as soon as
-    it returns: the outputs the judge checks. What a timed call raises is
-    :attr:`~.messages.Timed.error`."""
+    (:func:`~pagedbench.reference.refresh.refresh_live` with ``plan.refresh_seeds[i]``:
+    Q, and K and V with ``kv``) and keep a copy of the next call's output, taken as soon
+    as it returns: the outputs the judge checks. A timer that rotates input copies (CUDA
+    graph replay) gets more calls from ``copy()``, each prepared on inputs of its own (of
+    ``poison``). What a timed call raises is :attr:`~.messages.Timed.error`."""
     seeds = dict(zip(plan.refresh_calls, plan.refresh_seeds))
     kept: list[object] = []
     armed = [False]
@@ -188,14 +190,18 @@ def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
             armed[0] = True
 
     case = inputs.case
+
+    def copy() -> Callable[[], object]:
+        other = adapter.prepare(materialize(case, device, tail_poison=poison))
+        return lambda: adapter.run(other)
+
     try:
-        timing = timer(call, between, case)
+        timing = timer(call, between, case, copy)
         synchronize(device)
         sent = [encode(out, output_shape(case), case.dtype) for out in kept]
     except (Exception, SystemExit) as exc:
         return Timed(error=describe_exception(exc))
-    return Timed(samples_ms=list(timing.samples_ms), method=timing.method,
-                 probe_ms=list(timing.probe_ms),
+    return Timed(**timing.to_message(),
                  calls=list(timing.calls) or [1] * len(timing.samples_ms),
                  outputs=[d for d, _ in sent], payload=b"".join(p for _, p in sent))
 

@@ -157,9 +157,10 @@ class Output(_Message):
 
 class Timed(_Message):
     """The timing of ``item``: milliseconds per call of each sample and the calls it
-    averaged, the method, the drift probe, and the outputs of the checked timed calls (in
-    the order the judge asked for them; values in ``payload``); or ``error``, what a timed
-    call raised."""
+    averaged, the method, the drift probe, a CUDA timing's conditions (input copies
+    rotated, SM clock and temperature before and after, why a planned graph fell back),
+    and the outputs of the checked timed calls (in the order the judge asked for them;
+    values in ``payload``); or ``error``, what a timed call raised."""
 
     kind: Literal["timed"] = "timed"
     item: Optional[int] = None
@@ -167,6 +168,10 @@ class Timed(_Message):
     method: str = ""
     probe_ms: list[float] = Field(default_factory=list)
     calls: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list)
+    copies: Optional[Annotated[int, Field(ge=1)]] = None
+    sm_clock_mhz: Optional[tuple[Optional[float], Optional[float]]] = None
+    temperature_c: Optional[tuple[Optional[float], Optional[float]]] = None
+    fallback: Optional[Annotated[str, Field(max_length=4000)]] = None
     outputs: list[Descriptor] = Field(default_factory=list, max_length=64)
     error: Optional[Annotated[str, Field(max_length=4000)]] = None
 

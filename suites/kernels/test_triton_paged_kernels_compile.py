@@ -29,7 +29,7 @@ import json, re, sys
 from pagedbench.kernels import paged_prefill as pp, paged_split_decode as sd
 from pagedbench.kernels.paged_features import kernels_are_interpreted
 from pagedbench.reference import PagedCase, materialize
-from pagedbench.suites.ahead_of_time import compile_like_launch
+from pagedbench.harness.lane.compile_check import compile_like_launch
 
 assert not kernels_are_interpreted()
 
