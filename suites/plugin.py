@@ -246,6 +246,14 @@ def early_device() -> str:
     return _early_device or ("cuda" if _cuda_visible() else "cpu")
 
 
+@pytest.fixture(autouse=True)
+def _record_impl(request: pytest.FixtureRequest, record_property) -> None:
+    """Each test of an implementation records it as the JUnit property ``impl``
+    (``pagedbench selftest`` reads it)."""
+    if "impl" in request.fixturenames:
+        record_property("impl", request.getfixturevalue("impl"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not _cuda_visible():
         skip_gpu = pytest.mark.skip(reason="needs a CUDA device; none is visible to torch")

@@ -7,8 +7,8 @@ through :func:`pagedbench.suites.plugin.implementations`, which checks ``--impl`
 fault of the catalogue (``--impl fault-...``, suites/faults) puts the catalogue's
 distribution on the path first (:func:`~pagedbench.harness.run.selftest.register_catalogue`),
 so its entry points register it as an out-of-tree kernel is registered. Each test
-records the implementation it checked as the JUnit property ``impl`` (``pagedbench
-selftest`` reads it).
+records the implementation it checked as the JUnit property ``impl`` (the plugin's
+``_record_impl``; ``pagedbench selftest`` reads it).
 """
 
 from __future__ import annotations
@@ -78,9 +78,3 @@ def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
         limit = "the profile's max_examples" if seconds is None else f"{seconds:g} s"
         terminalreporter.line(f"{impl}: {examples} examples in {used:.1f} s "
                               f"(budget {limit}; runs of {'+'.join(map(str, runs))})")
-
-
-@pytest.fixture(autouse=True)
-def _record_impl(request: pytest.FixtureRequest, record_property) -> None:
-    if "impl" in request.fixturenames:
-        record_property("impl", request.getfixturevalue("impl"))
