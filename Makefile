@@ -26,7 +26,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # plain install pulls PyPI's torchvision/torchaudio/torchcodec, which do not load beside the
 # CPU torch and break importing vLLM's Python modules ('operator torchvision::nms does not
 # exist'): remove them.
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml setup.py Makefile
 	mkdir -p $(TMPDIR)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip

@@ -100,7 +100,7 @@ def as_baseline(records: list[ResultRecord], impl: str) -> list[ResultRecord]:
     return [r.model_copy(update={"impl": BASELINE}) for r in records if r.impl == impl]
 
 
-def judge(tries: list[list[ResultRecord]], thresholds: Thresholds) -> dict[str, dict]:
+def gate_outcomes(tries: list[list[ResultRecord]], thresholds: Thresholds) -> dict[str, dict]:
     """Exit codes and outcome counts of every gate of :data:`RERUN` and the slowed
     implementations present against :data:`BASELINE`, ``fresh`` and ``stored`` (module
     docstring)."""
@@ -260,7 +260,7 @@ def _main(args: argparse.Namespace, parser: argparse.ArgumentParser, started: st
               flush=True)
     if not tries:
         parser.error(f"--from-runs {args.from_runs}: no .jsonl results there")
-    judged = judge(tries, thresholds)
+    judged = gate_outcomes(tries, thresholds)
     ok, lines = verdict(judged)
     device = tries[0][0].env.device if tries[0] else "?"
     print(f"device {device}, {args.threads} thread(s), {args.repetitions} repetitions, preset "

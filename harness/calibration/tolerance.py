@@ -167,7 +167,7 @@ def variants_for(dtype: str) -> tuple[str, ...]:
     return ("round_once",) if dtype == "float32" else VARIANTS
 
 
-def judge(case: PagedCase, variants: tuple[str, ...] = VARIANTS,
+def compare_variants(case: PagedCase, variants: tuple[str, ...] = VARIANTS,
           orders: tuple[str, ...] = ("blocked16",)) -> dict[tuple[str, str], object]:
     """Verdict figures of every variant on ``case`` with its logits summed in each of
     ``orders``: ``{(variant, order): Comparison}``."""
@@ -197,7 +197,7 @@ def calibrate(cases: int, long_cases: int, seed: int = 0,
             started = time.monotonic()
             for _ in range(count):
                 case = random_case(rng, dtype, kv_range, rng.randrange(2**31), spread)
-                for key, comparison in judge(case, variants_for(dtype), orders).items():
+                for key, comparison in compare_variants(case, variants_for(dtype), orders).items():
                     results[key].append(comparison)
             if progress:
                 progress(f"{dtype} {label}: {count} cases in {time.monotonic() - started:.0f} s")

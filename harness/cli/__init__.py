@@ -25,58 +25,96 @@ Implementations are found without importing them and imported only in worker pro
 (:func:`pagedbench.harness.run.protocol.worker_main`), so no plug-in can take a command down. Bad options and
 input files are refused with the option, the value and what is allowed (exit 2); exit codes are
 those of :class:`~pagedbench.harness.verdict.status.ExitCode`. Each command's options and body are
-in one module of this package (:mod:`.run`, :mod:`.bench`, :mod:`.listing`, :mod:`.results`,
-:mod:`.replay`;
-``simulate``'s in :mod:`pagedbench.harness.capacity.simulate`); this one builds the parser and
-turns errors into exit codes.
+in the modules :data:`COMMANDS` names, imported only when that command runs: ``--help`` and a
+wrong command answer without importing torch. This module builds the parser and turns errors
+into exit codes.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
+import importlib
 import os
 import signal
 import sys
 import traceback
 from pathlib import Path
+from collections.abc import Iterable
+from typing import NamedTuple
 
-from pagedbench.reference import PagedInputError
-
-from pagedbench.harness.capacity import simulate, tune
-from pagedbench.harness.cli import bench, listing, loop, replay, results, run
-from pagedbench.harness.cli.options import cache_dir_argument, writable_folder
-from pagedbench.harness.results.store import OutputError
 from pagedbench.harness.run.environment import (apply_environment, cache_environment,
                                                 default_cache_dir)
 from pagedbench.harness.verdict.status import ExitCode, exit_codes_help
 
 
-def _parser() -> argparse.ArgumentParser:
+class Command(NamedTuple):
+    """One command: ``module:function`` that adds its parser to the sub-parsers, the one
+    that runs it on the parsed arguments (returns the exit code), and its line of help."""
+
+    add_parser: str
+    run: str
+    help: str
+
+
+CLI = "pagedbench.harness.cli"
+COMMANDS = {
+    "run": Command(f"{CLI}.run:add_parser", f"{CLI}.run:cmd_run",
+                   "check and time implementations on model-preset cases"),
+    "bench": Command(f"{CLI}.bench:add_parser", f"{CLI}.bench:cmd_bench",
+                     "benchmark sweep: block size x batch x GQA layout x context x mode x dtype"),
+    "loop": Command(f"{CLI}.loop:add_parser", f"{CLI}.loop:cmd_loop",
+                    "a serving loop on one implementation: one pool, blocks reused, prefix "
+                    "hits, forks, preemption, plans replayed"),
+    "list": Command(f"{CLI}.listing:add_parser", f"{CLI}.listing:cmd_list",
+                    "implementations: available here or why not, version, build; NAME or "
+                    "--wide: what each declares"),
+    "report": Command(f"{CLI}.results:add_report_parser", f"{CLI}.results:cmd_report",
+                      "leaderboard from stored result files"),
+    "schema": Command(f"{CLI}.results:add_schema_parser", f"{CLI}.results:cmd_schema",
+                      "JSON Schema of a results-file line (docs/results.md)"),
+    "simulate": Command(f"{CLI}.capacity:add_simulate_parser",
+                        "pagedbench.harness.capacity.simulate:run",
+                        "KV capacity: contiguous reservation vs paged allocation on a trace"),
+    "tune": Command(f"{CLI}.capacity:add_tune_parser", "pagedbench.harness.capacity.tune:run",
+                    "block size per workload from measured kernel time and simulated capacity"),
+    "replay": Command(f"{CLI}.replay:add_replay_parser", f"{CLI}.replay:cmd_replay",
+                      "re-run one case through the conformance check, in a worker"),
+    "selftest": Command(f"{CLI}.replay:add_selftest_parser", f"{CLI}.replay:cmd_selftest",
+                        "run the conformance suite on the fault catalogue"),
+    "gate": Command(f"{CLI}.results:add_gate_parser", f"{CLI}.results:cmd_gate",
+                    "current results against a baseline: exit 1 on a conformance regression "
+                    "or a slowdown"),
+}
+
+
+def _function(target: str):
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _parser(full: Iterable[str] = COMMANDS) -> argparse.ArgumentParser:
+    """The parser of every command: those in ``full`` with their options (their modules
+    imported; one without a description of its own shows its line of help), the others by
+    name and help alone. ``main`` first parses with none in full, so that ``--help`` and a
+    missing or unknown command answer before any command's module is imported."""
     parser = argparse.ArgumentParser(prog="pagedbench", description=__doc__.split("\n\n")[0],
                                      epilog=exit_codes_help(),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    run.add_parser(sub)
-    bench.add_parser(sub)
-    loop.add_parser(sub)
-    listing.add_parser(sub)
-    results.add_parsers(sub)
-    simulate.add_arguments(sub.add_parser(
-        "simulate", help="KV capacity: contiguous reservation vs paged allocation on a trace"))
-    tune_parser = sub.add_parser(
-        "tune", help="block size per workload from measured kernel time and simulated capacity",
-        description=tune.__doc__.split("\n\n")[0], epilog=exit_codes_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    tune.add_arguments(tune_parser)
-    cache_dir_argument(tune_parser)
-    replay.add_replay_parser(sub)
-    replay.add_selftest_parser(sub)
+    for name, command in COMMANDS.items():
+        if name in full:
+            _function(command.add_parser)(sub)
+            sub.choices[name].description = sub.choices[name].description or command.help
+        else:
+            sub.add_parser(name, help=command.help, add_help=False)
     return parser
 
 
 def _writable_outputs(args: argparse.Namespace) -> None:
     """Check every output folder a command was given, before it runs."""
+    from pagedbench.harness.cli.options import writable_folder
+
     for dest, option in (("results_dir", "--results-dir"), ("cache_dir", "--cache-dir"),
                          ("output_dir", "--output-dir"), ("plots_dir", "--plots-dir")):
         if getattr(args, dest, None) is not None:
@@ -95,17 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedbench`` console script; returns the exit code
     (:class:`~pagedbench.harness.verdict.status.ExitCode`; ``128 + N`` when stopped by signal
     N)."""
-    args = _parser().parse_args(argv)
-    commands = {"run": run.cmd_run, "bench": bench.cmd_bench, "loop": loop.cmd_loop,
-                "list": listing.cmd_list,
-                "report": results.cmd_report, "schema": results.cmd_schema,
-                "simulate": simulate.run, "tune": tune.run, "replay": replay.cmd_replay,
-                "selftest": replay.cmd_selftest, "gate": results.cmd_gate}
+    command = _parser(full=()).parse_known_args(argv)[0].command
+    args = _parser(full=[command]).parse_args(argv)
+    # Once a command is chosen (these import torch):
+    from pagedbench.reference import PagedInputError
+
+    from pagedbench.harness.results.store import OutputError
+
     try:
         _writable_outputs(args)
         apply_environment(cache_environment(getattr(args, "cache_dir", default_cache_dir()),
                                             create=args.command not in READ_ONLY_COMMANDS))
-        return commands[args.command](args)
+        return _function(COMMANDS[command].run)(args)
     except PagedInputError as exc:
         print(f"pagedbench {args.command}: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE_ERROR)

@@ -38,8 +38,7 @@ from pagedbench.harness.verdict.truth import HOST_TRUTH_FRACTION, truth_site
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedbench bench`` and its options."""
     _bench_arguments(sub.add_parser(
-        "bench", help="benchmark sweep: block size x batch x GQA layout x context x mode x dtype",
-        description=bench.__doc__.split("\n\n")[0], epilog=exit_codes_help(),
+        "bench", description=bench.__doc__.split("\n\n")[0], epilog=exit_codes_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
 

@@ -32,8 +32,7 @@ from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedbench list`` and its options."""
-    list_p = sub.add_parser("list", help="implementations: available here or why not, "
-                            "version, build; NAME or --wide: what each declares")
+    list_p = sub.add_parser("list")
     list_p.add_argument("names", nargs="*", metavar="NAME",
                         help="show what these implementations declare, one block each")
     list_p.add_argument("--device", type=device_arg, default="cpu",

@@ -34,9 +34,7 @@ TRACES = "loop-traces"
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedbench loop`` and its options."""
     p = sub.add_parser(
-        "loop", help="a serving loop on one implementation: one pool, blocks reused, prefix "
-                     "hits, forks, preemption, plans replayed",
-        description="Drive one implementation through a serving loop: the reference "
+        "loop", description="Drive one implementation through a serving loop: the reference "
                     "allocator admits requests (half sharing a cached prompt prefix), "
                     "prefills them in chunks beside decodes, forks, finishes, preempts and "
                     "swaps them, on one persistent pool whose freed blocks keep their K/V; "

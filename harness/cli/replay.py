@@ -28,8 +28,7 @@ from pagedbench.harness.verdict.status import ExitCode, exit_code, exit_codes_he
 def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedbench replay`` and its options."""
     replay_p = sub.add_parser(
-        "replay", help="re-run one case through the conformance check, in a worker",
-        description="Re-run one case (what a conformance failure message names, a result "
+        "replay", description="Re-run one case (what a conformance failure message names, a result "
                     "line, or a regression case) through the conformance check in a "
                     "worker, as `pagedbench run` does, and show the verdict and figures.",
         epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,8 +149,7 @@ def _replay_trace(args: argparse.Namespace) -> int:
 def add_selftest_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedbench selftest`` and its options."""
     selftest_p = sub.add_parser(
-        "selftest", help="run the conformance suite on the fault catalogue",
-        description="Run `pytest suites/conformance` on every fault of the catalogue "
+        "selftest", description="Run `pytest suites/conformance` on every fault of the catalogue "
                     "(suites/faults) and on its fault-free control; print which property "
                     "caught each fault, its shrunk case and the seconds it took. Exit 1 "
                     "when a fault is missed or the control fails.",

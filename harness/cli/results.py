@@ -34,9 +34,9 @@ MOVED = (Outcome.BROKEN, Outcome.SLOWER, Outcome.FASTER, Outcome.FIXED)
 MAX_GATE_ROWS = 30
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
-    """``pagedbench report``, ``schema`` and ``gate`` and their options."""
-    report_p = sub.add_parser("report", help="leaderboard from stored result files")
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench report`` and its options."""
+    report_p = sub.add_parser("report")
     report_p.add_argument("paths", nargs="+", type=Path,
                           help=".jsonl result files or folders of them (merged in order)")
     report_p.add_argument("--format", choices=["md", "csv", "html", "site"], default="md",
@@ -52,10 +52,17 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                           "folder with --format site)")
     report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
                           help="also write the bench plots there as PNG files")
-    sub.add_parser("schema", help="JSON Schema of a results-file line (docs/results.md)")
+
+
+def add_schema_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench schema`` (no options)."""
+    sub.add_parser("schema")
+
+
+def add_gate_parser(sub: argparse._SubParsersAction) -> None:
+    """``pagedbench gate`` and its options."""
     _gate_arguments(sub.add_parser(
-        "gate", help="current results against a baseline: exit 1 on a conformance "
-        "regression or a slowdown", description=gate.__doc__.split("\n\n")[0],
+        "gate", description=gate.__doc__.split("\n\n")[0],
         epilog=exit_codes_help(GATE_EXIT_MEANING),
         formatter_class=argparse.RawDescriptionHelpFormatter))
 

@@ -34,8 +34,7 @@ from pagedbench.harness.verdict.status import ExitCode, exit_code, exit_codes_he
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedbench run`` and its options."""
-    run_p = sub.add_parser("run", help="check and time implementations on model-preset cases",
-                           epilog=exit_codes_help(),
+    run_p = sub.add_parser("run", epilog=exit_codes_help(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     run_p.add_argument("--impl", action="append", default=[], metavar="NAME",
                        help="implementation to run (repeatable; default: all)")

@@ -116,12 +116,15 @@ def wheel(tmp_path_factory) -> Path:
     """pagedbench's wheel, built from the checkout once per session (per pytest-xdist
     worker). setuptools builds in the checkout's ``build/`` (``bdist.*``, ``lib``), so the
     workers take turns under a lock there: two at once failed one of them ("File exists:
-    'build/bdist.linux-x86_64/wheel/pagedbench-0.1.0.dist-info'", a fresh-clone make test)."""
+    'build/bdist.linux-x86_64/wheel/pagedbench-0.1.0.dist-info'", a fresh-clone make test),
+    each from an empty ``build/lib``, so that the wheel holds only what the checkout has."""
     dist = tmp_path_factory.mktemp("dist")
     lock = installed.ROOT / "build" / "wheel-build.lock"
     lock.parent.mkdir(exist_ok=True)
     with lock.open("w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # released when the file closes
+        # setuptools copies into build/lib and never removes what the checkout dropped.
+        shutil.rmtree(installed.ROOT / "build" / "lib", ignore_errors=True)
         installed.pip("wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w",
                       str(dist), str(installed.ROOT),
                       env=installed.quiet_env(TMPDIR=str(dist)), cwd=dist)

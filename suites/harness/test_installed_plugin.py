@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -167,6 +168,36 @@ def test_the_oldest_allowed_pytest_runs_the_suite(outside, wheel) -> None:
     assert "failed" in _summary(broken)
     wrong = old.pytest(*CONFORMANCE, "--impl", "yours", folder="wrong-impl")
     assert wrong.returncode == pytest.ExitCode.USAGE_ERROR, wrong.stdout[-2000:]
+
+
+#: The checkout's folders that install as ``pagedbench.<folder>`` (setup.py).
+INSTALLED_FOLDERS = ("reference", "kernels", "adapters", "harness", "suites")
+
+
+def test_the_wheel_holds_every_folder_of_the_checkout(wheel) -> None:
+    """Every folder holding Python or JSON under the installed top-level folders is in
+    the wheel, with each of its files, found by walking the checkout (not setup.py's
+    list); and no other top-level folder holds importable code the wheel leaves out."""
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = set(archive.namelist())
+    expected = {"pagedbench/__main__.py"}
+    for folder in INSTALLED_FOLDERS:
+        for path in (ROOT / folder).rglob("*"):
+            if path.suffix in (".py", ".json") and "__pycache__" not in path.parts \
+                    and not any(part.endswith(".dist-info") for part in path.parts):
+                expected.add(f"pagedbench/{path.relative_to(ROOT)}")
+    assert len(expected) > 300 and not expected - shipped, sorted(expected - shipped)
+    others = {p.parent.relative_to(ROOT).parts[0] for p in ROOT.glob("*/*.py")}
+    assert others <= {*INSTALLED_FOLDERS, "pagedbench", "scripts", "docs"}, others
+
+
+def test_the_installed_commands_answer_help(venv) -> None:
+    """``python -m`` on the modules README tells a user to run, from the wheel."""
+    for module in ("pagedbench", "pagedbench.harness.calibration.gate"):
+        proc = subprocess.run([venv.python, "-m", module, "--help"], env=venv.env,
+                              cwd=venv.base, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.startswith("usage: "), proc.stdout[:500]
 
 
 @pytest.mark.nightly

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedbench.harness.calibration.tolerance import (FAULTY, judge, random_case,
+from pagedbench.harness.calibration.tolerance import (FAULTY, compare_variants, random_case,
                                                       truncate_toward_zero, variants_for)
 
 #: Random cases per dtype in `make test` (the documented command draws 1000).
@@ -39,7 +39,7 @@ def test_correct_variants_pass_random_cases(dtype: str) -> None:
     for _ in range(SAMPLE):
         case = random_case(rng, dtype, seed=rng.randrange(2**31))
         correct = tuple(v for v in variants_for(dtype) if v != FAULTY)
-        for (variant, order), comparison in judge(case, correct).items():
+        for (variant, order), comparison in compare_variants(case, correct).items():
             assert comparison.passed, (f"{variant} ({order}) on {case.to_dict()}: "
                                        f"{comparison.reason}")
 
@@ -49,6 +49,6 @@ def test_low_precision_accumulator_fails_long_contexts(dtype: str) -> None:
     rng = random.Random(f"long-{dtype}")
     for _ in range(LONG_SAMPLE):
         case = random_case(rng, dtype, (4096, 8192), rng.randrange(2**31), spread=True)
-        comparison = judge(case, (FAULTY,))[FAULTY, "blocked16"]
+        comparison = compare_variants(case, (FAULTY,))[FAULTY, "blocked16"]
         assert not comparison.passed, f"{FAULTY} passed {case.to_dict()}"
         assert comparison.max_err_ulps > 4
