@@ -23,8 +23,9 @@ from pagedbench.reference.axes import LAYOUTS
 from .base import Adapter, Availability, Capabilities, Prepared
 
 #: Degenerate rows hold because SDPA returns 0 for a query row whose boolean mask is all
-#: False and for zero keys (torch 2.5 and later; measured on 2.13.0, pinned by
-#: suites/conformance/test_edges.py). One SDPA call per sequence: nothing a sequence
+#: False (torch 2.5 and later; measured on 2.13.0, pinned by
+#: suites/conformance/test_edges.py); a sequence with no key gets its zeros without SDPA,
+#: whose float16 CPU kernel returns NaN over zero keys for queries near 3e3 (torch 2.13.0). One SDPA call per sequence: nothing a sequence
 #: computes depends on the others, so its output is bitwise batch invariant. It reads q
 #: and the cache through their strides; it returns its own output (no buffer to stride).
 CAPABILITIES = Capabilities(
@@ -77,7 +78,9 @@ def _sequences(inputs: PagedInputs) -> list[_SdpaSequence]:
 
 def _sdpa(seq: _SdpaSequence, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """SDPA of one sequence over ``k, v: [1, num_kv_heads, kv_len, head_dim]`` ->
-    ``[q_len, num_q_heads, head_dim]``."""
+    ``[q_len, num_q_heads, head_dim]``; zeros when there is no key."""
+    if k.shape[2] == 0:
+        return seq.q.new_zeros(seq.q.shape[2], seq.q.shape[1], v.shape[-1])
     out = F.scaled_dot_product_attention(seq.q, k, v, attn_mask=seq.mask, scale=scale,
                                          enable_gqa=True)  # [1, hq, q_len, d]
     return out[0].transpose(0, 1)

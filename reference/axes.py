@@ -26,6 +26,12 @@ KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+#: fp8 caches' ``(k_scale, v_scale)`` the suites use: unequal, neither 1 nor each other's
+#: reciprocal, so that a kernel that drops a scale, swaps the two or divides by one is off
+#: by a factor of 1.6 or more, which no tolerance hides. The first pair is the serving
+#: loop's. A latent cache stores V as K's first channels under one scale (``v_scale`` is
+#: ``k_scale`` there).
+FP8_SCALES: tuple[tuple[float, float], ...] = ((0.37, 1.6), (0.5, 0.25), (2.0, 0.75))
 #: Largest ``sm_scale``, ``logits_soft_cap``, ``k_scale``, ``v_scale``, ``qk_magnitude``
 #: and ``v_magnitude`` accepted: past it the logits of unit-normal inputs can overflow even
 #: the float64 truth (a scale of 1e308 gives inf - inf = NaN in its softmax), so the case

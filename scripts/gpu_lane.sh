@@ -5,7 +5,7 @@
 #                            [--impl NAME ...] [--points N]
 #
 # 1. makes `pagedbench.*` importable from this checkout (scripts/gpu_shim.py: a folder of
-#    links under build/gpu-shim, from pyproject's package-dir);
+#    links under build/gpu-shim, from setup.py's ROOTS);
 # 2. installs the carried wheels (CARRY/wheels/*.whl, default carry build/gpu-carry, made
 #    by `make gpu-carry`) with pip --no-index --no-deps into build/gpu-site, puts the
 #    carry's FlashInfer modules compiled ahead of time (CARRY/flashinfer-aot/<name>/) where

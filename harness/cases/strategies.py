@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 from pagedbench.adapters.base import FEATURES, Capabilities, allows
 from pagedbench.reference import PagedCase
-from pagedbench.reference.axes import KV_CACHE_DTYPES, LAYOUTS, POISONS
+from pagedbench.reference.axes import FP8_SCALES, KV_CACHE_DTYPES, LAYOUTS, POISONS
 
 BLOCK_SIZES = (1, 2, 8, 16, 32, 48, 64, 128, 256)
 GQA_RATIOS = (1, 2, 4, 5, 8)
@@ -260,8 +260,7 @@ def paged_cases(
     kv_cache_dtype = draw(st.sampled_from(kv_cache_dtypes))
     scales = {}
     if kv_cache_dtype != "auto":
-        scales = {"k_scale": draw(st.sampled_from((0.5, 1.0, 2.0))),
-                  "v_scale": draw(st.sampled_from((0.25, 1.0)))}
+        scales = dict(zip(("k_scale", "v_scale"), draw(st.sampled_from(FP8_SCALES))))
     sm_scale = draw(st.one_of(st.none(), st.sampled_from(EDGE_SM_SCALES if edges
                                                          else SM_SCALES)))
     head_dim = draw(st.sampled_from(head_dims))

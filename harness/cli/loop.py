@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from pagedbench.reference import PagedCase, PagedValueError
+from pagedbench.reference.axes import FP8_SCALES
 
 from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.harness.cli.options import (cache_dir_argument, checked_device, device_arg,
@@ -56,8 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16",
                    help="default: bfloat16")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
-                   default="auto", help="default: auto (the dtype's); fp8 takes k_scale 0.37 "
-                                        "and v_scale 2.9")
+                   default="auto", help="default: auto (the dtype's); fp8 takes k_scale "
+                                        f"{FP8_SCALES[0][0]} and v_scale {FP8_SCALES[0][1]}")
     p.add_argument("--num-blocks", type=int_in(2, 1 << 20), default=48,
                    help="blocks the allocator hands out (default: 48)")
     p.add_argument("--max-batch", type=int_in(1, 4096), default=8, help="default: 8")
@@ -87,7 +88,8 @@ def loop_spec(args: argparse.Namespace) -> LoopSpec:
     else:
         shape = dict(num_q_heads=DEFAULT_HEADS[0], num_kv_heads=DEFAULT_HEADS[1],
                      head_dim=DEFAULT_HEAD_DIM, name="loop")
-    scales = {} if args.kv_cache_dtype == "auto" else {"k_scale": 0.37, "v_scale": 2.9}
+    scales = {} if args.kv_cache_dtype == "auto" else dict(zip(("k_scale", "v_scale"),
+                                                               FP8_SCALES[0]))
     if scales and shape.get("latent_cache"):
         scales["v_scale"] = scales["k_scale"]
     case = PagedCase(kv_lens=(1,), block_size=args.block_size, dtype=args.dtype,

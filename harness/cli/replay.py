@@ -194,8 +194,9 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         config = runner.RunConfig(timing=False, cache_dir=args.cache_dir, suite="selftest")
         for path in selftest.save_regressions(rows, selftest.REGRESSION_CASES, config):
             print(f"saved: {path}")
-    caught = sum(r.verdict == "caught" for r in rows)
-    faults = sum(r.name != selftest.CONTROL for r in rows)
-    print(f"\n{caught} of {faults} faults caught ({args.hypothesis_profile} profile); "
-          f"{sum(r.seconds for r in rows):.0f} s")
+    faults = [r for r in rows if r.name != selftest.CONTROL]
+    print(f"\n{sum(map(selftest.caught, faults))} of {len(faults)} faults caught "
+          f"({sum(r.verdict == 'caught' for r in faults)} by the per-call suite, "
+          f"{sum(r.loop_verdict == 'caught' for r in faults)} by the serving loop; "
+          f"{args.hypothesis_profile} profile); {sum(r.seconds for r in rows):.0f} s")
     return int(ExitCode.CLEAN if selftest.passed(rows) else ExitCode.CONFORMANCE_FAILURE)

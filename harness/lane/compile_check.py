@@ -8,7 +8,7 @@ The check runs in a virtual environment of its own (:func:`make_venv`: ``triton=
 the version on the lane's GPU machine, over this interpreter's other packages, pagedbench
 through ``scripts/gpu_shim.py``), without ``TRITON_INTERPRET``. There, each Triton
 implementation of the lane (:data:`LANE_TRITON_IMPLS`: ours, vLLM's from a carry made
-here as ``make gpu-carry`` makes it, SGLang's from the files ``make`` extracted,
+here as ``make gpu-carry`` makes it, SGLang's and LMDeploy's from the files ``make`` extracted,
 xformers' split-k) prepares and runs a miniature of each of the lane's sweep points and
 its conformance cases with ``JITFunction.run`` recording the launches instead of running
 them (:func:`record_launches`; xformers' op is applied directly, past its dispatcher's
@@ -50,7 +50,7 @@ CAPABILITY = 90
 #: and compile only against a device; FlashInfer's are CUDA, built by ``make gpu-carry``).
 LANE_TRITON_IMPLS = ("pagedbench-triton", "pagedbench-triton-split", "pagedbench-triton-prefill",
                      "vllm-unified", "vllm-decode", "vllm-chunked-prefill", "sglang-decode",
-                     "sglang-extend", "xformers")
+                     "sglang-extend", "lmdeploy-decode", "lmdeploy-prefill", "xformers")
 #: The GPU the launches are planned for: an H200's SMs (its split heuristics read them).
 H200_SM_COUNT = 132
 
@@ -96,9 +96,11 @@ def launch_key(kernel: Any, args: tuple, kwargs: dict) -> str:
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple[Any, tuple, dict]]]:
     """Within it, every ``JITFunction`` launch is appended to the list it gives as
-    ``(kernel, args, kwargs)`` instead of running; and CUDA reports an H200 (compute
-    capability 9.0, :data:`H200_SM_COUNT` SMs) to what asks while planning."""
+    ``(kernel, args, kwargs)`` instead of running; and CUDA and Triton's driver report an
+    H200 (compute capability 9.0, :data:`H200_SM_COUNT` SMs) to what asks while planning."""
     import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
     launches: list[tuple[Any, tuple, dict]] = []
@@ -114,11 +116,17 @@ def recording() -> Iterator[list[tuple[Any, tuple, dict]]]:
         multi_processor_count=H200_SM_COUNT, major=CAPABILITY // 10, minor=CAPABILITY % 10,
         name="NVIDIA H200")
     torch.cuda.current_device = lambda: 0
+    # Triton's own driver, which LMDeploy asks for the backend, is the H200's too (the
+    # attribute is None until a driver is first asked for, so it is put back as it was).
+    active = driver._active
+    driver.set_active(types.SimpleNamespace(
+        get_current_target=lambda: GPUTarget("cuda", CAPABILITY, 32)))
     try:
         yield launches
     finally:
         (JITFunction.run, torch.cuda.get_device_capability, torch.cuda.get_device_properties,
          torch.cuda.current_device) = saved
+        driver._active = active
 
 
 def record_launches(name: str, adapter: Any, inputs: Any) -> list[tuple[Any, tuple, dict]]:

@@ -335,16 +335,16 @@ def save_regressions(rows: list[FaultRow], folder: Path,
     return saved
 
 
+def caught(row: FaultRow) -> bool:
+    """Whether the fault of ``row`` was caught: by the serving loop when it keeps state
+    across calls, else by either suite."""
+    return row.loop_verdict == "caught" or (not row.keeps_state and row.verdict == "caught")
+
+
 def passed(rows: list[FaultRow]) -> bool:
-    """True when the control passed both suites and every fault was caught: by the
-    serving loop when it keeps state across calls, else by either suite."""
-    for row in rows:
-        if row.name == CONTROL:
-            if (row.verdict, row.loop_verdict) != ("passed", "passed"):
-                return False
-        elif row.loop_verdict != "caught" and (row.keeps_state or row.verdict != "caught"):
-            return False
-    return True
+    """True when the control passed both suites and every fault was :func:`caught`."""
+    return all((row.verdict, row.loop_verdict) == ("passed", "passed") if row.name == CONTROL
+               else caught(row) for row in rows)
 
 
 def table(rows: list[FaultRow]) -> list[dict[str, str]]:

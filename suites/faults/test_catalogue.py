@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from importlib.metadata import distributions
@@ -102,8 +103,19 @@ def selftest_rows(tmp_path_factory, pytestconfig) -> dict[str, dict]:
     rows = {r["name"]: r for r in json.loads((out / "rows.json").read_text())}
     for name, row in rows.items():  # the table names every fault and its report
         assert name in proc.stdout and (row["imitates"] or "-") in proc.stdout
+    # Exit 0 exactly when the control passes both suites and each fault is caught: by the
+    # loop when it keeps state across calls, else by either suite.
     assert (proc.returncode == 0) == all(
-        r["verdict"] in ("caught", "passed") for r in rows.values())
+        (r["verdict"], r["loop_verdict"]) == ("passed", "passed") if r["name"] == selftest.CONTROL
+        else r["loop_verdict"] == "caught" or (r["verdict"] == "caught" and not r["keeps_state"])
+        for r in rows.values())
+    caught = re.search(r"(\d+) of (\d+) faults caught \((\d+) by the per-call suite, (\d+) by "
+                       r"the serving loop", proc.stdout)
+    faults = [r for r in rows.values() if r["name"] != selftest.CONTROL]
+    assert caught and [int(n) for n in caught.groups()] == [
+        sum(r["loop_verdict"] == "caught" or (r["verdict"] == "caught" and not r["keeps_state"])
+            for r in faults), len(faults), sum(r["verdict"] == "caught" for r in faults),
+        sum(r["loop_verdict"] == "caught" for r in faults)], proc.stdout[-500:]
     return rows
 
 

@@ -24,14 +24,17 @@ def test_the_check_covers_every_point_of_the_lane() -> None:
 
 def test_recording_stands_in_for_an_h200_and_puts_everything_back() -> None:
     pytest.importorskip("triton")
+    from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
     before = (JITFunction.run, torch.cuda.get_device_capability,
-              torch.cuda.get_device_properties, torch.cuda.current_device)
+              torch.cuda.get_device_properties, torch.cuda.current_device, driver._active)
     with compile_check.recording() as launches:
+        target = driver.active.get_current_target()
+        assert (target.backend, target.arch) == ("cuda", 90)
         assert torch.cuda.get_device_capability() == (9, 0)
         assert torch.cuda.get_device_properties(0).multi_processor_count == 132
         JITFunction.run(object(), 1, 2, grid=(1,), warmup=False, BLOCK=16)
         assert launches[0][1:] == ((1, 2), {"BLOCK": 16})
     assert (JITFunction.run, torch.cuda.get_device_capability,
-            torch.cuda.get_device_properties, torch.cuda.current_device) == before
+            torch.cuda.get_device_properties, torch.cuda.current_device, driver._active) == before

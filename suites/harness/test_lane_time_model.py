@@ -22,16 +22,16 @@ def test_the_h200_plan_fits_nine_minutes_and_leads_with_whole_points() -> None:
     at most 540 s modelled, the lane's first workload among them."""
     selection, found = h200(sweep.CUDA_SELECTION)
     assert steps.lane_impls(selection)[0] == "sdpa-contiguous"
-    assert len(steps.lane_impls(selection)) == len(sweep.CUDA_IMPLS) == 14
+    assert len(steps.lane_impls(selection)) == len(sweep.CUDA_IMPLS) == 16
     assert selection.points >= 2
     assert found["total"] <= found["limit"] == 540
-    assert found["counts"]["worker_starts"] == 14 * (1 + selection.points)
+    assert found["counts"]["worker_starts"] == 16 * (1 + selection.points)
     assert "-32q1s4k-" in selection.sweep_cases()[0].case_id
     one_more = lane_model(steps.plan_of(selection.with_(points=selection.points + 1), "cuda",
                                         steps.lane_impls(selection), H200_L2_BYTES))
     assert one_more["total"] > 540
     table = model_table(found)
-    assert table.splitlines()[0].startswith("gpu-lane time model: 14 implementations, 4 "
+    assert table.splitlines()[0].startswith("gpu-lane time model: 16 implementations, 4 "
                                             "conformance cases, ")
     assert table.splitlines()[-1].split()[-2:] == ["540", "s"]
 

@@ -71,3 +71,20 @@ def test_the_search_draws_batches_like_production_at_small_shapes() -> None:
     assert all(max(c.kv_lens) <= LARGE_BATCH_MAX_KV and len(set(c.kv_lens)) > 1
                for c in large)
     assert max(c.batch_size for c in _drawn()) <= 4
+
+
+def test_fp8_scales_are_unequal_not_one_nor_reciprocal_on_shared_blocks_too() -> None:
+    """A kernel that drops, swaps or inverts a scale is off by a visible factor: every fp8
+    case's scales differ from 1, from each other and from each other's reciprocal (a
+    latent cache has one scale), prefix hits and forks among them."""
+    fp8 = [c for c in _drawn() if c.kv_cache_dtype != "auto"]
+    assert len(fp8) >= DRAWS // 10, len(fp8)
+    for case in fp8:
+        k, v = case.k_scale, case.v_scale
+        assert abs(math.log(k)) > 0.2 and abs(math.log(v)) > 0.2, (k, v)
+        if case.latent_cache:
+            assert k == v
+        else:
+            assert abs(math.log(k / v)) > 0.2 and abs(math.log(k * v)) > 0.2, (k, v)
+    assert any(c.shared_blocks and not c.latent_cache for c in fp8)
+

@@ -100,13 +100,15 @@ def test_steps_count_what_the_kernels_iterate(kv_lens, num_kv_heads, window, inv
 def test_merge_of_given_partials_with_empty_splits():
     """Partials written by hand, two of four splits empty (max -inf, sum 0), and one
     sequence with no key at all: the merge must give sum_s 2^(m_s - m) acc_s over
-    sum_s 2^(m_s - m) l_s, computed here in float64, and 0 for the empty sequence."""
+    sum_s 2^(m_s - m) l_s, computed here in float64, and 0 for the empty sequence; its
+    log-sum-exp (natural log) ln 2 (m + log2 sum_s 2^(m_s - m) l_s), and -inf for the empty
+    sequence."""
     case = PagedCase(kv_lens=(200, 200), num_q_heads=4, num_kv_heads=1, head_dim=64,
                      block_size=16, dtype="float32", name="merge")
     inputs = materialize(case, DEVICE)
     launch = sd.plan_paged_split_decode(inputs.q, inputs.kv_cache, inputs.block_tables,
                                         inputs.kv_lens, inputs.scale, num_splits=4)
-    part_acc, part_m, part_l = launch.merge_args[3:6]
+    part_acc, part_m, part_l = launch.merge_args[4:7]
     gen = torch.Generator().manual_seed(0)
     m = torch.randn(part_m.shape, generator=gen, dtype=torch.float64) * 4
     l_ = torch.rand(part_l.shape, generator=gen, dtype=torch.float64) * 10 + 0.5
@@ -120,6 +122,10 @@ def test_merge_of_given_partials_with_empty_splits():
     expected = (w[..., None] * acc[0]).sum(1) / (w * l_[0]).sum(1)[:, None]
     torch.testing.assert_close(launch.out[0].double().cpu(), expected, rtol=1e-5, atol=1e-6)
     assert bool((launch.out[1] == 0).all())
+    top = m[0].max(dim=1).values
+    lse = (top + torch.log2((w * l_[0]).sum(1))) * math.log(2)
+    torch.testing.assert_close(launch.lse[0].double().cpu(), lse, rtol=1e-5, atol=1e-5)
+    assert bool((launch.lse[1] == -math.inf).all())
 
 
 # Validation and the output buffer --------------------------------------------------

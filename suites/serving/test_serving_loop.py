@@ -6,10 +6,13 @@ the shared partial block), finished (their blocks handed out again with their K/
 them), preempted and re-admitted, swapped out and in; plans replayed on new metadata for
 an implementation that declares ``plan_reuse`` (``harness/verdict/serving.py``).
 
-A hypothesis state machine (:func:`machine_for`) chooses the events; a failing loop shrinks
-to its shortest event sequence, saved as a trace that ``pagedbench replay TRACE --impl
-NAME`` reruns, and the failure names the step, the sequence, the row and the event. Run
-one implementation: ``pytest suites/serving --impl NAME``.
+Each loop configuration is driven first by ``pagedbench loop``'s seeded scheduler
+(:func:`scheduled_loop`: the same events on every host, so what it exercises is stated
+exactly, suites/serving/test_serving_coverage.py), then by a hypothesis state machine
+(:func:`machine_for`) that chooses the events and shrinks a failing loop to its shortest
+event sequence. A failure is saved as a trace that ``pagedbench replay TRACE --impl NAME``
+reruns, and names the step, the sequence, the row and the event. Run one implementation:
+``pytest suites/serving --impl NAME``.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, precondition
                                  run_state_machine_as_test)
 
 from pagedbench.adapters import Adapter
+from pagedbench.harness.run.loop import Scheduler
 from pagedbench.harness.verdict.serving import (Admit, Finish, Fork, LoopEventError, LoopSpec,
                                                 Preempt, Readmit, Step, SwapIn, SwapOut)
 from pagedbench.harness.verdict.serving_judge import InMemoryLoop, describe_failure, save_failure
 from pagedbench.harness.verdict.status import Status
+from pagedbench.reference.axes import FP8_SCALES
 from pagedbench.reference.serving import VOCAB
 
 from pagedbench.suites import plugin
@@ -39,9 +44,9 @@ from .conftest import DEVICE, loop_budget
 #: Batch sizes a loop in graph mode pads its decode-only batches to (an engine captures a
 #: graph per size and pads a batch to the next one: vLLM's cudagraph_capture_sizes).
 CAPTURED_SIZES = (2, 4, 8)
-#: fp8 scales of an fp8 loop: unequal, neither 1 nor each other's reciprocal, so a path
-#: that drops one, swaps them or applies one twice shows.
-FP8_SCALES = {"k_scale": 0.37, "v_scale": 2.9}
+#: fp8 scales of an fp8 loop (``FP8_SCALES``' first pair: unequal, neither 1 nor each
+#: other's reciprocal, so a path that drops one, swaps them or applies one twice shows).
+LOOP_SCALES = dict(zip(("k_scale", "v_scale"), FP8_SCALES[0]))
 
 
 def loop_specs(adapter: Adapter) -> list[LoopSpec]:
@@ -53,8 +58,8 @@ def loop_specs(adapter: Adapter) -> list[LoopSpec]:
     cases = [case]
     fp8 = sorted(caps.kv_cache_dtypes - {"auto"})
     if fp8:
-        scales = dict(FP8_SCALES, v_scale=FP8_SCALES["k_scale"]) if case.latent_cache \
-            else FP8_SCALES
+        scales = dict(LOOP_SCALES, v_scale=LOOP_SCALES["k_scale"]) if case.latent_cache \
+            else LOOP_SCALES
         cases.append(case.with_(kv_cache_dtype=fp8[0], **scales))
     tokens = max(5 * case.block_size, 48)
     per_sequence = -(-tokens // case.block_size)
@@ -64,15 +69,15 @@ def loop_specs(adapter: Adapter) -> list[LoopSpec]:
                      num_host_blocks=2 * per_sequence) for c in cases]
 
 
-def machine_for(adapter: Adapter, spec: LoopSpec, impl: str,
-                traces: Path) -> type[RuleBasedStateMachine]:
-    """A state machine driving ``adapter`` through loops of ``spec``; its class counts
-    what every loop it ran exercised (``reached``)."""
+def machine_for(adapter: Adapter, spec: LoopSpec, impl: str, traces: Path,
+                graphs: bool) -> type[RuleBasedStateMachine]:
+    """A state machine driving ``adapter`` through loops of ``spec``, its decode batches
+    padded to a captured graph's size (:data:`CAPTURED_SIZES`) with empty rows when
+    ``graphs``; its class counts what every loop it ran exercised (``reached``)."""
     capabilities = adapter.capabilities(DEVICE)
     block_size = spec.template().block_size
     prefill_mode = "prefill" in capabilities.modes
     shares = capabilities.shared_blocks
-    pads = "empty_kv" in capabilities.features
 
     class ServingLoop(RuleBasedStateMachine):
         reached: Counter = Counter()
@@ -85,7 +90,7 @@ def machine_for(adapter: Adapter, spec: LoopSpec, impl: str,
             self.prompts: list[list[int]] = []
             self.preempted: list[int] = []
             self.swapped: list[int] = []
-            self.graphs, self.decode_tokens = False, 1
+            self.decode_tokens = 1
 
         # What the pool and the batch allow ---------------------------------------
         def on_device(self) -> int:
@@ -106,10 +111,7 @@ def machine_for(adapter: Adapter, spec: LoopSpec, impl: str,
                 raise AssertionError(f"the state machine made an event the reference "
                                      f"refuses: {exc}") from exc
             if verdict is not None and verdict.status in (Status.FAIL, Status.ERROR):
-                digest = hashlib.sha256(str(self.loop.judge.events).encode()).hexdigest()[:8]
-                path = save_failure(traces / f"{impl}-{digest}.jsonl", self.loop.judge)
-                raise AssertionError(f"{impl}: {describe_failure(verdict, self.loop.judge)}; "
-                                     f"replay: pagedbench replay {path} --impl {impl}")
+                raise _failed(self.loop, verdict, impl, traces)
 
         # Rules ------------------------------------------------------------------------
         @precondition(lambda self: self.on_device() < spec.max_batch)
@@ -147,12 +149,10 @@ def machine_for(adapter: Adapter, spec: LoopSpec, impl: str,
                 rows += decodes
             self.apply(Step(rows=rows[: spec.max_batch]))
 
-        @initialize(graphs=st.booleans(), tokens=st.sampled_from((1, 2, 4)))
-        def serving_mode(self, graphs: bool, tokens: int) -> None:
-            """This loop's engine: whether its decode batches are padded to a captured
-            graph's size (:data:`CAPTURED_SIZES`) with empty rows, and how many query
-            tokens each decode row has (1, or a speculative step's drafts plus one)."""
-            self.graphs = graphs and pads
+        @initialize(tokens=st.sampled_from((1, 2, 4)))
+        def decode_width(self, tokens: int) -> None:
+            """How many query tokens each decode row of this loop has (1, or a
+            speculative step's drafts plus one)."""
             self.decode_tokens = tokens if prefill_mode else 1
 
         @precondition(lambda self: self.growing())
@@ -168,7 +168,7 @@ def machine_for(adapter: Adapter, spec: LoopSpec, impl: str,
             if sum(self.model.allocator.blocks_needed(s, n) for s, n in rows) > self.free():
                 return
             size = next((n for n in CAPTURED_SIZES if n >= len(rows)), len(rows))
-            pad = min(size, spec.max_batch) - len(rows) if self.graphs else 0
+            pad = min(size, spec.max_batch) - len(rows) if graphs else 0
             self.apply(Step(rows=rows, pad=pad))
 
         @precondition(lambda self: shares and self.model.decoding()
@@ -225,13 +225,51 @@ def machine_for(adapter: Adapter, spec: LoopSpec, impl: str,
     return ServingLoop
 
 
+#: The scheduler's seed (``pagedbench loop --seed 1``): its 40 steps meet every event kind
+#: on the catalogue's control (seed 0's swap none out), as test_serving_coverage.py checks.
+SCHEDULER_SEED = 1
+
+
+def _failed(loop: InMemoryLoop, verdict, impl: str, traces: Path) -> AssertionError:
+    """The failure of ``loop``'s last event: its trace saved, its replay command named."""
+    digest = hashlib.sha256(str(loop.judge.events).encode()).hexdigest()[:8]
+    path = save_failure(traces / f"{impl}-{digest}.jsonl", loop.judge)
+    return AssertionError(f"{impl}: {describe_failure(verdict, loop.judge)}; "
+                          f"replay: pagedbench replay {path} --impl {impl}")
+
+
+def scheduled_loop(adapter: Adapter, spec: LoopSpec, impl: str, traces: Path,
+                   steps: int) -> Counter:
+    """One loop of ``steps`` forward steps whose events ``pagedbench loop``'s scheduler
+    draws from :data:`SCHEDULER_SEED`; what it exercised. Raises AssertionError at the
+    first step that fails."""
+    loop = InMemoryLoop(adapter, spec, DEVICE)
+    scheduler = Scheduler(spec, steps, seed=SCHEDULER_SEED)
+    try:
+        while (event := scheduler.next_event(loop.judge)) is not None:
+            verdict = loop.event(event)
+            if verdict is not None and verdict.status in (Status.FAIL, Status.ERROR):
+                raise _failed(loop, verdict, impl, traces)
+        return Counter(loop.judge.coverage)
+    finally:
+        loop.close()
+
+
 def run_loops(adapter: Adapter, spec: LoopSpec, impl: str, traces: Path,
               examples: int, steps: int) -> Counter:
-    """Run ``examples`` loops of at most ``steps`` events; what they exercised."""
-    machine = machine_for(adapter, spec, impl, traces)
-    run_state_machine_as_test(machine, settings=settings(
-        settings(), max_examples=examples, stateful_step_count=steps))
-    return machine.reached
+    """The :func:`scheduled_loop` of ``steps`` steps, then ``examples`` state-machine loops
+    of at most ``steps`` events, half of them with graph-padded decode batches where
+    ``adapter`` takes empty rows; what they all exercised."""
+    reached = scheduled_loop(adapter, spec, impl, traces, steps)
+    pads = "empty_kv" in adapter.capabilities(DEVICE).features
+    halves = ((False, examples - examples // 2), (True, examples // 2)) if pads else (
+        (False, examples),)
+    for graphs, loops in (half for half in halves if half[1]):
+        machine = machine_for(adapter, spec, impl, traces, graphs)
+        run_state_machine_as_test(machine, settings=settings(
+            settings(), max_examples=loops, stateful_step_count=steps))
+        reached += machine.reached
+    return reached
 
 
 def test_serving_loop_matches_dense(adapter, impl, pytestconfig) -> None:
