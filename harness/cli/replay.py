@@ -44,6 +44,10 @@ def add_replay_parser(sub: argparse._SubParsersAction) -> None:
     replay_p.add_argument("--case-timeout", type=positive_seconds, default=None,
                           metavar="SECONDS", help="the implementation's own time for the "
                           f"case (default: {runner.RunConfig.case_timeout_s:g})")
+    replay_p.add_argument("--timed", action="store_true",
+                          help="time it as pagedbench run does, new inputs written before "
+                               "timed calls and those calls' outputs judged (what step "
+                               "'timing' failed on)")
     cache_dir_argument(replay_p)
     replay_p.add_argument("--save", nargs="?", type=Path, const=True, default=None,
                           metavar="DIR",
@@ -110,7 +114,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except PagedInputError as exc:
         raise PagedValueError("CASE", str(args.case), exc.allowed, f"CASE {args.case}: {exc}") from None
     defaults = runner.RunConfig()
-    config = runner.RunConfig(device=device, timing=False, cache_dir=args.cache_dir,
+    config = runner.RunConfig(device=device, timing=args.timed, cache_dir=args.cache_dir,
                               case_timeout_s=args.case_timeout or defaults.case_timeout_s,
                               suite="replay")
     env = Environment.model_validate(environment(device) | {"threads": config.threads})

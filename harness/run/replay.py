@@ -66,15 +66,17 @@ def write_case(case: PagedCase, folder: Path | None = None) -> Path:
     return path
 
 
-def command(path: Path, impl: str) -> str:
-    """The shell command that replays the case file ``path`` on ``impl``."""
-    return f"pagedbench replay {shlex.quote(str(path))} --impl {shlex.quote(impl)}"
+def command(path: Path, impl: str, timed: bool = False) -> str:
+    """The shell command that replays the case file ``path`` on ``impl`` (``--timed``: with
+    its timed calls judged)."""
+    return (f"pagedbench replay {shlex.quote(str(path))} --impl {shlex.quote(impl)}"
+            + (" --timed" if timed else ""))
 
 
-def hint(case: PagedCase, impl: str, folder: Path | None = None) -> str:
+def hint(case: PagedCase, impl: str, folder: Path | None = None, timed: bool = False) -> str:
     """Write ``case`` (:func:`write_case`) and return the line every conformance failure
-    message ends with: ``replay: pagedbench replay FILE --impl IMPL``."""
-    return f"replay: {command(write_case(case, folder), impl)}"
+    message ends with: ``replay: pagedbench replay FILE --impl IMPL [--timed]``."""
+    return f"replay: {command(write_case(case, folder), impl, timed)}"
 
 
 def check(adapter: Adapter, case: PagedCase, device: str, impl: str) -> tolerance.Comparison:

@@ -16,7 +16,10 @@ import torch
 from hypothesis import assume, note
 
 from pagedbench.harness.run import replay
-from pagedbench.harness.verdict.conformance import inputs_for, nan_tail_output_finite
+from pagedbench.harness.run.config import RunConfig
+from pagedbench.harness.run.jobs import timer_for
+from pagedbench.harness.verdict.conformance import check, inputs_for, nan_tail_output_finite
+from pagedbench.harness.verdict.status import Status
 
 from pagedbench.suites import peer_findings
 
@@ -96,3 +99,24 @@ def test_nan_safe_tail_declaration_is_true(adapter, impl) -> None:
         f"{ {True: 'finite', False: 'not finite', None: 'an exception'}[finite] }; "
         f"{replay.hint(case, impl)}"
     )
+
+
+#: A short timing (the CPU timer's blocks of calls, as ``pagedbench run`` takes them):
+#: enough samples for the refreshed calls the judge places among them.
+TIMED = RunConfig(timing=True, warmup=1, repetitions=4, time_budget_s=0.02,
+                  time_limit_s=2.0, threads=1)
+
+
+def test_timed_calls_are_the_judged_calls(adapter, impl) -> None:
+    """Timed as ``pagedbench run`` times it, with new values written into the same Q (and
+    the live K/V of a cache read in place) before calls the implementation cannot predict,
+    and those calls' outputs judged as soon as they return: an output kept per input
+    object, computed in ``prepare`` or left to a thread fails step ``timing``."""
+    case = pinned_case(adapter, lambda bs: (bs + 3, 2 * bs + 1), 4, 2, "timed")
+    config = replace(TIMED, device=DEVICE)
+    verdict = check(adapter, case, DEVICE, samples=config.repetitions,
+                    timer=timer_for(config, adapter.is_interpreted(DEVICE)))
+    assert verdict.status is Status.PASS and verdict.timing is not None, (
+        f"{adapter.name}: {verdict.status} in {verdict.step}: {verdict.reason}; "
+        f"{replay.hint(case, impl, timed=True)}")
+

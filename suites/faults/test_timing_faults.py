@@ -1,0 +1,39 @@
+"""The timing cheats of ``suites/faults/timing.py`` as ``pagedbench run`` meets them: each
+ends as a ``fail`` of step ``timing``, with no time, never ranked; the catalogue's
+correct kernel beside them in the same run passes with its time."""
+
+from __future__ import annotations
+
+from pagedbench.harness.results.store import ResultsFile
+from pagedbench.harness.run.runner import RunConfig, make_plan, run
+from pagedbench.harness.run.summary import ranked
+from pagedbench.harness.verdict.status import Status
+from pagedbench.reference import PagedCase
+
+TARGETS = {
+    "catalogue-control": "pagedbench.suites.faults.kernel:PagedKernel",
+    "fault-memo-per-input": "pagedbench.suites.faults.timing:MemoPerInput",
+    "fault-work-in-prepare": "pagedbench.suites.faults.timing:WorkInPrepare",
+    "fault-deferred-to-thread": "pagedbench.suites.faults.timing:DeferredToThread",
+}
+#: Two small decode cases, partly filled last blocks.
+CASES = [PagedCase(kv_lens=(19, 40), num_q_heads=4, num_kv_heads=2, head_dim=64,
+                   block_size=16, dtype="float16", name=n) for n in ("t1", "t2")]
+
+
+def test_timing_cheats_fail_step_timing_and_are_never_ranked(tmp_path) -> None:
+    config = RunConfig(timing=True, warmup=1, repetitions=4, time_budget_s=0.05,
+                       time_limit_s=1.0, threads=1, cache_dir=tmp_path / "build")
+    records = run(make_plan(TARGETS, CASES), config, ResultsFile(tmp_path / "r.jsonl"), "t")
+    by_impl: dict[str, list] = {}
+    for record in records:
+        by_impl.setdefault(record.impl, []).append(record)
+    assert set(by_impl) == set(TARGETS) and all(len(v) == len(CASES) for v in by_impl.values())
+    for record in by_impl.pop("catalogue-control"):
+        assert record.status is Status.PASS and record.time_ms is not None, record.reason
+        assert ranked(record)
+    for impl, mine in by_impl.items():
+        for record in mine:
+            assert (record.status, record.step) == (Status.FAIL, "timing"), (impl, record.reason)
+            assert "new inputs were written into its buffers" in record.reason
+            assert record.time_ms is None and not ranked(record)

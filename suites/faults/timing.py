@@ -1,0 +1,102 @@
+"""Timing cheats: kernels whose every output is right when it is read, but whose timed call
+does not do the work it is timed for. Each returns what an evaluator's reward-hacking
+catalogue lists (KernelBench's adversarial evals, the field guides of
+https://www.wafer.ai/blog/reward-hacks-field-guide): an output cached per input object,
+work done in ``prepare``, work left to a thread after the call returns.
+
+None is wrong on a fresh call, so the outputs of a check alone never fail them; the timed
+calls do: pagedbench writes new values into the same Q (and K/V) buffers before calls the
+implementation cannot predict and judges those calls' outputs as soon as they return
+(``harness/verdict/conformance.py``'s ``timed``; the property
+``test_timed_calls_are_the_judged_calls``). Each class is :class:`~.kernel.PagedKernel`
+with its call wrapped.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from pagedbench.adapters.base import Prepared
+from pagedbench.reference import PagedInputs
+
+from .kernel import PagedKernel
+
+
+class MemoPerInput(PagedKernel):
+    """Computes once per query tensor (kept alive, so its id is never reused) and returns
+    the stored output for that tensor after: the "cached output" hack of KernelBench's
+    adversarial evals (ScalingIntelligence/KernelBench test_eval_adversarial.py), timed
+    at a memo lookup."""
+
+    name = "fault-memo-per-input"
+    imitates = "ScalingIntelligence/KernelBench test_eval_adversarial.py"
+    trigger = "new values in the same query buffer between calls"
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        inner = super().prepare(inputs)
+
+        def call() -> torch.Tensor:
+            key = id(inputs.q)
+            if key in self._memo:
+                self.fired()
+                return self._memo[key][1]
+            self._memo[key] = (inputs.q, inner.call())  # the tensor, kept alive, and its output
+            return self._memo[key][1]
+        return Prepared(call, lse=inner.lse)
+
+
+class WorkInPrepare(PagedKernel):
+    """Computes the whole output in ``prepare`` (untimed); ``run`` returns it: work outside
+    the timed call, the "precomputed output" pattern of reward-hacking field guides
+    (wafer.ai reward-hacks-field-guide), timed at a return."""
+
+    name = "fault-work-in-prepare"
+    imitates = "wafer.ai reward-hacks-field-guide"
+    trigger = "new values in the same input buffers after prepare"
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        inner = super().prepare(inputs)
+        out = inner.call()
+        calls = [0]
+
+        def call() -> torch.Tensor:
+            calls[0] += 1
+            if calls[0] > 1:  # a call that can follow new inputs
+                self.fired()
+            return out
+        return Prepared(call, lse=inner.lse)
+
+
+class DeferredToThread(PagedKernel):
+    """Its first call computes synchronously; each later call returns the output buffer at
+    once and leaves the work to a thread that writes it afterwards: correct whenever the
+    buffer is read late enough, timed at a thread start. Imitates the thread-injection hack
+    of deep-reinforce's defence table (deep-reinforce.com defense_kernel_hack)."""
+
+    name = "fault-deferred-to-thread"
+    imitates = "deep-reinforce.com defense_kernel_hack"
+    trigger = "an output read as soon as the call returns, after new inputs"
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        inner = super().prepare(inputs)
+        out: list[torch.Tensor] = []
+
+        def work() -> None:
+            out[0].copy_(inner.call())
+
+        def call() -> torch.Tensor:
+            if not out:
+                out.append(inner.call())
+                return out[0]
+            self.fired()
+            threading.Thread(target=work, daemon=True).start()
+            return out[0]
+        return Prepared(call, lse=inner.lse)
+
+
+__all__ = ["DeferredToThread", "MemoPerInput", "WorkInPrepare"]
