@@ -146,13 +146,14 @@ def test_pagedbench_run_exits_1_with_broken_adapter_registered(tmp_path, plugin_
 
 
 def test_pagedbench_run_exits_0_when_all_pass(tmp_path) -> None:
-    # Timed, at COLUMNS=120: what follows the progress lines fits in 120 columns and names
-    # the fastest pass of each case.
+    # Timed, at COLUMNS=120, in a folder of its own as `make run` runs in the checkout
+    # (its results/ and build/ relative, as the paths it prints): what follows the
+    # progress lines fits in 120 columns and names the fastest pass of each case.
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | {"COLUMNS": "120"}
     proc = subprocess.run(
         [*CLI, "run", *ONE_PRESET[:-1], "--repetitions", "1", "--impl", "torch-gather",
-         "--results-dir", str(tmp_path), "--cache-dir", str(tmp_path / "build")],
-        capture_output=True, text=True, timeout=600, env=env,
+         "--results-dir", "results", "--cache-dir", "build"],
+        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
     )
     assert proc.returncode == ExitCode.CLEAN, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -162,6 +163,6 @@ def test_pagedbench_run_exits_0_when_all_pass(tmp_path) -> None:
     assert any(line.split()[:2] == ["llama3.1-70b-tp8", "bf16"] and "torch-gather" in line
                for line in after), after
     assert after[-1].startswith("report: ") and after[-1].endswith(".md")
-    (jsonl,) = tmp_path.glob("*.jsonl")
+    (jsonl,) = (tmp_path / "results").glob("*.jsonl")
     statuses = [r.status for r in read_lines([jsonl]) if isinstance(r, ResultRecord)]
     assert statuses == [Status.PASS, Status.PASS]  # the full and the reduced case at bs 16
