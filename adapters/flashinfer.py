@@ -43,8 +43,8 @@ import torch
 
 from pagedbench.reference import PagedInputs, new_output
 
-from .base import Adapter, Availability, Capabilities, Prepared
-from .cuda_probe import PeerUnusable, cuda_peer_available
+from .base import Capabilities, Prepared
+from .cuda_probe import CudaPeerAdapter, PeerUnusable
 from .latent import latent_cache
 
 KV_LAYOUTS = ("NHD", "HND")
@@ -195,26 +195,23 @@ def window_left(sliding_window: int | None) -> int:
     return sliding_window - 1
 
 
-class _FlashInfer(Adapter):
+class _FlashInfer(CudaPeerAdapter):
     """FlashInfer with the cache in :attr:`kv_layout`; subclasses fix the layout."""
 
+    CAPABILITIES = CAPABILITIES
+    peer_module = "flashinfer"
+    install = INSTALL
     kv_layout: ClassVar[str]
 
-    def capabilities(self, device: str) -> Capabilities:
-        return CAPABILITIES
+    def import_peer(self, device: str) -> dict[str, str]:
+        import flashinfer  # noqa: F401  (the import is the check)
 
-    def available(self, device: str = "cpu") -> Availability:
-        def load() -> dict[str, str]:
-            import flashinfer  # noqa: F401  (the import is the check)
-
-            return {
-                "kv_layout": self.kv_layout,
-                "decode": "BatchDecodeWithPagedKVCacheWrapper(backend='auto'), tensor cores "
-                          f"when num_q_heads / num_kv_heads >= {TENSOR_CORE_DECODE_MIN_RATIO}",
-                "prefill": "BatchPrefillWithPagedKVCacheWrapper(backend='auto', causal=True)",
-            }
-
-        return cuda_peer_available("flashinfer", device, INSTALL, load)
+        return {
+            "kv_layout": self.kv_layout,
+            "decode": "BatchDecodeWithPagedKVCacheWrapper(backend='auto'), tensor cores "
+                      f"when num_q_heads / num_kv_heads >= {TENSOR_CORE_DECODE_MIN_RATIO}",
+            "prefill": "BatchPrefillWithPagedKVCacheWrapper(backend='auto', causal=True)",
+        }
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """Convert the page table (:func:`csr_page_table`) and cache, then ``plan()`` the
@@ -318,26 +315,23 @@ def mla_arguments(inputs: PagedInputs) -> MlaArguments:
     )
 
 
-class FlashInferMla(Adapter):
+class FlashInferMla(CudaPeerAdapter):
     """FlashInfer's ``BatchMLAPagedAttentionWrapper`` on the packed latent cache."""
 
     name = "flashinfer-mla"
     description = "FlashInfer MLA paged wrapper, latent cache 576/512 (CUDA)"
+    CAPABILITIES = MLA_CAPABILITIES
+    peer_module = "flashinfer"
+    install = INSTALL
 
-    def capabilities(self, device: str) -> Capabilities:
-        return MLA_CAPABILITIES
+    def import_peer(self, device: str) -> dict[str, str]:
+        import flashinfer.mla
 
-    def available(self, device: str = "cpu") -> Availability:
-        def load() -> dict[str, str]:
-            import flashinfer.mla
-
-            if not hasattr(flashinfer.mla, "MLAPlanMetadata"):
-                raise PeerUnusable("flashinfer.mla has no MLAPlanMetadata, the planning "
-                                   "form this adapter uses (flashinfer-python >= 0.7.0)")
-            return {"wrapper": "BatchMLAPagedAttentionWrapper(backend='auto'): fa3 on "
-                               "SM90a, else fa2; packed query and latent cache"}
-
-        return cuda_peer_available("flashinfer", device, INSTALL, load)
+        if not hasattr(flashinfer.mla, "MLAPlanMetadata"):
+            raise PeerUnusable("flashinfer.mla has no MLAPlanMetadata, the planning "
+                               "form this adapter uses (flashinfer-python >= 0.7.0)")
+        return {"wrapper": "BatchMLAPagedAttentionWrapper(backend='auto'): fa3 on "
+                           "SM90a, else fa2; packed query and latent cache"}
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """:func:`mla_arguments`, then ``plan()`` (causal, the case's ``sm_scale`` and
