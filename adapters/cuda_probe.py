@@ -30,7 +30,7 @@ import functools
 import importlib.metadata
 import importlib.util
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -125,6 +125,13 @@ def probe_cuda_peer(module: str, device: str, install: str) -> Availability:
         "torch_cuda": str(torch.version.cuda),
     }
     return Availability(True, version=version, details=details)
+
+
+def cuda_capabilities(**axes: Any) -> Capabilities:
+    """A CUDA-only peer's declaration: on CUDA, in float16 and bfloat16, and the other
+    ``axes`` of :class:`~.base.Capabilities` as given."""
+    return Capabilities(devices=frozenset({"cuda"}), dtypes=frozenset({"float16", "bfloat16"}),
+                        **axes)
 
 
 class PeerUnusable(Exception):

@@ -30,26 +30,22 @@ import torch
 
 from pagedbench.reference import PagedInputs
 
-from .base import Capabilities, MultipleOf, Prepared
-from .cuda_probe import CudaPeerAdapter, PeerUnusable
+from .base import MultipleOf, Prepared
+from .cuda_probe import CudaPeerAdapter, PeerUnusable, cuda_capabilities
 
 #: head_dim values FlashAttention accepts: multiples of 8 up to 256.
 HEAD_DIMS = frozenset(range(8, 257, 8))
 #: FA2's paged block-size rule (``flash_api.cpp``).
 FA2_BLOCK_SIZE_MULTIPLE = 256
 
-FA2_CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+FA2_CAPABILITIES = cuda_capabilities(
     head_dims=HEAD_DIMS,
     block_sizes=frozenset({MultipleOf(FA2_BLOCK_SIZE_MULTIPLE)}),
     modes=frozenset({"decode", "prefill"}),
     features=frozenset({"sliding_window", "logits_soft_cap"}),
     min_compute_capability=(8, 0),
 )
-FA3_CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+FA3_CAPABILITIES = cuda_capabilities(
     head_dims=HEAD_DIMS,
     modes=frozenset({"decode", "prefill"}),
     features=frozenset({"sliding_window", "logits_soft_cap"}),

@@ -30,8 +30,8 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
 
-from .base import Capabilities, Prepared
-from .cuda_probe import CudaPeerAdapter
+from .base import Prepared
+from .cuda_probe import CudaPeerAdapter, cuda_capabilities
 from .latent import latent_cache
 
 INSTALL = ("build it from github.com/deepseek-ai/FlashMLA (`pip install -v .` in its "
@@ -39,9 +39,7 @@ INSTALL = ("build it from github.com/deepseek-ai/FlashMLA (`pip install -v .` in
 #: ``dense_decode.h``: "Currently page_block_size must be 64".
 PAGE_BLOCK_SIZE = 64
 
-CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+CAPABILITIES = cuda_capabilities(
     head_dims=frozenset({576}),
     v_head_dims=frozenset({512}),
     block_sizes=frozenset({PAGE_BLOCK_SIZE}),

@@ -43,8 +43,8 @@ import torch
 
 from pagedbench.reference import PagedInputs, new_output
 
-from .base import Capabilities, Prepared
-from .cuda_probe import CudaPeerAdapter, PeerUnusable
+from .base import Prepared
+from .cuda_probe import CudaPeerAdapter, PeerUnusable, cuda_capabilities
 from .latent import latent_cache
 
 KV_LAYOUTS = ("NHD", "HND")
@@ -54,9 +54,7 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 TENSOR_CORE_DECODE_MIN_RATIO = 5
 INSTALL = "pip install 'pagedbench[flashinfer]'"
 
-CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+CAPABILITIES = cuda_capabilities(
     head_dims=frozenset({64, 128, 256}),
     modes=frozenset({"decode", "prefill"}),
     features=frozenset({"sliding_window", "logits_soft_cap"}),
@@ -66,9 +64,7 @@ CAPABILITIES = Capabilities(
 #: cover (``test_deepseek_mla.py``), float16 (what those tests run) and bfloat16 (which its
 #: plan accepts; its fp8 cache is not our case), any page size (1 and 16 in those tests),
 #: decode and ragged prefill.
-MLA_CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+MLA_CAPABILITIES = cuda_capabilities(
     head_dims=frozenset({576}),
     v_head_dims=frozenset({512}),
     modes=frozenset({"decode", "prefill"}),

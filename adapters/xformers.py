@@ -35,8 +35,8 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
 
-from .base import Capabilities, MultipleOf, Prepared
-from .cuda_probe import CudaPeerAdapter, PeerUnusable, installed_distribution
+from .base import MultipleOf, Prepared
+from .cuda_probe import CudaPeerAdapter, PeerUnusable, cuda_capabilities, installed_distribution
 
 INSTALL = "pip install 'pagedbench[xformers]'"
 #: triton_splitk's ``BLOCK_N``: paged block sizes must be multiples of it.
@@ -44,9 +44,7 @@ SPLITK_BLOCK_N = 64
 #: triton_splitk: "Query length should not be larger than 16 for causal ... biases".
 SPLITK_MAX_CAUSAL_Q_LEN = 16
 
-CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+CAPABILITIES = cuda_capabilities(
     head_dims=frozenset({16, 32, 64, 128, 256, 512}),
     block_sizes=frozenset({MultipleOf(SPLITK_BLOCK_N)}),
     modes=frozenset({"decode", "prefill"}),
