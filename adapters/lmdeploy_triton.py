@@ -40,7 +40,7 @@ from .base import AtLeast, Availability, Capabilities, Prepared
 from .interpreted import InterpretedWork, InterpreterBudget
 from .lmdeploy_triton_load import CPU_SPLIT_K, LmdeployTritonKernels, load_kernels
 from .pinned_files import PinnedFilesInvalid
-from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities
+from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities, window_of_one
 
 #: Fitted on the 2-core CI host (``python docs/interpreter_cost.py lmdeploy``, 14 reduced
 #: float16 presets, docs/interpreter-budget.md): 12.0 ms per program, the key steps
@@ -112,11 +112,7 @@ class _LmdeployTritonAdapter(PeerTritonAdapter):
         return _loaded()
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = super().why_unsupported(case, device)
-        if case.sliding_window == 1:
-            reasons.append("sliding_window 1 not supported: LMDeploy takes W - 1 as its "
-                           "window_size, and 0 there means no window")
-        return reasons
+        return super().why_unsupported(case, device) + window_of_one(case, "LMDeploy")
 
 
 class LmdeployDecode(_LmdeployTritonAdapter):

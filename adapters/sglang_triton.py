@@ -39,7 +39,7 @@ from pagedbench.reference.axes import LAYOUTS
 from .base import AtLeast, Capabilities, Prepared
 from .interpreted import InterpretedWork, InterpreterBudget
 from .sglang_triton_load import SglangFilesInvalid, SglangTritonKernels, load_kernels
-from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities
+from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities, window_of_one
 
 #: vLLM's decode fit (adapters/vllm_triton.py): the same two-stage kernel lineage, the
 #: same tiles but for the MHA path's 64 keys per step. Extend's steps are weighted by
@@ -302,11 +302,8 @@ class SglangExtend(_SglangTritonAdapter):
     )
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = super().why_unsupported(case, device) + soft_cap_cancels(case)
-        if case.sliding_window == 1:
-            reasons.append("sliding_window 1 not supported: extend_attention_fwd takes "
-                           "W - 1, and 0 there means no window")
-        return reasons
+        return (super().why_unsupported(case, device) + soft_cap_cancels(case)
+                + window_of_one(case, "extend_attention_fwd"))
 
     def tiles(self, case: PagedCase) -> tuple[int, int]:
         """``(BLOCK_M, BLOCK_N)``: query rows and keys per tile, SGLang's choice for this
