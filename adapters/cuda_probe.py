@@ -13,6 +13,9 @@ in one order, so that a result set says exactly why a column is empty on a machi
 6. importing the peer fails -> "<module> <version> failed to import: <error>"; or the
    adapter's check of what it imported says no -> "<module> <version>: <why>".
 
+:class:`CudaPeerAdapter` is such an adapter's base: its declared capabilities, and
+``available`` from its :meth:`~CudaPeerAdapter.import_peer`.
+
 Steps 1-5 (:func:`probe_cuda_peer`) never import the peer: installation is checked with
 :func:`importlib.util.find_spec` and the version read from the distribution's metadata,
 so probing never runs a peer's import-time code (which may print warnings, or fail on a
@@ -22,14 +25,16 @@ CPU-only torch). A compute capability below the adapter's minimum is a per-case
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib.metadata
 import importlib.util
 from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
-from .base import Availability, Fact
+from .base import Adapter, Availability, Capabilities, Fact
 
 
 @functools.cache
@@ -122,6 +127,13 @@ def probe_cuda_peer(module: str, device: str, install: str) -> Availability:
     return Availability(True, version=version, details=details)
 
 
+def cuda_capabilities(**axes: Any) -> Capabilities:
+    """A CUDA-only peer's declaration: on CUDA, in float16 and bfloat16, and the other
+    ``axes`` of :class:`~.base.Capabilities` as given."""
+    return Capabilities(devices=frozenset({"cuda"}), dtypes=frozenset({"float16", "bfloat16"}),
+                        **axes)
+
+
 class PeerUnusable(Exception):
     """Raised by the ``load`` of :func:`cuda_peer_available`: the peer imported but this
     adapter cannot drive it (the message says why)."""
@@ -156,3 +168,26 @@ def cuda_peer_available(module: str, device: str, install: str,
         return Availability(False, f"{module} {found.version} failed to import: {exc}",
                             found.version)
     return Availability(True, version=found.version, details={**found.details, **details})
+
+
+class CudaPeerAdapter(Adapter):
+    """A CUDA-only peer: :attr:`CAPABILITIES` on every device, and ``available`` as
+    :func:`cuda_peer_available` answers it for :attr:`peer_module`."""
+
+    #: What the peer takes (its devices: CUDA only).
+    CAPABILITIES: ClassVar[Capabilities]
+    #: The peer's top-level import name, and how to install it (quoted when it is not).
+    peer_module: ClassVar[str]
+    install: ClassVar[str]
+
+    def capabilities(self, device: str) -> Capabilities:
+        return self.CAPABILITIES
+
+    def available(self, device: str = "cpu") -> Availability:
+        return cuda_peer_available(self.peer_module, device, self.install,
+                                   lambda: self.import_peer(device))
+
+    @abc.abstractmethod
+    def import_peer(self, device: str) -> dict[str, Fact]:
+        """Import the peer and check what this adapter needs on ``device``; the details to
+        record. Raises as the ``load`` of :func:`cuda_peer_available`."""

@@ -30,26 +30,22 @@ import torch
 
 from pagedbench.reference import PagedInputs
 
-from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
-from .cuda_probe import PeerUnusable, cuda_peer_available
+from .base import MultipleOf, Prepared
+from .cuda_probe import CudaPeerAdapter, PeerUnusable, cuda_capabilities
 
 #: head_dim values FlashAttention accepts: multiples of 8 up to 256.
 HEAD_DIMS = frozenset(range(8, 257, 8))
 #: FA2's paged block-size rule (``flash_api.cpp``).
 FA2_BLOCK_SIZE_MULTIPLE = 256
 
-FA2_CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+FA2_CAPABILITIES = cuda_capabilities(
     head_dims=HEAD_DIMS,
     block_sizes=frozenset({MultipleOf(FA2_BLOCK_SIZE_MULTIPLE)}),
     modes=frozenset({"decode", "prefill"}),
     features=frozenset({"sliding_window", "logits_soft_cap"}),
     min_compute_capability=(8, 0),
 )
-FA3_CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+FA3_CAPABILITIES = cuda_capabilities(
     head_dims=HEAD_DIMS,
     modes=frozenset({"decode", "prefill"}),
     features=frozenset({"sliding_window", "logits_soft_cap"}),
@@ -143,25 +139,21 @@ def _require_parameters(function, *parameters: str) -> None:
                                f"{parameter!r} parameter")
 
 
-class FlashAttn2(Adapter):
+class FlashAttn2(CudaPeerAdapter):
     """FA2: ``flash_attn_with_kvcache`` for decode, ``flash_attn_varlen_func`` otherwise."""
 
     name = "flash-attn2"
     description = "FlashAttention 2 paged kvcache/varlen kernels (CUDA, block_size % 256)"
+    CAPABILITIES = FA2_CAPABILITIES
+    peer_module = "flash_attn"
     install = "pip install flash-attn --no-build-isolation, which builds it from source"
 
-    def capabilities(self, device: str) -> Capabilities:
-        return FA2_CAPABILITIES
+    def import_peer(self, device: str) -> dict[str, str]:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
-    def available(self, device: str = "cpu") -> Availability:
-        def load() -> dict[str, str]:
-            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-
-            _require_parameters(flash_attn_varlen_func, "block_table")
-            _require_parameters(flash_attn_with_kvcache, "block_table")
-            return {"decode": "flash_attn_with_kvcache", "prefill": "flash_attn_varlen_func"}
-
-        return cuda_peer_available("flash_attn", device, self.install, load)
+        _require_parameters(flash_attn_varlen_func, "block_table")
+        _require_parameters(flash_attn_with_kvcache, "block_table")
+        return {"decode": "flash_attn_with_kvcache", "prefill": "flash_attn_varlen_func"}
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -187,24 +179,20 @@ class FlashAttn2(Adapter):
         return Prepared(call, out_shape=tuple(inputs.q.shape))
 
 
-class FlashAttn3(Adapter):
+class FlashAttn3(CudaPeerAdapter):
     """FA3: ``flash_attn_with_kvcache`` with ``page_table`` and packed varlen queries."""
 
     name = "flash-attn3"
     description = "FlashAttention 3 paged kvcache kernel, varlen queries (CUDA, Hopper)"
+    CAPABILITIES = FA3_CAPABILITIES
+    peer_module = "flash_attn_3"
     install = "build it from github.com/Dao-AILab/flash-attention/tree/main/hopper"
 
-    def capabilities(self, device: str) -> Capabilities:
-        return FA3_CAPABILITIES
+    def import_peer(self, device: str) -> dict[str, str]:
+        from flash_attn_3.flash_attn_interface import flash_attn_with_kvcache
 
-    def available(self, device: str = "cpu") -> Availability:
-        def load() -> dict[str, str]:
-            from flash_attn_3.flash_attn_interface import flash_attn_with_kvcache
-
-            _require_parameters(flash_attn_with_kvcache, "page_table", "cu_seqlens_q")
-            return {"decode": "flash_attn_with_kvcache", "prefill": "flash_attn_with_kvcache"}
-
-        return cuda_peer_available("flash_attn_3", device, self.install, load)
+        _require_parameters(flash_attn_with_kvcache, "page_table", "cu_seqlens_q")
+        return {"decode": "flash_attn_with_kvcache", "prefill": "flash_attn_with_kvcache"}
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         from flash_attn_3.flash_attn_interface import flash_attn_with_kvcache

@@ -30,8 +30,8 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
 
-from .base import Adapter, Availability, Capabilities, Prepared
-from .cuda_probe import cuda_peer_available
+from .base import Prepared
+from .cuda_probe import CudaPeerAdapter, cuda_capabilities
 from .latent import latent_cache
 
 INSTALL = ("build it from github.com/deepseek-ai/FlashMLA (`pip install -v .` in its "
@@ -39,9 +39,7 @@ INSTALL = ("build it from github.com/deepseek-ai/FlashMLA (`pip install -v .` in
 #: ``dense_decode.h``: "Currently page_block_size must be 64".
 PAGE_BLOCK_SIZE = 64
 
-CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+CAPABILITIES = cuda_capabilities(
     head_dims=frozenset({576}),
     v_head_dims=frozenset({512}),
     block_sizes=frozenset({PAGE_BLOCK_SIZE}),
@@ -116,22 +114,19 @@ def _output(call: functools.partial) -> torch.Tensor:
     return call()[0]
 
 
-class FlashMla(Adapter):
+class FlashMla(CudaPeerAdapter):
     """FlashMLA's dense decoding (``flash_mla_with_kvcache``) on the latent cache."""
 
     name = "flash-mla"
     description = "FlashMLA dense decoding, latent cache 576/512, block size 64 (CUDA, SM90)"
+    CAPABILITIES = CAPABILITIES
+    peer_module = "flash_mla"
+    install = INSTALL
 
-    def capabilities(self, device: str) -> Capabilities:
-        return CAPABILITIES
+    def import_peer(self, device: str) -> dict[str, str]:
+        from flash_mla import flash_mla_with_kvcache, get_mla_metadata  # noqa: F401
 
-    def available(self, device: str = "cpu") -> Availability:
-        def load() -> dict[str, str]:
-            from flash_mla import flash_mla_with_kvcache, get_mla_metadata  # noqa: F401
-
-            return {"kernel": "flash_mla_with_kvcache (dense decoding)"}
-
-        return cuda_peer_available("flash_mla", device, INSTALL, load)
+        return {"kernel": "flash_mla_with_kvcache (dense decoding)"}
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         """Capability reasons (SM90 among them), and uneven ``q_lens``."""

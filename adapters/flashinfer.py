@@ -43,8 +43,8 @@ import torch
 
 from pagedbench.reference import PagedInputs, new_output
 
-from .base import Adapter, Availability, Capabilities, Prepared
-from .cuda_probe import PeerUnusable, cuda_peer_available
+from .base import Prepared
+from .cuda_probe import CudaPeerAdapter, PeerUnusable, cuda_capabilities
 from .latent import latent_cache
 
 KV_LAYOUTS = ("NHD", "HND")
@@ -54,9 +54,7 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 TENSOR_CORE_DECODE_MIN_RATIO = 5
 INSTALL = "pip install 'pagedbench[flashinfer]'"
 
-CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+CAPABILITIES = cuda_capabilities(
     head_dims=frozenset({64, 128, 256}),
     modes=frozenset({"decode", "prefill"}),
     features=frozenset({"sliding_window", "logits_soft_cap"}),
@@ -66,9 +64,7 @@ CAPABILITIES = Capabilities(
 #: cover (``test_deepseek_mla.py``), float16 (what those tests run) and bfloat16 (which its
 #: plan accepts; its fp8 cache is not our case), any page size (1 and 16 in those tests),
 #: decode and ragged prefill.
-MLA_CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+MLA_CAPABILITIES = cuda_capabilities(
     head_dims=frozenset({576}),
     v_head_dims=frozenset({512}),
     modes=frozenset({"decode", "prefill"}),
@@ -195,26 +191,23 @@ def window_left(sliding_window: int | None) -> int:
     return sliding_window - 1
 
 
-class _FlashInfer(Adapter):
+class _FlashInfer(CudaPeerAdapter):
     """FlashInfer with the cache in :attr:`kv_layout`; subclasses fix the layout."""
 
+    CAPABILITIES = CAPABILITIES
+    peer_module = "flashinfer"
+    install = INSTALL
     kv_layout: ClassVar[str]
 
-    def capabilities(self, device: str) -> Capabilities:
-        return CAPABILITIES
+    def import_peer(self, device: str) -> dict[str, str]:
+        import flashinfer  # noqa: F401  (the import is the check)
 
-    def available(self, device: str = "cpu") -> Availability:
-        def load() -> dict[str, str]:
-            import flashinfer  # noqa: F401  (the import is the check)
-
-            return {
-                "kv_layout": self.kv_layout,
-                "decode": "BatchDecodeWithPagedKVCacheWrapper(backend='auto'), tensor cores "
-                          f"when num_q_heads / num_kv_heads >= {TENSOR_CORE_DECODE_MIN_RATIO}",
-                "prefill": "BatchPrefillWithPagedKVCacheWrapper(backend='auto', causal=True)",
-            }
-
-        return cuda_peer_available("flashinfer", device, INSTALL, load)
+        return {
+            "kv_layout": self.kv_layout,
+            "decode": "BatchDecodeWithPagedKVCacheWrapper(backend='auto'), tensor cores "
+                      f"when num_q_heads / num_kv_heads >= {TENSOR_CORE_DECODE_MIN_RATIO}",
+            "prefill": "BatchPrefillWithPagedKVCacheWrapper(backend='auto', causal=True)",
+        }
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """Convert the page table (:func:`csr_page_table`) and cache, then ``plan()`` the
@@ -318,26 +311,23 @@ def mla_arguments(inputs: PagedInputs) -> MlaArguments:
     )
 
 
-class FlashInferMla(Adapter):
+class FlashInferMla(CudaPeerAdapter):
     """FlashInfer's ``BatchMLAPagedAttentionWrapper`` on the packed latent cache."""
 
     name = "flashinfer-mla"
     description = "FlashInfer MLA paged wrapper, latent cache 576/512 (CUDA)"
+    CAPABILITIES = MLA_CAPABILITIES
+    peer_module = "flashinfer"
+    install = INSTALL
 
-    def capabilities(self, device: str) -> Capabilities:
-        return MLA_CAPABILITIES
+    def import_peer(self, device: str) -> dict[str, str]:
+        import flashinfer.mla
 
-    def available(self, device: str = "cpu") -> Availability:
-        def load() -> dict[str, str]:
-            import flashinfer.mla
-
-            if not hasattr(flashinfer.mla, "MLAPlanMetadata"):
-                raise PeerUnusable("flashinfer.mla has no MLAPlanMetadata, the planning "
-                                   "form this adapter uses (flashinfer-python >= 0.7.0)")
-            return {"wrapper": "BatchMLAPagedAttentionWrapper(backend='auto'): fa3 on "
-                               "SM90a, else fa2; packed query and latent cache"}
-
-        return cuda_peer_available("flashinfer", device, INSTALL, load)
+        if not hasattr(flashinfer.mla, "MLAPlanMetadata"):
+            raise PeerUnusable("flashinfer.mla has no MLAPlanMetadata, the planning "
+                               "form this adapter uses (flashinfer-python >= 0.7.0)")
+        return {"wrapper": "BatchMLAPagedAttentionWrapper(backend='auto'): fa3 on "
+                           "SM90a, else fa2; packed query and latent cache"}
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """:func:`mla_arguments`, then ``plan()`` (causal, the case's ``sm_scale`` and

@@ -40,7 +40,7 @@ from .base import AtLeast, Availability, Capabilities, Prepared
 from .interpreted import InterpretedWork, InterpreterBudget
 from .lmdeploy_triton_load import CPU_SPLIT_K, LmdeployTritonKernels, load_kernels
 from .pinned_files import PinnedFilesInvalid
-from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities
+from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities, window_of_one
 
 #: Fitted on the 2-core CI host (``python docs/interpreter_cost.py lmdeploy``, 14 reduced
 #: float16 presets, docs/interpreter-budget.md): 12.0 ms per program, the key steps
@@ -105,17 +105,14 @@ class _LmdeployTritonAdapter(PeerTritonAdapter):
     """What the two kernels share: LMDeploy's files, loaded without importing LMDeploy."""
 
     rocm_reason = "the host answers cover CUDA and the CPU only"
+    interpreter_budget = INTERPRETER_BUDGET
 
     @staticmethod
     def load() -> tuple[LmdeployTritonKernels | None, str]:
         return _loaded()
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = super().why_unsupported(case, device)
-        if case.sliding_window == 1:
-            reasons.append("sliding_window 1 not supported: LMDeploy takes W - 1 as its "
-                           "window_size, and 0 there means no window")
-        return reasons
+        return super().why_unsupported(case, device) + window_of_one(case, "LMDeploy")
 
 
 class LmdeployDecode(_LmdeployTritonAdapter):
@@ -124,7 +121,6 @@ class LmdeployDecode(_LmdeployTritonAdapter):
     name = "lmdeploy-decode"
     description = ("LMDeploy flash_attn_with_kvcache (Triton split-K paged decode, "
                    "lmdeploy 0.18 wheel files); interpreted on the CPU")
-    interpreter_budget = INTERPRETER_BUDGET
     # From pagedattention.py: one query token per sequence (num_tokens = batch; several
     # per sequence would all see every key, no causal mask among them); head_dim split
     # into a power-of-two dot plus a rest of at least 16 channels (tl.dot's K >= 16);
@@ -245,18 +241,16 @@ class LmdeployPrefill(_LmdeployTritonAdapter):
     name = "lmdeploy-prefill"
     description = ("LMDeploy flatten_kv_cache + flash_attn_varlen_func (Triton varlen "
                    "prefill over a paged cache, lmdeploy 0.18 wheel files)")
-    interpreter_budget = INTERPRETER_BUDGET
-    # From flatten_kv_cache.py and flashattention.py: any power-of-two block size (the
-    # flatten tiles a block with tl.arange); prefill and decode rows, causal
-    # bottom-right (the varlen kernel's history is kv_len - q_len); window, soft cap,
-    # ALiBi, sinks, Lk != Lv as in decode.
-    CAPABILITIES = triton_capabilities(
-        head_dims=frozenset({AtLeast(16)}),
+    # From flatten_kv_cache.py and flashattention.py: decode's declaration, but any
+    # power-of-two block size (the flatten tiles a block with tl.arange); prefill and
+    # decode rows, causal bottom-right (the varlen kernel's history is kv_len - q_len);
+    # nan_safe_tail, since the flatten copies only each sequence's kv_len keys (its
+    # stores are masked by the sequence length).
+    CAPABILITIES = replace(
+        LmdeployDecode.CAPABILITIES,
         block_sizes=frozenset({1, 2, 4, 8} | DECODE_BLOCK_SIZES),
         modes=frozenset({"decode", "prefill"}),
-        features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks",
-                            "head_dim_v"}),
-        layouts=frozenset(LAYOUTS) - {"strided_out"},
+        nan_safe_tail=True,
     )
 
     def jit_function(self, kernels: LmdeployTritonKernels) -> object:

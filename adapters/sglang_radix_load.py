@@ -28,13 +28,12 @@ the files use with SGLang 0.5.23's meaning:
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import types
 from pathlib import Path
 
-from .pinned_files import BUILD_DIR, WHEELS_DIR, PinnedFiles, link_parents, package_module
+from .pinned_files import BUILD_DIR, PinnedFiles, link_parents, package_module
 from .sglang_triton_load import SGLANG_VERSION, WHEEL_TAGS
 
 MEM = "sglang.srt.mem_cache."
@@ -185,9 +184,8 @@ def load_radix(folder: Path | None = None) -> types.SimpleNamespace:
     PinnedFilesInvalid
         A file is missing, changed, or does not load with the stand-ins.
     """
-    folder = Path(folder or SGLANG_RADIX.files_dir()).resolve()
     stand = stand_ins()
-    modules = SGLANG_RADIX.execute(SGLANG_RADIX.read(folder), stand, folder)
+    _, modules = SGLANG_RADIX.load(stand, folder)
     stand[MEM + "utils"].evict_policy = modules[MEM + "evict_policy"]
     radix, base = modules[MEM + "radix_cache"], modules[MEM + "base_prefix_cache"]
     return types.SimpleNamespace(
@@ -195,21 +193,9 @@ def load_radix(folder: Path | None = None) -> types.SimpleNamespace:
         TokenToKVPoolAllocator=modules[MEM + "allocator.token"].TokenToKVPoolAllocator,
         MatchPrefixParams=base.MatchPrefixParams, InsertParams=base.InsertParams,
         EvictParams=base.EvictParams, version=SGLANG_VERSION,
-        source=f"sglang {SGLANG_VERSION} wheel files, sha256-checked")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pagedbench.adapters.sglang_radix_load",
-        description=f"Extract sglang {SGLANG_VERSION}'s radix cache and token allocator "
-                    "files from its wheel (sha256-checked).")
-    parser.add_argument("--wheels", type=Path, default=WHEELS_DIR,
-                        help="where the wheel is (downloaded if absent; default build/wheels)")
-    parser.add_argument("--out", type=Path, default=SGLANG_RADIX.default_dir,
-                        help="where the files go (default build/sglang-radix)")
-    args = parser.parse_args(argv)
-    return SGLANG_RADIX.install(args.wheels, args.out)
+        source=SGLANG_RADIX.source)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(SGLANG_RADIX.main(None, "pagedbench.adapters.sglang_radix_load",
+                               "its radix cache and token allocator files"))

@@ -39,14 +39,13 @@ from pagedbench.reference.axes import LAYOUTS
 from .base import AtLeast, Capabilities, Prepared
 from .interpreted import InterpretedWork, InterpreterBudget
 from .sglang_triton_load import SglangFilesInvalid, SglangTritonKernels, load_kernels
-from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities
+from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities, window_of_one
 
 #: vLLM's decode fit (adapters/vllm_triton.py): the same two-stage kernel lineage, the
-#: same tiles but for the MHA path's 64 keys per step.
+#: same tiles but for the MHA path's 64 keys per step. Extend's steps are weighted by
+#: their tile (BLOCK_M x BLOCK_N against decode's 16 x 32) and head dims, so it is
+#: assumed for extend too until measured.
 INTERPRETER_BUDGET = InterpreterBudget(s_per_program=0.005, s_per_step=0.006, max_s=10.0)
-#: Extend's steps are weighted by their tile (BLOCK_M x BLOCK_N against decode's 16 x 32)
-#: and head dims, so the same per-step cost is assumed until measured.
-EXTEND_INTERPRETER_BUDGET = INTERPRETER_BUDGET
 #: SGLang's ``--triton-attention-num-kv-splits`` default (``srt/arg_groups/fields/
 #: exec_.py``): the most splits per sequence, and every sequence's count where no device
 #: core count is known (``TritonAttnBackend.get_num_kv_splits`` fills it).
@@ -158,6 +157,7 @@ class _SglangTritonAdapter(PeerTritonAdapter):
     """What the two kernels share: SGLang's files, loaded without importing SGLang."""
 
     rocm_reason = "the stand-ins answer SGLang's ROCm questions with no"
+    interpreter_budget = INTERPRETER_BUDGET
 
     @staticmethod
     def load() -> tuple[SglangTritonKernels | None, str]:
@@ -173,7 +173,6 @@ class SglangDecode(_SglangTritonAdapter):
     name = "sglang-decode"
     description = ("SGLang decode_attention_fwd (Triton two-stage split-KV decode on a "
                    "token pool, page size 1); interpreted on the CPU")
-    interpreter_budget = INTERPRETER_BUDGET
     # From decode_attention.py: any block size (per-token indices); Lk != Lv (V is read
     # from its own pool with BLOCK_DV channels); the grouped kernel's tl.dot needs 16
     # channels when compiled, and pads head_dim and head_dim_v to powers of two, so
@@ -287,29 +286,24 @@ class SglangExtend(_SglangTritonAdapter):
     name = "sglang-extend"
     description = ("SGLang extend_attention_fwd (Triton prefill / chunked prefill over a "
                    "token-pool prefix, page size 1); interpreted on the CPU")
-    interpreter_budget = EXTEND_INTERPRETER_BUDGET
-    # From extend_attention.py: decode rows are extend rows of length 1; the prefix loop
-    # and the causal loop mask with SLIDING_WINDOW_SIZE = W - 1 (q <= k + S), which 0
-    # switches off, so W = 1 is refused (why_unsupported); a row whose prefix and new
-    # keys are all masked is written as 0 (deno 0), so q_len 0 entries are fine, but
-    # kv_len < q_len is no prefix at all (not unseen_rows, not empty_kv). head_dim 576
-    # and 288 split into a 512 / 256 dot plus a rope part; otherwise padded to a power of
-    # two, so 9 and up as for decode (tl.dot's 16).
-    CAPABILITIES = triton_capabilities(
-        head_dims=frozenset({AtLeast(9)}),
+    # From extend_attention.py: decode's declaration and prefill rows (decode rows are
+    # extend rows of length 1); the prefix loop and the causal loop mask with
+    # SLIDING_WINDOW_SIZE = W - 1 (q <= k + S), which 0 switches off, so W = 1 is refused
+    # (why_unsupported); a row whose prefix and new keys are all masked is written as 0
+    # (deno 0), so q_len 0 entries are fine, but kv_len < q_len is no prefix at all (not
+    # unseen_rows, not empty_kv). head_dim 576 and 288 split into a 512 / 256 dot plus a
+    # rope part; otherwise padded to a power of two, so 9 and up as for decode (tl.dot's
+    # 16). One program per row tile whatever the batch: batch-invariant.
+    CAPABILITIES = replace(
+        SglangDecode.CAPABILITIES,
         modes=frozenset({"decode", "prefill"}),
-        features=frozenset({"logits_soft_cap", "sinks", "sliding_window", "head_dim_v",
-                            "empty_q"}),
-        layouts=frozenset(LAYOUTS),
+        features=SglangDecode.CAPABILITIES.features | {"empty_q"},
         batch_invariant=True,
     )
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        reasons = super().why_unsupported(case, device) + soft_cap_cancels(case)
-        if case.sliding_window == 1:
-            reasons.append("sliding_window 1 not supported: extend_attention_fwd takes "
-                           "W - 1, and 0 there means no window")
-        return reasons
+        return (super().why_unsupported(case, device) + soft_cap_cancels(case)
+                + window_of_one(case, "extend_attention_fwd"))
 
     def tiles(self, case: PagedCase) -> tuple[int, int]:
         """``(BLOCK_M, BLOCK_N)``: query rows and keys per tile, SGLang's choice for this

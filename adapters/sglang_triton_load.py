@@ -30,17 +30,15 @@ stand-ins holding only the names the files use, each with SGLang 0.5.23's meanin
 
 from __future__ import annotations
 
-import argparse
 import ast
 import os
-import subprocess
 import sys
 import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .pinned_files import PinnedFiles, PinnedFilesInvalid, module_path
+from .pinned_files import (PinnedFiles, PinnedFilesInvalid, link_parents, module_path,
+                           package_module)
 
 SGLANG_VERSION = "0.5.23"
 #: The one wheel of that release (CPython 3.11, manylinux 2.34, x86-64): pip matches each
@@ -120,12 +118,6 @@ class _EnvVar:
         return self.kind(value)
 
 
-def _module(name: str, doc: str, **names: object) -> types.ModuleType:
-    module = types.ModuleType(name, f"pagedbench stand-in: {doc}")
-    module.__dict__.update(names)
-    return module
-
-
 def _core_count(device_id: int = 0) -> int:
     import torch
 
@@ -138,16 +130,14 @@ def stand_ins() -> dict[str, types.ModuleType]:
     """The stand-in modules (module docstring), by module name."""
     import torch
 
-    modules = {name: _module(name, "a package of SGLang's kernel files") for name in _PACKAGES}
-    for name, module in modules.items():
-        module.__path__ = []
-        module.__package__ = name
+    modules = {name: package_module(name, "a package of SGLang's kernel files")
+               for name in _PACKAGES}
     envs = types.SimpleNamespace(**{name: _EnvVar(name, default, kind)
                                     for name, (default, kind) in ENV_VARS.items()})
     modules |= {
-        "sglang.srt.environ": _module("sglang.srt.environ", "the variables the kernels read",
-                                      envs=envs),
-        "sglang.srt.utils": _module(
+        "sglang.srt.environ": package_module("sglang.srt.environ",
+                                             "the variables the kernels read", envs=envs),
+        "sglang.srt.utils": package_module(
             "sglang.srt.utils", "the device questions the kernels ask",
             is_hip=lambda: torch.version.hip is not None,
             is_cuda=lambda: torch.cuda.is_available() and torch.version.cuda is not None,
@@ -155,11 +145,7 @@ def stand_ins() -> dict[str, types.ModuleType]:
             is_gfx1250_supported=lambda: False,
             get_device_core_count=_core_count),
     }
-    for name, module in modules.items():
-        parent, _, child = name.rpartition(".")
-        if parent:
-            setattr(modules[parent], child, module)
-    return modules
+    return link_parents(modules)
 
 
 @dataclass(frozen=True)
@@ -201,15 +187,14 @@ def load_kernels(folder: Path | None = None) -> SglangTritonKernels:
     """
     import triton  # noqa: F401  (the files need it; fail here with its own error)
 
-    folder = Path(folder or files_dir()).resolve()
-    loaded = SGLANG_TRITON.execute(read_files(folder), stand_ins(), folder)
+    folder, loaded = SGLANG_TRITON.load(stand_ins(), folder)
     attention = "sglang.kernels.ops.attention."
     return SglangTritonKernels(
         decode=loaded[attention + "decode_attention"],
         extend=loaded[attention + "extend_attention"],
         metadata=loaded[attention + "metadata"],
         version=SGLANG_VERSION,
-        source=f"sglang {SGLANG_VERSION} wheel files, sha256-checked",
+        source=SGLANG_TRITON.source,
         folder=folder,
     )
 
@@ -256,32 +241,6 @@ def extract(wheel: Path, out: Path) -> list[Path]:
     return SGLANG_TRITON.extract(wheel, out)
 
 
-def download_wheel(dest: Path, run: Callable[..., object] = subprocess.run) -> Path:
-    """``pip download --no-deps`` of sglang :data:`SGLANG_VERSION`'s wheel into ``dest``
-    (install time only; pip's cache is the caller's ``PIP_CACHE_DIR``).
-
-    Raises
-    ------
-    subprocess.CalledProcessError
-        If pip fails (no network, no such release).
-    FileNotFoundError
-        If pip succeeded but left no wheel of that version in ``dest``.
-    """
-    return SGLANG_TRITON.download_wheel(dest, run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pagedbench.adapters.sglang_triton_load",
-        description=f"Download sglang {SGLANG_VERSION}'s wheel and extract its Triton "
-                    "attention kernel files (sha256-checked).")
-    parser.add_argument("--wheels", type=Path, default=DEFAULT_DIR.parent / "wheels",
-                        help="where the wheel is downloaded (default build/wheels)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_DIR,
-                        help="where the files go (default build/sglang-triton)")
-    args = parser.parse_args(argv)
-    return SGLANG_TRITON.install(args.wheels, args.out)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(SGLANG_TRITON.main(None, "pagedbench.adapters.sglang_triton_load",
+                                "its Triton attention kernel files"))

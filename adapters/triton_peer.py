@@ -5,7 +5,8 @@ per process from that project's files (:mod:`.vllm_triton_import`,
 :class:`PeerTritonAdapter` answers ``available``, ``capabilities`` and
 ``kernel_interpreted`` from the loaded kernels; a subclass says how they load
 (:meth:`~PeerTritonAdapter.load`) and which ``@triton.jit`` function it launches
-(:meth:`~PeerTritonAdapter.jit_function`).
+(:meth:`~PeerTritonAdapter.jit_function`). :func:`window_of_one` is the reason shared by
+the kernels that take a window as ``W - 1``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def triton_capabilities(**axes: Any) -> Capabilities:
     interpreted), and the other ``axes`` of :class:`~.base.Capabilities` as given."""
     return Capabilities(devices=frozenset({"cpu", "cuda"}),
                         dtypes=frozenset({"float32", "float16", "bfloat16"}), **axes)
+
+
+def window_of_one(case: PagedCase, kernel: str) -> list[str]:
+    """Why ``case``'s window of one key is refused by ``kernel``, which takes a window of
+    ``W`` keys as ``W - 1`` and 0 as no window (LMDeploy's kernels, SGLang's extend)."""
+    if case.sliding_window == 1:
+        return [f"sliding_window 1 not supported: {kernel} takes W - 1, and 0 there means "
+                "no window"]
+    return []
 
 
 #: Exception types (one, or a tuple as ``except`` takes them) and the reason they mean.
@@ -144,4 +154,5 @@ class PeerTritonAdapter(TritonAdapter):
             **self.load_details(kernels), "interpreted": self.is_interpreted(device)})
 
 
-__all__ = ["BF16_INTERPRETED", "PeerTritonAdapter", "cached_load", "triton_capabilities"]
+__all__ = ["BF16_INTERPRETED", "PeerTritonAdapter", "cached_load", "triton_capabilities",
+           "window_of_one"]

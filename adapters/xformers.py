@@ -35,8 +35,8 @@ import torch
 
 from pagedbench.reference import PagedCase, PagedInputs
 
-from .base import Adapter, Availability, Capabilities, MultipleOf, Prepared
-from .cuda_probe import PeerUnusable, cuda_peer_available, installed_distribution
+from .base import MultipleOf, Prepared
+from .cuda_probe import CudaPeerAdapter, PeerUnusable, cuda_capabilities, installed_distribution
 
 INSTALL = "pip install 'pagedbench[xformers]'"
 #: triton_splitk's ``BLOCK_N``: paged block sizes must be multiples of it.
@@ -44,9 +44,7 @@ SPLITK_BLOCK_N = 64
 #: triton_splitk: "Query length should not be larger than 16 for causal ... biases".
 SPLITK_MAX_CAUSAL_Q_LEN = 16
 
-CAPABILITIES = Capabilities(
-    devices=frozenset({"cuda"}),
-    dtypes=frozenset({"float16", "bfloat16"}),
+CAPABILITIES = cuda_capabilities(
     head_dims=frozenset({16, 32, 64, 128, 256, 512}),
     block_sizes=frozenset({MultipleOf(SPLITK_BLOCK_N)}),
     modes=frozenset({"decode", "prefill"}),
@@ -148,14 +146,14 @@ def paged_bias(paged: XformersPagedInputs):
     )
 
 
-class XformersSplitK(Adapter):
+class XformersSplitK(CudaPeerAdapter):
     """xformers' paged attention through its Triton split-K kernel."""
 
     name = "xformers"
     description = "xformers memory_efficient_attention_forward, paged bias, triton_splitKF (CUDA)"
-
-    def capabilities(self, device: str) -> Capabilities:
-        return CAPABILITIES
+    CAPABILITIES = CAPABILITIES
+    peer_module = "xformers"
+    install = INSTALL
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         """:data:`CAPABILITIES`' reasons, plus triton_splitk's rule for causal biases:
@@ -170,16 +168,13 @@ class XformersSplitK(Adapter):
                            "limit with a causal bias")
         return reasons
 
-    def available(self, device: str = "cpu") -> Availability:
-        def load() -> dict[str, str]:
-            from xformers.ops.fmha import triton_splitk
+    def import_peer(self, device: str) -> dict[str, str]:
+        from xformers.ops.fmha import triton_splitk
 
-            if installed_distribution("triton") is None:
-                raise PeerUnusable("its triton_splitKF kernel needs triton, which is not "
-                                   "installed")
-            return {"op": triton_splitk.FwOp.NAME, "cpp_extensions": cpp_extensions_status()}
-
-        return cuda_peer_available("xformers", device, INSTALL, load)
+        if installed_distribution("triton") is None:
+            raise PeerUnusable("its triton_splitKF kernel needs triton, which is not "
+                               "installed")
+        return {"op": triton_splitk.FwOp.NAME, "cpp_extensions": cpp_extensions_status()}
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         from xformers.ops.fmha import memory_efficient_attention_forward, triton_splitk

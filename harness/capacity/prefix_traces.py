@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pagedbench.reference.errors import PagedValueError
 from pagedbench.reference.workload import DEFAULT_MAX_CONTEXT, Request
@@ -38,99 +39,96 @@ from pagedbench.harness.capacity.traces import generate_trace
 
 #: Few-shot tasks in a few-shot trace.
 FEW_SHOT_TASKS = 4
+#: The least ``max_context`` of every kind here.
+MIN_MAX_CONTEXT = 64
 
 
 def _log_uniform(rng: random.Random, high: int) -> int:
     return max(1, min(high, round(math.exp(rng.uniform(0.0, math.log(max(1, high)))))))
 
 
-def _check(num_requests: int, max_context: int, least: int) -> None:
+def _rng(num_requests: int, max_context: int, seed: int) -> random.Random:
+    """The trace's one ``random.Random(seed)``, once the sizes are checked."""
     if num_requests < 1:
         raise PagedValueError("num_requests", num_requests, ">= 1")
-    if max_context < least:
-        raise PagedValueError("max_context", max_context, f">= {least} for this trace kind")
+    if max_context < MIN_MAX_CONTEXT:
+        raise PagedValueError("max_context", max_context,
+                              f">= {MIN_MAX_CONTEXT} for this trace kind")
+    return random.Random(seed)
 
 
-def _sessions(num_requests: int, rng: random.Random, turns: tuple[int, int],
-              first: Callable[[], Request], next_turn: Callable[[Request], Request | None]
-              ) -> list[Request]:
-    """Sessions of ``turns`` (inclusive range) requests, the first drawn by ``first``, each
-    next by ``next_turn(previous)`` (None ends the session), listed turn by turn, until
-    ``num_requests`` requests."""
-    sessions: list[list[Request]] = []
-    total = 0
-    while total < num_requests:
-        length = rng.randint(*turns)
-        session = [first()]
-        while len(session) < min(length, num_requests - total):
-            nxt = next_turn(session[-1])
-            if nxt is None:
-                break
-            session.append(nxt)
-        sessions.append(session)
-        total += len(session)
-    trace: list[Request] = []
-    index_of: dict[tuple[int, int], int] = {}
-    for turn in range(max(len(s) for s in sessions)):
-        for s, session in enumerate(sessions):
-            if turn < len(session):
-                req = session[turn]
-                if turn:
-                    req = Request(req.prompt_len, req.output_len, parent=index_of[s, turn - 1])
-                index_of[s, turn] = len(trace)
-                trace.append(req)
-    return trace
+@dataclass(frozen=True)
+class Sessions:
+    """A trace kind of sessions over one shared prefix (module docstring), a callable
+    ``(num_requests, max_context, seed) -> trace``.
 
-
-def generate_multi_turn_trace(num_requests: int, max_context: int = DEFAULT_MAX_CONTEXT,
-                              seed: int = 0) -> list[Request]:
-    """Chat sessions (module docstring), ``num_requests`` requests.
-
-    Raises
-    ------
-    PagedValueError
-        If ``num_requests`` < 1 or ``max_context`` < 64.
+    Attributes
+    ----------
+    turns : tuple[int, int]
+        Requests per session, an inclusive range.
+    prefix_id : str
+        The shared prefix, ``max_context // prefix`` tokens.
+    prefix, opening, addition, reply : int
+        Divisors of ``max_context``: the first prompt is the prefix and up to ``max_context
+        // opening`` tokens; each next one is the session so far (the previous prompt and
+        reply) and up to ``max_context // addition``; replies up to ``max_context // reply``.
     """
-    _check(num_requests, max_context, 64)
-    rng = random.Random(seed)
-    system, message, reply = max_context // 16, max_context // 16, max_context // 8
 
-    def first() -> Request:
-        return Request(system + _log_uniform(rng, message), _log_uniform(rng, reply),
-                       prefix_id="chat", prefix_len=system)
+    turns: tuple[int, int]
+    prefix_id: str
+    prefix: int
+    opening: int
+    addition: int
+    reply: int
 
-    def next_turn(previous: Request) -> Request | None:
-        prompt = previous.total_len + _log_uniform(rng, message)
-        output = _log_uniform(rng, reply)
-        return None if prompt + output > max_context else Request(prompt, output)
+    def __call__(self, num_requests: int, max_context: int = DEFAULT_MAX_CONTEXT,
+                 seed: int = 0) -> list[Request]:
+        """``num_requests`` requests listed turn by turn; a session ends early when its
+        next turn would not fit ``max_context``.
 
-    return _sessions(num_requests, rng, (2, 8), first, next_turn)
+        Raises
+        ------
+        PagedValueError
+            If ``num_requests`` < 1 or ``max_context`` < 64.
+        """
+        rng = _rng(num_requests, max_context, seed)
+        prefix_len = max_context // self.prefix
+        opening, addition = max_context // self.opening, max_context // self.addition
+        reply = max_context // self.reply
+        sessions: list[list[Request]] = []
+        total = 0
+        while total < num_requests:
+            length = min(rng.randint(*self.turns), num_requests - total)
+            session = [Request(prefix_len + _log_uniform(rng, opening), _log_uniform(rng, reply),
+                               prefix_id=self.prefix_id, prefix_len=prefix_len)]
+            while len(session) < length:
+                prompt = session[-1].total_len + _log_uniform(rng, addition)
+                output = _log_uniform(rng, reply)
+                if prompt + output > max_context:
+                    break
+                session.append(Request(prompt, output))
+            sessions.append(session)
+            total += len(session)
+        trace: list[Request] = []
+        index_of: dict[tuple[int, int], int] = {}
+        for turn in range(max(len(s) for s in sessions)):
+            for s, session in enumerate(sessions):
+                if turn < len(session):
+                    req = session[turn]
+                    if turn:
+                        req = Request(req.prompt_len, req.output_len,
+                                      parent=index_of[s, turn - 1])
+                    index_of[s, turn] = len(trace)
+                    trace.append(req)
+        return trace
 
 
-def generate_agent_trace(num_requests: int, max_context: int = DEFAULT_MAX_CONTEXT,
-                         seed: int = 0) -> list[Request]:
-    """Tool-calling agent loops (module docstring), ``num_requests`` requests.
-
-    Raises
-    ------
-    PagedValueError
-        If ``num_requests`` < 1 or ``max_context`` < 64.
-    """
-    _check(num_requests, max_context, 64)
-    rng = random.Random(seed)
-    tools, task, action, observation = (max_context // 4, max_context // 32, max_context // 32,
-                                        max_context // 16)
-
-    def first() -> Request:
-        return Request(tools + _log_uniform(rng, task), _log_uniform(rng, action),
-                       prefix_id="tools", prefix_len=tools)
-
-    def next_turn(previous: Request) -> Request | None:
-        prompt = previous.total_len + _log_uniform(rng, observation)
-        output = _log_uniform(rng, action)
-        return None if prompt + output > max_context else Request(prompt, output)
-
-    return _sessions(num_requests, rng, (3, 12), first, next_turn)
+#: Chat sessions (module docstring).
+MULTI_TURN = Sessions(turns=(2, 8), prefix_id="chat", prefix=16, opening=16, addition=16,
+                      reply=8)
+#: Tool-calling agent loops (module docstring).
+AGENT = Sessions(turns=(3, 12), prefix_id="tools", prefix=4, opening=32, addition=16,
+                 reply=32)
 
 
 def generate_few_shot_trace(num_requests: int, max_context: int = DEFAULT_MAX_CONTEXT,
@@ -142,8 +140,7 @@ def generate_few_shot_trace(num_requests: int, max_context: int = DEFAULT_MAX_CO
     PagedValueError
         If ``num_requests`` < 1 or ``max_context`` < 64.
     """
-    _check(num_requests, max_context, 64)
-    rng = random.Random(seed)
+    rng = _rng(num_requests, max_context, seed)
     prompts = [rng.randint(max_context // 4, 3 * max_context // 8)
                for _ in range(FEW_SHOT_TASKS)]
     question = answer = max_context // 32
@@ -159,11 +156,11 @@ def generate_few_shot_trace(num_requests: int, max_context: int = DEFAULT_MAX_CO
 #: Trace kinds by name: ``(num_requests, max_context, seed) -> trace``.
 TRACE_KINDS: dict[str, Callable[[int, int, int], list[Request]]] = {
     "mixed": lambda n, max_context, seed: generate_trace(n, max_context, seed),
-    "multi-turn": generate_multi_turn_trace,
-    "agent": generate_agent_trace,
+    "multi-turn": MULTI_TURN,
+    "agent": AGENT,
     "few-shot": generate_few_shot_trace,
 }
 
 
-__all__ = ["FEW_SHOT_TASKS", "TRACE_KINDS", "generate_agent_trace", "generate_few_shot_trace",
-           "generate_multi_turn_trace"]
+__all__ = ["AGENT", "FEW_SHOT_TASKS", "MULTI_TURN", "TRACE_KINDS", "Sessions",
+           "generate_few_shot_trace"]

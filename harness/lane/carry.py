@@ -56,9 +56,9 @@ from pagedbench.adapters.vllm_triton_carry import (
     read_carry,
     unmet_names,
 )
-from pagedbench.adapters import sglang_triton_load as sglang_load
 from pagedbench.adapters.lmdeploy_triton_load import LMDEPLOY
 from pagedbench.adapters.pinned_files import PinnedFilesInvalid
+from pagedbench.adapters.sglang_triton_load import SGLANG_TRITON
 from pagedbench.adapters.vllm_triton_import import KERNEL_MODULES
 
 from pagedbench.harness.lane import flashinfer_aot
@@ -198,36 +198,6 @@ def check_size(carry: Path, tree: int, limit: int = CARRY_LIMIT_BYTES) -> int:
     return total
 
 
-def copy_sglang_triton(dest: Path) -> None:
-    """Copy SGLang's kernel files (:data:`~pagedbench.adapters.sglang_triton_load.FILES`,
-    each checked against its sha256) from where ``make`` extracted them into ``dest``.
-
-    Raises
-    ------
-    SglangFilesInvalid
-        If a file is missing or changed (``make`` extracts them afresh).
-    """
-    for module, data in sglang_load.read_files(sglang_load.files_dir()).items():
-        target = dest / sglang_load.module_path(module)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-
-
-def copy_lmdeploy_triton(dest: Path) -> None:
-    """Copy LMDeploy's kernel files (:data:`~pagedbench.adapters.lmdeploy_triton_load.LMDEPLOY`,
-    each checked against its sha256) from where ``make`` extracted them into ``dest``.
-
-    Raises
-    ------
-    PinnedFilesInvalid
-        If a file is missing or changed (``make`` extracts them afresh).
-    """
-    for module, data in LMDEPLOY.read().items():
-        target = dest / sglang_load.module_path(module)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-
-
 def lane_command(carry: Path, root: Path = ROOT) -> str:
     """The command to run on the GPU machine, in the copied checkout: this checkout's
     commit and dirtiness filled in (the machine has no git history to read them from),
@@ -257,8 +227,8 @@ def build(out: Path, aot: bool = True) -> int:
         shutil.rmtree(out)
     wheels = download_wheels(requirements(), out / "wheels")
     copy_vllm_triton(out / "vllm-triton")
-    copy_sglang_triton(out / "sglang-triton")
-    copy_lmdeploy_triton(out / "lmdeploy-triton")
+    SGLANG_TRITON.copy(out / "sglang-triton")
+    LMDEPLOY.copy(out / "lmdeploy-triton")
     if aot:
         cases = CUDA_SELECTION.sweep.cases() + CUDA_SELECTION.conformance_cases()
         manifest = flashinfer_aot.build_modules(cases, out / "flashinfer-aot",
@@ -290,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         build(out, aot=not args.no_flashinfer_aot)
-    except (CarryTooLarge, CarryInvalid, sglang_load.SglangFilesInvalid, PinnedFilesInvalid,
-            FileNotFoundError,
+    except (CarryTooLarge, CarryInvalid, PinnedFilesInvalid, FileNotFoundError,
             PackageNotFoundError, subprocess.CalledProcessError,
             subprocess.TimeoutExpired) as exc:
         print(f"gpu_carry: {exc}", file=sys.stderr)

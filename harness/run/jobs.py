@@ -70,6 +70,19 @@ def _load(name: str, target: str, device: str, channel: Channel,
     return None, ListingRow.error(name, target, "error", reason), "available"
 
 
+def _start(job: dict[str, Any], device: str,
+           channel: Channel) -> tuple[Adapter, ListingRow] | None:
+    """Load the job's implementation and tell the parent: ``Fatal`` when that failed, else
+    ``Loaded`` with its row. The adapter and its row when it is available on ``device``,
+    else None (nothing more to do)."""
+    adapter, row, step = _load(job["name"], job["target"], device, channel, None)
+    if adapter is None:
+        channel.send(Fatal(status=str(Status.ERROR), step=step, reason=row.reason))
+        return None
+    channel.send(Loaded(row=row.model_dump(mode="json")))
+    return (adapter, row) if row.available else None
+
+
 def timer_for(config: RunConfig, interpreted: bool) -> conformance.Timer:
     """How the worker times ``run`` under ``config``: one wall-clock call for an
     interpreter; on a GPU the point's one method for every implementation
@@ -117,13 +130,10 @@ def _evaluate_job(job: dict[str, Any], channel: Channel) -> None:
     """The implementation's side of a run: per case, the check's implementation side."""
     config = RunConfig.from_dict(job["config"], RunConfig.cache_dir)
     torch.set_num_threads(config.threads)
-    adapter, row, step = _load(job["name"], job["target"], config.device, channel, None)
-    if adapter is None:
-        channel.send(Fatal(status=str(Status.ERROR), step=step, reason=row.reason))
+    started = _start(job, config.device, channel)
+    if started is None:
         return
-    channel.send(Loaded(row=row.model_dump(mode="json")))
-    if not row.available:
-        return
+    adapter, row = started
     timer = timer_for(config, bool(row.interpreted))
     for index in range(job["start"], len(job["cases"])):
         channel.step(index, "case")
@@ -141,14 +151,10 @@ def _loop_job(job: dict[str, Any], channel: Channel) -> None:
     each tick an item."""
     device = job["device"]
     torch.set_num_threads(job["threads"])
-    adapter, row, step = _load(job["name"], job["target"], device, channel, None)
-    if adapter is None:
-        channel.send(Fatal(status=str(Status.ERROR), step=step, reason=row.reason))
+    started = _start(job, device, channel)
+    if started is None:
         return
-    channel.send(Loaded(row=row.model_dump(mode="json")))
-    if not row.available:
-        return
-    side = serving.implementation_side(adapter, serving.LoopSpec.model_validate(job["spec"]),
+    side = serving.implementation_side(started[0], serving.LoopSpec.model_validate(job["spec"]),
                                        device)
     item, reply = 0, None
     while True:
