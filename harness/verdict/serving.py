@@ -106,28 +106,28 @@ class Fork(BaseModel):
     child: int
 
 
-class Finish(BaseModel):
+class _OfOneSequence(BaseModel):
+    """An event ``op`` on sequence ``seq`` alone."""
+
     model_config = _STRICT
+    op: str
+    seq: int
+
+
+class Finish(_OfOneSequence):
     op: Literal["finish"] = "finish"
-    seq: int
 
 
-class Preempt(BaseModel):
-    model_config = _STRICT
+class Preempt(_OfOneSequence):
     op: Literal["preempt"] = "preempt"
-    seq: int
 
 
-class SwapOut(BaseModel):
-    model_config = _STRICT
+class SwapOut(_OfOneSequence):
     op: Literal["swap-out"] = "swap-out"
-    seq: int
 
 
-class SwapIn(BaseModel):
-    model_config = _STRICT
+class SwapIn(_OfOneSequence):
     op: Literal["swap-in"] = "swap-in"
-    seq: int
 
 
 Event = Annotated[Union[Admit, Readmit, Step, Fork, Finish, Preempt, SwapOut, SwapIn],
