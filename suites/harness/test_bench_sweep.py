@@ -46,8 +46,8 @@ def test_a_bad_batch_spec_is_refused_naming_it(spec) -> None:
     "999999999999q1s1k", "30000000q1s1k", "16385q1", "8192q1_8193q1", "q1025k",
     "q1s1025k", "16q1s1024k_q1", "q1s" + "9" * 5000, "9" * 5000 + "q1"])
 def test_a_batch_no_gpu_could_hold_is_refused_before_it_is_built(spec) -> None:
-    """Issue 24 item 8: bounds are checked per segment, before a sequence list is built
-    (peak allocation far below one of the refused batches' lists)."""
+    """Bounds are checked per segment, before a sequence list is built (peak allocation far
+    below one of the refused batches' lists)."""
     import tracemalloc
 
     tracemalloc.start()

@@ -1,5 +1,5 @@
-"""One timing per point in pytest-benchmark's JSON (issue 18, item 5): a sweep point's
-``stats`` are the harness timer's samples, so ``stats.median`` is the board's median
+"""One timing per point in pytest-benchmark's JSON: a sweep point's ``stats`` are the
+harness timer's samples, so ``stats.median`` is the board's median
 (``extra_info.timing.median``) and ``--benchmark-compare-fail`` judges that number."""
 
 from __future__ import annotations

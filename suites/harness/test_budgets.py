@@ -1,8 +1,8 @@
-"""Budgets and the worker channel blame the right party: the implementation's timeout
-covers only what its worker does (import, ``available``, ``prepare``, ``run``, timing);
+"""Budgets and the worker channel blame the right party: the implementation's timeout covers
+only what its worker does (import, ``available``, ``prepare``, ``run``, timing);
 pagedbench's own work (truth and comparison, in the judging parent) has its own budget and
-status (issue 9, "The timeout blames the implementation for the harness's work"); a
-plug-in that writes into the worker's message pipe costs only its own case."""
+status, so a timeout never blames the implementation for the harness's work; a plug-in that
+writes into the worker's message pipe costs only its own case."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """``examples/ci/gpu.yml`` runs commands that exist: every ``pagedbench`` line parses with
 the CLI's own parser, the conformance step uses the pytest plugin's options and known
-implementations, and the gate reads the baselines' folder (issue 8, "For CI on GPU
-runners"); and the workflow's steps run, through bash, on a CPU stand-in of the runner
-(issue 18, "Must show")."""
+implementations, and the gate reads the baselines' folder; and the workflow's steps run,
+through bash, on a CPU stand-in of the runner."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The fp8-poison mark (``harness/verdict/fp8_interpreter.py``, issue 20 item 6) lands on exactly
-the verdicts whose poison Triton's interpreter reads as a finite number, in the
-leaderboard's cells."""
+"""The fp8-poison mark (``harness/verdict/fp8_interpreter.py``) lands on exactly the
+verdicts whose poison Triton's interpreter reads as a finite number, in the leaderboard's
+cells."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Issue 18's check of the gate: ``pagedbench bench`` with its default timing, three times
-(a baseline, the same code again, one implementation slowed 1.5x), then ``pagedbench
-gate`` with its defaults: the unchanged run never fails (exit 0, or 7 where a point was
-too noisy to judge: never a silent pass) and the slowed one exits 1. ``mykernel`` is a
-user's implementation installed as a plug-in: ``sdpa-contiguous``'s code, then the same
-code followed by a busy wait of half its own time (``plugins/slowed.py``)."""
+"""The gate as a user meets it: ``pagedbench bench`` with its default timing, three times (a
+baseline, the same code again, one implementation slowed 1.5x), then ``pagedbench gate``
+with its defaults: the unchanged run never fails (exit 0, or 7 where a point was too noisy
+to judge: never a silent pass) and the slowed one exits 1. ``mykernel`` is a user's
+implementation installed as a plug-in: ``sdpa-contiguous``'s code, then the same code
+followed by a busy wait of half its own time (``plugins/slowed.py``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The gate's false alarms and power, in seconds (issue 8: an unchanged rerun passes in
-at least 19 of 20 tries, a 25% slowdown fails in at least 19 of 20).
+"""The gate's false alarms and power, in seconds (the targets of docs/gate.md: an unchanged
+rerun passes in at least 19 of 20 tries, a 25% slowdown fails in at least 19 of 20).
 
 - Replayed noise: synthetic runs drawn (with replacement) from the raw samples that
   ``python -m pagedbench.harness.calibration.gate --tries 20`` recorded on a shared

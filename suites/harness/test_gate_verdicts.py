@@ -1,6 +1,6 @@
-"""``pagedbench gate``: a conformance regression or a slowdown beyond noise exits 1, a
-point too noisy to judge is listed as such, other devices are never compared (exit 5),
-``--update-baseline`` writes the golden under ``<folder>/<device>/`` (issue 8, "The gate")."""
+"""``pagedbench gate``: a conformance regression or a slowdown beyond noise exits 1, a point
+too noisy to judge is listed as such, other devices are never compared (exit 5),
+``--update-baseline`` writes the golden under ``<folder>/<device>/``."""
 
 from __future__ import annotations
 
@@ -271,7 +271,8 @@ def test_the_drift_probe_is_not_applied_where_it_moved_more_than_the_samples(
 
 
 def test_points_missing_from_the_current_results_are_not_judged(tmp_path, capsys) -> None:
-    """Issue 24, item 19: 22 of 24 baseline points missing from the current results."""
+    """22 of 24 baseline points missing from the current results: the gate judges nothing
+    there (exit 7), it never passes on the two points left."""
     base = [timed("a", f"c{i}", lognormal(5)) for i in range(24)]
     now = [timed("a", f"c{i}", lognormal(5)) for i in range(2)]
     paths = ["--baseline", write(tmp_path / "b.jsonl", base),

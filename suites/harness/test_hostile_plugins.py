@@ -1,7 +1,7 @@
-"""A catalogue of hostile plug-ins (issue 24): each tries to forge its own verdict, its
-timing or another implementation's verdict from inside its worker; each ends as a
-``fail``, ``error`` or ``timeout`` of its own, and the correct built-in beside it in the
-same run gets exactly the verdicts and figures it gets alone."""
+"""A catalogue of hostile plug-ins: each tries to forge its own verdict, its timing or
+another implementation's verdict from inside its worker; each ends as a ``fail``, ``error``
+or ``timeout`` of its own, and the correct built-in beside it in the same run gets exactly
+the verdicts and figures it gets alone."""
 
 from __future__ import annotations
 

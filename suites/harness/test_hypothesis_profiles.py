@@ -1,7 +1,6 @@
 """``--hypothesis-profile`` on the pytest command line takes effect, example counts
-included, and wins over ``HYPOTHESIS_PROFILE`` (issue 7, section 3); the conformance
-search fills the profile's seconds at the speed measured on the implementation itself
-(``suites/budget.py``, issue 20)."""
+included, and wins over ``HYPOTHESIS_PROFILE``; the conformance search fills the profile's
+seconds at the speed measured on the implementation itself (``suites/budget.py``)."""
 
 from __future__ import annotations
 

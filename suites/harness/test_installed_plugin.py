@@ -1,10 +1,10 @@
-"""The pytest plugin from an installed wheel, as a CI job runs it (issue 18, "Must show"):
-in a fresh virtual environment holding only the wheel and a user's adapter package (the
-dependencies come from this interpreter's site-packages, without pagedbench),
-``python -m pytest --pyargs pagedbench.suites.conformance --impl NAME`` ends with
-pytest's summary line and exit 0 on a correct kernel, 1 on a broken one, writes nothing
-beside the installed files, and keeps doing so with the ``-p`` options a user adds, with
-pytest-xdist and with the oldest pytest the project allows (``pytest>=8``).
+"""The pytest plugin from an installed wheel, as a CI job runs it: in a fresh virtual
+environment holding only the wheel and a user's adapter package (the dependencies come from
+this interpreter's site-packages, without pagedbench), ``python -m pytest --pyargs
+pagedbench.suites.conformance --impl NAME`` ends with pytest's summary line and exit 0 on a
+correct kernel, 1 on a broken one, writes nothing beside the installed files, and keeps
+doing so with the ``-p`` options a user adds, with pytest-xdist and with the oldest pytest
+the project allows (``pytest>=8``).
 
 The environments live in a folder outside the checkout: inside it, pytest would find the
 checkout's ``pyproject.toml``, whose ``-p no:cacheprovider`` hides what an installed run

@@ -1,6 +1,6 @@
 """``pagedbench run --junit-xml FILE``: one testcase per (implementation, case), a failure
-with the tolerance figures, errors and skips by status (issue 8, "For CI on GPU
-runners"); parsed back with junitparser, as CI reporters read it."""
+with the tolerance figures, errors and skips by status; parsed back with junitparser, as CI
+reporters read it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""Malformed input of every kind gets pagedbench's own error (a ``PagedInputError``,
-naming the parameter), never a crash, a hang, a NaN result or a bare traceback (issue 9,
-"Input validation everywhere"). Hypothesis draws the inputs: case fields, case dicts,
-devices, tensors, result lines, adapter metadata, command lines and report files."""
+"""Malformed input of every kind gets pagedbench's own error (a ``PagedInputError``, naming
+the parameter), never a crash, a hang, a NaN result or a bare traceback. Hypothesis draws
+the inputs: case fields, case dicts, devices, tensors, result lines, adapter metadata,
+command lines and report files."""
 
 from __future__ import annotations
 
@@ -187,8 +187,8 @@ def _with_version(version):
     (np.int64(7), "7"), (np.float32(0.5), "0.5"), (np.str_("1.2.3"), "1.2.3"),
     (torch.tensor(3), "3"), (3, "3"), ("0.32", "0.32")])
 def test_a_numeric_version_is_recorded_as_text(version, text) -> None:
-    """Issue 24 item 17: numpy scalars (and 0-d tensors) are converted as ``to_json_data``
-    converts them, then recorded as text."""
+    """Numpy scalars (and 0-d tensors) are converted as ``to_json_data`` converts them, then
+    recorded as text."""
     from pagedbench.adapters.base import Availability
     from pagedbench.adapters.torch_sdpa import TorchGather
 

@@ -1,8 +1,7 @@
-"""Results and report files under hostile conditions (issue 24, items 9, 11, 14 and 16): a
-write that fails (disk full, I/O error) is reported naming the file, with exit 6 and no torn
-line; a line nested deeper than Python can parse is refused naming file and line; one run
-has one writer at a time; a symbolic link where pagedbench writes is refused, its target
-untouched."""
+"""Results and report files under hostile conditions: a write that fails (disk full, I/O
+error) is reported naming the file, with exit 6 and no torn line; a line nested deeper than
+Python can parse is refused naming file and line; one run has one writer at a time; a
+symbolic link where pagedbench writes is refused, its target untouched."""
 
 from __future__ import annotations
 

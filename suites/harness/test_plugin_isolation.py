@@ -1,7 +1,7 @@
 """A plug-in that exits, segfaults or hangs at import, or returns metadata that is not JSON,
-costs only itself: ``pagedbench run`` finishes with every other implementation's results
-and a non-zero exit, and ``pagedbench list`` lists everyone (issue 9, "A false green",
-"One adapter's metadata kills the whole run")."""
+costs only itself: ``pagedbench run`` finishes with every other implementation's results and
+a non-zero exit, and ``pagedbench list`` lists everyone: one adapter's failure or metadata
+never ends the whole run nor makes it look green."""
 
 from __future__ import annotations
 

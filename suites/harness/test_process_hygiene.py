@@ -1,7 +1,7 @@
 """Workers die with their parent, whatever signal ends it, leave no file behind, and hold
-only the environment they need (issue 9, "Orphans"); processes an implementation starts
-in a new session die with its worker (issue 24); a run killed with SIGKILL and resumed
-gives the verdicts of an uninterrupted run without redoing finished pairs ("No resume")."""
+only the environment they need; processes an implementation starts in a new session die with
+its worker; a run killed with SIGKILL and resumed gives the verdicts of an uninterrupted run
+without redoing finished pairs."""
 
 from __future__ import annotations
 

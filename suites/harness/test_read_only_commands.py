@@ -1,7 +1,6 @@
-"""Read-only commands write nothing (issue 24 item 10): ``schema``, ``report`` (to
-stdout) and ``gate`` leave the current folder as it was, so they work in a read-only
-checkout. Tests run as root, where a mode of 0555 stops no write: the folder is checked
-for anything created instead."""
+"""Read-only commands write nothing: ``schema``, ``report`` (to stdout) and ``gate`` leave
+the current folder as it was, so they work in a read-only checkout. Tests run as root, where
+a mode of 0555 stops no write: the folder is checked for anything created instead."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``pagedbench replay``: a failure's case file, a bare case and a whole result line all
-reproduce the verdict; exit 1 on ``fail``; the pytest and runner failure messages end
-with the command that replays the case (issue 7, section 3)."""
+reproduce the verdict; exit 1 on ``fail``; the pytest and runner failure messages end with
+the command that replays the case."""
 
 from __future__ import annotations
 

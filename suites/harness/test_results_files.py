@@ -1,6 +1,6 @@
-"""Reports and resumes trust no input: every results line is validated against the
-schema, refused ones are named by file and line, torn ones are skipped with a warning
-naming the file, and Markdown cells are escaped (issue 9, "Reports trust their input")."""
+"""Reports and resumes trust no input: every results line is validated against the schema,
+refused ones are named by file and line, torn ones are skipped with a warning naming the
+file, and Markdown cells are escaped."""
 
 from __future__ import annotations
 
@@ -139,8 +139,8 @@ def test_markdown_cells_are_escaped() -> None:
 
 
 def test_markdown_escapes_html_from_names_case_ids_and_reasons() -> None:
-    """Issue 24 item 12: a Markdown renderer passes raw HTML through, so every ``<``,
-    ``>`` and ``&`` from an implementation, a case id or a reason is an entity."""
+    """A Markdown renderer passes raw HTML through, so every ``<``, ``>`` and ``&`` from an
+    implementation, a case id or a reason is an entity."""
     case = PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,
                      dtype="float32", name="<img src=x onerror=alert(1)>")
     records = [result("<script>alert(1)</script>", case, "fail", reason="</table> & <b>|"),
@@ -220,9 +220,9 @@ def test_report_merges_files_and_later_lines_win(tmp_path, capsys) -> None:
 ])
 def test_resume_refuses_a_target_the_registry_does_not_name(tmp_path, capsys, name,
                                                            target) -> None:
-    """Issue 24 item 7: a results file is data, not a list of programs: an edited plan
-    naming a target that is not the registered adapter of its name is refused (exit 2,
-    naming file and line) before anything is imported or written."""
+    """A results file is data, not a list of programs: an edited plan naming a target that
+    is not the registered adapter of its name is refused (exit 2, naming file and line)
+    before anything is imported or written."""
     from pagedbench.harness.run.runner import RunConfig, make_plan
 
     case = PagedCase(kv_lens=(3,), num_q_heads=2, num_kv_heads=1, head_dim=8, block_size=4,

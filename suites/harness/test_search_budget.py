@@ -1,7 +1,7 @@
-"""The conformance search fills its seconds on the implementation itself (issue 20, item
-2): a fast out-of-tree kernel the measured table has never seen gets far more examples
-than the table's guess gives it, a slow one stays within the seconds (or the floor), and
-each search reports what it used (JUnit properties, the terminal summary)."""
+"""The conformance search fills its seconds on the implementation itself: a fast out-of-tree
+kernel the measured table has never seen gets far more examples than the table's guess gives
+it, a slow one stays within the seconds (or the floor), and each search reports what it used
+(JUnit properties, the terminal summary)."""
 
 from __future__ import annotations
 

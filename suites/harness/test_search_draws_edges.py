@@ -1,9 +1,9 @@
-"""The conformance search's strategy draws the edges and the feature combinations (issue 20,
-item 4): in 400 derandomized draws over every axis, degenerate rows, fresh prefills,
-one-token contexts, every layout and poison, a V head dim of its own, every logit regime,
-and examples with every option on at once; float32 cases get every regime and logit
-scale too (the tolerance allows for the logits' float32 rounding: docs/tolerance.md);
-and, given ``max_large_batch``, ragged batches of hundreds of sequences at small shapes."""
+"""The conformance search's strategy draws the edges and the feature combinations: in 400
+derandomized draws over every axis, degenerate rows, fresh prefills, one-token contexts,
+every layout and poison, a V head dim of its own, every logit regime, and examples with
+every option on at once; float32 cases get every regime and logit scale too (the tolerance
+allows for the logits' float32 rounding: docs/tolerance.md); and, given ``max_large_batch``,
+ragged batches of hundreds of sequences at small shapes."""
 
 from __future__ import annotations
 

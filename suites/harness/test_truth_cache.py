@@ -1,7 +1,6 @@
-"""The truth cache is plain data, signed: a corrupt, mismatching, planted or forged file
-is detected, recomputed and replaced, never fatal and never executed (issue 9, "The truth
-cache"); a folder or FIFO where a file should be never blocks nor fails the truth and
-leaves no temporary file (issue 24)."""
+"""The truth cache is plain data, signed: a corrupt, mismatching, planted or forged file is
+detected, recomputed and replaced, never fatal and never executed; a folder or FIFO where a
+file should be never blocks nor fails the truth and leaves no temporary file."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The current folder is never on a worker's module path (issue 24 item 6): ``python -m``
-puts it first, so a ``selectors.py`` there (a module the worker imports) would run inside
-every worker. Workers start with ``-P`` (Python 3.11+)."""
+"""The current folder is never on a worker's module path: ``python -m`` puts it first, so a
+``selectors.py`` there (a module the worker imports) would run inside every worker. Workers
+start with ``-P`` (Python 3.11+)."""
 
 from __future__ import annotations
 
