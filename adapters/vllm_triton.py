@@ -150,8 +150,9 @@ class _VllmTritonAdapter(PeerTritonAdapter):
     def load() -> tuple[VllmTritonKernels | None, str]:
         return _loaded()
 
-    #: This adapter's kernel family: its field of :class:`.VllmTritonKernels` and its
-    #: interpreter cost model (:data:`WORK`).
+    #: This adapter's kernel family: its field of
+    #: :class:`~.vllm_triton_import.VllmTritonKernels` and its interpreter cost model
+    #: (:data:`WORK`).
     family: ClassVar[str]
 
     def _family(self, kernels: VllmTritonKernels) -> VllmTritonKernel:
@@ -298,7 +299,8 @@ class VllmDecode(_VllmTritonAdapter):
         ``out`` (NaN), ``lse [batch, num_q_heads]`` and ``attn_logits [batch, num_q_heads,
         num_kv_splits, v_head_dim + 1]`` (float32: each split's output and, last, its
         log-sum-exp), and unit K/V scales.
-        ``facts["num_kv_splits"]`` is the split count (:func:`.decode_num_kv_splits`).
+        ``facts["num_kv_splits"]`` is the split count
+        (:func:`~.vllm_triton_launch.decode_num_kv_splits`).
 
         Raises
         ------

@@ -121,7 +121,7 @@ def compute_truth(case: PagedCase, logits_precision: str = "float32", *,
     """The truth and yardstick of ``case`` (logits of the yardstick in
     ``logits_precision``; ``with_lse``: the log-sum-exp's truth too), computed on the CPU
     (no cache); with ``refresh_seed``, of its inputs after
-    :func:`~pagedbench.reference.writes.refresh_live` with that seed (of Q, and of K and
+    :func:`~pagedbench.reference.refresh.refresh_live` with that seed (of Q, and of K and
     V with ``refresh_kv``: what timed calls are checked on)."""
     inputs = materialize(case, "cpu")
     if refresh_seed is not None:

@@ -115,7 +115,7 @@ def test_a_slow_start_does_not_make_every_refill_short():
     Sized at the last run's speed, the second run is short (39 at 0.5 s for 3/4 of the
     26 s left) and the next ones fill the 22.1 s left (165, 41, 11, 3: within one example
     of it by rounding). Sized at the average so far, as once, the search stopped at
-    :data:`MAX_RUNS` 1.1 s short of its 30."""
+    :data:`~pagedbench.suites.budget.MAX_RUNS` 1.1 s short of its 30."""
     clock = FakeClock()
     search = budget.TimedSearch(seconds=30.0, guess_s=budget.UNMEASURED_SECONDS,
                                 bounds=(8, 500), clock=clock)
