@@ -343,7 +343,7 @@ def judging_state() -> Iterator[None]:
     The intra-op thread count is left alone: ``torch.set_num_threads`` from a helper
     thread sets the count every thread started later takes, and the truth does not
     depend on it (the yardstick's bits are the same at 1 and 2 threads:
-    suites/harness/test_yardstick_orders.py)."""
+    suites/harness/verdict/test_tolerance_yardstick_orders.py)."""
     with _JUDGING:
         matmul = torch.backends.cuda.matmul
         saved = (torch.get_float32_matmul_precision(), torch.get_default_dtype(),

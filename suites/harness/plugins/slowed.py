@@ -38,7 +38,7 @@ class Slowed(SdpaContiguous):
 
 class SlowedHalf(Slowed):
     """Half as slow again (1.5x): the slowdown the gate must catch with its defaults
-    (``test_gate_bench_defaults.py``)."""
+    (``gate/test_compare_bench_defaults.py``)."""
 
     name = "sdpa-slowed-50pct"
     SLOWDOWN = 0.5
