@@ -1,21 +1,15 @@
-"""Timing statistics, derived bytes/FLOPs, the JSONL store and the report."""
+"""Timing statistics, CPU timers and the drift probe, derived bytes, FLOPs and roofline floor."""
 
 from __future__ import annotations
 
 import itertools
-import json
-import threading
 
 import pytest
 import torch
 
 from pagedbench.harness.measure.timing import (DriftProbe, Timing, bytes_moved, flops,
                                                oversubscribed, time_cpu)
-from pagedbench.harness.results import report
-from pagedbench.harness.results.store import ResultsFile, read_lines
 from pagedbench.reference import PagedCase
-
-from ..conftest import result
 
 
 def test_time_cpu_measures_a_known_sleep() -> None:
@@ -148,85 +142,16 @@ def test_bytes_and_flops_from_actual_lengths() -> None:
     assert bytes_moved(fp8) == 2 * 2 * 8 * 64 * 2 + 2 * 20 * 2 * 64 * 1 + 3 * 4
 
 
-def test_results_file_appends_whole_lines_from_many_threads(tmp_path) -> None:
-    store = ResultsFile(tmp_path / "sub" / "r.jsonl")
-    payload = "x" * 5000
-
-    def write(worker: int) -> None:
-        for i in range(50):
-            store.append(result(f"w{worker}", f"c{i}", reason=payload))
-
-    threads = [threading.Thread(target=write, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    records = list(read_lines([tmp_path / "sub"]))
-    assert len(records) == 200
-    assert sorted((r.impl, r.case["name"]) for r in records) == sorted(
-        (f"w{w}", f"c{i}") for w in range(4) for i in range(50))
 
 
-def test_non_finite_figures_are_written_as_null(tmp_path) -> None:
-    store = ResultsFile(tmp_path / "r.jsonl")
-    store.append(result("x", max_abs_err=float("nan"), err_ratio_vs_naive=float("inf")))
-    line = (tmp_path / "r.jsonl").read_text()
-    data = json.loads(line)
-    assert data["max_abs_err"] is None and data["err_ratio_vs_naive"] is None
-    assert "NaN" not in line and "Infinity" not in line
 
 
-def test_cells_show_the_spread_samples_and_the_noise_flag() -> None:
-    from pagedbench.harness.measure.timing import Timing
-
-    record = result("a", "c1", "pass", 1.0)
-    noisy = Timing((1.0, 1.0, 2.0, 3.0, 9.0), "torch_timer")  # IQR 2 > 10% of median 2
-    record = record.model_copy(update={"time_ms": record.time_ms.model_validate(
-        noisy.to_dict()), "time_ms_median": noisy.median_ms})
-    assert report.cell_text(record) == "pass 2 ms [1-6.6] n=5 noisy"
 
 
-def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted() -> None:
-    records = [
-        result("a", "c1", "pass", 2.0), result("b", "c1", "pass", 1.0),
-        result("interp", "c1", "pass", 0.5, method="interpreted"),
-        result("a", "c2", "fail"), result("b", "c2", "unsupported"),
-        result("interp", "c2", "pass", 0.1, method="interpreted"),
-        result("gpu-only", "c1", "unavailable"), result("gpu-only", "c2", "unavailable"),
-    ]
-    c1, c2 = records[0].case_id, records[3].case_id
-    df = report.frame(records)
-    table = report.leaderboard(df)
-    assert table.loc[c1, "b"] == "**pass 1 ms [1-1] n=3**"
-    assert table.loc[c1, "a"] == "pass 2 ms [2-2] n=3"
-    assert table.loc[c1, "interp"] == "pass (interp.)"
-    assert table.loc[c2, "a"] == "fail" and table.loc[c2, "interp"] == "pass (interp.)"
-    assert list(table.columns) == ["a", "b", "interp"]  # never-available: no column
-    counts = report.summary(df)
-    assert counts.loc["gpu-only", "unavailable"] == 2
-    assert counts.loc["a"].to_dict() == {"pass": 1, "fail": 1, "unsupported": 0, "unavailable": 0,
-                                         "max err (ulps)": "", "bias (ulps)": ""}
-    text = report.markdown(records)
-    assert "Device: cpu0" in text and "a: fail: why" in text
 
 
-def test_summary_shows_the_error_and_bias_in_ulps_of_the_passes() -> None:
-    records = [result("trunc", "c1", "pass", 1.0, max_err_ulps=1.0, mean_err_ulps=-0.3),
-               result("trunc", "c2", "pass", 1.0, max_err_ulps=0.9, mean_err_ulps=-0.4),
-               result("trunc", "c3", "fail", max_err_ulps=50.0, mean_err_ulps=9.0)]
-    row = report.summary(report.frame(records)).loc["trunc"]
-    assert row["max err (ulps)"] == 1.0 and row["bias (ulps)"] == pytest.approx(-0.35)
 
 
-def test_cells_mark_stale_tails_and_declared_case_dtype_logits() -> None:
-    plain = result("p", "c1", "pass", 2.0)
-    stale = result("s", "c1", "pass", 2.0, tail_poison="stale")
-    case_logits = result("l", "c1", "pass", 2.0, logits_precision="case")
-    both = result("b", "c1", "pass", 2.0, tail_poison="stale", logits_precision="case")
-    spread = "2 ms [2-2] n=3"
-    assert [report.cell_text(r) for r in (plain, stale, case_logits, both)] == [
-        f"pass {spread}", f"pass† {spread}", f"pass‡ {spread}", f"pass†‡ {spread}"]
-    assert "`‡`: the implementation declares" in report.markdown([plain, case_logits])
 
 
 def test_roofline_floor_is_the_slower_of_bytes_and_flops() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import warnings
 
 import pytest
@@ -241,3 +242,31 @@ def test_resume_refuses_a_target_the_registry_does_not_name(tmp_path, capsys, na
     assert f"{results.path}:2: the plan's {name!r} = {target!r} is not a registered" in err
     assert results.path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r1.jsonl"]
+
+
+def test_results_file_appends_whole_lines_from_many_threads(tmp_path) -> None:
+    store = ResultsFile(tmp_path / "sub" / "r.jsonl")
+    payload = "x" * 5000
+
+    def write(worker: int) -> None:
+        for i in range(50):
+            store.append(result(f"w{worker}", f"c{i}", reason=payload))
+
+    threads = [threading.Thread(target=write, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = list(read_lines([tmp_path / "sub"]))
+    assert len(records) == 200
+    assert sorted((r.impl, r.case["name"]) for r in records) == sorted(
+        (f"w{w}", f"c{i}") for w in range(4) for i in range(50))
+
+
+def test_non_finite_figures_are_written_as_null(tmp_path) -> None:
+    store = ResultsFile(tmp_path / "r.jsonl")
+    store.append(result("x", max_abs_err=float("nan"), err_ratio_vs_naive=float("inf")))
+    line = (tmp_path / "r.jsonl").read_text()
+    data = json.loads(line)
+    assert data["max_abs_err"] is None and data["err_ratio_vs_naive"] is None
+    assert "NaN" not in line and "Infinity" not in line
