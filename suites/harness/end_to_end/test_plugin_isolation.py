@@ -59,7 +59,7 @@ def test_a_run_with_crashing_hanging_exiting_and_correct_plugins(tmp_path, plugi
     assert jsonl.with_suffix(".md").exists()
 
 
-@pytest.mark.nightly  # list of plug-ins; one at a time: cli/test_read_only_commands
+@pytest.mark.nightly  # list of plug-ins; one at a time: cli/test_cli_read_only_commands
 def test_list_shows_every_plugin_by_its_entry_point_name(tmp_path, plugin_env) -> None:
     listed = subprocess.run([*CLI, "list", "--json", "--timeout", "3"], env=plugin_env,
                             capture_output=True, text=True, timeout=300)
