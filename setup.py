@@ -3,7 +3,8 @@
 ``reference/`` installs as ``pagedbench.reference``, ``harness/`` as ``pagedbench.harness``
 and so on; every folder below them is found by setuptools (no hand-kept list), and the
 JSON beside the code (example timings, pinned regression cases) travels with it.
-``suites/harness/test_installed_plugin.py`` checks that the built wheel holds every folder.
+``suites/harness/end_to_end/test_installed_plugin.py`` checks that the built wheel holds
+every folder.
 """
 
 from setuptools import find_namespace_packages, setup

@@ -143,8 +143,8 @@ FP32_SOFT_CAP_LIMIT = 100.0
 
 def soft_cap_cancels(case: PagedCase) -> list[str]:
     """Why SGLang's kernels cannot take ``case``'s soft cap: their tanh is
-    ``2 * sigmoid(2x) - 1``, which cancels for ``x = logit / cap`` near 0. The search's
-    cases (issue 20), float32, cap 1e4: decode (d64, bs16, 1/1 heads, kv_len 15) 10021
+    ``2 * sigmoid(2x) - 1``, which cancels for ``x = logit / cap`` near 0. The conformance
+    search's cases, float32, cap 1e4: decode (d64, bs16, 1/1 heads, kv_len 15) 10021
     ulps, extend (d64, 2/1 heads, kv_len 1, sinks) 14756 ulps, against 256."""
     if (case.dtype == "float32" and case.logits_soft_cap is not None
             and case.logits_soft_cap > FP32_SOFT_CAP_LIMIT):

@@ -29,22 +29,18 @@ from .triton_decode import PagedbenchTritonAdapter
 
 #: Most interpreter steps (:meth:`pagedbench.kernels.paged_split_plan.SplitPlan.steps`:
 #: key-loop iterations of both kernels plus one per program, so programs are not charged
-#: again) one interpreted split-decode call may take. Measured with triton 3.9.0 on this
-#: project's 2-core CI machine (AMD EPYC, other jobs beside), process CPU time of one call
-#: on 6 reduced presets (bf16, head_dim 96-256): 8.2 ms per step (least squares; within
-#: 0.7 s of every call). 600 admits every reduced preset of :mod:`pagedbench.harness.cases.presets`
-#: (at most 584 steps, about 4 s) except phi3-mini's 32 KV heads (1088 steps, 9.4 s), and
-#: no full preset.
+#: again) one interpreted split-decode call may take, and the process CPU seconds charged
+#: per step: a least-squares fit over the reduced presets, every reduced preset admitted
+#: but phi3-mini's 32 KV heads (the fit and what each budget admits:
+#: docs/interpreter-budget.md; ``docs/interpreter_cost.py paged`` measures them again).
 SPLIT_STEP_BUDGET = 600
 SPLIT_S_PER_STEP = 0.0082
 SPLIT_BUDGET = InterpreterBudget(s_per_program=0.0, s_per_step=SPLIT_S_PER_STEP,
                                  max_s=SPLIT_STEP_BUDGET * SPLIT_S_PER_STEP)
 #: The same for the prefill kernel, whose loop iteration over ``block_m`` rows counts
 #: ``block_m // 16`` steps (:meth:`pagedbench.kernels.paged_prefill.PrefillPlan.steps`,
-#: one more per program). Measured as above on the reduced presets and four mixed
-#: prefill batches: 10 to 19 ms per step; the estimate charges 16 ms (phi3-mini: 320
-#: steps, 5.1 s). 320 admits every reduced preset and, of the full ones,
-#: llama3.1-70b-tp8 (one KV head) and qwen2.5-7b at block_size 16.
+#: one more per program); charged at the upper part of the measured per-step range, so
+#: every reduced preset is admitted (docs/interpreter-budget.md).
 PREFILL_STEP_BUDGET = 320
 PREFILL_S_PER_STEP = 0.016
 PREFILL_BUDGET = InterpreterBudget(s_per_program=0.0, s_per_step=PREFILL_S_PER_STEP,

@@ -150,8 +150,9 @@ class _VllmTritonAdapter(PeerTritonAdapter):
     def load() -> tuple[VllmTritonKernels | None, str]:
         return _loaded()
 
-    #: This adapter's kernel family: its field of :class:`.VllmTritonKernels` and its
-    #: interpreter cost model (:data:`WORK`).
+    #: This adapter's kernel family: its field of
+    #: :class:`~.vllm_triton_import.VllmTritonKernels` and its interpreter cost model
+    #: (:data:`WORK`).
     family: ClassVar[str]
 
     def _family(self, kernels: VllmTritonKernels) -> VllmTritonKernel:
@@ -274,7 +275,7 @@ class VllmDecode(_VllmTritonAdapter):
     )
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        # The grouped stage 1 and its tanh are SGLang's (found by the search, issue 20;
+        # The grouped stage 1 and its tanh are SGLang's (found by the conformance search;
         # suites/adapters/test_vllm_triton_conformance.py pins the soft cap: 37x).
         reasons = (super().why_unsupported(case, device) + grouped_head_tile_straddles(case)
                    + soft_cap_cancels(case))
@@ -298,7 +299,8 @@ class VllmDecode(_VllmTritonAdapter):
         ``out`` (NaN), ``lse [batch, num_q_heads]`` and ``attn_logits [batch, num_q_heads,
         num_kv_splits, v_head_dim + 1]`` (float32: each split's output and, last, its
         log-sum-exp), and unit K/V scales.
-        ``facts["num_kv_splits"]`` is the split count (:func:`.decode_num_kv_splits`).
+        ``facts["num_kv_splits"]`` is the split count
+        (:func:`~.vllm_triton_launch.decode_num_kv_splits`).
 
         Raises
         ------
@@ -362,8 +364,8 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
                 reasons.append("alibi with sinks on prefill rows: context_attention_fwd "
                                "rejects them ('Sinks arg is not supported with alibi')")
         if case.q_lens and any(kv == 0 and q > 1 for kv, q in zip(case.kv_lens, case.q_lens)):
-            # Found by the conformance search (issue 20): kv_lens (1, 1, 0), q_lens (1, 1,
-            # 2), float32: the rows of the empty sequence come out nonzero (error 1.95);
+            # Found by the conformance search: kv_lens (1, 1, 0), q_lens (1, 1, 2),
+            # float32: the rows of the empty sequence come out nonzero (error 1.95);
             # suites/adapters/test_vllm_triton_conformance.py pins it.
             reasons.append("prefill rows of a sequence with kv_len 0: they come out "
                            "nonzero, not 0")

@@ -1,7 +1,7 @@
 """How Triton decodes fp8, code by code: a tiny kernel that loads every one of the 256
 codes of an fp8 type and converts it with ``.to()``, as the paged kernels convert an fp8
 KV tile (``_load_kv_tile`` in :mod:`~pagedbench.kernels.paged_features`), against torch's
-``.to()`` of the same bytes (issue 20, item 6).
+``.to()`` of the same bytes.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1`` when this module is imported) the
 conversion is numpy arithmetic on the bits (``_convert_float`` in

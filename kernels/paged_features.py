@@ -72,7 +72,7 @@ def _tanh(x):
     """tanh from one exponential, overflow-free: ``sign(x) (1 - e) / (1 + e)``,
     ``e = exp(-2|x|)`` (``libdevice.tanh`` does not run under the interpreter); below
     :data:`TANH_SERIES_BELOW` its Taylor series to x**7 instead, since ``1 - e`` cancels
-    there (a soft cap of 1e4 over float32 logits of 1 lost 3e-4 of each logit: issue 20)."""
+    there (a soft cap of 1e4 over float32 logits of 1 lost 3e-4 of each logit)."""
     a = tl.abs(x)
     e = tl.exp(-2.0 * a)
     t = (1.0 - e) / (1.0 + e)

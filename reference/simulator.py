@@ -38,7 +38,7 @@ class PolicyResult:
     Attributes
     ----------
     policy : str
-        Policy name (:data:`POLICY_NAMES`).
+        Policy name (:data:`~.kv_policies.POLICY_NAMES`).
     block_size : int or None
         Tokens per block (paged), ``None`` (contiguous).
     num_requests : int

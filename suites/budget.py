@@ -3,9 +3,9 @@ conformance search's budget, measured on each implementation at run time.
 
 The profile is the one hypothesis loaded, from ``--hypothesis-profile NAME`` or else the
 ``HYPOTHESIS_PROFILE`` variable (suites/conftest.py), read with
-``settings.get_current_profile_name()`` once the session is configured. (Budgets used to
-be looked up in ``os.environ`` when a test module was imported, so the command-line
-option changed the profile but not the example counts.)
+``settings.get_current_profile_name()`` once the session is configured, never from
+``os.environ`` when a test module is imported (the command-line option would then change
+the profile but not the example counts).
 
 The conformance search fills the profile's seconds per implementation (:data:`SECONDS`;
 ``--pagedbench-search-seconds`` overrides them) on the implementation itself

@@ -12,11 +12,11 @@ two ways:
 - ``fresh``: try i's B, C and D against try i's A (a baseline measured just before);
 - ``stored``: try i's B, C and D against try 0's A (a golden recorded once, as in CI).
 
-An unchanged rerun must pass (exit 0) in at least 19 of 20 tries and a slowed one must
-fail (exit 1) in at least 19 of 20 (issue 8); the command exits 0 when that holds for
-every gate, else 1. ``--load-jobs N`` runs N CPU-bound busy loops beside the tries (a
-loaded machine; stopped at the end); the load averages before and after each try are
-recorded. ``--samples FILE`` keeps every try's raw samples (the recorded noise a test in
+An unchanged rerun must pass (exit 0) in at least 19 of 20 tries and a slowed one must fail
+(exit 1) in at least 19 of 20 (the gate's targets, docs/gate.md); the command exits 0 when
+that holds for every gate, else 1. ``--load-jobs N`` runs N CPU-bound busy loops beside the
+tries (a loaded machine; stopped at the end); the load averages before and after each try
+are recorded. ``--samples FILE`` keeps every try's raw samples (the recorded noise a test in
 ``make test`` replays); ``--from-runs DIR`` judges runs made before. Runs, caches and the
 plug-ins' metadata go under ``--work-dir``; ``--output`` gets the rates as JSON.
 
@@ -54,7 +54,7 @@ SLOWED_IMPLS = (SLOWED, SLOWED_HALF)
 ENTRIES = {RERUN: f"{PLUGINS}:Rerun", SLOWED: f"{PLUGINS}:Slowed",
            SLOWED_HALF: f"{PLUGINS}:SlowedHalf",
            "sdpa-slowed-3x": f"{PLUGINS}:SlowedThreeTimes"}
-#: Tries an unchanged rerun must pass, and a slowed one fail, out of 20 (issue 8).
+#: Tries an unchanged rerun must pass, and a slowed one fail, out of 20 (docs/gate.md).
 REQUIRED_OF_20 = 19
 
 

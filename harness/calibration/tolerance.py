@@ -16,7 +16,7 @@ softmax (:data:`TILE` keys at a time), and differs only in where it rounds:
 draws N random cases per dtype (kv_len log-uniform in 1..8192, every feature, explicit ``sm_scale``
 from 1e-3 to 1e3, fp8 caches) and M long-context cases per length band (attention spread over the
 context: :func:`random_case` with ``spread=True``), and prints the table docs/tolerance.md quotes.
-``suites/harness`` runs a sample.
+``suites/harness/calibration/test_tolerance.py`` runs a sample.
 """
 
 from __future__ import annotations

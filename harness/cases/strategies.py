@@ -9,14 +9,14 @@ including 5 (Llama 4's 40 query over 8 KV heads; FlashInfer's
 ragged batches whose lengths always include the block boundaries 1, block_size - 1,
 block_size and block_size + 1 where paged kernels break.
 
-``edges=True`` (issue 7) widens every axis: block sizes 80 and 512, GQA ratios 3, 6, 7
+``edges=True`` widens every axis: block sizes 80 and 512, GQA ratios 3, 6, 7
 and 16 (Qwen2.5-7B's 28 over 4), head dims 112, 192, 256 and the odd 33 and 72; lengths
 within 3 of the split thresholds (128 to 1024); degenerate entries (kv_len 0, q_len 0,
 q_len > kv_len); ``sm_scale`` from 1e-3 to 1e3, soft caps far below and above the
 logits, sliding windows of 1, 2 and block_size +- 1; every memory layout, every poison,
 a V head dim of its own; fresh prefills (``q_len = kv_len``); and, in one example of
 :data:`TOGETHER_ONE_IN`, every declared option at once. The conformance search draws the
-edge box with one of :data:`LOGIT_REGIMES` (issue 20). Every value is drawn within what
+edge box with one of :data:`LOGIT_REGIMES`. Every value is drawn within what
 the implementation under test declares, so no example is wasted on an unsupported case.
 Given ``max_large_batch``, one example in :data:`LARGE_BATCH_ONE_IN` is a batch like a
 serving engine's, hundreds of ragged sequences, at shapes small enough to stay cheap.
@@ -67,7 +67,7 @@ LOGIT_OFFSETS = (0.0, 50.0, -50.0, 1e3, -1e3)
 #: with ``edges=True`` (and where declared).
 EDGE_FEATURES = frozenset({"empty_kv", "empty_q", "unseen_rows", "head_dim_v"})
 
-# --- search: edges and feature combinations (issue 20, item 4) ---------------------------
+# --- search: edges and feature combinations ---------------------------------------------
 #: The logit regimes of the conformance search (``logit_regimes=True``): the everyday one
 #: first, then one departure at a time as the pinned edge probes place them
 #: (suites/conformance/test_edges.py: logits far from 0, offsets of +-1e4, values near
@@ -282,7 +282,7 @@ def paged_cases(
         values |= {"qk_magnitude": draw(st.sampled_from(QK_MAGNITUDES)),
                    "v_magnitude": draw(st.sampled_from(V_MAGNITUDES)),
                    "logit_offset": draw(st.sampled_from(LOGIT_OFFSETS))}
-    # Shared blocks (issue 20), in every box where the implementation takes them (not
+    # Shared blocks, in every box where the implementation takes them (not
     # across a large batch: one drawn choice per sequence).
     if (capabilities is None or capabilities.shared_blocks) and not large:
         values |= draw(shared_blocks(kv_lens, block_size))
@@ -314,7 +314,7 @@ def paged_cases(
     )
 
 
-# Shared blocks (issue 20) -------------------------------------------------------------
+# Shared blocks ------------------------------------------------------------------------
 @st.composite
 def shared_blocks(draw: st.DrawFn, kv_lens: tuple[int, ...],
                   block_size: int) -> dict[str, tuple[int, ...]]:

@@ -125,10 +125,9 @@ def contradicted(outcome: Outcome, raw: float, divided: float,
     contradict the verdict of the raw ms (``outcome``, ratio ``raw``): a ``slower`` or
     ``faster`` whose divided ratio lies on the other side of 1, or a ``same`` whose
     divided ratio is a slowdown of at least ``min_effect``. The second keeps a gate from
-    passing a slowdown that a faster machine hid in the raw ms: on the quiet 2-core AMD
-    EPYC the host's own speed moved by up to 1.5x between runs, and a build slowed 1.5x
-    measured the same raw ms as a golden timed in a slow spell (the probe -30%), which the
-    raw verdict passed (results/gate-calibration/quiet-2core.json, docs/gate.md)."""
+    passing a slowdown that a faster machine hid in the raw ms, as against a golden timed
+    while the host ran slow (the measured case: docs/gate.md, "False alarms and power,
+    measured")."""
     if outcome in (Outcome.SLOWER, Outcome.FASTER):
         return (raw - 1) * (divided - 1) <= 0
     return outcome is Outcome.SAME and divided >= 1 + thresholds.min_effect

@@ -18,9 +18,9 @@ triton wheel, as ``kernel[grid](...)`` would compile it (:func:`compile_like_lau
 
 Writes a JSON report (``--out``) and prints a line per compile; exit 0 when every launch
 compiled to a cubin, 1 when one did not (named, with Triton's error) or an implementation
-launched nothing, 2 when the Triton found is not ``--triton``'s version. On a 2-core
-host, cold: 127 compiles in 121-235 s (3.6 GB of memory at most: docs/gpu-lane.md); CI
-runs it after ``make test`` (``.ci/run``).
+launched nothing, 2 when the Triton found is not ``--triton``'s version. Its compiles,
+seconds and memory are measured in docs/gpu-lane.md; CI runs it after ``make test``
+(``.ci/run``).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ puts the carry's ``flashinfer-aot/<name>/`` folders after installing the wheel.
   =9.0a``), its ``.so`` copied to ``<out>/<name>/``, with ``MANIFEST.json`` (versions,
   target, sha256 and seconds of each).
 
-The lane's one decode variant (bf16, head_dim 128) took 22-55 s on a loaded 2-core host
-and is 0.43 MiB (docs/gpu-lane.md).
+The lane's one decode variant is bf16, head_dim 128; its build time and size are in
+docs/gpu-lane.md ("The compile check and the carry, measured").
 """
 
 from __future__ import annotations

@@ -61,10 +61,9 @@ class LaneCosts:
 #: torch, pagedbench, the adapter and a CUDA context; FlashInfer's decode module comes
 #: compiled in the carry, so the warm-up's longest is flex-paged's TorchInductor compile
 #: and a few Triton kernels per implementation; ``gib_s`` is the host allocator's 15 us a
-#: 16-token block, docs/KERNELS.md). ``cpu``: fitted to the rehearsal's steps on a loaded
-#: 2-core host (``bash scripts/gpu_lane.sh --rehearsal ... --impl sdpa-contiguous``: setup
-#: 16.8 s, env 5.6, list 4.8, warm-up 8.2, conformance 11.3 for one worker and 2 cases,
-#: sweep 17.3 for 2 points; with ``--impl torch-gather`` 15.0 and 23.0 for two).
+#: 16-token block, docs/KERNELS.md). ``cpu``: fitted to the CPU rehearsal's steps
+#: (``bash scripts/gpu_lane.sh --rehearsal``; its step times: docs/gpu-lane.md, "The time
+#: model and its figures").
 COSTS = {
     "cuda": LaneCosts(setup_s=30, env_s=25, list_s=35, warmup_s=90, run_start_s=6,
                       worker_s=4.0, case_s=1.0, timing_s=0.5, gib_s=0.25, copy_s=0.02,

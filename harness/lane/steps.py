@@ -19,12 +19,13 @@ past its budget gets SIGINT, then SIGKILL after :data:`GRACE_S`; what it wrote b
 stays (the results files are appended line by line). After ``list`` the sweep's points
 are fitted again to the implementations found available.
 
-The commit and dirtiness come from outside (no ``.git`` travels) and reach every result
-line through :data:`~pagedbench.harness.results.store.GIT_SHA_ENV`. At the end the folder is
+The commit and dirtiness come from outside (no ``.git`` travels) and reach every result line
+through :data:`~pagedbench.harness.results.store.GIT_SHA_ENV`. At the end the folder is
 packed to at most :data:`MAX_FILES_BACK` plain files (:data:`KEPT_FILES`, the rest in
 ``logs.tar.gz``), ``lane.json`` records every step, the model and what was measured, and a
-summary line starting with :data:`SUMMARY_PREFIX` is printed last. Exit 0 when every step
-passed within budget, else 1. ``--device cpu`` is the CI rehearsal (:data:`CPU_SELECTION`).
+summary line starting with :data:`~.outcome.SUMMARY_PREFIX` is printed last. Exit 0 when
+every step passed within budget, else 1. ``--device cpu`` is the CI rehearsal
+(:data:`CPU_SELECTION`).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ class Timing:
         with ``cuda_events``, one graph replay over its calls with ``cuda_graph``), in
         order.
     probe_ms : tuple[float, ...]
-        Milliseconds per :class:`DriftProbe` call of the block timed right after each
+        Milliseconds per :class:`~.timing.DriftProbe` call of the block timed right after each
         sample (CPU only; empty otherwise).
     method : str
         One of :data:`METHODS`: ``torch_timer`` (CPU), ``cuda_events`` (an L2 flush

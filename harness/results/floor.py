@@ -3,12 +3,12 @@
 A timed pass whose bytes per second exceed what its device was measured to move, or whose
 FLOPs per second exceed its measured matmul rate, by more than a margin, is not a fast
 kernel but a time that does not measure the work: an output kept from an earlier call or
-computed outside the timed one, work still running when the call returns, a patched
-timer. :func:`refusal` says why such a point is impossible; :func:`judged` makes its
-record a ``fail`` of step :data:`STEP` with that reason, its time kept as the evidence
-(only a ``pass`` is ranked, scored or gated as fast). The runner judges every record it
-writes (``harness/run/records.py``); reports and the gate judge what they read, so lines
-written before the floor existed are refused as well.
+computed outside the timed one, work still running when the call returns, a patched timer.
+:func:`refusal` says why such a point is impossible; :func:`judged` makes its record a
+``fail`` of step :data:`STEP` with that reason, its time kept as the evidence (only a
+``pass`` is ranked, scored or gated as fast). The runner judges every record it writes
+(:func:`~pagedbench.harness.results.outcome.result_record`); reports and the gate judge what
+they read, so lines written before the floor existed are refused as well.
 
 The ceilings (docs/trust.md, "The physical floor", has the measurements behind them):
 

@@ -158,7 +158,7 @@ class _ResultFields(_Strict):
     """The fields of a result line other than the comparison's figures."""
 
     kind: Literal["result"]
-    schema_version: Literal[8]
+    schema_version: Literal[SCHEMA_VERSION]
     run_id: str
     suite: str
     impl: str
@@ -330,7 +330,7 @@ class RunRecord(_Strict):
     ``interrupted`` (by a signal; resumable) or ``finished`` (with its exit code)."""
 
     kind: Literal["run"]
-    schema_version: Literal[8]
+    schema_version: Literal[SCHEMA_VERSION]
     run_id: str
     event: Literal["started", "resumed", "interrupted", "finished"]
     timestamp: AwareDatetime

@@ -6,16 +6,17 @@ auto`` from the CI's own variables) and merging the shards back (``pagedbench re
   index and count of Buildkite's parallel jobs, a Slurm job array, a Kubernetes indexed
   Job or pagedbench's own ``PAGEDBENCH_SHARD`` (a GitHub matrix value passed through),
   refusing an incomplete set with the variable it lacks (:data:`CI_VARIABLES`).
-- :func:`assign`: the plan's (implementation, case) pairs in N shards balanced by
-  expected cost, greedily, largest first, onto the least loaded shard (the LPT rule, within
-  4/3 of the best balance: Graham, "Bounds on multiprocessing timing anomalies", 1969).
-  A pair's cost is :func:`pair_cost`, the bytes its case moves
-  (:func:`~.timing.bytes_moved`) plus a fixed cost per pair: computed from the case alone,
-  integers only, ties broken by names, so every machine given the same plan makes the same
-  shards. (The interpreter cost model of Triton adapters needs the adapter, which the
-  parent never imports.) With ``--balance-from FILE`` (:func:`measured_seconds`) the cost
-  of a pair is the seconds it took there, and of a pair it lacks its bytes at the seconds
-  per byte of those it has (:func:`pair_costs`); the same file gives the same shards.
+- :func:`assign`: the plan's (implementation, case) pairs in N shards balanced by expected
+  cost, greedily, largest first, onto the least loaded shard (the LPT rule, within 4/3 of
+  the best balance: Graham, "Bounds on multiprocessing timing anomalies", 1969). A pair's
+  cost is :func:`pair_cost`, the bytes its case moves
+  (:func:`~pagedbench.harness.measure.timing.bytes_moved`) plus a fixed cost per pair:
+  computed from the case alone, integers only, ties broken by names, so every machine given
+  the same plan makes the same shards. (The interpreter cost model of Triton adapters needs
+  the adapter, which the parent never imports.) With ``--balance-from FILE``
+  (:func:`measured_seconds`) the cost of a pair is the seconds it took there, and of a pair
+  it lacks its bytes at the seconds per byte of those it has (:func:`pair_costs`); the same
+  file gives the same shards.
 - Each shard's run records the whole plan and a :class:`~.record.Shard`: K, N, the plan's
   SHA-256 (:func:`plan_sha256`), its number of pairs and how they were balanced; it runs
   only its pairs.
@@ -183,8 +184,8 @@ def plan_sha256(plan: Plan) -> str:
 
 
 def pair_cost(case: PagedCase) -> int:
-    """Expected cost of one pair on ``case`` (bytes): :func:`~.timing.bytes_moved` plus
-    :data:`PAIR_COST_BYTES`."""
+    """Expected cost of one pair on ``case`` (bytes):
+    :func:`~pagedbench.harness.measure.timing.bytes_moved` plus :data:`PAIR_COST_BYTES`."""
     return bytes_moved(case) + PAIR_COST_BYTES
 
 

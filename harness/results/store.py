@@ -14,9 +14,8 @@ refused (:class:`ResultsFileError`): bad JSON, a newer ``schema_version``, an un
 status, a missing or mistyped field, a line nested too deeply to parse. A torn line (a
 write cut off by a kill: the last line of a file without its newline, or such a fragment
 glued to the next record when files were concatenated) is skipped with a warning naming
-the file; the rest is read.
-Version 1 lines (before the typed record) and version 2 lines (before bench and timing
-samples) are read as version 3 with the new fields empty.
+the file; the rest is read. A line of an older ``schema_version`` is read as the current
+one, the fields added since empty or at their defaults (:func:`_upgrade`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The worker's job bodies (run in the worker process, :mod:`.worker`, the only one that
-imports an adapter): ``evaluate`` (one implementation on cases: the implementation's side
-of each check, :func:`~pagedbench.harness.verdict.conformance.implementation_side`, its
-messages sent over the channel and the judge's replies fed back), ``loop`` (the serving
-loop's implementation side, :func:`~pagedbench.harness.verdict.serving.implementation_side`,
-one tick per item), ``list``
-(implementations' availability) and ``peaks`` (the device's copy bandwidth and bf16
-throughput).
+"""The worker's job bodies (run in the worker process that
+:func:`~pagedbench.harness.run.protocol.worker_main` starts, the only one that imports an
+adapter): ``evaluate`` (one implementation on cases: the implementation's side of each
+check, :func:`~pagedbench.harness.verdict.conformance.implementation_side`, its messages
+sent over the channel and the judge's replies fed back), ``loop`` (the serving loop's
+implementation side, :func:`~pagedbench.harness.verdict.serving.implementation_side`, one
+tick per item), ``list`` (implementations' availability) and ``peaks`` (the device's copy
+bandwidth and bf16 throughput).
 """
 
 from __future__ import annotations

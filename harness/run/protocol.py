@@ -365,7 +365,7 @@ class Supervisor:
                 writer: threading.Thread) -> Fault | bool | None:
         """One message: a step entered, the end of the job, or the job's own message passed
         to ``on_message`` (whose time is not the worker's); a fault, True after
-        :class:`~.messages.Done`, None otherwise."""
+        :class:`~pagedbench.harness.verdict.messages.Done`, None otherwise."""
         if isinstance(message, Entered):
             why = clock.enter(message.item, message.step)
             return None if why is None else clock.fault("invalid", why)

@@ -1,26 +1,30 @@
 """The runner: every implementation of a plan on every case, each in its own worker.
 
-For each implementation a worker (:mod:`.worker`, supervised by
-:class:`~.protocol.Supervisor`) imports the adapter (the only process that does), asks
-``available``, then per case ``why_unsupported``, ``prepare``, ``run``, ``describe`` and, for a
-pass, the timing, and sends back only its output (and timings). The judge (:class:`~.judge.Judge`) runs here, in the parent: the
-truth (cached by :mod:`pagedbench.harness.verdict.truth`), the yardstick and the comparison, from
-inputs it draws itself from the case's seed, so that nothing the implementation does reaches them.
-Each result is a validated :class:`~pagedbench.harness.results.record.ResultRecord`, appended to
-the results file at once. Everything the worker does is the implementation's and shares
-``case_timeout_s`` per case (import and ``available`` once); the judge's work has
-``harness_timeout_s``, and a worker's start-up its own. A step past its budget is recorded against
-its party (``timeout``, or ``harness-error``); a worker that dies costs the case in flight a
-``crash``, one that sends what its job does not allow an ``error``; a fault while loading costs
-every remaining case of that implementation; otherwise a fresh worker continues with the next case.
-One implementation's failure never loses another's results.
+For each implementation a worker (the ``evaluate`` job of :mod:`.jobs`, started and
+supervised by :class:`~.protocol.Supervisor`) imports the adapter (the only process that
+does), asks ``available`` once and runs the implementation's side of each case
+(:func:`~pagedbench.harness.verdict.conformance.implementation_side`: ``why_unsupported``,
+``prepare``, ``run``, ``describe`` and, for a pass, the timing), sending back only its
+output and timings. The judge's side
+(:class:`~pagedbench.harness.verdict.judging.CaseJudge`, one per case) runs here, in the
+parent: the truth (cached by :mod:`pagedbench.harness.verdict.truth`), the yardstick and the
+comparison, from inputs it draws itself from the case's seed, so that nothing the
+implementation does reaches them. Each result is a validated
+:class:`~pagedbench.harness.results.record.ResultRecord`
+(:func:`~pagedbench.harness.results.outcome.result_record`), appended to the results file at
+once. Everything the worker does is the implementation's and shares ``case_timeout_s`` per
+case (import and ``available`` once); the judge's work has ``harness_timeout_s``, and a
+worker's start-up its own. A step past its budget is recorded against its party
+(``timeout``, or ``harness-error``); a worker that dies costs the case in flight a
+``crash``, one that sends what its job does not allow an ``error``; a fault while loading
+costs every remaining case of that implementation; otherwise a fresh worker continues with
+the next case. One implementation's failure never loses another's results.
 
 A run records its plan when it starts and ``finished`` when it ends, so that
 :func:`run` with ``resume=True`` completes an interrupted run without redoing the
 (implementation, case) pairs already in its file. SIGTERM, SIGINT and SIGHUP stop the
 run cleanly (the worker's process group is killed, ``interrupted`` is recorded) and raise
 :class:`Interrupted`.
-The worker's side, its job bodies, is :mod:`.worker`.
 """
 
 from __future__ import annotations
@@ -361,9 +365,9 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     (with ``peaks``, the device's, measured by :func:`device_peaks`) and ``finished``
     (with the exit code) last; ``left_out`` (points the caller left out, with why) goes
     into the ``started`` record. With ``pairs`` (implementation name, case id), only
-    those pairs of the plan run: a shard (:mod:`.shard`), whose ``shard`` the ``started``
-    record names. With ``config.devices``, the pairs run on those devices at once
-    (:mod:`.spread`). Returns every result of the run.
+    those pairs of the plan run: a shard (:mod:`pagedbench.harness.results.shard`), whose
+    ``shard`` the ``started`` record names. With ``config.devices``, the pairs run on those
+    devices at once (:mod:`.spread`). Returns every result of the run.
 
     Raises
     ------

@@ -13,7 +13,7 @@ The **judge's side** (:class:`CaseJudge`) has one handler per message: it comput
 truth before the implementation draws its inputs (so nothing the adapter does reaches
 it), compares the output (``tolerance.py``), plans the timed calls' refreshes and judges
 their outputs, the wall time the timing took, and whether the implementation's process
-kept computing after its last call returned (:data:`IDLE_WINDOW_S`).
+kept computing after its last call returned (:data:`~.judging.IDLE_WINDOW_S`).
 
 :func:`check` drives both in this process (the pytest suites); the runner drives the same
 two sides across a pipe (``harness/run/jobs.py`` in the worker, ``harness/run/runner.py``

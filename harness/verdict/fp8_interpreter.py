@@ -1,5 +1,5 @@
 """fp8 under Triton's interpreter: which verdicts its fp8 decode changes, their mark, and
-the command that writes the code-by-code table (issue 20, item 6).
+the command that writes the code-by-code table.
 
     python -m pagedbench.harness.verdict.fp8_interpreter [--output results/fp8-interpreter]
 

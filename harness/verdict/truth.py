@@ -121,7 +121,7 @@ def compute_truth(case: PagedCase, logits_precision: str = "float32", *,
     """The truth and yardstick of ``case`` (logits of the yardstick in
     ``logits_precision``; ``with_lse``: the log-sum-exp's truth too), computed on the CPU
     (no cache); with ``refresh_seed``, of its inputs after
-    :func:`~pagedbench.reference.writes.refresh_live` with that seed (of Q, and of K and
+    :func:`~pagedbench.reference.refresh.refresh_live` with that seed (of Q, and of K and
     V with ``refresh_kv``: what timed calls are checked on)."""
     inputs = materialize(case, "cpu")
     if refresh_seed is not None:
@@ -343,7 +343,7 @@ def judging_state() -> Iterator[None]:
     The intra-op thread count is left alone: ``torch.set_num_threads`` from a helper
     thread sets the count every thread started later takes, and the truth does not
     depend on it (the yardstick's bits are the same at 1 and 2 threads:
-    suites/harness/test_yardstick_orders.py)."""
+    suites/harness/verdict/test_tolerance_yardstick_orders.py)."""
     with _JUDGING:
         matmul = torch.backends.cuda.matmul
         saved = (torch.get_float32_matmul_precision(), torch.get_default_dtype(),

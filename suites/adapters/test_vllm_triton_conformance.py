@@ -167,17 +167,17 @@ KNOWN_FAULTS = [
     ("vllm-unified", MIXED_ALIBI.with_(sinks=True), "alibi with sinks on prefill rows"),
     ("vllm-chunked-prefill", MIXED_ALIBI.with_(sliding_window=SLIDING_WINDOW),
      "alibi with sliding_window on prefill rows"),
-    # The conformance search's smallest case (issue 20): a soft cap far above float32
+    # The conformance search's smallest case: a soft cap far above float32
     # logits, where decode_attention_fwd's tanh (2 * sigmoid(2x) - 1) cancels.
     ("vllm-decode", PagedCase(kv_lens=(15,), num_q_heads=1, num_kv_heads=1, head_dim=64,
                               block_size=16, dtype="float32", logits_soft_cap=1e4,
                               name="cap-far-above"), "logits_soft_cap 10000 above 100"),
-    # The search's smallest case (issue 20): prefill rows of an empty sequence.
+    # The search's smallest case: prefill rows of an empty sequence.
     ("vllm-chunked-prefill", PagedCase(kv_lens=(1, 1, 0), q_lens=(1, 1, 2), num_q_heads=1,
                                        num_kv_heads=1, head_dim=64, block_size=128,
                                        dtype="float32", name="empty-prefill"),
      "prefill rows of a sequence with kv_len 0"),
-    # The search's case on a CI host (issue 20): float16, one head, an offset of 1e4, so
+    # The search's case on a CI host: float16, one head, an offset of 1e4, so
     # q0 * k0 = 1e4 / scale = 8e4 overflows the MHA path's float16 products.
     ("vllm-decode", PagedCase(kv_lens=(1,), num_q_heads=1, num_kv_heads=1, head_dim=64,
                               block_size=128, dtype="float16", logit_offset=1e4,

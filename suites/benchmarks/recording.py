@@ -13,11 +13,10 @@ def record_timing(benchmark, timing: Timing) -> None:
     sample (``samples_ms`` / 1000 s, one iteration each), so ``stats.median`` is
     ``timing.median_ms`` (the board's number) and ``--benchmark-compare-fail`` judges it.
 
-    pytest-benchmark has no public call for rounds timed elsewhere; this uses its
-    fixture's own recording (``_make_stats``, then ``update`` per round, as its
-    ``pedantic`` does; pytest-benchmark 4 and 5), which
-    suites/harness/test_benchmark_json.py pins. With ``--benchmark-disable`` nothing is
-    recorded.
+    pytest-benchmark has no public call for rounds timed elsewhere; this uses its fixture's
+    own recording (``_make_stats``, then ``update`` per round, as its ``pedantic`` does;
+    pytest-benchmark 4 and 5), which suites/harness/pytest_plugin/test_benchmark_json.py
+    pins. With ``--benchmark-disable`` nothing is recorded.
 
     Raises
     ------

@@ -1,17 +1,16 @@
-"""Pinned probes at the edges of the input space (issues 7 and 20), for every
-implementation: degenerate rows, high block ids and every poison, more than 64 blocks,
-the logit range, sliding windows of 1, 2 and block_size +- 1 on decode rows and on
-prefill rows beside them, the features with decode-only shortcuts (sinks, ALiBi, soft
-cap, fp8 scales) on prefill rows, each at GQA ratio 1 and 2, shared blocks,
-non-contiguous layouts, unusual shapes, and the metamorphic properties (batch
-invariance, un-sharing blocks, q = 0, a single visible key); long 16-bit contexts and
-the split thresholds are in ``test_pinned_probes``. Random search rarely lands on these,
-so each is placed. A probe an implementation does not declare (a feature, a layout, a
-shape, its interpreter budget) is skipped with the ``unsupported`` reason, never failed.
-Implementations that run interpreted or compile per shape get only the :data:`CORE` probes
-in the ``ci`` profile (seconds to minutes per case), every probe and property in the others.
-A peer's probes are held to ``suites/peer_findings.py`` for its build and ISA path (known
-faults are strict xfails there; docs/findings.md). Run one implementation: ``pytest
+"""Pinned probes at the edges of the input space, for every implementation: degenerate rows,
+high block ids and every poison, more than 64 blocks, the logit range, sliding windows of 1,
+2 and block_size +- 1 on decode rows and on prefill rows beside them, the features with
+decode-only shortcuts (sinks, ALiBi, soft cap, fp8 scales) on prefill rows, each at GQA
+ratio 1 and 2, shared blocks, non-contiguous layouts, unusual shapes, and the metamorphic
+properties (batch invariance, un-sharing blocks, q = 0, a single visible key); long 16-bit
+contexts and the split thresholds are in ``test_pinned_probes``. Random search rarely lands
+on these, so each is placed. A probe an implementation does not declare (a feature, a
+layout, a shape, its interpreter budget) is skipped with the ``unsupported`` reason, never
+failed. Implementations that run interpreted or compile per shape get only the :data:`CORE`
+probes in the ``ci`` profile (seconds to minutes per case), every probe and property in the
+others. A peer's probes are held to ``suites/peer_findings.py`` for its build and ISA path
+(known faults are strict xfails there; docs/findings.md). Run one implementation: ``pytest
 suites/conformance/test_edges.py --impl NAME``.
 """
 
@@ -35,7 +34,7 @@ from pagedbench.suites import peer_findings
 from .cases import pinned_case
 from .conftest import DEVICE
 
-#: Shared blocks (issue 20): a common prompt prefix (prefix caching), a beam-search fork
+#: Shared blocks: a common prompt prefix (prefix caching), a beam-search fork
 #: sharing all but its last block, many sequences on one shared prompt, and forks placed
 #: past the block ids where 16-bit table entries wrap; on decode rows, and with prefill
 #: rows on the shared prompt.
@@ -126,7 +125,7 @@ LOGIT_RANGE = ("sm-scale-1e-3", "sm-scale-1e3", "logits-far-from-0", "fp32-logit
 PROBES |= {f"{name}-mha": (PROBES[name][0], *HEADS["mha"], PROBES[name][3])
            for name in LOGIT_RANGE}
 
-#: Sliding windows on prefill rows beside decode rows (issue 20): lengths of the decode
+#: Sliding windows on prefill rows beside decode rows: lengths of the decode
 #: row, a chunk of block_size + 1 rows and a whole prompt of 2 * block_size, so that
 #: every window starts and ends on a block boundary for some row; 1, 2, block_size +- 1
 #: and 2 * block_size (the decode row of kv_len 3 * block_size then sees exactly blocks

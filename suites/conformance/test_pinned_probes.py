@@ -1,7 +1,7 @@
 """Pinned probes: the thresholds a random search rarely hits, placed on purpose for every
-implementation (issue 7, section 3). Each probe is one case at the smallest block size
-and head dim the implementation takes (``pinned_case``), judged by the same check as the
-search, and skipped only where the implementation declares the case unsupported.
+implementation. Each probe is one case at the smallest block size and head dim the
+implementation takes (``pinned_case``), judged by the same check as the search, and skipped
+only where the implementation declares the case unsupported.
 
 - long contexts in 16-bit types (kv_len 4096: low-precision accumulation shows there);
 - lengths just around the split thresholds kernels use (128, 256, 512, 1024 +- 1..3);

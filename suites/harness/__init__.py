@@ -1,1 +1,2 @@
-"""Tests of the harness: runner isolation, negative tests, store, report, CLI."""
+"""Tests of harness/: a folder per sub-package, pytest_plugin/ and end_to_end/ (the map:
+docs/ARCHITECTURE.md, "suites/ and scripts/")."""

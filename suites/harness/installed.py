@@ -1,5 +1,6 @@
 """A fresh virtual environment holding pagedbench's wheel and a user's adapter package,
-as a CI runner installs them (suites/harness/test_installed_plugin.py, test_ci_workflow.py).
+as a CI runner installs them (``suites/harness/end_to_end/test_installed_plugin.py`` and
+``test_ci_workflow.py``).
 
 The dependencies come from this interpreter's site-packages, linked into a folder of
 their own without pagedbench (and, for an environment with its own pytest, without

@@ -1,7 +1,7 @@
-"""Triton's fp8 decode against torch's, code by code (issue 20, item 6): every finite code
-agrees; under the interpreter every NaN and Inf code reads as a finite number (the fact
-the verdicts' mark rests on: ``harness/verdict/fp8_interpreter.py``, tested in
-``suites/harness/test_fp8_poison_mark.py``); the committed table
+"""Triton's fp8 decode against torch's, code by code: every finite code agrees; under the
+interpreter every NaN and Inf code reads as a finite number (the fact the verdicts' mark
+rests on: ``harness/verdict/fp8_interpreter.py``, tested in
+``suites/harness/verdict/test_fp8_interpreter.py``); the committed table
 (``results/fp8-interpreter/``) is what this Triton gives."""
 
 from __future__ import annotations

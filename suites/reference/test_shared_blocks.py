@@ -1,8 +1,7 @@
-"""Shared blocks as a case property (``PagedCase.shared_blocks``, issue 20): the tables
-share exactly the blocks the case names (prefix caching, beam forks, chains), the logical
-K/V and the truth are those of the same problem with every block its own
-(``unshare_blocks``), and an implementation that declares it cannot take them gets
-``unsupported`` with the reason."""
+"""Shared blocks as a case property (``PagedCase.shared_blocks``): the tables share exactly
+the blocks the case names (prefix caching, beam forks, chains), the logical K/V and the
+truth are those of the same problem with every block its own (``unshare_blocks``), and an
+implementation that declares it cannot take them gets ``unsupported`` with the reason."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """Test-only adapters that try to forge their verdict, their timing or another
-implementation's verdict (issue 24): each cheats in its own process, the only one it
-runs in. Unless its docstring says otherwise, each returns all zeros (a wrong output),
-so a pass would be the cheat working. The patches are made when the adapter is loaded
-(``__init__``, run at import by the loader), so that each class cheats alone although
-they share this module.
+implementation's verdict: each cheats in its own process, the only one it runs in. Unless
+its docstring says otherwise, each returns all zeros (a wrong output), so a pass would be
+the cheat working. The patches are made when the adapter is loaded (``__init__``, run at
+import by the loader), so that each class cheats alone although they share this module.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""Test-only adapters for the conformance search's time-filled budget (issue 20):
-``torch-gather`` under names the measured table (``suites/conformance/example_seconds.json``)
-has never seen, declaring a narrow space (float32 decode, head_dim 64, block_size 16, no
-options) so that an example costs tenths of a second even on a loaded host; once as
-fast as it and once held back by a fixed sleep per call, as a fast and a slow
-out-of-tree kernel are."""
+"""Test-only adapters for the conformance search's time-filled budget: ``torch-gather``
+under names the measured table (``suites/conformance/example_seconds.json``) has never seen,
+declaring a narrow space (float32 decode, head_dim 64, block_size 16, no options) so that an
+example costs tenths of a second even on a loaded host; once as fast as it and once held
+back by a fixed sleep per call, as a fast and a slow out-of-tree kernel are."""
 
 from __future__ import annotations
 

@@ -37,7 +37,8 @@ class Slowed(SdpaContiguous):
 
 
 class SlowedHalf(Slowed):
-    """Half as slow again (1.5x): the slowdown of issue 18's gate checks."""
+    """Half as slow again (1.5x): the slowdown the gate must catch with its defaults
+    (``gate/test_compare_bench_defaults.py``)."""
 
     name = "sdpa-slowed-50pct"
     SLOWDOWN = 0.5

@@ -1,0 +1,1 @@
+"""Tests of harness/cases/: the search strategies, batch traces."""

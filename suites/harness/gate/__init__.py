@@ -1,0 +1,1 @@
+"""Tests of harness/gate/: the gate's verdicts against a baseline."""

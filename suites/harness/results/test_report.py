@@ -1,0 +1,64 @@
+"""Leaderboard cells and tables (``harness/results/report.py``): the spread, samples and
+noise flag of a pass, the fastest ranked pass in bold, interpreted timings never ranked,
+marks for stale tails and case-dtype logits, and the error and bias of the passes in ulps."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedbench.harness.results import report
+
+from ..conftest import result
+
+
+def test_cells_show_the_spread_samples_and_the_noise_flag() -> None:
+    from pagedbench.harness.measure.timing import Timing
+
+    record = result("a", "c1", "pass", 1.0)
+    noisy = Timing((1.0, 1.0, 2.0, 3.0, 9.0), "torch_timer")  # IQR 2 > 10% of median 2
+    record = record.model_copy(update={"time_ms": record.time_ms.model_validate(
+        noisy.to_dict()), "time_ms_median": noisy.median_ms})
+    assert report.cell_text(record) == "pass 2 ms [1-6.6] n=5 noisy"
+
+
+def test_leaderboard_bolds_the_fastest_ranked_pass_and_never_ranks_interpreted() -> None:
+    records = [
+        result("a", "c1", "pass", 2.0), result("b", "c1", "pass", 1.0),
+        result("interp", "c1", "pass", 0.5, method="interpreted"),
+        result("a", "c2", "fail"), result("b", "c2", "unsupported"),
+        result("interp", "c2", "pass", 0.1, method="interpreted"),
+        result("gpu-only", "c1", "unavailable"), result("gpu-only", "c2", "unavailable"),
+    ]
+    c1, c2 = records[0].case_id, records[3].case_id
+    df = report.frame(records)
+    table = report.leaderboard(df)
+    assert table.loc[c1, "b"] == "**pass 1 ms [1-1] n=3**"
+    assert table.loc[c1, "a"] == "pass 2 ms [2-2] n=3"
+    assert table.loc[c1, "interp"] == "pass (interp.)"
+    assert table.loc[c2, "a"] == "fail" and table.loc[c2, "interp"] == "pass (interp.)"
+    assert list(table.columns) == ["a", "b", "interp"]  # never-available: no column
+    counts = report.summary(df)
+    assert counts.loc["gpu-only", "unavailable"] == 2
+    assert counts.loc["a"].to_dict() == {"pass": 1, "fail": 1, "unsupported": 0, "unavailable": 0,
+                                         "max err (ulps)": "", "bias (ulps)": ""}
+    text = report.markdown(records)
+    assert "Device: cpu0" in text and "a: fail: why" in text
+
+
+def test_summary_shows_the_error_and_bias_in_ulps_of_the_passes() -> None:
+    records = [result("trunc", "c1", "pass", 1.0, max_err_ulps=1.0, mean_err_ulps=-0.3),
+               result("trunc", "c2", "pass", 1.0, max_err_ulps=0.9, mean_err_ulps=-0.4),
+               result("trunc", "c3", "fail", max_err_ulps=50.0, mean_err_ulps=9.0)]
+    row = report.summary(report.frame(records)).loc["trunc"]
+    assert row["max err (ulps)"] == 1.0 and row["bias (ulps)"] == pytest.approx(-0.35)
+
+
+def test_cells_mark_stale_tails_and_declared_case_dtype_logits() -> None:
+    plain = result("p", "c1", "pass", 2.0)
+    stale = result("s", "c1", "pass", 2.0, tail_poison="stale")
+    case_logits = result("l", "c1", "pass", 2.0, logits_precision="case")
+    both = result("b", "c1", "pass", 2.0, tail_poison="stale", logits_precision="case")
+    spread = "2 ms [2-2] n=3"
+    assert [report.cell_text(r) for r in (plain, stale, case_logits, both)] == [
+        f"pass {spread}", f"pass† {spread}", f"pass‡ {spread}", f"pass†‡ {spread}"]
+    assert "`‡`: the implementation declares" in report.markdown([plain, case_logits])

@@ -1,0 +1,2 @@
+"""Tests of harness/verdict/: the tolerance policy, the truth and its cache, the fp8
+interpreter mark."""
