@@ -29,6 +29,6 @@ def test_every_transition_is_reached_in_the_ci_budget(tmp_path) -> None:
     reached: Counter = Counter()
     for spec in loop_specs(adapter):
         reached += run_loops(adapter, spec, adapter.name, tmp_path, EXAMPLES["ci"][1],
-                             STEPS["ci"])
+                             STEPS["ci"][1])
     short = {event: reached[event] for event, least in MINIMA.items() if reached[event] < least}
     assert not short, f"reached fewer times than stated: {short} (all: {dict(reached)})"
