@@ -1,6 +1,7 @@
 """The timing cheats of ``suites/faults/timing.py`` as ``pagedbench run`` meets them: each
-ends as a ``fail`` of step ``timing``, with no time, never ranked; the catalogue's
-correct kernel beside them in the same run passes with its time."""
+ends as a ``fail`` of step ``timing`` (a refreshed call's output, or the idle check after
+the timing), with no time, never ranked; the catalogue's correct kernel beside them in the
+same run passes with its time."""
 
 from __future__ import annotations
 
@@ -35,5 +36,9 @@ def test_timing_cheats_fail_step_timing_and_are_never_ranked(tmp_path) -> None:
     for impl, mine in by_impl.items():
         for record in mine:
             assert (record.status, record.step) == (Status.FAIL, "timing"), (impl, record.reason)
-            assert "new inputs were written into its buffers" in record.reason
+            # A refreshed call's stale output, or (a thread queued earlier may happen to
+            # compute on the new inputs in time) the CPU it still used after the timing.
+            assert ("new inputs were written into its buffers" in record.reason
+                    or "work still running after run() returned" in record.reason), \
+                record.reason
             assert record.time_ms is None and not ranked(record)
