@@ -122,6 +122,11 @@ leaderboard: $(VENV)/.installed $(SGLANG_FILES)
 	$(BIN)/pagedbench report $(NEW_BOARD) --format html --output $(NEW_BOARD)/leaderboard.html \
 	  --plots-dir $(NEW_BOARD)/plots
 	$(BIN)/pagedbench report $(NEW_BOARD) --format site --output $(NEW_BOARD)/site
+	if command -v chromium >/dev/null; then chromium --headless --no-sandbox --disable-gpu \
+	  --hide-scrollbars --no-first-run --disable-background-networking --disable-sync \
+	  --disable-component-update --user-data-dir=$(TMPDIR)/chromium \
+	  --window-size=1400,1000 --screenshot=$(NEW_BOARD)/site.png \
+	  "file://$$(ls $(NEW_BOARD)/site/*.html | grep -v /index.html | head -1)"; fi
 	rm -rf $(LEADERBOARD) && mv $(NEW_BOARD) $(LEADERBOARD)
 
 clean:
