@@ -1,6 +1,7 @@
 """The suite can fail: broken implementations are reported ``fail``/``crash``/``timeout``,
-``pagedbench run`` exits 1 with one registered, and the other implementations' results
-survive in the same results file."""
+and the other implementations' results survive in the same results file. (``pagedbench
+run`` with a broken plug-in registered exits 1 in ``results/test_junit.py``, whose run
+holds one.)"""
 
 from __future__ import annotations
 
@@ -126,23 +127,6 @@ def test_a_crash_right_after_a_result_blames_the_right_case(tmp_path) -> None:
 
 CLI = [sys.executable, "-m", "pagedbench.harness.cli"]
 ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing"]
-
-
-def test_pagedbench_run_exits_1_with_broken_adapter_registered(tmp_path, plugin_env) -> None:
-    results_dir = tmp_path / "results"
-    proc = subprocess.run(
-        [*CLI, "run", *ONE_PRESET, "--impl", "torch-gather", "--impl", "reads-past",
-         "--results-dir", str(results_dir), "--cache-dir", str(tmp_path / "build")],
-        env=plugin_env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == ExitCode.CONFORMANCE_FAILURE, proc.stdout + proc.stderr
-    (jsonl,) = results_dir.glob("*.jsonl")
-    by_impl: dict[str, set[Status]] = {}
-    for r in read_lines([jsonl]):
-        if isinstance(r, ResultRecord):
-            by_impl.setdefault(r.impl, set()).add(r.status)
-    assert by_impl == {"torch-gather": {Status.PASS}, "reads-past": {Status.FAIL}}
-    assert (results_dir / jsonl.with_suffix(".md").name).exists()
 
 
 def test_pagedbench_run_exits_0_when_all_pass(tmp_path) -> None:
