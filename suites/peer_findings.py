@@ -33,7 +33,9 @@ import pytest
 
 from pagedbench.adapters import Adapter
 from pagedbench.harness.run import replay
+from pagedbench.harness.verdict import conformance
 from pagedbench.harness.verdict.conformance import inputs_for
+from pagedbench.harness.verdict.judging import Verdict
 from pagedbench.reference import PagedCase
 
 #: Where observations on combinations the table does not name go, one JSON row a line,
@@ -441,6 +443,20 @@ def check_conformance(adapter: Adapter, case: PagedCase, device: str, impl: str,
                       root: Path) -> None:
     """The conformance check of ``case`` (:func:`pagedbench.harness.run.replay.check`), held
     to the table as probe ``probe`` of ``adapter``'s combination (:func:`expect`)."""
-    outcome, error = observe(lambda: replay.check(adapter, case, device, impl))
-    key = combination(adapter, device, case=case) + (probe,)
+    verdicts: list[Verdict] = []
+
+    def checked() -> Verdict:
+        try:
+            verdicts.append(replay.check(adapter, case, device, impl))
+        except conformance.Nonconforming as exc:
+            verdicts.append(exc.verdict)
+            raise
+        return verdicts[0]
+
+    outcome, error = observe(checked)
+    # The ISA path the check's own prepare took (``describe()`` in its verdict); the case
+    # is prepared once more only when the check ended before ``describe()``.
+    described = verdicts[0].details if verdicts else {}
+    key = combination(adapter, device, isa=described.get("isa"),
+                      case=None if described else case) + (probe,)
     expect(key, outcome, error, case.case_id, root)

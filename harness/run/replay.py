@@ -25,7 +25,8 @@ from pathlib import Path
 from pagedbench.adapters import Adapter
 from pagedbench.reference import PagedCase, PagedValueError
 
-from pagedbench.harness.verdict import conformance, tolerance
+from pagedbench.harness.verdict import conformance
+from pagedbench.harness.verdict.judging import Verdict
 from pagedbench.harness.verdict.truth import compute_truth
 
 #: The truth of a case, kept for the rest of the process: the pytest suites check many
@@ -79,18 +80,23 @@ def hint(case: PagedCase, impl: str, folder: Path | None = None, timed: bool = F
     return f"replay: {command(write_case(case, folder), impl, timed)}"
 
 
-def check(adapter: Adapter, case: PagedCase, device: str, impl: str) -> tolerance.Comparison:
+def check(adapter: Adapter, case: PagedCase, device: str, impl: str) -> Verdict:
     """:func:`pagedbench.harness.verdict.conformance.assert_conforms` whose failure message ends
     with the replay command (:func:`hint`); ``impl`` is the name the implementation is selected by.
-    The truth of each case is computed once per process.
+    The truth of each case is computed once per process. Returns the verdict of a pass.
 
     Raises
     ------
-    AssertionError
+    Nonconforming
         As ``assert_conforms`` does, chained to what the adapter raised.
+    AssertionError
+        If the check itself ended without a verdict.
     """
     try:
         return conformance.assert_conforms(adapter, case, device, truth=_truth)
+    except conformance.Nonconforming as exc:
+        raise conformance.Nonconforming(f"{exc}\n{hint(case, impl)}",
+                                        exc.verdict) from exc.__cause__
     except AssertionError as exc:
         raise AssertionError(f"{exc}\n{hint(case, impl)}") from exc.__cause__
 

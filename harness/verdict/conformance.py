@@ -274,24 +274,35 @@ def check(adapter: Adapter, case: PagedCase, device: str, *, truth: Truth = comp
     return judge.verdict
 
 
+class Nonconforming(AssertionError):
+    """A verdict other than ``pass``, raised for pytest: the message names the adapter,
+    case id, status, step and reason; :attr:`verdict` is the whole :class:`Verdict`
+    (what ``describe()`` returned included, when the adapter got that far)."""
+
+    def __init__(self, message: str, verdict: Verdict) -> None:
+        super().__init__(message)
+        self.verdict = verdict
+
+
 def assert_conforms(adapter: Adapter, case: PagedCase, device: str, *,
-                    truth: Truth = compute_truth) -> tolerance.Comparison:
-    """:func:`check` for pytest: the comparison of a pass.
+                    truth: Truth = compute_truth) -> Verdict:
+    """:func:`check` for pytest: the verdict of a pass.
 
     Raises
     ------
-    AssertionError
-        For any other verdict, with the adapter, case id, status, step and reason
-        (chained to what the adapter raised, so pytest shows its traceback).
+    Nonconforming
+        For any other verdict (chained to what the adapter raised, so pytest shows its
+        traceback).
     """
     verdict = check(adapter, case, device, truth=truth, probe_nan_tail=False)
     if verdict.status is not Status.PASS:
-        raise AssertionError(
+        raise Nonconforming(
             f"{adapter.name}:{case.case_id}: {verdict.status} in {verdict.step}: "
-            f"{verdict.reason}") from verdict.exception
-    return verdict.comparison
+            f"{verdict.reason}", verdict) from verdict.exception
+    return verdict
 
 
-__all__ = ["CASE_LOGITS_MARK", "STALE_TAIL_MARK", "Timer", "assert_conforms", "check",
+__all__ = ["CASE_LOGITS_MARK", "STALE_TAIL_MARK", "Nonconforming", "Timer", "assert_conforms",
+           "check",
            "implementation_side", "inputs_for", "nan_tail_output_finite", "synchronize",
            "tail_poison", "timed"]

