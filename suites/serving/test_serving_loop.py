@@ -22,6 +22,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from hypothesis import note, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, precondition, rule,
@@ -30,7 +31,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, precondition
 from pagedbench.adapters import Adapter
 from pagedbench.harness.run.loop import Scheduler
 from pagedbench.harness.verdict.serving import (Admit, Finish, Fork, LoopEventError, LoopSpec,
-                                                Preempt, Readmit, Step, SwapIn, SwapOut)
+                                                Preempt, Readmit, Step, SwapIn, SwapOut,
+                                                read_trace)
 from pagedbench.harness.verdict.serving_judge import InMemoryLoop, describe_failure, save_failure
 from pagedbench.harness.verdict.status import Status
 from pagedbench.reference.axes import FP8_SCALES
@@ -279,3 +281,32 @@ def test_serving_loop_matches_dense(adapter, impl, pytestconfig) -> None:
     for spec in loop_specs(adapter):
         reached = run_loops(adapter, spec, impl, traces, examples, steps)
         assert reached["step"], f"{impl}: no loop of {spec.template().case_id} took a step"
+
+
+#: Lifecycles that the scheduler and the state machine meet too rarely, each pinned as a
+#: trace (the format ``pagedbench loop`` writes) and replayed on every implementation in
+#: each of its loop shapes (the events alone: they name sequences and tokens, not shapes).
+#: ``freed-block-same-row``: a sequence within one partly filled block finishes, and the
+#: next request, longer, takes that block first (the free list's most recent) in the same
+#: batch row; state kept per row and guarded by the block table then reads the old
+#: sequence's K/V as the new one's prefix.
+PINNED_TRACES = sorted((Path(__file__).parent / "traces").glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("trace", PINNED_TRACES, ids=lambda path: path.stem)
+def test_pinned_lifecycles_match_dense(adapter, impl, trace, pytestconfig) -> None:
+    traces = plugin.cache_dir(pytestconfig, pytestconfig.getoption(
+        "--pagedbench-cache-dir")) / "serving-traces"
+    _, events = read_trace(trace)
+    passed = 0
+    for spec in loop_specs(adapter):
+        loop = InMemoryLoop(adapter, spec, DEVICE)
+        try:
+            for event in events:
+                verdict = loop.event(event)
+                if verdict is not None and verdict.status in (Status.FAIL, Status.ERROR):
+                    raise _failed(loop, verdict, impl, traces)
+                passed += verdict is not None and verdict.status is Status.PASS
+        finally:
+            loop.close()
+    assert passed, f"{impl}: no step of {trace.name} passed in any of its loop shapes"
