@@ -1,7 +1,8 @@
 """The timing cheats of ``suites/faults/timing.py`` as ``pagedbench run`` meets them: each
 ends as a ``fail`` of step ``timing`` (a refreshed call's output, or the idle check after
 the timing), with no time, never ranked; the catalogue's correct kernel beside them in the
-same run passes with its time."""
+same run passes with its time. A cheat still open (``open_gaps.py``) passes, ranked: the
+test that says so fails the day it is caught."""
 
 from __future__ import annotations
 
@@ -42,3 +43,23 @@ def test_timing_cheats_fail_step_timing_and_are_never_ranked(tmp_path) -> None:
                     or "work still running after run() returned" in record.reason), \
                 record.reason
             assert record.time_ms is None and not ranked(record)
+
+
+def test_open_gap_a_memo_checked_against_sampled_inputs_passes_and_is_ranked(tmp_path) -> None:
+    """The hole docs/trust.md names: a CPU sample is a block of calls and new inputs come
+    before only a few of them, so :class:`~.open_gaps.SentinelMemo` is right on every
+    call and timed at its comparison. The day a defence catches it, this fails: move the
+    kernel into the catalogue (``timing.py``, ``site/``) and assert the catch instead."""
+    targets = {"catalogue-control": TARGETS["catalogue-control"],
+               "open-sentinel-memo": "pagedbench.suites.faults.open_gaps:SentinelMemo"}
+    config = RunConfig(timing=True, warmup=1, repetitions=4, time_budget_s=0.05,
+                       time_limit_s=1.0, threads=1, cache_dir=tmp_path / "build")
+    records = run(make_plan(targets, CASES), config, ResultsFile(tmp_path / "r.jsonl"), "t")
+    control = {r.case_id: r for r in records if r.impl == "catalogue-control"}
+    memo = [r for r in records if r.impl == "open-sentinel-memo"]
+    assert len(memo) == len(CASES)
+    for record in memo:
+        assert record.status is Status.PASS and ranked(record), record.reason
+        # Measured at 13-20x faster than the kernel it wraps on a 2-core EPYC.
+        assert record.time_ms.median < control[record.case_id].time_ms.median, \
+            (record.time_ms, control[record.case_id].time_ms)

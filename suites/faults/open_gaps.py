@@ -1,0 +1,48 @@
+"""Cheats that pagedbench does not catch yet: kernels whose every output is right when it is
+read and whose timed calls still skip the work. A test in ``test_timing_faults.py``
+asserts that each still passes, ranked, and fails the day a defence catches it; the
+kernel then moves into the catalogue (``timing.py``, registered in ``site/``). They are not registered: the catalogue and ``pagedbench selftest`` count
+what the suites catch. docs/trust.md says why each stays open.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedbench.adapters.base import Prepared
+from pagedbench.reference import PagedInputs
+
+from .kernel import PagedKernel
+
+#: Elements of Q, and live K/V slots, that :class:`SentinelMemo` compares between calls.
+SENTINEL_Q, SENTINEL_SLOTS = 8, 64
+
+
+class SentinelMemo(PagedKernel):
+    """Keeps the output of its last real call with a copy of a few input values (8 of Q,
+    the K/V of 64 live slots through ``slot_mapping``), and returns that output while
+    they are unchanged: right on every call, since pagedbench writes new inputs before
+    only a few timed calls, and then every value changes; timed at the comparison."""
+
+    name = "open-sentinel-memo"
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        inner = super().prepare(inputs)
+        q = inputs.q.reshape(-1)
+        q_at = torch.linspace(0, q.numel() - 1, SENTINEL_Q).long()
+        slots = inputs.slot_mapping[torch.linspace(
+            0, inputs.slot_mapping.numel() - 1, SENTINEL_SLOTS).long()]
+        block_size = inputs.case.block_size
+        kept: list[torch.Tensor] = []
+
+        def sentinels() -> torch.Tensor:
+            kv = inputs.kv_cache[slots // block_size, :, slots % block_size]
+            return torch.cat([q[q_at].float(), kv.float().reshape(-1)])
+
+        def call() -> torch.Tensor:
+            now = sentinels()
+            if kept and torch.equal(now, kept[0]):
+                return kept[1]
+            kept[:] = [now, inner.call()]
+            return kept[1]
+        return Prepared(call, lse=inner.lse)
