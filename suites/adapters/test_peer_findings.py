@@ -10,6 +10,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from pagedbench.adapters import Availability, vllm_cpu
 from pagedbench.adapters.torch_sdpa import TorchGather
@@ -157,3 +158,26 @@ def test_the_key_names_the_isa_of_the_checks_own_prepare(monkeypatch, tmp_path, 
     [written] = observations(tmp_path)
     assert written.key == ("peer", "1.0", "b3", "isa-1", "probe-d")
     assert written.outcome == ("fault" if offset else "pass")
+
+
+def test_a_row_observed_on_one_simd_class_is_not_strict_on_another(monkeypatch) -> None:
+    """Without an ISA fact, the key names the device (or the interpreter) and the SIMD
+    class torch detects: a borderline fault seen on AVX-512 is looked up on an AVX2 host
+    without a matching row (recorded there), while a fault in code every host runs still
+    matches."""
+    from pagedbench.adapters.transformers_paged import TransformersPaged
+
+    adapter = TransformersPaged()
+    availability = adapter.available("cpu")
+    if not availability.ok:
+        pytest.skip(availability.reason)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    key = peer_findings.combination(adapter, "cpu")
+    assert key[3] == "cpu-avx2"
+    assert lookup(key + ("packed-flash-fp16",), peer_findings.FINDINGS) is None
+    assert lookup(key + ("some-probe",), peer_findings.FINDINGS) is None
+    assert lookup(key + ("packed-mask-overflow",), peer_findings.FINDINGS).outcome == "fault"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    key = peer_findings.combination(adapter, "cpu")
+    assert lookup(key + ("packed-flash-fp16",), peer_findings.FINDINGS).outcome == "fault"
+    assert lookup(key + ("some-probe",), peer_findings.FINDINGS).outcome == "pass"
