@@ -206,7 +206,7 @@ ROWS = [
         "impl": "vllm-chunked-prefill",
         "version": "0.32.0",
         "build": "*",
-        "isa": "interpreter-avx512",
+        "isa": "interpreter-avx512-bf16",
         "probe": "*",
         "outcome": "pass",
         "smallest_case": "",
@@ -266,7 +266,7 @@ ROWS = [
         "impl": "vllm-unified",
         "version": "0.32.0",
         "build": "*",
-        "isa": "interpreter-avx512",
+        "isa": "interpreter-avx512-bf16",
         "probe": "*",
         "outcome": "pass",
         "smallest_case": "",
@@ -276,7 +276,7 @@ ROWS = [
         "impl": "vllm-unified",
         "version": "0.32.0",
         "build": "*",
-        "isa": "interpreter-avx512",
+        "isa": "interpreter-avx512-bf16",
         "probe": f"prefill-window-2bs-below0-{heads}",
         "outcome": "fault",
         "smallest_case": f"kv_lens (65,), q_lens (17,), {q}/2 heads, head_dim 64, block 16, fp16, sliding window 32, qk_magnitude 30, logit_offset -1e4: row 15 (position 63, whose window is exactly blocks 2 and 3) NaN in every head",
@@ -291,7 +291,7 @@ ROWS += [
         "impl": "lmdeploy-decode",
         "version": "0.18.0",
         "build": "*",
-        "isa": "interpreter-avx512",
+        "isa": "interpreter-avx512-bf16",
         "probe": "*",
         "outcome": "pass",
         "smallest_case": "",
@@ -311,7 +311,7 @@ ROWS += [
         "impl": "lmdeploy-decode",
         "version": "0.18.0",
         "build": "*",
-        "isa": "interpreter-avx512",
+        "isa": "interpreter-avx512-bf16",
         "probe": "fp16-far-logits",
         "outcome": "fault",
         "smallest_case": "hyp-fp16-d192-bs64-h1x1-b3-kv38-off+10000 (kv_lens (38, 38, 38), seed 186): sequence 1 off by 7.6 ulps, 1.08x its allowance",
@@ -321,7 +321,7 @@ ROWS += [
         "impl": "transformers-paged",
         "version": "5.19.0",
         "build": "*",
-        "isa": "cpu-avx512",
+        "isa": "cpu-avx512-bf16",
         "probe": "*",
         "outcome": "pass",
         "smallest_case": "",
@@ -341,7 +341,7 @@ ROWS += [
         "impl": "transformers-paged",
         "version": "5.19.0",
         "build": "*",
-        "isa": "cpu-avx512",
+        "isa": "cpu-avx512-bf16",
         "probe": "packed-flash-fp16",
         "outcome": "fault",
         "smallest_case": "hyp-fp16-d192-bs8-h2x2-b4-kv1..128-scale0.2-off+10000 (kv_lens (1, 1, 7, 128), seed 372): sequence 2 off by 13 ulps, 2.25x its allowance",
@@ -365,16 +365,26 @@ def has_rows(impl: str, table: list[Finding] | None = None) -> bool:
     return any(row.impl == impl for row in (FINDINGS if table is None else table))
 
 
+def host_simd() -> str:
+    """The CPU's SIMD class as torch's kernels meet it: the capability torch dispatches on
+    (``avx2``, ``avx512``, ``default``), then ``-bf16`` (AVX512_BF16) and ``-amx`` (AMX
+    tiles), which pick other oneDNN paths at the same capability."""
+    extra = [name for name, present in (("bf16", torch.cpu._is_avx512_bf16_supported()),
+                                         ("amx", torch.cpu._is_amx_tile_supported()))
+             if present]
+    return "-".join([torch.backends.cpu.get_cpu_capability().lower(), *extra])
+
+
 def combination(adapter: Adapter, device: str, isa: str | None = None,
                 case: PagedCase | None = None) -> tuple[str, str, str, str]:
     """(impl, version, build, isa) of ``adapter`` here: ``build`` is the library it loaded
     (``impl_details.library``, ``"-"`` when it names none); ``isa`` the path ``case``
     takes (given, or ``Prepared.facts["isa"]`` of ``case`` for a peer the table knows;
     ``"unknown"`` when its ``prepare`` raises), else the device type, ``"interpreter"``
-    for an interpreted adapter, suffixed on the CPU with the SIMD class torch detects there
-    (``"cpu-avx512"``, ``"interpreter-avx2"``): the kernels that compute there (torch's,
-    numpy's under the interpreter) differ by it, so a row observed on one class is never
-    held strictly on another."""
+    for an interpreted adapter, suffixed on the CPU with :func:`host_simd`
+    (``"cpu-avx512-bf16"``, ``"interpreter-avx2"``): the kernels that compute there
+    (torch's, numpy's under the interpreter) differ by it, so a row observed on one host
+    class is never held strictly on another."""
     availability = adapter.available(device)
     if isa is None and case is not None and has_rows(adapter.name):
         try:
@@ -384,7 +394,7 @@ def combination(adapter: Adapter, device: str, isa: str | None = None,
     if isa is None:
         isa = "interpreter" if adapter.is_interpreted(device) else device.split(":")[0]
         if device == "cpu":
-            isa += f"-{torch.backends.cpu.get_cpu_capability().lower()}"
+            isa += f"-{host_simd()}"
     return (adapter.name, availability.version or "-",
             str(availability.details.get("library", "-")), str(isa))
 

@@ -161,23 +161,33 @@ def test_the_key_names_the_isa_of_the_checks_own_prepare(monkeypatch, tmp_path, 
 
 
 def test_a_row_observed_on_one_simd_class_is_not_strict_on_another(monkeypatch) -> None:
-    """Without an ISA fact, the key names the device (or the interpreter) and the SIMD
-    class torch detects: a borderline fault seen on AVX-512 is looked up on an AVX2 host
-    without a matching row (recorded there), while a fault in code every host runs still
-    matches."""
+    """Without an ISA fact, the key names the device (or the interpreter) and the host's
+    SIMD class: a borderline fault seen with AVX-512 and AVX512_BF16 is looked up on an
+    AVX2 host, and on one with AMX, without a matching row (recorded there), while a fault
+    in code every host runs still matches."""
     from pagedbench.adapters.transformers_paged import TransformersPaged
 
     adapter = TransformersPaged()
     availability = adapter.available("cpu")
     if not availability.ok:
         pytest.skip(availability.reason)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    key = peer_findings.combination(adapter, "cpu")
-    assert key[3] == "cpu-avx2"
-    assert lookup(key + ("packed-flash-fp16",), peer_findings.FINDINGS) is None
-    assert lookup(key + ("some-probe",), peer_findings.FINDINGS) is None
-    assert lookup(key + ("packed-mask-overflow",), peer_findings.FINDINGS).outcome == "fault"
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    key = peer_findings.combination(adapter, "cpu")
-    assert lookup(key + ("packed-flash-fp16",), peer_findings.FINDINGS).outcome == "fault"
-    assert lookup(key + ("some-probe",), peer_findings.FINDINGS).outcome == "pass"
+
+    def host(capability: str, bf16: bool, amx: bool) -> tuple[str, ...]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        return peer_findings.combination(adapter, "cpu")
+
+    def outcome(key: tuple[str, ...], probe: str) -> str | None:
+        row = lookup(key + (probe,), peer_findings.FINDINGS)
+        return None if row is None else row.outcome
+
+    seen = host("AVX512", True, False)
+    assert seen[3] == "cpu-avx512-bf16"
+    assert outcome(seen, "packed-flash-fp16") == "fault" and outcome(seen, "x") == "pass"
+    for other, label in ((host("AVX2", False, False), "cpu-avx2"),
+                         (host("AVX512", True, True), "cpu-avx512-bf16-amx"),
+                         (host("AVX512", False, False), "cpu-avx512")):
+        assert other[3] == label
+        assert outcome(other, "packed-flash-fp16") is None and outcome(other, "x") is None
+        assert outcome(other, "packed-mask-overflow") == "fault"
