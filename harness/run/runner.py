@@ -260,8 +260,9 @@ class _Evaluation:
             return Answer(as_json(reply) if reply is not None else None)
         verdict = judge.verdict
         if verdict.status in REPLAYED:
-            verdict = replace(verdict, reason=f"{verdict.reason}; "
-                              f"{replay.hint(self.cases[self.start], self.name)}")
+            hint = replay.hint(self.cases[self.start], self.name,
+                               timed=verdict.step == "timing")
+            verdict = replace(verdict, reason=f"{verdict.reason}; {hint}")
         self.record(self.cases[self.start], verdict.status, verdict.reason, verdict.step,
                     verdict)
         self.start += 1
