@@ -289,8 +289,11 @@ def truth_for(case: PagedCase, cache_dir: Path, logits_precision: str = "float32
               with_lse: bool = False, refresh_seed: int | None = None,
               refresh_kv: bool = False) -> Expected:
     """:func:`compute_truth`, from the cache when a valid file is there; otherwise
-    computed and cached (:func:`_cached`)."""
+    computed and cached (:func:`_cached`). The truth of refreshed inputs is never cached:
+    its seed is drawn afresh for each timing, so a file of it would never be read again."""
     variant = {"with_lse": with_lse, "refresh_seed": refresh_seed, "refresh_kv": refresh_kv}
+    if refresh_seed is not None:
+        return compute_truth(case, logits_precision, **variant)
     return _cached(cache_path(case, cache_dir, logits_precision, **variant), case,
                    cache_key(case, logits_precision, **variant),
                    lambda: compute_truth(case, logits_precision, **variant), with_lse=with_lse)
