@@ -145,14 +145,14 @@ def _attend_rows(attend: Callable[..., torch.Tensor], q: torch.Tensor, padded: t
                  layout: FlexPagedLayout, q_seq: torch.Tensor, q_pos: torch.Tensor,
                  **options: Any) -> torch.Tensor:
     """The packed queries ``q`` (``[total_q, num_q_heads, head_dim]``, read at each call)
-    padded into ``padded`` (``[batch, max_q_len, num_q_heads, head_dim]``, zeros past each
+    padded into ``padded`` (``[batch, num_q_heads, max_q_len, head_dim]``, zeros past each
     sequence's ``q_len``, masked), one ``flex_attention`` call on the pool, then the packed
     query rows of its output. ``q_seq`` and ``q_pos`` (``[total_q]``, int64) place each
     packed row; ``options`` are ``flex_attention``'s ``score_mod``, ``block_mask`` and
     ``scale``. Returns ``[total_q, num_q_heads, head_dim]``.
     """
-    padded[q_seq, q_pos] = q  # [batch, max_q, hq, d] <- [total_q, hq, d]
-    out = attend(padded.transpose(1, 2).contiguous(), layout.k_cache, layout.v_cache,
+    padded[q_seq, :, q_pos] = q  # [batch, hq, max_q, d] <- [total_q, hq, d]
+    out = attend(padded, layout.k_cache, layout.v_cache,
                  enable_gqa=True, **options)  # [batch, hq, max_q, d]
     return out[q_seq, :, q_pos]  # [total_q, hq, d]
 
@@ -258,7 +258,7 @@ class FlexPaged(Adapter):
 
         seq = torch.repeat_interleave(torch.arange(case.batch_size, device=device), q_lens)
         local = torch.arange(case.total_q, device=device) - inputs.cu_seqlens_q[seq]  # [total_q]
-        padded = inputs.q.new_zeros(case.batch_size, max_q, case.num_q_heads, case.head_dim)
+        padded = inputs.q.new_zeros(case.batch_size, case.num_q_heads, max_q, case.head_dim)
 
         if self._attend is None:
             self._attend = torch.compile(flex_attention, dynamic=False)
