@@ -150,3 +150,8 @@ def check_parent(trace: Sequence[Request], index: int) -> None:
             f"{parent}'s prompt_len + output_len = {trace[parent].total_len} (the parent's "
             "sequence and at least one new token)")
 
+
+def shares(trace: Sequence[Request]) -> bool:
+    """Whether ``trace`` shares prefixes or samples (a ``prefix_id``, a ``parent``, ``n >
+    1``): prefix caching then applies."""
+    return any(r.n > 1 or r.prefix_id is not None or r.parent is not None for r in trace)

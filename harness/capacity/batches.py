@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pagedbench.reference.kv_policies import LiveRequest, Policy
 from pagedbench.reference.simulator import simulate
-from pagedbench.reference.workload import Request
+from pagedbench.reference.workload import Request, shares
 
 from pagedbench.harness.cases.batch_trace import TraceStep
 from pagedbench.harness.cases.presets import ModelPreset
@@ -34,8 +34,7 @@ def decode_steps(trace: Sequence[Request], block_size: int, kv_budget_tokens: in
     TraceError, CapacityError, PagedValueError
         As :func:`~pagedbench.reference.simulator.simulate`.
     """
-    sharing = any(r.n > 1 or r.prefix_id is not None for r in trace)
-    policy = Policy("Paged+share" if sharing else "Paged", block_size)
+    policy = Policy("Paged+share" if shares(trace) else "Paged", block_size)
     shapes = {"num_q_heads": preset.num_q_heads, "num_kv_heads": preset.num_kv_heads,
               "head_dim": preset.head_dim, "head_dim_v": preset.head_dim_v}
     steps: list[TraceStep] = []

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict
 from pagedbench.reference import PagedValueError
 from pagedbench.reference.kv_policies import LiveRequest, Policy
 from pagedbench.reference.simulator import PolicyResult, simulate
-from pagedbench.reference.workload import Request
+from pagedbench.reference.workload import Request, shares
 
 from pagedbench.harness.cases.presets import ModelPreset
 from pagedbench.harness.results.record import Environment, ResultRecord
@@ -77,12 +77,6 @@ def simulate_decode(trace: Sequence[Request], block_size: int, kv_budget_tokens:
 
     result = simulate(trace, policy, kv_budget_tokens, max_context, seed, on_decode=on_decode)
     return result, steps
-
-
-def shares(trace: Sequence[Request]) -> bool:
-    """Whether ``trace`` shares prefixes or samples (a ``prefix_id``, a ``parent``, ``n >
-    1``): prefix caching then applies."""
-    return any(r.n > 1 or r.prefix_id is not None or r.parent is not None for r in trace)
 
 
 class OutOfMeasuredRange(PagedValueError):

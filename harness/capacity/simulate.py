@@ -40,7 +40,7 @@ from pagedbench.reference.kv_policies import (
     default_policies,
 )
 from pagedbench.reference.simulator import PolicyResult, budget_tokens_from_bytes, compare_policies
-from pagedbench.reference.workload import DEFAULT_MAX_CONTEXT, Request, TraceError
+from pagedbench.reference.workload import DEFAULT_MAX_CONTEXT, Request, TraceError, shares
 
 DEFAULT_PRESET = "llama3.1-8b"
 DEFAULT_KV_BUDGET_GIB = 4.0
@@ -331,9 +331,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         kv_budget_tokens, per_token = _budget_tokens(args)
         trace = _load_trace(args)
-        shares = any(r.n > 1 or r.prefix_id is not None or r.parent is not None
-                     for r in trace)
-        policies = default_policies(args.block_sizes, sharing=shares,
+        policies = default_policies(args.block_sizes, sharing=shares(trace),
                                     radix_page_sizes=args.radix_page_sizes)
         results = compare_policies(trace, policies, kv_budget_tokens, args.max_context, args.seed)
     except (TraceError, CapacityError, ValueError, OSError) as err:
