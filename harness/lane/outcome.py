@@ -71,13 +71,13 @@ def lane_record(out: Path, run_id: str, argv: list[str], device: str, selection:
     with contextlib.suppress(OSError, ValueError):
         env_record = json.loads((out / "env.json").read_text())
     by_name = {s.name: s for s in steps}
-    sweep_results = sum(sweep_counts(out / "sweep.jsonl").values())
+    sweep = sweep_counts(out / "sweep.jsonl")
     conformance = sweep_counts(out / "conformance.jsonl")
     measured = {"setup_s": round(spent, 1),
                 "steps_s": {s.name: s.wall_s for s in steps},
                 "conformance_s_per_result": _per(by_name["conformance"].wall_s,
                                                  sum(conformance.values())),
-                "sweep_s_per_result": _per(by_name["sweep"].wall_s, sweep_results)}
+                "sweep_s_per_result": _per(by_name["sweep"].wall_s, sum(sweep.values()))}
     return {
         "run_id": run_id, "argv": argv, "device": device, "rehearsal": device == "cpu",
         "device_name": (env_record.get("environment") or {}).get("device", "unknown"),
@@ -93,7 +93,7 @@ def lane_record(out: Path, run_id: str, argv: list[str], device: str, selection:
                          else len(impls)),
         "tests": junit_counts(out / "junit.xml"),
         "conformance_statuses": conformance,
-        "sweep_statuses": sweep_counts(out / "sweep.jsonl"),
+        "sweep_statuses": sweep,
         "sweep_not_run": coverage["not_run"],
         "sweep_left_out": coverage["left_out"],
         "out": str(out),

@@ -51,9 +51,9 @@ from pagedbench.harness.lane.model import (COSTS, H200_L2_BYTES, LanePlan, lane_
                                            model_table, points_that_fit)
 from pagedbench.harness.lane.probe import available_impls, environment_record, write_listing
 from pagedbench.harness.lane.sweep import (CPU_SELECTION, CUDA_SELECTION, SWEEP_BASELINE,
-                                           Selection, conformance_command, sweep_command,
-                                           sweep_coverage, write_sweep_markdown,
-                                           write_truths)
+                                           Selection, conformance_command, flags,
+                                           sweep_command, sweep_coverage,
+                                           write_sweep_markdown, write_truths)
 from pagedbench.harness.results.store import GIT_DIRTY_ENV, GIT_SHA_ENV, new_run_id
 from pagedbench.harness.run.environment import cache_environment
 
@@ -258,7 +258,7 @@ def run_lane(out: Path, device: str, selection: Selection, argv: list[str],
 
     env = Step("env", [*lane, "--env-only"], left("env"))
     run_step(env, out)
-    listing = Step("list", [*lane, "--list-only", *_impl_flags(impls)], left("list"))
+    listing = Step("list", [*lane, "--list-only", *flags("--impl", impls)], left("list"))
     run_step(listing, out)
     available = available_impls(out / "list.json")
     if not listing.ok:
@@ -325,10 +325,6 @@ def _run_if_any(step: Step, out: Path, impls: tuple[str, ...]) -> None:
         step.notes.append("not run: no implementation is available (see list.json)")
 
 
-def _impl_flags(impls: tuple[str, ...]) -> list[str]:
-    return [arg for name in impls for arg in ("--impl", name)]
-
-
 def _targets(names: tuple[str, ...]) -> list[tuple[str, str]]:
     """``(name, module:Class)`` of each of ``names`` that the registry knows."""
     from pagedbench.adapters import entries
@@ -340,7 +336,7 @@ def _targets(names: tuple[str, ...]) -> list[tuple[str, str]]:
 def _refit(selection: Selection, device: str, available: tuple[str, ...], l2_bytes: int,
            listing: Step) -> tuple[Selection, dict[str, Any]]:
     """The sweep's points fitted again to the implementations ``list`` found available."""
-    impls = tuple(dict.fromkeys((SWEEP_BASELINE, *available)))
+    impls = lane_impls(selection.with_(impls=available))
     refit, model = fit_points(selection.with_(points=None), device, impls, l2_bytes)
     listing.notes.append(f"available: {', '.join(impls)}; the sweep's points fitted again "
                          f"to {refit.points} (time model {model['total']:.0f} s)")
