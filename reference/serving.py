@@ -169,8 +169,6 @@ class _Request:
     on_device: bool = False
     swapped: bool = False
     prefix_hit: int = 0  # tokens served by the prefix cache at its last admission
-    forked_from: Hashable | None = None
-    counts: dict[str, int] = field(default_factory=dict)
 
 
 class ServingModel:
@@ -345,8 +343,7 @@ class ServingModel:
             raise PagedValueError("child", child, "a new sequence id")
         self.allocator.fork(parent, child)
         self.requests[child] = _Request(list(request.tokens), list(request.keys),
-                                        computed=request.computed, on_device=True,
-                                        forked_from=parent)
+                                        computed=request.computed, on_device=True)
         return Tick(copies=self._take_copies())
 
     def finish(self, seq: Hashable) -> Tick:

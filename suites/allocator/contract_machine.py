@@ -218,8 +218,6 @@ class ContractMachine(RuleBasedStateMachine):
     # Invariants -----------------------------------------------------------------------
     @invariant()
     def pool_and_reads_agree(self):
-        if not hasattr(self, "bs"):
-            return
         usage = self.alloc.usage()
         assert min(usage.free, usage.cached, usage.used) >= 0, usage
         assert usage.free + usage.cached + usage.used == usage.capacity, usage
