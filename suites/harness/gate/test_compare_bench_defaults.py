@@ -51,4 +51,4 @@ def test_bench_defaults_then_gate_pass_the_same_code_and_fail_a_1_5x_slowdown(
     assert ("not judged (exit 7" in last) is (code == ExitCode.UNJUDGED), last
     assert main(["gate", "--baseline", baseline, "--current", slowed]) == ExitCode.REGRESSION
     out = capsys.readouterr().out
-    assert "| slower    | mykernel" in out, out
+    assert any(line.split()[:2] == ["slower", "mykernel"] for line in out.splitlines()), out
