@@ -52,7 +52,6 @@ import pandas as pd
 
 from pagedbench.harness.measure.speed import (Outcome, Speed, Thresholds, compare_samples, decide,
                                               holm, median_ratio)
-from pagedbench.harness.results.floor import judged
 from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.results.report import escape, escape_frame
 from pagedbench.harness.verdict.status import ExitCode, Status
@@ -78,14 +77,14 @@ def point_key(record: ResultRecord) -> PointKey:
 
 
 def points(records: Iterable[ResultRecord]) -> dict[PointKey, ResultRecord]:
-    """Results by point, each as the physical floor judges it (:func:`~pagedbench.harness.
-    results.floor.judged`: an impossible time is a ``fail``); of several results of one
+    """Results by point (as :func:`~pagedbench.harness.results.store.results_of` reads them:
+    an impossible time is a ``fail`` of the physical floor); of several results of one
     point the last one wins (re-runs appended to a file, or folders read in run-id order)."""
     out: dict[PointKey, ResultRecord] = {}
     for record in records:
         key = point_key(record)
         out.pop(key, None)
-        out[key] = judged(record)
+        out[key] = record
     return out
 
 

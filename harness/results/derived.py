@@ -28,7 +28,6 @@ import numpy as np
 import pandas as pd
 
 from pagedbench.harness.cases.workloads import BENCH_SUITE
-from pagedbench.harness.results.floor import judged
 from pagedbench.harness.results.record import ResultRecord, environment_key, result_key
 from pagedbench.harness.verdict.status import Status
 
@@ -75,7 +74,7 @@ def bench_frame(records: Iterable[ResultRecord], baseline: str = DEFAULT_BASELIN
     """One row per bench result, with :data:`COLUMNS` plus ``paging_overhead``,
     ``overhead_low``, ``overhead_high``, ``overhead_vs`` and ``speedup`` (see the module
     docstring); empty (with those columns) when no record is a bench result."""
-    latest = {result_key(r): judged(r) for r in records if r.suite == BENCH_SUITE}
+    latest = {result_key(r): r for r in records if r.suite == BENCH_SUITE}
     df = pd.DataFrame([_row(r) for r in latest.values()], columns=COLUMNS)
     group = ["device_name", "versions", "workload", "dtype"]
     contiguous = df[df["contiguous"] & df["timed"]].sort_values("block_size").drop_duplicates(

@@ -27,7 +27,6 @@ from typing import Any
 import pandas as pd
 
 from pagedbench.harness.results.derived import DEFAULT_BASELINE, bench_frame, fast_p, group_scores
-from pagedbench.harness.results.floor import judged
 from pagedbench.harness.results.record import ResultRecord, RunRecord, environment_key, result_key
 from pagedbench.harness.results.store import results_of, run_states
 from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
@@ -87,8 +86,8 @@ def frame(records: Iterable[ResultRecord]) -> pd.DataFrame:
     :func:`~.record.result_key` (implementation, device name, versions, case) wins, so
     re-runs appended to a file replace earlier lines and results of two devices (by name:
     two CPU models, an H100 and an H200) or two library versions never replace each other.
-    Each is taken as the physical floor judges it (:func:`~.floor.judged`)."""
-    latest = {result_key(r): judged(r) for r in records}
+    Records read through :func:`~.store.results_of` come as the physical floor judges them."""
+    latest = {result_key(r): r for r in records}
     rows = [
         {
             "case_id": r.case_id,

@@ -41,6 +41,7 @@ from pydantic import BaseModel, ValidationError
 from pagedbench.adapters.cuda_probe import installed_distribution
 from pagedbench.reference import PagedValueError
 
+from pagedbench.harness.results import floor
 from pagedbench.harness.results.record import (COMPARISON_FIELDS, LINE, SCHEMA_VERSION,
                                                VERSION_FIELDS, ResultRecord, RunRecord,
                                                validation_problem)
@@ -437,8 +438,10 @@ def numbered_lines(paths: Iterable[Path]) -> Iterator[tuple[Path, int, ResultRec
 
 
 def results_of(lines: Iterable[ResultRecord | RunRecord]) -> list[ResultRecord]:
-    """The result records among ``lines``."""
-    return [line for line in lines if isinstance(line, ResultRecord)]
+    """The result records among ``lines``, each as the physical floor judges it
+    (:func:`~.floor.judged`: an impossible time is a ``fail``), so that every reader (the
+    reports, the site, the gate) refuses what was written before the floor existed."""
+    return [floor.judged(line) for line in lines if isinstance(line, ResultRecord)]
 
 
 @dataclass(frozen=True)

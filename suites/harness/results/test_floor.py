@@ -12,9 +12,9 @@ import pytest
 from pagedbench.harness.cli import main
 from pagedbench.harness.gate import compare as gate
 from pagedbench.harness.measure.speed import Outcome
-from pagedbench.harness.results import derived, floor, report
+from pagedbench.harness.results import derived, floor, report, site
 from pagedbench.harness.results.record import DevicePeaks, TimingStats
-from pagedbench.harness.results.store import read_lines
+from pagedbench.harness.results.store import read_lines, results_of
 from pagedbench.harness.verdict.status import ExitCode, Status
 from pagedbench.reference import PagedCase
 
@@ -105,17 +105,20 @@ def test_a_line_whose_peaks_have_no_in_cache_copy_is_read_and_judged(tmp_path) -
 def test_report_never_ranks_a_refused_time() -> None:
     records = [timed("slow", ms_at(20.0, MOVED)), timed("honest", ms_at(50.0, MOVED)),
                timed("memo", ms_at(5000.0, MOVED))]
-    table = report.leaderboard(report.frame(records))
+    table = report.leaderboard(report.frame(results_of(records)))
     assert table.loc[CASE.case_id, "honest"].startswith("**pass")
     assert table.loc[CASE.case_id, "memo"] == "fail"
     text = report.markdown(records)
     assert "memo: fail: physical floor: 5000 GB/s" in text
+    (environment,) = site.environments(records)  # the site's board reads them the same way
+    assert {r.impl: r.status for r in environment["records"]} == {
+        "slow": Status.PASS, "honest": Status.PASS, "memo": Status.FAIL}
 
 
 def test_bench_scores_never_count_a_refused_time() -> None:
     records = [timed(name, ms_at(gbps, MOVED), suite="bench", workload="floor")
                for name, gbps in (("sdpa-contiguous", 20.0), ("memo", 5000.0))]
-    frame = derived.bench_frame(records).set_index("impl")
+    frame = derived.bench_frame(results_of(records)).set_index("impl")
     assert not frame.loc["memo", "timed"] and np.isnan(frame.loc["memo", "speedup"])
     assert frame.loc["memo", "failing"] and frame.loc["sdpa-contiguous", "timed"]
 
@@ -123,7 +126,7 @@ def test_bench_scores_never_count_a_refused_time() -> None:
 def test_gate_breaks_on_a_refused_time(tmp_path, capsys) -> None:
     baseline = [timed("x", ms_at(20.0, MOVED))]
     current = [timed("x", ms_at(5000.0, MOVED))]
-    (point,) = gate.compare(baseline, current).points
+    (point,) = gate.compare(results_of(baseline), results_of(current)).points
     assert point.outcome is Outcome.BROKEN and "physical floor" in point.reason
     paths = []
     for name, records in (("base", baseline), ("now", current)):
