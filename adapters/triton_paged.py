@@ -55,12 +55,14 @@ _COMMON = dict(
     min_compute_capability=(8, 0),
     kv_cache_in_place=True,
 )
+# No plan_reuse: the split count and the prefill work list follow the lengths, so the
+# serving loop prepares both at every step (on the same tensors).
 SPLIT_CAPABILITIES = Capabilities(
-    modes=frozenset({"decode"}), returns_lse=True, plan_reuse=True,
+    modes=frozenset({"decode"}), returns_lse=True,
     **_COMMON | {"features": _COMMON["features"] | {"empty_kv"}})
 # Not empty_kv, unseen_rows: the prefill planner refuses q_len > kv_len.
 PREFILL_CAPABILITIES = Capabilities(
-    modes=frozenset({"decode", "prefill"}), plan_reuse=True,
+    modes=frozenset({"decode", "prefill"}),
     **_COMMON | {"features": _COMMON["features"] | {"empty_q"}})
 #: Triton converts fp8 E4M3 ("fp8e4nv") only from compute capability 8.9 (its error on
 #: sm_80: "type fp8e4nv not supported in this architecture").
@@ -158,11 +160,6 @@ class TritonSplitDecode(_TritonPaged):
             "kv_tile": plan.config.kv_tile, "num_warps": plan.config.num_warps,
             "num_stages": plan.config.num_stages})
 
-    def refresh(self, prepared: Prepared, inputs: PagedInputs) -> Prepared:
-        """The split count depends on the lengths: plan again, over the same tensors
-        (FlashInfer's ``plan`` at every step, its ``run`` on the same buffers)."""
-        return self.prepare(inputs)
-
 
 class TritonPrefill(_TritonPaged):
     """GQA-packed varlen prefill, chunked prefill, multi-token and mixed decode batches."""
@@ -198,8 +195,3 @@ class TritonPrefill(_TritonPaged):
             "block_m": plan.block_m, "programs": len(plan.work),
             "kv_tile": plan.config.kv_tile, "num_warps": plan.config.num_warps,
             "num_stages": plan.config.num_stages})
-
-    def refresh(self, prepared: Prepared, inputs: PagedInputs) -> Prepared:
-        """The work list follows the query and key lengths: plan again over the same
-        tensors."""
-        return self.prepare(inputs)
