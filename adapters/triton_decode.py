@@ -75,8 +75,7 @@ class PagedbenchTritonAdapter(TritonAdapter):
         float16 caches only, and pagedbench's writer stores the others."""
         from pagedbench.kernels import cache_write
 
-        if cache_write.is_interpreted() and kv_cache.dtype not in (torch.float32,
-                                                                   torch.float16):
+        if self.kernel_interpreted() and kv_cache.dtype not in (torch.float32, torch.float16):
             return False
         cache_write.write_kv(kv_cache, slot_mapping, key, value, case.k_scale, case.v_scale)
         return True

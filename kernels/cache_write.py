@@ -14,12 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
+from .paged_args import FP8_DTYPES
 from .paged_features import padded_dim
-
-#: The fp8 cache types, whose values are divided by their scale before they are stored.
-FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
@@ -53,11 +50,6 @@ def _write_kernel(
         element = cache_ptr.dtype.element_ty
         tl.store(base, k.to(element), mask=dims < HEAD_DIM)
         tl.store(base + stride_cache_kv, v.to(element), mask=dims < V_HEAD_DIM)
-
-
-def is_interpreted() -> bool:
-    """Whether the op runs under Triton's interpreter (decided when this is imported)."""
-    return isinstance(_write_kernel, InterpretedFunction)
 
 
 def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
@@ -103,7 +95,7 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tens
         *key.stride(), *value.stride(), *kv_cache.stride(),
         HEAD_DIM=key.shape[2], V_HEAD_DIM=value.shape[2],
         DIM_PAD=padded_dim(max(key.shape[2], value.shape[2])),
-        BLOCK_SIZE=kv_cache.shape[2], FP8=kv_cache.dtype in FP8_TYPES)
+        BLOCK_SIZE=kv_cache.shape[2], FP8=kv_cache.dtype in FP8_DTYPES)
 
 
-__all__ = ["FP8_TYPES", "is_interpreted", "write_kv"]
+__all__ = ["write_kv"]
