@@ -73,8 +73,9 @@ class Allocator(abc.ABC):
     own rule: ``unit``; ``prefix_rule`` (``"block-hash"``: full blocks keyed by their
     whole prefix, registered as they are written; ``"radix"``: a token tree holding each
     running request's prompt and each finished sequence); ``supports_fork`` and
-    ``supports_evict`` (an explicit eviction call); ``eviction`` (its documented order, in
-    words).
+    ``supports_evict`` (an explicit eviction call); ``evicts_all_cached`` (that call
+    empties the cache at once, whatever it is asked for, rather than evicting whole units
+    until enough went); ``eviction`` (its documented order, in words).
     """
 
     name: ClassVar[str]
@@ -83,6 +84,7 @@ class Allocator(abc.ABC):
     prefix_rule: ClassVar[Literal["block-hash", "radix"]]
     supports_fork: ClassVar[bool] = False
     supports_evict: ClassVar[bool] = False
+    evicts_all_cached: ClassVar[bool] = False
     eviction: ClassVar[str] = ""
 
     @abc.abstractmethod

@@ -40,6 +40,7 @@ class TransformersPagedCache(Allocator):
     prefix_rule = "block-hash"
     supports_fork = True
     supports_evict = True
+    evicts_all_cached = True
     eviction = ("only when the scheduler falls under its safety margin: every cached block "
                 "at once (evict_cached_blocks); an allocation never evicts")
 

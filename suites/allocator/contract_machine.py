@@ -204,7 +204,7 @@ class ContractMachine(RuleBasedStateMachine):
         evicted = self.alloc.evict(units)
         after = self.alloc.usage()
         assert after.cached == before.cached - evicted and after.used == before.used
-        if self.alloc.name == "transformers":  # every cached block at once
+        if self.alloc.evicts_all_cached:
             assert evicted == before.cached
         else:  # whole leaves until at least `units`, or none left
             assert min(units, before.cached) <= evicted <= before.cached
