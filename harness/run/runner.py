@@ -61,7 +61,7 @@ from pagedbench.harness.verdict import judging
 from pagedbench.harness.verdict.messages import (HARNESS, IMPL, JOB_STEPS, Data, Fatal, Loaded,
                                                  Message, as_json)
 from pagedbench.harness.verdict.status import Status, exit_code
-from pagedbench.harness.verdict.truth import device_truth_for, judging_state, truth_for, truth_site
+from pagedbench.harness.verdict.truth import device_truth_for, truth_for, truth_site
 
 #: Seconds ``pagedbench list`` gives each implementation to import and answer.
 LIST_TIMEOUT_S = 120.0
@@ -140,20 +140,16 @@ def bounded(work: Callable[[], Any], seconds: float, what: str) -> Any:
 
 
 class _Budget:
-    """The judge's work on one case under :func:`~pagedbench.harness.verdict.truth.judging_state`,
+    """The judge's work on one case (:func:`~pagedbench.harness.verdict.judging.judged_here`),
     within what is left of ``seconds`` (``--harness-timeout``)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds, self.spent_s = seconds, 0.0
 
     def __call__(self, work: Callable[[], Any], what: str) -> Any:
-        def judged() -> Any:
-            with judging_state():
-                return work()
-
         start = time.monotonic()
         try:
-            return bounded(judged, self.seconds - self.spent_s, what)
+            return bounded(lambda: judging.judged_here(work, what), self.seconds - self.spent_s, what)
         finally:
             self.spent_s += time.monotonic() - start
 
