@@ -149,7 +149,8 @@ class _Budget:
     def __call__(self, work: Callable[[], Any], what: str) -> Any:
         start = time.monotonic()
         try:
-            return bounded(lambda: judging.judged_here(work, what), self.seconds - self.spent_s, what)
+            return bounded(lambda: judging.judged_here(work, what),
+                           self.seconds - self.spent_s, what)
         finally:
             self.spent_s += time.monotonic() - start
 
