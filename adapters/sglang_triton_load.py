@@ -201,31 +201,17 @@ def load_kernels(folder: Path | None = None) -> SglangTritonKernels:
 
 def unmet_names(sources: dict[str, bytes]) -> list[str]:
     """Each use in the files of an SGLang module or name that neither a loaded file, a
-    stand-in nor :data:`UNREACHED_IMPORTS` provides (``from sglang.x import y``, ``import
-    sglang.x``, attributes of ``envs``), as ``"<file>:<line>: <name>"``; empty when the
-    stand-ins cover the files."""
+    stand-in nor :data:`UNREACHED_IMPORTS` provides (:meth:`PinnedFiles.unmet_imports`),
+    then each attribute of ``envs`` no stand-in has, as ``"<file>:<line>: <name>"``;
+    empty when the stand-ins cover the files."""
     modules = stand_ins()
     envs = modules["sglang.srt.environ"].envs
-    provided = {*modules, *sources}
-    unmet = []
+    unmet = SGLANG_TRITON.unmet_imports(sources, modules, "sglang", UNREACHED_IMPORTS)
     for module, data in sources.items():
-        found: list[tuple[int, str]] = []
-        for node in ast.walk(ast.parse(data, module_path(module))):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang"):
-                if node.module in UNREACHED_IMPORTS:
-                    continue
-                if node.module not in provided:
-                    found.append((node.lineno, f"module {node.module}"))
-                elif node.module in modules:
-                    found += [(node.lineno, f"{node.module}.{a.name}") for a in node.names
-                              if not hasattr(modules[node.module], a.name)]
-            elif isinstance(node, ast.Import):
-                found += [(node.lineno, f"module {a.name}") for a in node.names
-                          if a.name.startswith("sglang") and a.name not in provided]
-            elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                  and node.value.id == "envs" and not hasattr(envs, node.attr)):
-                found.append((node.lineno, f"envs.{node.attr}"))
-        unmet += [f"{module_path(module)}:{line}: {what}" for line, what in sorted(found)]
+        unmet += [f"{module_path(module)}:{node.lineno}: envs.{node.attr}"
+                  for node in ast.walk(ast.parse(data, module_path(module)))
+                  if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                  and node.value.id == "envs" and not hasattr(envs, node.attr)]
     return unmet
 
 
