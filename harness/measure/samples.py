@@ -31,7 +31,8 @@ class Timing:
         Milliseconds per :class:`~.timing.DriftProbe` call of the block timed right after each
         sample (CPU only; empty otherwise).
     method : str
-        One of :data:`METHODS`: ``torch_timer`` (CPU), ``cuda_events`` (an L2 flush
+        One of :data:`METHODS`: ``torch_timer`` (CPU blocks of calls:
+        ``harness/measure/timing.py``), ``cuda_events`` (an L2 flush
         before each call), ``cuda_graph`` (graph replay of rotated input copies),
         ``interpreted`` (one wall-clock call of an interpreter: never ranked) or
         ``perf_counter`` (records written before schema 3).

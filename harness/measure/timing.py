@@ -1,10 +1,12 @@
 """Timing: how long one ``run()`` takes, what it moves, and what the device can do.
 
-- CPU: ``torch.utils.benchmark.Timer`` (``timeit`` of blocks of calls, as its
-  ``blocked_autorange`` does) with the thread count fixed (``num_threads``) after warm-up
-  calls; each sample is the mean time per call of one block, blocks sized so that
-  ``min_samples`` of them fit in the run, which lasts at least ``min_run_time_s`` (longer
-  for ``min_samples`` samples of a slow call) and never much longer than ``max_run_time_s``.
+- CPU: blocks of calls with the thread count fixed after warm-up calls; each sample is the
+  mean time per call of one block, blocks sized so that ``min_samples`` of them fit in the
+  run, which lasts at least ``min_run_time_s`` (longer for ``min_samples`` samples of a
+  slow call) and never much longer than ``max_run_time_s``. A block is
+  ``torch.utils.benchmark.Timer.timeit`` (as its ``blocked_autorange`` does), or, where
+  new inputs are written before every call (an implementation's timing), calls timed one
+  by one with ``time.perf_counter``, the writes outside the timed interval.
 - CUDA: one method per point for every implementation (:func:`point_plan`, from the
   point's bytes and the device's L2 alone): cold CUDA events, an L2 flush before each
   call, for a point that moves at least :data:`ROTATE_PAST_L2` times the L2; below that,
@@ -37,6 +39,7 @@ GB = 1e9 bytes, TFLOP = 1e12 FLOPs.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import time
@@ -137,9 +140,10 @@ def time_cpu(
     min_run_time_s: float = 0.2,
     max_run_time_s: float = 2.0,
     probe: Callable[[], object] | None = None,
-    between: Callable[[int], None] | None = None,
+    before: Callable[[int], None] | None = None,
+    after: Callable[[int, object], None] | None = None,
 ) -> Timing:
-    """Time ``fn()`` on the CPU with ``torch.utils.benchmark.Timer.timeit`` blocks.
+    """Time ``fn()`` on the CPU in blocks of calls.
 
     The run lasts ``run_time = clamp(max(min_run_time_s, min_samples * one call),
     max_run_time_s)``; each block runs ``max(1, run_time / min_samples / one call)`` calls,
@@ -153,21 +157,29 @@ def time_cpu(
     count fixed after warm-up; ``time.perf_counter``, without the Timer's own warm-up
     calls), recorded as ``probe_ms``; its time counts towards neither limit.
 
+    Without ``before``, a block is ``torch.utils.benchmark.Timer.timeit``. With it, every
+    call ``k`` (warm-up included, 0 the first) is preceded by ``before(k)`` and followed by
+    ``after(k, output)``, both untimed, and timed alone with ``time.perf_counter`` (the
+    Timer would make warm-up calls of its own on unchanged inputs); "one call" is then a
+    call with its ``before`` and ``after``, and the limits count their time too.
+
     Parameters
     ----------
     fn : callable
-        One complete call of the implementation (no arguments).
+        One complete call of the implementation (no arguments; returns its output).
     threads : int
-        torch threads while timing (``Timer(num_threads=...)``).
+        torch threads while timing (``torch.set_num_threads``; the Timer's
+        ``num_threads``).
     warmup : int
-        Untimed calls first (caches, lazy initialisation); one more call, also untimed
-        by the Timer, estimates the call's duration.
+        Untimed calls first (caches, lazy initialisation); one more call, also untimed,
+        estimates the call's duration.
     min_samples, min_run_time_s, max_run_time_s : int, float
         As above (samples; seconds).
     probe : callable, optional
         Fixed work timed after every block (:class:`DriftProbe`).
-    between : callable, optional
-        ``between(k)``, untimed, before block ``k`` (new inputs written in place).
+    before, after : callable, optional
+        ``before(k)`` and ``after(k, output)`` around call ``k`` (new inputs written in
+        place; the output of a judged call kept).
 
     Raises
     ------
@@ -183,12 +195,39 @@ def time_cpu(
                          f"{max_run_time_s}")
     from torch.utils.benchmark import Timer
 
+    made = itertools.count()
+
+    def one_call() -> float:
+        """Seconds of one call, between its ``before`` and ``after``."""
+        k = next(made)
+        before(k)
+        start = time.perf_counter()
+        out = fn()
+        took = time.perf_counter() - start
+        if after is not None:
+            after(k, out)
+        return took
+
+    def block(calls: int) -> tuple[float, float]:
+        """Seconds per call of ``calls`` calls, and the block's seconds in all."""
+        if before is None:
+            per_call_s = timer.timeit(calls).mean
+            return per_call_s, per_call_s * calls
+        start = time.perf_counter()
+        timed_s = sum(one_call() for _ in range(calls))
+        return timed_s / calls, time.perf_counter() - start
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for _ in range(warmup):
-            fn()
-        one_s = time_once(fn, "perf_counter").median_ms / 1e3
+            fn() if before is None else one_call()
+        if before is None:
+            one_s = time_once(fn, "perf_counter").median_ms / 1e3
+        else:
+            start = time.perf_counter()
+            one_call()
+            one_s = time.perf_counter() - start
         if probe is not None:
             probe()
             probe_one_s = time_once(probe, "perf_counter").median_ms / 1e3
@@ -203,16 +242,14 @@ def time_cpu(
         block_calls: list[int] = []
         spent_s = 0.0
         while True:
-            if between is not None:
-                between(len(samples_ms))
-            per_call_s = timer.timeit(calls).mean
+            per_call_s, block_wall_s = block(calls)
             samples_ms.append(per_call_s * 1e3)
             block_calls.append(calls)
             if probe is not None:
                 probe_ms.append(_probe_block(probe, probe_calls))
-            spent_s += per_call_s * calls
-            if per_call_s * calls > RESIZE_FACTOR * block_s and calls > 1:
-                resized = max(1, int(block_s / per_call_s))
+            spent_s += block_wall_s
+            if block_wall_s > RESIZE_FACTOR * block_s and calls > 1:
+                resized = max(1, int(block_s * calls / block_wall_s))
                 if probe is not None:
                     probe_calls = max(1, round(probe_calls * resized / calls))
                 calls = resized

@@ -5,15 +5,16 @@ adapter ``why_unsupported``, sends :class:`~.messages.Ready`, draws the inputs
 (:func:`inputs_for`'s tail poison), calls ``prepare``, ``run`` (and ``lse`` for an
 implementation that returns its log-sum-exp), ``describe``, the NaN-tail probe for a stale
 tail, sends the :class:`~.messages.Output`, and, when the judge asks, times ``run`` with
-new inputs written into the same buffers between timed calls (:func:`timed`). It
+new inputs written into the same buffers before every timed call (:func:`timed`). It
 announces each step (:class:`~.messages.Entered`) before entering it; whatever the adapter
 raises ends the case as ``error`` of that step.
 
 The **judge's side** (:class:`CaseJudge`) has one handler per message: it computes the
 truth before the implementation draws its inputs (so nothing the adapter does reaches
-it), compares the output (``tolerance.py``), plans the timed calls' refreshes and judges
-their outputs, the wall time the timing took, and whether the implementation's process
-kept computing after its last call returned (:data:`~.judging.IDLE_WINDOW_S`).
+it), compares the output (``tolerance.py``), plans the timed calls' new inputs and which
+calls it judges, and judges their outputs, the wall time the timing took, and whether the
+implementation's process kept computing after its last call returned
+(:data:`~.judging.IDLE_WINDOW_S`).
 
 :func:`check` drives both in this process (the pytest suites); the runner drives the same
 two sides across a pipe (``harness/run/jobs.py`` in the worker, ``harness/run/runner.py``
@@ -31,9 +32,8 @@ import torch
 from pagedbench.adapters import Adapter, Capabilities
 from pagedbench.reference import (PagedCase, PagedInputError, PagedInputs, materialize,
                                   resolve_device)
-from pagedbench.reference.refresh import refresh_live
+from pagedbench.reference.refresh import call_seed, refresh_live
 
-from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.judging import (CaseJudge, DeviceTruth, Truth, Verdict,
                                                 describe_exception)
 from pagedbench.harness.verdict.messages import (Concluded, Entered, Message, Output, Ready,
@@ -48,13 +48,15 @@ STALE_TAIL_MARK = "†"
 #: implementation declares (``Capabilities.logits_precision = "case"``; docs/tolerance.md).
 CASE_LOGITS_MARK = "‡"
 class Timer(Protocol):
-    """Times ``call()`` (one complete call), calling ``between(k)`` untimed before timed
-    sample ``k`` (once, before the first, where a library takes the samples), and
-    ``copy()`` for another call on inputs of its own when it rotates copies; returns
-    ``harness/measure/samples.py``'s ``Timing``."""
+    """Times ``call()`` (one complete call, returning its output); calls ``before(k)``
+    untimed before its call ``k`` (0 the first, warm-up included) and ``after(k, out)``
+    untimed once it returned ``out``, for every call it makes on its own (a library's
+    sampling loop makes the rest), and ``copy()`` for another call on inputs of its own
+    when it rotates copies; returns ``harness/measure/samples.py``'s ``Timing``."""
 
-    def __call__(self, call: Callable[[], object], between: Callable[[int], None],
-                 case: PagedCase, copy: Callable[[], Callable[[], object]]) -> Any: ...
+    def __call__(self, call: Callable[[], object], before: Callable[[int], None],
+                 after: Callable[[int, object], None], case: PagedCase,
+                 copy: Callable[[], Callable[[], object]]) -> Any: ...
 
 
 def tail_poison(capabilities: Capabilities) -> str:
@@ -159,35 +161,37 @@ def implementation_side(adapter: Adapter, case: PagedCase, device: str, *,
     if not reply.time:
         return
     yield Entered(step="timing")
-    yield timed(adapter, prepared, inputs, reply, timer, kv=in_place, poison=poison)
+    yield timed(adapter, prepared, inputs, reply, timer, poison=poison)
 
 
 def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
-          timer: Timer, *, kv: bool, poison: str = "nan") -> Timed:
-    """Time ``adapter.run(prepared)`` with ``timer``; before each timed sample
-    ``plan.refresh_calls[i]``, write new values into ``inputs``' own tensors
-    (:func:`~pagedbench.reference.refresh.refresh_live` with ``plan.refresh_seeds[i]``:
-    Q, and K and V with ``kv``) and keep a copy of the next call's output, taken as soon
-    as it returns: the outputs the judge checks. A timer that rotates input copies (CUDA
-    graph replay) gets more calls from ``copy()``, each prepared on inputs of its own (of
-    ``poison``). What a timed call raises is :attr:`~.messages.Timed.error`."""
-    seeds = dict(zip(plan.refresh_calls, plan.refresh_seeds))
+          timer: Timer, *, poison: str = "nan") -> Timed:
+    """Time ``adapter.run(prepared)`` with ``timer``. With ``plan.seed``, before each call
+    ``k`` the timer makes, write new values into ``inputs``' own tensors
+    (:func:`~pagedbench.reference.refresh.refresh_live` with
+    :func:`~pagedbench.reference.refresh.call_seed` of the seed and ``k``: Q, and K and V
+    before ``plan.kv_calls``), and keep a copy of the output of each of
+    ``plan.judged_calls`` once it returned: the outputs the judge checks. A timer that
+    rotates input copies (CUDA graph replay) gets more calls from ``copy()``, each prepared
+    on inputs of its own (of ``poison``). What a timed call raises is
+    :attr:`~.messages.Timed.error`."""
+    judged, kv_calls = set(plan.judged_calls), set(plan.kv_calls)
     kept: list[object] = []
-    armed = [False]
+    refreshed = [0]
     device = inputs.device
 
     def call() -> object:
-        out = adapter.run(prepared)
-        if armed[0]:
-            armed[0] = False
-            kept.append(out.detach().clone() if isinstance(out, torch.Tensor) else out)
-        return out
+        return adapter.run(prepared)
 
-    def between(sample: int) -> None:
-        if sample in seeds:
-            refresh_live(inputs, seeds[sample], kv=kv)
+    def before(k: int) -> None:
+        if plan.seed is not None:
+            refresh_live(inputs, call_seed(plan.seed, k), kv=k in kv_calls)
             synchronize(device)
-            armed[0] = True
+            refreshed[0] = k + 1
+
+    def after(k: int, out: object) -> None:
+        if plan.seed is not None and k in judged:
+            kept.append(out.detach().clone() if isinstance(out, torch.Tensor) else out)
 
     case = inputs.case
 
@@ -196,13 +200,14 @@ def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
         return lambda: adapter.run(other)
 
     try:
-        timing = timer(call, between, case, copy)
+        timing = timer(call, before, after, case, copy)
         synchronize(device)
         sent = [encode(out, output_shape(case), case.dtype) for out in kept]
     except (Exception, SystemExit) as exc:
         return Timed(error=describe_exception(exc))
     return Timed(**timing.to_message(),
                  calls=list(timing.calls) or [1] * len(timing.samples_ms),
+                 refreshed_calls=refreshed[0],
                  outputs=[d for d, _ in sent], payload=b"".join(p for _, p in sent))
 
 

@@ -2,15 +2,16 @@
 side): :class:`CaseJudge` answers each message of the implementation's side with one
 handler per message type. It computes the truth before the implementation draws its
 inputs (so nothing the adapter does reaches it), compares the output (and the LSE of an
-implementation that returns one) under the tolerance policy, plans which timed samples
-get new inputs written into their buffers and judges those calls' outputs, refuses a
-timing whose calls cannot fit in the wall time it took or whose process kept computing
-after its last call returned, and concludes a :class:`Verdict`, the one result type from
-the check to the results line.
+implementation that returns one) under the tolerance policy, plans the new inputs written
+into the buffers before every timed call and which calls it judges, judges those calls'
+outputs, refuses a timing whose calls cannot fit in the wall time it took or whose
+process kept computing after its last call returned, and concludes a :class:`Verdict`,
+the one result type from the check to the results line.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from pagedbench.reference import PagedCase, materialize
+from pagedbench.reference.refresh import call_refreshes
 
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.messages import (Concluded, Go, Message, Output, Ready, TimeIt,
@@ -32,18 +34,19 @@ from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.verdict.truth import (TRUTH_SITES, compute_device_truth, compute_truth,
                                               judging_state)
 
-#: Timed calls preceded by new inputs: the first timed sample always (work done in
-#: ``prepare`` or during warm-up shows there), and this many more at random samples.
-EXTRA_REFRESHES = 2
+#: Most timed calls judged in one timing: the first call always (work done in ``prepare``
+#: shows there), each later call ``k`` with probability ``1 / (k + 1)`` (about ``ln n``
+#: of ``n`` calls, spread over the whole timing), up to this many.
+MOST_JUDGED = 6
 #: Seconds the judge watches the implementation's process after its timing: it must use
 #: at most :data:`IDLE_CPU_SHARE` of one core then (no thread still computing).
 IDLE_WINDOW_S = 0.1
 IDLE_CPU_SHARE = 0.5
-#: Timing methods that take their samples inside a library call (Triton's ``do_bench``),
-#: so that new inputs are written before the first sample only.
+#: Timing methods whose samples a loop of their own takes (CUDA events, graph replay), so
+#: that new inputs are written before their first call only.
 REFRESHED_ONCE = frozenset({"cuda_events", "cuda_graph"})
 
-#: ``truth(case, *, logits_precision, with_lse, refresh_seed) -> Expected``.
+#: ``truth(case, *, logits_precision, with_lse, refreshes) -> Expected``.
 Truth = Callable[..., tolerance.Expected]
 #: ``device_truth(inputs, *, logits_precision, with_lse) -> Expected``.
 DeviceTruth = Callable[..., tolerance.Expected]
@@ -141,14 +144,14 @@ class CaseJudge:
         (``device_truth`` of inputs drawn on ``device``; their timed calls are not
         refreshed, a second pool on the device being what such a point cannot afford).
     truth, device_truth : callable
-        ``truth(case, logits_precision, with_lse=..., refresh_seed=...)`` and
+        ``truth(case, logits_precision, with_lse=..., refreshes=...)`` and
         ``device_truth(inputs, logits_precision, with_lse=...)``.
     timing : bool
         Ask for the timing of a pass.
     samples : int
-        The timed samples a timing takes at least (where its refreshes are placed).
+        The timed samples a timing takes at least.
     rng : random.Random
-        Chooses the refreshed samples and their seeds (the implementation cannot know).
+        Draws the timing's seed and its judged calls (the implementation cannot know).
     work : callable
         ``work(fn, what)`` runs the judge's computations (:func:`judged_here`; the
         runner's adds a time budget and raises ``TimeoutError`` past it).
@@ -197,13 +200,13 @@ class CaseJudge:
     def _conclude(self, verdict: Verdict) -> None:
         self.verdict = verdict
 
-    def _expected_of(self, refresh_seed: int | None = None) -> tolerance.Expected:
+    def _expected_of(self, refreshes: tuple[tuple[int, bool], ...] = ()
+                     ) -> tolerance.Expected:
         ready = self._ready
         if self.site == "host":
             return self.work(lambda: self.truth(
                 self.case, logits_precision=ready.logits_precision,
-                with_lse=ready.returns_lse, refresh_seed=refresh_seed,
-                refresh_kv=ready.kv_cache_in_place and refresh_seed is not None), "truth")
+                with_lse=ready.returns_lse, refreshes=refreshes), "truth")
 
         def on_device() -> tolerance.Expected:
             inputs = materialize(self.case, self.device, on_device=True)
@@ -284,14 +287,15 @@ class CaseJudge:
         return self._plan
 
     def _timing_plan(self) -> TimeIt:
-        """Refresh before the first timed sample and :data:`EXTRA_REFRESHES` random later
-        ones (host truths only), each with a fresh seed."""
+        """New inputs before every timed call (host truths only): Q always, K and V too
+        (a cache read in place) before the calls :func:`kv_calls` draws; the judged calls
+        from :func:`judged_calls`."""
         if self.site != "host":
             return TimeIt(time=True)
-        later = range(1, max(1, self.samples))
-        calls = sorted({0, *self.rng.sample(later, min(EXTRA_REFRESHES, len(later)))})
-        return TimeIt(time=True, refresh_calls=calls,
-                      refresh_seeds=[self.rng.randrange(2**31) for _ in calls])
+        judged = judged_calls(self.rng, self.samples)
+        return TimeIt(time=True, seed=self.rng.randrange(2**31), judged_calls=judged,
+                      kv_calls=kv_calls(self.rng, judged) if self._ready.kv_cache_in_place
+                      else [])
 
     def _on_timed(self, message: Timed) -> None:
         if self._passed is None:
@@ -334,33 +338,65 @@ class CaseJudge:
         return ""
 
     def _checked_calls(self, message: Timed) -> str:
-        """Why a checked timed call's output fails (empty when each passes): every refresh
-        planned before a sample the timing took must have its output back."""
+        """Why a judged call's output fails (empty when each passes): every timed call of
+        a CPU timing must have come on new inputs, and every judged call the timing made
+        must have its output back."""
         plan = self._plan
-        samples = 1 if message.method in REFRESHED_ONCE else len(message.samples_ms)
-        taken = [c for c in plan.refresh_calls if c < samples]
+        if plan.seed is None:
+            return ""
+        made = message.refreshed_calls
+        if message.method not in REFRESHED_ONCE and made < sum(message.calls):
+            return (f"only {made} calls of the timing came on new inputs, fewer than its "
+                    f"{sum(message.calls)} timed calls")
+        taken = [c for c in plan.judged_calls if c < made]
         if len(message.outputs) != len(taken):
-            return (f"{len(message.outputs)} outputs of checked timed calls came back, "
-                    f"{len(taken)} were asked for (before samples {taken})")
+            return (f"{len(message.outputs)} outputs of judged timed calls came back, "
+                    f"{len(taken)} were asked for (calls {taken})")
         try:
             chunks = split_payload(message.payload, message.outputs)
             outs = [decode(d, c, output_shape(self.case), self.case.dtype)
                     for d, c in zip(message.outputs, chunks)]
         except ValueError as exc:
             raise Refused(str(exc)) from exc
-        for sample, seed, out in zip(taken, plan.refresh_seeds, outs):
+        for call, out in zip(taken, outs):
             try:
-                expected = self._expected_of(refresh_seed=seed)
+                expected = self._expected_of(call_refreshes(plan.seed, call, plan.kv_calls))
             except Exception as exc:
                 return (f"pagedbench's truth of the refreshed inputs failed: "
                         f"{describe_exception(exc)}")
             found = self.work(lambda: tolerance.compare(
                 out, expected, self.case.dtype, cu_seqlens_q(self.case)), "compare")
             if not found.passed:
-                return (f"the timed call after new inputs were written into its buffers "
-                        f"(before sample {sample}, seed {seed}) returned an output that "
-                        f"fails: {found.reason}")
+                kv = " and K/V" if call in plan.kv_calls else ""
+                return (f"timed call {call}, run on new inputs written into its buffers "
+                        f"(Q{kv}; seed {plan.seed}), returned an output that fails: "
+                        f"{found.reason}")
         return ""
+
+
+def judged_calls(rng: random.Random, first_calls: int, most: int = MOST_JUDGED) -> list[int]:
+    """The calls of a timing whose outputs are judged (ascending, at most ``most`` >= 2):
+    call 0, one drawn uniformly from ``1..first_calls`` (calls a timing that takes its
+    least samples makes), and the rest of a draw in which each call ``k`` is judged with
+    probability ``1 / (k + 1)``, one gap at a time (after call ``c``, the next is past
+    ``n`` with probability ``(c + 1) / (n + 1)``), below ``2**32``; where the draw gives
+    more, its first ones are kept."""
+    calls = {0, rng.randint(1, max(1, first_calls))}
+    last = 0
+    while len(calls) < most:
+        last = max(last + 1, math.ceil((last + 1) / (1.0 - rng.random()) - 1))
+        if last >= 2**32:
+            break
+        calls.add(last)
+    return sorted(calls)
+
+
+def kv_calls(rng: random.Random, judged: list[int]) -> list[int]:
+    """The calls before which K and V are written too: call 0, and one call drawn
+    uniformly strictly between each two judged calls that have one between them. Every
+    later judged call then runs on new Q alone (new K and V never tell a call it is
+    judged), after K and V changed at a point it cannot predict."""
+    return [0, *(rng.randint(a + 1, b - 1) for a, b in zip(judged, judged[1:]) if b - a >= 2)]
 
 
 def _own_cpu_seconds() -> float:
@@ -369,6 +405,7 @@ def _own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-__all__ = ["EXTRA_REFRESHES", "IDLE_CPU_SHARE", "IDLE_WINDOW_S", "REFRESHED_ONCE", "CaseJudge",
+__all__ = ["IDLE_CPU_SHARE", "IDLE_WINDOW_S", "MOST_JUDGED", "REFRESHED_ONCE",
+           "CaseJudge",
            "DeviceTruth", "Refused", "Truth", "Verdict", "cu_seqlens_q", "describe_exception",
-           "harness_fault", "judged_here"]
+           "harness_fault", "judged_calls", "judged_here", "kv_calls"]

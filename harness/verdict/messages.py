@@ -159,8 +159,10 @@ class Timed(_Message):
     """The timing of ``item``: milliseconds per call of each sample and the calls it
     averaged, the method, the drift probe, a CUDA timing's conditions (input copies
     rotated, SM clock and temperature before and after, why a planned graph fell back),
-    and the outputs of the checked timed calls (in the order the judge asked for them;
-    values in ``payload``); or ``error``, what a timed call raised."""
+    the calls made on new inputs (``refreshed_calls``: every call of a CPU timing, warm-up
+    included; the first of one whose samples a loop of its own takes) and the outputs of
+    the judged calls among them (ascending; values in ``payload``); or ``error``, what a
+    timed call raised."""
 
     kind: Literal["timed"] = "timed"
     item: Optional[int] = None
@@ -172,6 +174,7 @@ class Timed(_Message):
     sm_clock_mhz: Optional[tuple[Optional[float], Optional[float]]] = None
     temperature_c: Optional[tuple[Optional[float], Optional[float]]] = None
     fallback: Optional[Annotated[str, Field(max_length=4000)]] = None
+    refreshed_calls: Annotated[int, Field(ge=0)] = 0
     outputs: list[Descriptor] = Field(default_factory=list, max_length=64)
     error: Optional[Annotated[str, Field(max_length=4000)]] = None
 
@@ -232,16 +235,19 @@ class Go(BaseModel):
 
 
 class TimeIt(BaseModel):
-    """The judge's answer to :class:`Output`: time the item or not; ``refresh_seeds``: the
-    seeds of the inputs written into the same buffers before the timed calls
-    ``refresh_calls`` (sample indices, ascending), whose outputs come back in
-    :class:`Timed`."""
+    """The judge's answer to :class:`Output`: time the item or not. With a ``seed``, new
+    inputs are written into the same buffers before every call of the timing (call ``k``,
+    0 the first, warm-up included: Q drawn from
+    :func:`~pagedbench.reference.refresh.call_seed` of ``seed`` and ``k``, and K and V too
+    before the calls ``kv_calls``); the outputs of the calls ``judged_calls`` (ascending)
+    that the timing makes come back in :class:`Timed`. Without, the inputs stay as drawn."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     time: bool
-    refresh_calls: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    refresh_seeds: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(default_factory=list)
+    seed: Optional[Annotated[int, Field(ge=0, lt=2**31)]] = None
+    judged_calls: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(default_factory=list)
+    kv_calls: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(default_factory=list)
 
 
 class LoopTick(BaseModel):

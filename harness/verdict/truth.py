@@ -38,7 +38,7 @@ import stat
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,29 +116,29 @@ def truth_site(case: PagedCase, device: str, host_bytes: int | None = None) -> s
 
 
 def compute_truth(case: PagedCase, logits_precision: str = "float32", *,
-                  with_lse: bool = False, refresh_seed: int | None = None,
-                  refresh_kv: bool = False) -> Expected:
+                  with_lse: bool = False, refreshes: Sequence[tuple[int, bool]] = ()
+                  ) -> Expected:
     """The truth and yardstick of ``case`` (logits of the yardstick in
     ``logits_precision``; ``with_lse``: the log-sum-exp's truth too), computed on the CPU
-    (no cache); with ``refresh_seed``, of its inputs after
-    :func:`~pagedbench.reference.refresh.refresh_live` with that seed (of Q, and of K and
-    V with ``refresh_kv``: what timed calls are checked on)."""
+    (no cache); with ``refreshes``, of its inputs after
+    :func:`~pagedbench.reference.refresh.refresh_live` with each ``(seed, kv)`` in turn
+    (what a timed call ran on: :func:`~pagedbench.reference.refresh.call_refreshes`)."""
     inputs = materialize(case, "cpu")
-    if refresh_seed is not None:
-        refresh_live(inputs, refresh_seed, kv=refresh_kv)
+    for seed, kv in refreshes:
+        refresh_live(inputs, seed, kv=kv)
     return Expected.of(inputs, logits_precision, with_lse=with_lse)
 
 
 def cache_key(case: PagedCase, logits_precision: str = "float32", *, with_lse: bool = False,
-              refresh_seed: int | None = None, refresh_kv: bool = False) -> str:
+              refreshes: Sequence[tuple[int, bool]] = ()) -> str:
     """SHA-256 (hex) of the case, the yardstick's logits precision, whether the LSE is
-    held, the refresh, the reference's source and the torch version."""
+    held, the refreshes, the reference's source and the torch version."""
     digest = hashlib.sha256(json.dumps(case.to_dict(), sort_keys=True).encode())
     digest.update(logits_precision.encode())
     if with_lse:
         digest.update(b"lse")
-    if refresh_seed is not None:
-        digest.update(f"refresh={refresh_seed},{refresh_kv}".encode())
+    if refreshes:
+        digest.update(f"refreshes={[list(r) for r in refreshes]}".encode())
     for source in sorted(_REFERENCE_DIR.glob("*.py")):
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
@@ -286,13 +286,13 @@ def _cached(path: Path, case: PagedCase, key: str, compute: Callable[[], Expecte
 
 
 def truth_for(case: PagedCase, cache_dir: Path, logits_precision: str = "float32", *,
-              with_lse: bool = False, refresh_seed: int | None = None,
-              refresh_kv: bool = False) -> Expected:
+              with_lse: bool = False, refreshes: Sequence[tuple[int, bool]] = ()
+              ) -> Expected:
     """:func:`compute_truth`, from the cache when a valid file is there; otherwise
     computed and cached (:func:`_cached`). The truth of refreshed inputs is never cached:
-    its seed is drawn afresh for each timing, so a file of it would never be read again."""
-    variant = {"with_lse": with_lse, "refresh_seed": refresh_seed, "refresh_kv": refresh_kv}
-    if refresh_seed is not None:
+    its seeds are drawn afresh for each timing, so a file of it would never be read again."""
+    variant = {"with_lse": with_lse, "refreshes": tuple(refreshes)}
+    if refreshes:
         return compute_truth(case, logits_precision, **variant)
     return _cached(cache_path(case, cache_dir, logits_precision, **variant), case,
                    cache_key(case, logits_precision, **variant),

@@ -1,15 +1,16 @@
 """Timing cheats: kernels whose every output is right when it is read, but whose timed call
 does not do the work it is timed for. Each returns what an evaluator's reward-hacking
 catalogue lists (KernelBench's adversarial evals, the field guides of
-https://www.wafer.ai/blog/reward-hacks-field-guide): an output cached per input object,
-work done in ``prepare``, work left to a thread after the call returns.
+https://www.wafer.ai/blog/reward-hacks-field-guide): an output cached per input object or
+while sampled cache values stay the same, work done in ``prepare``, work left to a thread
+after the call returns.
 
 None is wrong on a fresh call, so the outputs of a check alone never fail them; the timed
-calls do: pagedbench writes new values into the same Q (and K/V) buffers before calls the
-implementation cannot predict and judges those calls' outputs as soon as they return
-(``harness/verdict/conformance.py``'s ``timed``; the property
-``test_timed_calls_are_the_judged_calls``). Each class is :class:`~.kernel.PagedKernel`
-with its call wrapped.
+calls do: pagedbench writes new Q (and, before calls the implementation cannot predict,
+new K/V) into the same buffers before every timed call and judges the outputs of calls
+drawn among them as soon as they return (``harness/verdict/conformance.py``'s ``timed``;
+the property ``test_timed_calls_are_the_judged_calls``). Each class is
+:class:`~.kernel.PagedKernel` with its call wrapped.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from .kernel import PagedKernel
 #: once may hold the interpreter until it is done (a switch interval is 5 ms), so that the
 #: output happens to be ready when the call returns, and the fault would show by chance.
 DEFER_S = 0.02
+#: Live slots whose K and V :class:`SampledCacheMemo` compares between calls.
+SAMPLED_SLOTS = 64
 
 
 class MemoPerInput(PagedKernel):
@@ -52,6 +55,34 @@ class MemoPerInput(PagedKernel):
                 return self._memo[key][1]
             self._memo[key] = (inputs.q, inner.call())  # the tensor, kept alive, and its output
             return self._memo[key][1]
+        return Prepared(call, lse=inner.lse)
+
+
+class SampledCacheMemo(PagedKernel):
+    """Keeps its last output with a copy of the K and V of :data:`SAMPLED_SLOTS` live
+    slots (spread over ``slot_mapping``) and returns that output while they are
+    unchanged: the "cached output" of wafer.ai reward-hacks-field-guide, checked against
+    the cache alone, as if new inputs always came with a new cache. Right on every call
+    that new K and V precede, wrong on one with new Q alone; timed at the comparison."""
+
+    name = "fault-memo-sampled-cache"
+    imitates = "wafer.ai reward-hacks-field-guide"
+    trigger = "new values in the same query buffer, the cache unchanged"
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        inner = super().prepare(inputs)
+        at = torch.linspace(0, inputs.slot_mapping.numel() - 1, SAMPLED_SLOTS).long()
+        slots = inputs.slot_mapping[at]
+        block_size = inputs.case.block_size
+        kept: list[torch.Tensor] = []
+
+        def call() -> torch.Tensor:
+            sampled = inputs.kv_cache[slots // block_size, :, slots % block_size].clone()
+            if kept and torch.equal(sampled, kept[0]):
+                self.fired()
+                return kept[1]
+            kept[:] = [sampled, inner.call()]
+            return kept[1]
         return Prepared(call, lse=inner.lse)
 
 
@@ -107,4 +138,4 @@ class DeferredToThread(PagedKernel):
         return Prepared(call, lse=inner.lse)
 
 
-__all__ = ["DeferredToThread", "MemoPerInput", "WorkInPrepare"]
+__all__ = ["DeferredToThread", "MemoPerInput", "SampledCacheMemo", "WorkInPrepare"]

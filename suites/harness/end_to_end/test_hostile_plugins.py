@@ -29,7 +29,7 @@ EXPECTED = {
     "patches-expected-of": ("fail", "compare", "exceeds its allowance"),
     "patches-result-record": ("fail", "compare", "exceeds its allowance"),
     "zeroes-the-truth": ("fail", "compare", "exceeds its allowance"),
-    "returns-its-first-output": ("fail", "timing", "the timed call after new inputs"),
+    "returns-its-first-output": ("fail", "timing", "run on new inputs written into its buffers"),
     "forges-the-compare-step": ("error", "run", "sent a step the job has not"),
     "alternates-items": ("error", "run", "sent a step of item"),
     "changes-torch-state": ("fail", "compare", "exceeds its allowance"),

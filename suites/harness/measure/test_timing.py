@@ -161,3 +161,34 @@ def test_roofline_floor_is_the_slower_of_bytes_and_flops() -> None:
     # 1e9 bytes at 100 GB/s: 10 ms; 1e12 FLOPs at 2 TFLOP/s: 500 ms.
     assert roofline_floor_ms(10**9, 10**12, peaks) == pytest.approx(500.0)
     assert roofline_floor_ms(10**9, 10**9, peaks) == pytest.approx(10.0)
+
+
+def test_time_cpu_writes_new_inputs_before_every_call_outside_its_time() -> None:
+    """With ``before`` and ``after``, every call (warm-up included) comes after
+    ``before(k)``, its output goes to ``after(k, ...)``, in call order, and neither's
+    time is in the samples: 5 ms of writing around a 1 ms call gives 1 ms samples."""
+    import time
+
+    events: list[tuple[str, int]] = []
+    count = itertools.count()
+
+    def fn() -> int:
+        k = next(count)
+        events.append(("call", k))
+        time.sleep(0.001)
+        return k
+
+    def before(k: int) -> None:
+        events.append(("before", k))
+        time.sleep(0.005)
+
+    def after(k: int, out: object) -> None:
+        assert out == k
+        events.append(("after", k))
+
+    timing = time_cpu(fn, threads=1, warmup=2, min_samples=5, min_run_time_s=0.05,
+                      max_run_time_s=1.0, before=before, after=after)
+    made = len(events) // 3
+    assert events == [(step, k) for k in range(made) for step in ("before", "call", "after")]
+    assert sum(timing.calls) == made - 3  # 2 warm-up calls and the estimate untimed
+    assert timing.n >= 5 and 1.0 <= timing.median_ms < 3.0

@@ -1,8 +1,9 @@
-"""Cheats that pagedbench does not catch yet: kernels whose every output is right when it is
-read and whose timed calls still skip the work. A test in ``test_timing_faults.py``
-asserts that each still passes, ranked, and fails the day a defence catches it; the
-kernel then moves into the catalogue (``timing.py``, registered in ``site/``). They are not registered: the catalogue and ``pagedbench selftest`` count
-what the suites catch. docs/trust.md says why each stays open.
+"""A cheat the timings no longer reward: a kernel whose every output is right when it is
+read and that skips the work of a call whose inputs look unchanged. New Q is written
+before every timed call (``harness/verdict/conformance.py``'s ``timed``), so it does the
+work of every call and its time is its work's; ``test_timing_faults.py`` asserts that it
+passes no faster than the kernel it wraps. It is not in the catalogue (``site/``): the
+catalogue and ``pagedbench selftest`` count faults that the suites catch.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ SENTINEL_Q, SENTINEL_SLOTS = 8, 64
 class SentinelMemo(PagedKernel):
     """Keeps the output of its last real call with a copy of a few input values (8 of Q,
     the K/V of 64 live slots through ``slot_mapping``), and returns that output while
-    they are unchanged: right on every call, since pagedbench writes new inputs before
-    only a few timed calls, and then every value changes; timed at the comparison."""
+    they are unchanged: fast and right wherever new inputs come before a few timed calls
+    only."""
 
-    name = "open-sentinel-memo"
+    name = "defeated-sentinel-memo"
 
     def prepare(self, inputs: PagedInputs) -> Prepared:
         inner = super().prepare(inputs)
