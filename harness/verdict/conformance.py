@@ -34,6 +34,7 @@ from pagedbench.reference import (PagedCase, PagedInputError, PagedInputs, mater
                                   resolve_device)
 from pagedbench.reference.refresh import call_seed, refresh_live
 
+from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.judging import (CaseJudge, DeviceTruth, Truth, Verdict,
                                                 describe_exception)
 from pagedbench.harness.verdict.messages import (Concluded, Entered, Message, Output, Ready,
