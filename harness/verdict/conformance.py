@@ -32,7 +32,7 @@ import torch
 from pagedbench.adapters import Adapter, Capabilities
 from pagedbench.reference import (PagedCase, PagedInputError, PagedInputs, materialize,
                                   resolve_device)
-from pagedbench.reference.refresh import call_seed, refresh_live
+from pagedbench.reference.refresh import TimedInputs
 
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.judging import (CaseJudge, DeviceTruth, Truth, Verdict,
@@ -168,25 +168,25 @@ def implementation_side(adapter: Adapter, case: PagedCase, device: str, *,
 def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
           timer: Timer, *, poison: str = "nan") -> Timed:
     """Time ``adapter.run(prepared)`` with ``timer``. With ``plan.seed``, before each call
-    ``k`` the timer makes, write new values into ``inputs``' own tensors
-    (:func:`~pagedbench.reference.refresh.refresh_live` with
-    :func:`~pagedbench.reference.refresh.call_seed` of the seed and ``k``: Q, and K and V
-    before ``plan.kv_calls``), and keep a copy of the output of each of
-    ``plan.judged_calls`` once it returned: the outputs the judge checks. A timer that
-    rotates input copies (CUDA graph replay) gets more calls from ``copy()``, each prepared
-    on inputs of its own (of ``poison``). What a timed call raises is
-    :attr:`~.messages.Timed.error`."""
-    judged, kv_calls = set(plan.judged_calls), set(plan.kv_calls)
+    ``k`` the timer makes, write that call's new inputs into ``inputs``' own tensors
+    (:class:`~pagedbench.reference.refresh.TimedInputs`: Q, and K and V before
+    ``plan.kv_calls``), and keep a copy of the output of each of ``plan.judged_calls``
+    once it returned: the outputs the judge checks. A timer that rotates input copies
+    (CUDA graph replay) gets more calls from ``copy()``, each prepared on inputs of its
+    own (of ``poison``). What a timed call raises is :attr:`~.messages.Timed.error`."""
+    judged = set(plan.judged_calls)
     kept: list[object] = []
     refreshed = [0]
     device = inputs.device
+    fresh = (None if plan.seed is None
+             else TimedInputs(inputs.case, plan.seed, plan.kv_calls, device))
 
     def call() -> object:
         return adapter.run(prepared)
 
     def before(k: int) -> None:
-        if plan.seed is not None:
-            refresh_live(inputs, call_seed(plan.seed, k), kv=k in kv_calls)
+        if fresh is not None:
+            fresh.write(inputs, k)
             synchronize(device)
             refreshed[0] = k + 1
 

@@ -24,15 +24,14 @@ from typing import Any
 import torch
 
 from pagedbench.reference import PagedCase, materialize
-from pagedbench.reference.refresh import call_refreshes
 
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.messages import (Concluded, Go, Message, Output, Ready, TimeIt,
                                                  Timed, decode, lse_shape, output_shape,
                                                  split_payload)
 from pagedbench.harness.verdict.status import Status
-from pagedbench.harness.verdict.truth import (TRUTH_SITES, compute_device_truth, compute_truth,
-                                              judging_state)
+from pagedbench.harness.verdict.truth import (TRUTH_SITES, TimedCall, compute_device_truth,
+                                              compute_truth, judging_state)
 
 #: Most timed calls judged in one timing: the first call always (work done in ``prepare``
 #: shows there), each later call ``k`` with probability ``1 / (k + 1)`` (about ``ln n``
@@ -46,7 +45,7 @@ IDLE_CPU_SHARE = 0.5
 #: that new inputs are written before their first call only.
 REFRESHED_ONCE = frozenset({"cuda_events", "cuda_graph"})
 
-#: ``truth(case, *, logits_precision, with_lse, refreshes) -> Expected``.
+#: ``truth(case, *, logits_precision, with_lse, timed_call) -> Expected``.
 Truth = Callable[..., tolerance.Expected]
 #: ``device_truth(inputs, *, logits_precision, with_lse) -> Expected``.
 DeviceTruth = Callable[..., tolerance.Expected]
@@ -144,7 +143,7 @@ class CaseJudge:
         (``device_truth`` of inputs drawn on ``device``; their timed calls are not
         refreshed, a second pool on the device being what such a point cannot afford).
     truth, device_truth : callable
-        ``truth(case, logits_precision, with_lse=..., refreshes=...)`` and
+        ``truth(case, logits_precision, with_lse=..., timed_call=...)`` and
         ``device_truth(inputs, logits_precision, with_lse=...)``.
     timing : bool
         Ask for the timing of a pass.
@@ -200,13 +199,12 @@ class CaseJudge:
     def _conclude(self, verdict: Verdict) -> None:
         self.verdict = verdict
 
-    def _expected_of(self, refreshes: tuple[tuple[int, bool], ...] = ()
-                     ) -> tolerance.Expected:
+    def _expected_of(self, timed_call: TimedCall | None = None) -> tolerance.Expected:
         ready = self._ready
         if self.site == "host":
             return self.work(lambda: self.truth(
                 self.case, logits_precision=ready.logits_precision,
-                with_lse=ready.returns_lse, refreshes=refreshes), "truth")
+                with_lse=ready.returns_lse, timed_call=timed_call), "truth")
 
         def on_device() -> tolerance.Expected:
             inputs = materialize(self.case, self.device, on_device=True)
@@ -360,7 +358,7 @@ class CaseJudge:
             raise Refused(str(exc)) from exc
         for call, out in zip(taken, outs):
             try:
-                expected = self._expected_of(call_refreshes(plan.seed, call, plan.kv_calls))
+                expected = self._expected_of((plan.seed, call, tuple(plan.kv_calls)))
             except Exception as exc:
                 return (f"pagedbench's truth of the refreshed inputs failed: "
                         f"{describe_exception(exc)}")

@@ -237,9 +237,8 @@ class Go(BaseModel):
 class TimeIt(BaseModel):
     """The judge's answer to :class:`Output`: time the item or not. With a ``seed``, new
     inputs are written into the same buffers before every call of the timing (call ``k``,
-    0 the first, warm-up included: Q drawn from
-    :func:`~pagedbench.reference.refresh.call_seed` of ``seed`` and ``k``, and K and V too
-    before the calls ``kv_calls``); the outputs of the calls ``judged_calls`` (ascending)
+    0 the first, warm-up included: :class:`~pagedbench.reference.refresh.TimedInputs` of
+    ``seed`` and ``kv_calls``); the outputs of the calls ``judged_calls`` (ascending)
     that the timing makes come back in :class:`Timed`. Without, the inputs stay as drawn."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -38,7 +38,7 @@ import stat
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ import torch
 from pagedbench.reference import (PagedCase, PagedInputs, PagedValueError, materialize,
                                   resolve_device)
 from pagedbench.reference.inputs import device_memory_bytes, footprint_bytes
-from pagedbench.reference.refresh import refresh_live
+from pagedbench.reference.refresh import TimedInputs
 
 from pagedbench.harness.verdict.tolerance import Expected
 
@@ -115,30 +115,34 @@ def truth_site(case: PagedCase, device: str, host_bytes: int | None = None) -> s
         f"({budget / 1e9:.3g} GB) and the {total / 1e9:.3g} GB of {resolved}")
 
 
+#: ``(seed, call, kv_calls)`` of a timed call: its inputs are
+#: :meth:`~pagedbench.reference.refresh.TimedInputs.rebuild` of freshly drawn ones.
+TimedCall = tuple[int, int, tuple[int, ...]]
+
+
 def compute_truth(case: PagedCase, logits_precision: str = "float32", *,
-                  with_lse: bool = False, refreshes: Sequence[tuple[int, bool]] = ()
-                  ) -> Expected:
+                  with_lse: bool = False, timed_call: TimedCall | None = None) -> Expected:
     """The truth and yardstick of ``case`` (logits of the yardstick in
     ``logits_precision``; ``with_lse``: the log-sum-exp's truth too), computed on the CPU
-    (no cache); with ``refreshes``, of its inputs after
-    :func:`~pagedbench.reference.refresh.refresh_live` with each ``(seed, kv)`` in turn
-    (what a timed call ran on: :func:`~pagedbench.reference.refresh.call_refreshes`)."""
+    (no cache); with ``timed_call``, of the inputs that timed call ran on."""
     inputs = materialize(case, "cpu")
-    for seed, kv in refreshes:
-        refresh_live(inputs, seed, kv=kv)
+    if timed_call is not None:
+        seed, call, kv_calls = timed_call
+        TimedInputs(case, seed, kv_calls).rebuild(inputs, call)
     return Expected.of(inputs, logits_precision, with_lse=with_lse)
 
 
 def cache_key(case: PagedCase, logits_precision: str = "float32", *, with_lse: bool = False,
-              refreshes: Sequence[tuple[int, bool]] = ()) -> str:
+              timed_call: TimedCall | None = None) -> str:
     """SHA-256 (hex) of the case, the yardstick's logits precision, whether the LSE is
-    held, the refreshes, the reference's source and the torch version."""
+    held, the timed call, the reference's source and the torch version."""
     digest = hashlib.sha256(json.dumps(case.to_dict(), sort_keys=True).encode())
     digest.update(logits_precision.encode())
     if with_lse:
         digest.update(b"lse")
-    if refreshes:
-        digest.update(f"refreshes={[list(r) for r in refreshes]}".encode())
+    if timed_call is not None:
+        digest.update(f"timed_call={timed_call[0]},{timed_call[1]},"
+                      f"{sorted(timed_call[2])}".encode())
     for source in sorted(_REFERENCE_DIR.glob("*.py")):
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
@@ -286,17 +290,16 @@ def _cached(path: Path, case: PagedCase, key: str, compute: Callable[[], Expecte
 
 
 def truth_for(case: PagedCase, cache_dir: Path, logits_precision: str = "float32", *,
-              with_lse: bool = False, refreshes: Sequence[tuple[int, bool]] = ()
-              ) -> Expected:
+              with_lse: bool = False, timed_call: TimedCall | None = None) -> Expected:
     """:func:`compute_truth`, from the cache when a valid file is there; otherwise
-    computed and cached (:func:`_cached`). The truth of refreshed inputs is never cached:
-    its seeds are drawn afresh for each timing, so a file of it would never be read again."""
-    variant = {"with_lse": with_lse, "refreshes": tuple(refreshes)}
-    if refreshes:
-        return compute_truth(case, logits_precision, **variant)
-    return _cached(cache_path(case, cache_dir, logits_precision, **variant), case,
-                   cache_key(case, logits_precision, **variant),
-                   lambda: compute_truth(case, logits_precision, **variant), with_lse=with_lse)
+    computed and cached (:func:`_cached`). The truth of a timed call is never cached: its
+    seed is drawn afresh for each timing, so a file of it would never be read again."""
+    if timed_call is not None:
+        return compute_truth(case, logits_precision, with_lse=with_lse, timed_call=timed_call)
+    return _cached(cache_path(case, cache_dir, logits_precision, with_lse=with_lse), case,
+                   cache_key(case, logits_precision, with_lse=with_lse),
+                   lambda: compute_truth(case, logits_precision, with_lse=with_lse),
+                   with_lse=with_lse)
 
 
 def compute_device_truth(inputs: PagedInputs, logits_precision: str = "float32", *,

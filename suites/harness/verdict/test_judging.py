@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from pagedbench.harness.measure.samples import Timing
@@ -13,7 +14,7 @@ from pagedbench.harness.verdict.conformance import check
 from pagedbench.harness.verdict.judging import MOST_JUDGED, judged_calls, kv_calls
 from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase, materialize
-from pagedbench.reference.refresh import call_refreshes, call_seed, refresh_live
+from pagedbench.reference.refresh import FRESH_ELEMENTS, TimedInputs
 
 from pagedbench.suites.faults.kernel import PagedKernel
 
@@ -51,21 +52,50 @@ def test_new_kv_comes_strictly_between_judged_calls() -> None:
         assert all(a < c < b for c, (a, b) in zip(kv[1:], gaps))
 
 
-def test_the_inputs_of_a_judged_call_are_rebuilt_from_the_seed_alone() -> None:
+#: A Q over FRESH_ELEMENTS (2 x 9 query rows x 8 heads x 128 channels): picked from a pool.
+POOLED = PagedCase(kv_lens=(9, 20), q_lens=(9, 20), num_q_heads=8, num_kv_heads=2,
+                   head_dim=128, block_size=16, dtype="bfloat16", name="pooled")
+
+
+@pytest.mark.parametrize("case", [CASE, POOLED], ids=lambda c: c.name)
+def test_the_inputs_of_a_judged_call_are_rebuilt_from_the_seed_alone(case) -> None:
     """What the worker writes call by call (new Q each, new K/V before ``kv``) equals what
-    the judge rebuilds for one call from fresh inputs and :func:`call_refreshes`."""
+    the judge rebuilds for one call from fresh inputs; Q is new at every call, and K/V
+    change exactly at the calls ``kv``."""
     seed, kv = 12345, [0, 3, 7]
-    worker = materialize(CASE)
+    worker, drawn = materialize(case), materialize(case)
+    fresh = TimedInputs(case, seed, kv)
+    seen_q: list[torch.Tensor] = []
+    cache = worker.kv_cache.nan_to_num()
     for call in range(10):
-        refresh_live(worker, call_seed(seed, call), kv=call in kv)
-        judge = materialize(CASE)
-        for write_seed, with_kv in call_refreshes(seed, call, kv):
-            refresh_live(judge, write_seed, kv=with_kv)
+        fresh.write(worker, call)
+        judge = materialize(case)
+        TimedInputs(case, seed, kv).rebuild(judge, call)
         assert torch.equal(worker.q, judge.q), call
         assert torch.equal(worker.kv_cache.nan_to_num(), judge.kv_cache.nan_to_num()), call
-        if call in (3, 4):  # new K/V at 3 changed the cache the first materialize drew
-            assert not torch.equal(worker.kv_cache.nan_to_num(),
-                                   materialize(CASE).kv_cache.nan_to_num())
+        assert not any(torch.equal(worker.q, q) for q in [drawn.q, *seen_q]), call
+        seen_q.append(worker.q.clone())
+        now = worker.kv_cache.nan_to_num()
+        assert torch.equal(now, cache) is (call not in kv), call
+        cache = now
+
+
+@pytest.mark.parametrize("case", [
+    PagedCase(kv_lens=(9,), num_q_heads=1, num_kv_heads=1, head_dim=16, block_size=16,
+              dtype="float32", name="one-vector"), POOLED], ids=lambda c: c.name)
+def test_no_two_calls_of_a_timing_get_the_same_query(case) -> None:
+    """Fresh values for a small Q; for one over FRESH_ELEMENTS, vectors picked from a pool
+    in an order drawn per call: 300 calls, 300 different Q (a memo keyed by the query never
+    hits)."""
+    inputs = materialize(case)
+    fresh = TimedInputs(case, 7, [0])
+    assert (fresh.pool is None) is (case.total_q * case.num_q_heads * case.head_dim
+                                    <= FRESH_ELEMENTS)
+    seen = set()
+    for call in range(300):
+        fresh.write(inputs, call)
+        seen.add(inputs.q.float().numpy().tobytes())
+    assert len(seen) == 300
 
 
 def _one_new_input_then_five_calls(call, before, after, case, copy) -> Timing:
