@@ -29,7 +29,8 @@ from typing import Any
 
 from pagedbench.reference import PagedCase
 
-from pagedbench.harness.measure.timing import bytes_moved, point_plan
+from pagedbench.harness.measure.timing import point_plan
+from pagedbench.harness.measure.roofline import bytes_moved
 
 GIB = 2**30
 #: The L2 of the H200 the CUDA lane is planned for (NVIDIA's H200 datasheet: 60 MB; torch

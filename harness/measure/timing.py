@@ -21,19 +21,14 @@ them), and derives median, p10/p90 and the IQR (numpy's linear percentiles); it 
 ``noisy`` when IQR / median exceeds :data:`NOISE_THRESHOLD`, the threshold of
 ``Timer.adaptive_autorange``. On the CPU each block is followed by a block of the
 :class:`DriftProbe` (plain dense attention of the case's shapes): what another process's
-load does to both is near the same at that moment, so the gate can judge sample / drift probe and cancel a shared
-machine's drift between and within runs (:mod:`pagedbench.harness.gate.compare`).
+load does to both is near the same at that moment, so the gate can judge sample / drift
+probe and cancel a shared machine's drift between and within runs
+(:mod:`pagedbench.harness.gate.compare`).
 
-Derived bandwidth counts the bytes a case must move at least once (FlashInfer's
-``attention_tb_per_sec_with_actual_seq_lens`` and tritonbench's ``decoding_attention``
-count from the actual sequence lengths): Q, the K and V of every attended token (V with
-``head_dim_v``; a latent cache, whose V is inside K, once), O, and the block tables;
-FLOPs count the two matmuls. :func:`measure_peaks` measures the
-device's copy bandwidth and bf16 matmul throughput with the same timers, so each point
-has a roofline position: the floor ``max(bytes / bandwidth, flops / throughput)``; and
-the copy rate in cache, which bounds what a point whose data stays cached can move
-(``harness/results/floor.py``).
-GB = 1e9 bytes, TFLOP = 1e12 FLOPs.
+:func:`measure_peaks` measures the device's copy bandwidth, bf16 matmul throughput and
+copy rate in cache with the same timers (:class:`~.roofline.DevicePeaks`: with a point's
+bytes and FLOPs, its roofline floor; ``harness/results/floor.py`` bounds a point whose
+data stays cached by the copy rate in cache).
 """
 
 from __future__ import annotations
@@ -52,6 +47,7 @@ from pagedbench.reference import PagedCase, resolve_device
 
 from pagedbench.harness.measure import cuda_timers
 from pagedbench.harness.measure.samples import METHODS, NOISE_THRESHOLD, Timing, time_once
+from pagedbench.harness.measure.roofline import DevicePeaks, bytes_moved
 from pagedbench.harness.measure.speed import Thresholds
 
 #: A CUDA point that moves fewer bytes than this many times the L2 is timed by graph
@@ -392,34 +388,6 @@ def time_cuda(fn: Callable[[], object], *,
     return time_cuda_point([fn], PointPlan("cuda_events", 1, 0, 1, min_samples))
 
 
-@dataclass(frozen=True)
-class DevicePeaks:
-    """What the device sustained when measured, for fractions of peak and rooflines.
-
-    Attributes
-    ----------
-    copy_gbps : float
-        ``dst.copy_(src)`` of :data:`COPY_BYTES`, counting its read and its write (GB/s).
-    bf16_tflops : float
-        A square bf16 matmul (``2 n^3`` FLOPs) at its median time (TFLOP/s).
-    method : str
-        The timing method (``torch_timer`` or ``cuda_events``).
-    cache_copy_gbps : float or None
-        The fastest ``dst.copy_(src)`` of :data:`CACHE_COPY_BYTES`, whose source and
-        destination stay in a cache between calls (GB/s, read plus write;
-        :func:`cache_copy_gbps`); None when not measured.
-    """
-
-    copy_gbps: float
-    bf16_tflops: float
-    method: str
-    cache_copy_gbps: float | None = None
-
-    def to_dict(self) -> dict[str, object]:
-        return {"copy_gbps": self.copy_gbps, "bf16_tflops": self.bf16_tflops,
-                "method": self.method, "cache_copy_gbps": self.cache_copy_gbps}
-
-
 #: Bytes of the copy that measures bandwidth (far beyond any cache: 256 MiB on the CPU,
 #: 1 GiB on a GPU), and the matmul size that measures bf16 throughput.
 COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2**30}
@@ -489,51 +457,7 @@ def measure_peaks(device: str, threads: int) -> DevicePeaks:
                        method=copy_t.method, cache_copy_gbps=cache_copy_gbps(device, threads))
 
 
-def bytes_moved(case: PagedCase) -> int:
-    """Bytes a kernel must move at least once for ``case`` (bytes).
-
-    Q (``total_q * num_q_heads * head_dim`` elements) and O (``... * head_dim_v``), K and
-    V of every token each sequence attends to (``sum(kv_lens) * num_kv_heads`` times
-    ``head_dim`` for K and ``head_dim_v`` for V, at the KV cache's element size: 1 byte
-    for fp8; with a sliding window, only the keys inside it; a latent cache's V is K's
-    first channels, read with K: counted once), and the used block-table entries (int32).
-    """
-    elem = torch.empty((), dtype=case.torch_dtype).element_size()
-    kv_elem = torch.empty((), dtype=case.kv_torch_dtype).element_size()  # 1 for fp8
-    qo = case.total_q * case.num_q_heads * (case.head_dim + case.v_head_dim) * elem
-    attended = sum(
-        min(kv, case.sliding_window + q - 1) if case.sliding_window else kv
-        for kv, q in zip(case.kv_lens, case.q_lens_or_decode)
-    )
-    channels = case.head_dim + (0 if case.latent_cache else case.v_head_dim)
-    kv = attended * case.num_kv_heads * channels * kv_elem
-    tables = sum(case.blocks_per_seq) * 4
-    return qo + kv + tables
-
-
-def flops(case: PagedCase) -> int:
-    """Floating-point operations of the two matmuls (FLOPs): ``2 * (head_dim + head_dim_v)
-    * num_q_heads`` per visible (query, key) pair (FlashInfer's
-    ``attention_flops_with_actual_seq_lens``)."""
-    pairs = 0
-    for kv, q in zip(case.kv_lens, case.q_lens_or_decode):
-        first = kv - q  # position of the first query token
-        if case.sliding_window:
-            for pos in range(first, kv):
-                pairs += pos - max(0, pos - case.sliding_window + 1) + 1
-        else:  # sum of (pos + 1) for pos in [first, kv)
-            pairs += (kv * (kv + 1) - first * (first + 1)) // 2
-    return 2 * (case.head_dim + case.v_head_dim) * case.num_q_heads * pairs
-
-
-def roofline_floor_ms(moved: int, work: int, peaks: DevicePeaks) -> float:
-    """The least time a call can take on a device with ``peaks``: the longer of moving
-    ``moved`` bytes at the copy bandwidth and doing ``work`` FLOPs at the bf16 throughput
-    (ms)."""
-    return max(moved / (peaks.copy_gbps * 1e9), work / (peaks.bf16_tflops * 1e12)) * 1e3
-
-
-__all__ = ["CPU_THREADS", "DevicePeaks", "MAX_COPIES", "METHODS", "NOISE_THRESHOLD",
-           "PROBE_SHARE", "ROTATE_PAST_L2", "DriftProbe", "PointPlan", "Timing", "bytes_moved", "cache_copy_gbps",
-           "device_l2_bytes", "flops", "measure_peaks", "oversubscribed", "point_plan",
-           "roofline_floor_ms", "time_cpu", "time_cuda", "time_cuda_point", "time_once"]
+__all__ = ["CPU_THREADS", "MAX_COPIES", "METHODS", "NOISE_THRESHOLD", "PROBE_SHARE",
+           "ROTATE_PAST_L2", "DriftProbe", "PointPlan", "Timing", "cache_copy_gbps",
+           "device_l2_bytes", "measure_peaks", "oversubscribed", "point_plan", "time_cpu",
+           "time_cuda", "time_cuda_point", "time_once"]

@@ -12,7 +12,7 @@ they read, so lines written before the floor existed are refused as well.
 
 The ceilings (docs/trust.md, "The physical floor", has the measurements behind them):
 
-- bytes (:func:`~pagedbench.harness.measure.timing.bytes_moved`: every byte once) per
+- bytes (:func:`~pagedbench.harness.measure.roofline.bytes_moved`: every byte once) per
   second: for a timing whose every call starts from a cleared cache (:data:`COLD_METHODS`:
   ``do_bench`` clears the L2 first) :data:`COLD_MARGIN` times the copy bandwidth; for one
   whose data may stay cached between calls (the CPU's blocks of calls, CUDA-graph replay)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pagedbench.reference import PagedCase
 
 from pagedbench.harness.cases.workloads import workload_fields
-from pagedbench.harness.measure.timing import Timing, bytes_moved, flops, roofline_floor_ms
+from pagedbench.harness.measure.timing import Timing
+from pagedbench.harness.measure.roofline import bytes_moved, flops, roofline_floor_ms
 from pagedbench.harness.results import floor
 from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Environment,
                                                ListingRow, ResultRecord, comparison_figures,

@@ -10,7 +10,7 @@ auto`` from the CI's own variables) and merging the shards back (``pagedbench re
   cost, greedily, largest first, onto the least loaded shard (the LPT rule, within 4/3 of
   the best balance: Graham, "Bounds on multiprocessing timing anomalies", 1969). A pair's
   cost is :func:`pair_cost`, the bytes its case moves
-  (:func:`~pagedbench.harness.measure.timing.bytes_moved`) plus a fixed cost per pair:
+  (:func:`~pagedbench.harness.measure.roofline.bytes_moved`) plus a fixed cost per pair:
   computed from the case alone, integers only, ties broken by names, so every machine given
   the same plan makes the same shards. (The interpreter cost model of Triton adapters needs
   the adapter, which the parent never imports.) With ``--balance-from FILE``
@@ -43,7 +43,7 @@ from pagedbench.reference import PagedCase, PagedValueError
 
 from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord, Shard
 from pagedbench.harness.results.store import numbered_lines
-from pagedbench.harness.measure.timing import bytes_moved
+from pagedbench.harness.measure.roofline import bytes_moved
 
 #: What every pair costs beside its bytes (bytes): a worker's call overhead, so that
 #: shards of many tiny points are balanced by their count.
@@ -185,7 +185,7 @@ def plan_sha256(plan: Plan) -> str:
 
 def pair_cost(case: PagedCase) -> int:
     """Expected cost of one pair on ``case`` (bytes):
-    :func:`~pagedbench.harness.measure.timing.bytes_moved` plus :data:`PAIR_COST_BYTES`."""
+    :func:`~pagedbench.harness.measure.roofline.bytes_moved` plus :data:`PAIR_COST_BYTES`."""
     return bytes_moved(case) + PAIR_COST_BYTES
 
 

@@ -38,7 +38,7 @@ from pagedbench.harness.cases.workloads import (BATCH_BOUNDS, CONTIGUOUS_TAG, LA
                                                 grid_workload, preset_workload, spec_workload)
 from pagedbench.harness.measure.cuda_timers import release_device_memory
 from pagedbench.harness.measure.speed import Thresholds
-from pagedbench.harness.measure.timing import flops
+from pagedbench.harness.measure.roofline import flops
 from pagedbench.harness.results.record import DevicePeaks, Plan, ResultRecord, Shard
 from pagedbench.harness.results.store import ResultsFile
 from pagedbench.harness.run import runner

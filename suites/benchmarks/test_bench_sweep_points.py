@@ -29,7 +29,8 @@ import torch
 
 from pagedbench.adapters import BUILTIN, load
 from pagedbench.harness.cases.workloads import CONTIGUOUS_TAG
-from pagedbench.harness.measure.timing import bytes_moved, flops, time_cpu, time_cuda
+from pagedbench.harness.measure.timing import time_cpu, time_cuda
+from pagedbench.harness.measure.roofline import bytes_moved, flops
 from pagedbench.harness.results.derived import DEFAULT_BASELINE
 from pagedbench.harness.run.bench import CPU_IMPLS, default_sweep
 from pagedbench.harness.verdict import conformance

@@ -21,7 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedbench.harness.measure.timing import bytes_moved, flops, time_cuda, time_once
+from pagedbench.harness.measure.timing import time_cuda, time_once
+from pagedbench.harness.measure.roofline import bytes_moved, flops
 from pagedbench.harness.verdict.tolerance import assert_matches_truth
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.benchmarks.recording import record_timing

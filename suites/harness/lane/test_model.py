@@ -10,7 +10,8 @@ import pytest
 from pagedbench.harness.lane import model, steps, sweep
 from pagedbench.harness.lane.model import (COSTS, H200_L2_BYTES, LanePlan, lane_model,
                                            model_table, points_that_fit)
-from pagedbench.harness.measure.timing import bytes_moved, point_plan
+from pagedbench.harness.measure.timing import point_plan
+from pagedbench.harness.measure.roofline import bytes_moved
 
 
 def h200(selection: sweep.Selection):

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from pagedbench.harness.measure.timing import (DriftProbe, Timing, bytes_moved, flops,
-                                               oversubscribed, time_cpu)
+from pagedbench.harness.measure.timing import DriftProbe, Timing, oversubscribed, time_cpu
+from pagedbench.harness.measure.roofline import bytes_moved, flops
 from pagedbench.reference import PagedCase
 
 
@@ -155,7 +155,7 @@ def test_bytes_and_flops_from_actual_lengths() -> None:
 
 
 def test_roofline_floor_is_the_slower_of_bytes_and_flops() -> None:
-    from pagedbench.harness.measure.timing import DevicePeaks, roofline_floor_ms
+    from pagedbench.harness.measure.roofline import DevicePeaks, roofline_floor_ms
 
     peaks = DevicePeaks(copy_gbps=100.0, bf16_tflops=2.0, method="torch_timer")
     # 1e9 bytes at 100 GB/s: 10 ms; 1e12 FLOPs at 2 TFLOP/s: 500 ms.
