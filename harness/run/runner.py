@@ -228,9 +228,9 @@ class _Evaluation:
 
     def max_payload_bytes(self) -> int:
         """The largest payload a message of this job may carry: an output and its LSE, or
-        the judged timed calls' outputs."""
+        the judged timed calls' outputs and LSEs."""
         most = max((c.total_q * c.num_q_heads * c.v_head_dim * 4 for c in self.cases), default=0)
-        return max(2, judging.MOST_JUDGED) * most
+        return 2 * judging.JUDGED * most
 
     def on_message(self, message: Message) -> Answer:
         """Answer the worker (see :class:`~pagedbench.harness.verdict.judging.CaseJudge`).

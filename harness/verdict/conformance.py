@@ -35,8 +35,8 @@ from pagedbench.reference import (PagedCase, PagedInputError, PagedInputs, mater
 from pagedbench.reference.refresh import TimedInputs
 
 from pagedbench.harness.verdict import tolerance
-from pagedbench.harness.verdict.judging import (CaseJudge, DeviceTruth, Truth, Verdict,
-                                                describe_exception)
+from pagedbench.harness.verdict.judging import (CaseJudge, DeviceTruth, Reservoir, Truth,
+                                                Verdict, describe_exception)
 from pagedbench.harness.verdict.messages import (Concluded, Entered, Message, Output, Ready,
                                                  TimeIt, Timed, encode, lse_shape, output_shape,
                                                  to_json_data)
@@ -162,27 +162,38 @@ def implementation_side(adapter: Adapter, case: PagedCase, device: str, *,
     if not reply.time:
         return
     yield Entered(step="timing")
-    yield timed(adapter, prepared, inputs, reply, timer, poison=poison)
+    yield timed(adapter, prepared, inputs, reply, timer, returns_lse=returns_lse,
+                poison=poison)
+
+
+class DeferredWork(Exception):
+    """A timed call whose output can still be computed after it returned (the worker's
+    check, not the implementation's exception)."""
 
 
 def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
-          timer: Timer, *, poison: str = "nan") -> Timed:
-    """Time ``adapter.run(prepared)`` with ``timer``. With ``plan.seed``, before each call
-    ``k`` the timer makes, write that call's new inputs into ``inputs``' own tensors
+          timer: Timer, *, returns_lse: bool = False, poison: str = "nan") -> Timed:
+    """Time ``adapter.run(prepared)`` (and ``adapter.lse(prepared)`` with ``returns_lse``:
+    an LSE is part of the call's work) with ``timer``. With ``plan.seed``, before each
+    call ``k`` the timer makes, write that call's new inputs into ``inputs``' own tensors
     (:class:`~pagedbench.reference.refresh.TimedInputs`: Q, and K and V before
-    ``plan.kv_calls``), and keep a copy of the output of each of ``plan.judged_calls``
-    once it returned: the outputs the judge checks. A timer that rotates input copies
-    (CUDA graph replay) gets more calls from ``copy()``, each prepared on inputs of its
-    own (of ``poison``). What a timed call raises is :attr:`~.messages.Timed.error`."""
-    judged = set(plan.judged_calls)
-    kept: list[object] = []
+    ``plan.kv_calls``); after it, refuse an output that is not a plain ``torch.Tensor``
+    or a torch function or dispatch mode left active (either could defer the work until
+    the output is read), and keep a copy of the outputs of the calls
+    :class:`~.judging.Reservoir` draws: what the judge checks. A timer that rotates input
+    copies (CUDA graph replay) gets more calls from ``copy()``, each prepared on inputs of
+    its own (of ``poison``). What a timed call raises is :attr:`~.messages.Timed.error`;
+    the refusal, :attr:`~.messages.Timed.refused`."""
     refreshed = [0]
     device = inputs.device
     fresh = (None if plan.seed is None
              else TimedInputs(inputs.case, plan.seed, plan.kv_calls, device))
+    judged = Reservoir(plan.judged, plan.seed or 0)
+    kept: list[list[torch.Tensor]] = []
 
-    def call() -> object:
-        return adapter.run(prepared)
+    def call() -> list[object]:
+        out = adapter.run(prepared)
+        return [out, adapter.lse(prepared)] if returns_lse else [out]
 
     def before(k: int) -> None:
         if fresh is not None:
@@ -190,9 +201,25 @@ def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
             synchronize(device)
             refreshed[0] = k + 1
 
-    def after(k: int, out: object) -> None:
-        if plan.seed is not None and k in judged:
-            kept.append(out.detach().clone() if isinstance(out, torch.Tensor) else out)
+    def after(k: int, outs: list[object]) -> None:
+        deferring = [type(t).__name__ for t in outs if type(t) is not torch.Tensor]
+        if deferring:
+            raise DeferredWork(f"timed call {k} returned a {deferring[0]}, not a "
+                               "torch.Tensor: a tensor subclass can leave its work until "
+                               "the output is read")
+        if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack():
+            raise DeferredWork(f"timed call {k} left a torch function or dispatch mode "
+                               "active: it can leave the work until the output is read")
+        if fresh is None:
+            return
+        place = judged.offer(k)
+        if place is None:
+            return
+        copies = [t.detach().clone() for t in outs]
+        if place == len(kept):
+            kept.append(copies)
+        else:
+            kept[place] = copies
 
     case = inputs.case
 
@@ -203,12 +230,16 @@ def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
     try:
         timing = timer(call, before, after, case, copy)
         synchronize(device)
-        sent = [encode(out, output_shape(case), case.dtype) for out in kept]
+        shapes = [(output_shape(case), case.dtype), (lse_shape(case), "float32")]
+        sent = [encode(t, shape, dtype)
+                for outs in kept for t, (shape, dtype) in zip(outs, shapes)]
+    except DeferredWork as exc:
+        return Timed(refused=str(exc))
     except (Exception, SystemExit) as exc:
         return Timed(error=describe_exception(exc))
     return Timed(**timing.to_message(),
                  calls=list(timing.calls) or [1] * len(timing.samples_ms),
-                 refreshed_calls=refreshed[0],
+                 refreshed_calls=refreshed[0], judged_calls=judged.calls if fresh else [],
                  outputs=[d for d, _ in sent], payload=b"".join(p for _, p in sent))
 
 

@@ -33,10 +33,12 @@ from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.verdict.truth import (TRUTH_SITES, TimedCall, compute_device_truth,
                                               compute_truth, judging_state)
 
-#: Most timed calls judged in one timing: the first call always (work done in ``prepare``
-#: shows there), each later call ``k`` with probability ``1 / (k + 1)`` (about ``ln n``
-#: of ``n`` calls, spread over the whole timing), up to this many.
-MOST_JUDGED = 6
+#: Timed calls judged in one timing: a uniform sample of this many among all its calls
+#: (:class:`Reservoir`), so an implementation that skips the work of a share ``f`` of
+#: its calls is caught with probability ``1 - (1 - f) ** JUDGED`` (0.98 for half).
+JUDGED = 6
+#: Most calls before which new K and V are written in one timing (:func:`kv_calls`).
+MOST_KV_CALLS = 4
 #: Seconds the judge watches the implementation's process after its timing: it must use
 #: at most :data:`IDLE_CPU_SHARE` of one core then (no thread still computing).
 IDLE_WINDOW_S = 0.1
@@ -286,14 +288,12 @@ class CaseJudge:
 
     def _timing_plan(self) -> TimeIt:
         """New inputs before every timed call (host truths only): Q always, K and V too
-        (a cache read in place) before the calls :func:`kv_calls` draws; the judged calls
-        from :func:`judged_calls`."""
+        (a cache read in place) before the calls :func:`kv_calls` draws; :data:`JUDGED`
+        calls judged (:class:`Reservoir`)."""
         if self.site != "host":
             return TimeIt(time=True)
-        judged = judged_calls(self.rng, self.samples)
-        return TimeIt(time=True, seed=self.rng.randrange(2**31), judged_calls=judged,
-                      kv_calls=kv_calls(self.rng, judged) if self._ready.kv_cache_in_place
-                      else [])
+        kv = kv_calls(self.rng, self.samples) if self._ready.kv_cache_in_place else []
+        return TimeIt(time=True, seed=self.rng.randrange(2**31), judged=JUDGED, kv_calls=kv)
 
     def _on_timed(self, message: Timed) -> None:
         if self._passed is None:
@@ -304,7 +304,7 @@ class CaseJudge:
             self._conclude(replace(self._passed, status=Status.ERROR, step="timing",
                                    reason=f"run raised while timing: {message.error}"))
             return
-        why = (self._timing_problem(message, envelope_s, busy_s)
+        why = (message.refused or self._timing_problem(message, envelope_s, busy_s)
                or self._checked_calls(message))
         if why:
             self._conclude(replace(self._passed, status=Status.FAIL, step="timing",
@@ -337,8 +337,9 @@ class CaseJudge:
 
     def _checked_calls(self, message: Timed) -> str:
         """Why a judged call's output fails (empty when each passes): every timed call of
-        a CPU timing must have come on new inputs, and every judged call the timing made
-        must have its output back."""
+        a CPU timing must have come on new inputs, the judged calls must be the sample
+        the timing's seed draws among the calls it made, and each must have its output
+        (and LSE) back."""
         plan = self._plan
         if plan.seed is None:
             return ""
@@ -346,39 +347,66 @@ class CaseJudge:
         if message.method not in REFRESHED_ONCE and made < sum(message.calls):
             return (f"only {made} calls of the timing came on new inputs, fewer than its "
                     f"{sum(message.calls)} timed calls")
-        taken = [c for c in plan.judged_calls if c < made]
-        if len(message.outputs) != len(taken):
-            return (f"{len(message.outputs)} outputs of judged timed calls came back, "
-                    f"{len(taken)} were asked for (calls {taken})")
+        drawn = Reservoir(plan.judged, plan.seed)
+        for call in range(made):
+            drawn.offer(call)
+        per_call = 2 if self._ready.returns_lse else 1
+        if (message.judged_calls != drawn.calls
+                or len(message.outputs) != per_call * len(drawn.calls)):
+            return (f"the outputs of calls {message.judged_calls} came back "
+                    f"({len(message.outputs)} tensors); calls {drawn.calls} were judged")
         try:
             chunks = split_payload(message.payload, message.outputs)
-            outs = [decode(d, c, output_shape(self.case), self.case.dtype)
-                    for d, c in zip(message.outputs, chunks)]
+            shapes = [(output_shape(self.case), self.case.dtype),
+                      (lse_shape(self.case), "float32")][:per_call] * len(drawn.calls)
+            tensors = [decode(d, c, shape, dtype)
+                       for d, c, (shape, dtype) in zip(message.outputs, chunks, shapes)]
         except ValueError as exc:
             raise Refused(str(exc)) from exc
-        for call, out in zip(taken, outs):
+        for i, call in enumerate(drawn.calls):
+            out, *lse = tensors[per_call * i: per_call * (i + 1)]
             try:
                 expected = self._expected_of((plan.seed, call, tuple(plan.kv_calls)))
             except Exception as exc:
                 return (f"pagedbench's truth of the refreshed inputs failed: "
                         f"{describe_exception(exc)}")
-            found = self.work(lambda: tolerance.compare(
-                out, expected, self.case.dtype, cu_seqlens_q(self.case)), "compare")
-            if not found.passed:
+            found, lse_found = self._compare(out, lse[0] if lse else None, expected)
+            if not found.passed or (lse_found is not None and not lse_found.passed):
                 kv = " and K/V" if call in plan.kv_calls else ""
+                reason = found.reason if not found.passed else f"its LSE: {lse_found.reason}"
                 return (f"timed call {call}, run on new inputs written into its buffers "
-                        f"(Q{kv}; seed {plan.seed}), returned an output that fails: "
-                        f"{found.reason}")
+                        f"(Q{kv}; seed {plan.seed}), returned an output that fails: {reason}")
         return ""
 
 
-def judged_calls(rng: random.Random, first_calls: int, most: int = MOST_JUDGED) -> list[int]:
-    """The calls of a timing whose outputs are judged (ascending, at most ``most`` >= 2):
+class Reservoir:
+    """A uniform sample of ``size`` among the calls offered in order 0, 1, 2, ...
+    (Vitter's algorithm R, its choices drawn from ``seed``): call ``k`` past the first
+    ``size`` replaces a random member with probability ``size / (k + 1)``. The worker
+    keeps the outputs of the members as the calls come; the judge replays the draw."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        self.size, self.calls = size, []
+        self._rng = random.Random(f"judged:{seed}")
+
+    def offer(self, call: int) -> int | None:
+        """The member's place ``call`` takes (None: not a member)."""
+        if len(self.calls) < self.size:
+            self.calls.append(call)
+            return len(self.calls) - 1
+        place = self._rng.randrange(call + 1)
+        if place >= self.size:
+            return None
+        self.calls[place] = call
+        return place
+
+
+def kv_calls(rng: random.Random, first_calls: int, most: int = MOST_KV_CALLS) -> list[int]:
+    """The calls before which new K and V are written (ascending, at most ``most`` >= 2):
     call 0, one drawn uniformly from ``1..first_calls`` (calls a timing that takes its
-    least samples makes), and the rest of a draw in which each call ``k`` is judged with
+    least samples makes), and the rest of a draw in which each call ``k`` is taken with
     probability ``1 / (k + 1)``, one gap at a time (after call ``c``, the next is past
-    ``n`` with probability ``(c + 1) / (n + 1)``), below ``2**32``; where the draw gives
-    more, its first ones are kept."""
+    ``n`` with probability ``(c + 1) / (n + 1)``), below ``2**32``."""
     calls = {0, rng.randint(1, max(1, first_calls))}
     last = 0
     while len(calls) < most:
@@ -389,21 +417,13 @@ def judged_calls(rng: random.Random, first_calls: int, most: int = MOST_JUDGED) 
     return sorted(calls)
 
 
-def kv_calls(rng: random.Random, judged: list[int]) -> list[int]:
-    """The calls before which K and V are written too: call 0, and one call drawn
-    uniformly strictly between each two judged calls that have one between them. Every
-    later judged call then runs on new Q alone (new K and V never tell a call it is
-    judged), after K and V changed at a point it cannot predict."""
-    return [0, *(rng.randint(a + 1, b - 1) for a, b in zip(judged, judged[1:]) if b - a >= 2)]
-
-
 def _own_cpu_seconds() -> float:
     """CPU seconds (user + system) of this process so far."""
     times = os.times()
     return times.user + times.system
 
 
-__all__ = ["IDLE_CPU_SHARE", "IDLE_WINDOW_S", "MOST_JUDGED", "REFRESHED_ONCE",
+__all__ = ["IDLE_CPU_SHARE", "IDLE_WINDOW_S", "JUDGED", "MOST_KV_CALLS", "REFRESHED_ONCE",
            "CaseJudge",
            "DeviceTruth", "Refused", "Truth", "Verdict", "cu_seqlens_q", "describe_exception",
-           "harness_fault", "judged_calls", "judged_here", "kv_calls"]
+           "Reservoir", "harness_fault", "judged_here", "kv_calls"]

@@ -160,9 +160,9 @@ class Timed(_Message):
     averaged, the method, the drift probe, a CUDA timing's conditions (input copies
     rotated, SM clock and temperature before and after, why a planned graph fell back),
     the calls made on new inputs (``refreshed_calls``: every call of a CPU timing, warm-up
-    included; the first of one whose samples a loop of its own takes) and the outputs of
-    the judged calls among them (ascending; values in ``payload``); or ``error``, what a
-    timed call raised."""
+    included; the first of one whose samples a loop of its own takes), the judged calls
+    among them and their outputs (and LSEs; values in ``payload``); or ``error``, what a
+    timed call raised, or ``refused``, why the worker refused a timed call's output."""
 
     kind: Literal["timed"] = "timed"
     item: Optional[int] = None
@@ -175,8 +175,10 @@ class Timed(_Message):
     temperature_c: Optional[tuple[Optional[float], Optional[float]]] = None
     fallback: Optional[Annotated[str, Field(max_length=4000)]] = None
     refreshed_calls: Annotated[int, Field(ge=0)] = 0
+    judged_calls: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     outputs: list[Descriptor] = Field(default_factory=list, max_length=64)
     error: Optional[Annotated[str, Field(max_length=4000)]] = None
+    refused: Optional[Annotated[str, Field(max_length=4000)]] = None
 
 
 class Waiting(_Message):
@@ -238,14 +240,15 @@ class TimeIt(BaseModel):
     """The judge's answer to :class:`Output`: time the item or not. With a ``seed``, new
     inputs are written into the same buffers before every call of the timing (call ``k``,
     0 the first, warm-up included: :class:`~pagedbench.reference.refresh.TimedInputs` of
-    ``seed`` and ``kv_calls``); the outputs of the calls ``judged_calls`` (ascending)
-    that the timing makes come back in :class:`Timed`. Without, the inputs stay as drawn."""
+    ``seed`` and ``kv_calls``), and the outputs of ``judged`` calls drawn among all it
+    makes (:class:`~.judging.Reservoir` of ``seed``) come back in :class:`Timed`.
+    Without, the inputs stay as drawn."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     time: bool
     seed: Optional[Annotated[int, Field(ge=0, lt=2**31)]] = None
-    judged_calls: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(default_factory=list)
+    judged: Annotated[int, Field(ge=0, le=16)] = 0
     kv_calls: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(default_factory=list)
 
 

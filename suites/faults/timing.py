@@ -86,6 +86,44 @@ class SampledCacheMemo(PagedKernel):
         return Prepared(call, lse=inner.lse)
 
 
+class LazyOutput(PagedKernel):
+    """Its first call computes; each later call returns at once its output buffer as a
+    tensor subclass and leaves the work to the first torch operation anyone does on it:
+    right whenever the output is read, timed at a return. The lazy tensor subclasses of
+    ScalingIntelligence/KernelBench kernel_static_checker.py (``_make_subclass``)."""
+
+    name = "fault-lazy-output"
+    imitates = "ScalingIntelligence/KernelBench kernel_static_checker.py"
+    trigger = "an output that is not a plain tensor, its work left until it is read"
+
+    class Pending(torch.Tensor):
+        """An output whose ``work`` runs at the first torch operation on it."""
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            for arg in args:
+                work = getattr(arg, "work", None) if isinstance(arg, cls) else None
+                if work is not None:
+                    arg.work = None
+                    work()
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+    def prepare(self, inputs: PagedInputs) -> Prepared:
+        inner = super().prepare(inputs)
+        out: list[torch.Tensor] = []
+
+        def call() -> torch.Tensor:
+            if not out:
+                out.append(inner.call())
+                return out[0]
+            self.fired()
+            pending = out[0].as_subclass(self.Pending)
+            pending.work = lambda: out[0].copy_(inner.call())
+            return pending
+        return Prepared(call, lse=inner.lse)
+
+
 class WorkInPrepare(PagedKernel):
     """Computes the whole output in ``prepare`` (untimed); ``run`` returns it: work outside
     the timed call, the "precomputed output" pattern of reward-hacking field guides
@@ -138,4 +176,5 @@ class DeferredToThread(PagedKernel):
         return Prepared(call, lse=inner.lse)
 
 
-__all__ = ["DeferredToThread", "MemoPerInput", "SampledCacheMemo", "WorkInPrepare"]
+__all__ = ["DeferredToThread", "LazyOutput", "MemoPerInput", "SampledCacheMemo",
+           "WorkInPrepare"]

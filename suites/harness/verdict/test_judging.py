@@ -11,45 +11,58 @@ import torch
 
 from pagedbench.harness.measure.samples import Timing
 from pagedbench.harness.verdict.conformance import check
-from pagedbench.harness.verdict.judging import MOST_JUDGED, judged_calls, kv_calls
+from pagedbench.harness.verdict.judging import JUDGED, MOST_KV_CALLS, Reservoir, kv_calls
 from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.reference.refresh import FRESH_ELEMENTS, TimedInputs
 
+from pagedbench.adapters.base import Prepared
 from pagedbench.suites.faults.kernel import PagedKernel
 
 CASE = PagedCase(kv_lens=(19, 40), num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                  dtype="float16", name="judged")
 
 
-def test_call_zero_and_one_of_the_first_calls_are_always_judged() -> None:
+def test_new_kv_comes_before_call_zero_and_one_of_the_first_calls() -> None:
     rng = random.Random(1)
     for _ in range(2000):
-        calls = judged_calls(rng, first_calls=4)
+        calls = kv_calls(rng, first_calls=4)
         assert calls[0] == 0 and any(1 <= c <= 4 for c in calls)
-        assert calls == sorted(set(calls)) and 2 <= len(calls) <= MOST_JUDGED
+        assert calls == sorted(set(calls)) and 2 <= len(calls) <= MOST_KV_CALLS
 
 
-def test_a_later_call_is_judged_with_probability_one_over_its_number() -> None:
-    """Call ``k`` past the first calls is judged with probability ``1 / (k + 1)`` (no cap,
-    20000 draws: 5 standard deviations of the empirical rate)."""
+def test_new_kv_comes_before_a_later_call_with_probability_one_over_its_number() -> None:
+    """Call ``k`` past the first calls gets new K/V with probability ``1 / (k + 1)`` (no
+    cap, 20000 draws: 5 standard deviations of the empirical rate)."""
     rng = random.Random(2)
-    draws = [set(judged_calls(rng, first_calls=4, most=64)) for _ in range(20000)]
+    draws = [set(kv_calls(rng, first_calls=4, most=64)) for _ in range(20000)]
     for k in (9, 24, 99):
         p = 1 / (k + 1)
         rate = sum(k in d for d in draws) / len(draws)
         assert abs(rate - p) < 5 * (p * (1 - p) / len(draws)) ** 0.5, (k, rate, p)
 
 
-def test_new_kv_comes_strictly_between_judged_calls() -> None:
-    rng = random.Random(3)
-    for _ in range(2000):
-        judged = judged_calls(rng, first_calls=4)
-        kv = kv_calls(rng, judged)
-        assert kv[0] == 0 and set(kv[1:]).isdisjoint(judged)
-        gaps = [(a, b) for a, b in zip(judged, judged[1:]) if b - a >= 2]
-        assert len(kv) == 1 + len(gaps)
-        assert all(a < c < b for c, (a, b) in zip(kv[1:], gaps))
+def test_the_judged_calls_are_a_uniform_sample_of_all_calls() -> None:
+    """Each of 50 calls is judged with probability JUDGED / 50, the last as often as the
+    first (20000 timings: 5 standard deviations), and the judge's replay of a seed gives
+    the worker's sample."""
+    calls, timings = 50, 20000
+    counts = [0] * calls
+    for seed in range(timings):
+        sample = Reservoir(JUDGED, seed)
+        for call in range(calls):
+            sample.offer(call)
+        assert len(set(sample.calls)) == JUDGED
+        for call in sample.calls:
+            counts[call] += 1
+    p = JUDGED / calls
+    for call in (0, 1, 25, 48, 49):
+        rate = counts[call] / timings
+        assert abs(rate - p) < 5 * (p * (1 - p) / timings) ** 0.5, (call, rate, p)
+    again = Reservoir(JUDGED, timings - 1)
+    for call in range(calls):
+        again.offer(call)
+    assert again.calls == sample.calls
 
 
 #: A Q over FRESH_ELEMENTS (2 x 9 query rows x 8 heads x 128 channels): picked from a pool.
@@ -96,6 +109,36 @@ def test_no_two_calls_of_a_timing_get_the_same_query(case) -> None:
         fresh.write(inputs, call)
         seen.add(inputs.q.float().numpy().tobytes())
     assert len(seen) == 300
+
+
+class LseOnFirstCallOnly(PagedKernel):
+    """Its output on every call, its LSE on the first only (a kernel whose LSE costs
+    extra work, skipped where no one reads it)."""
+
+    name = "lse-on-first-call-only"
+
+    def prepare(self, inputs):
+        inner = super().prepare(inputs)
+        calls = [0]
+
+        def call() -> torch.Tensor:
+            calls[0] += 1
+            return self.attend(inputs) if calls[0] > 1 else inner.call()
+        return Prepared(call, lse=inner.lse)
+
+
+def test_a_timed_call_is_judged_on_its_lse_too() -> None:
+    verdict = check(LseOnFirstCallOnly(), CASE, "cpu", timer=_every_call_timed, samples=4)
+    assert (verdict.status, verdict.step) == (Status.FAIL, "timing"), verdict.reason
+    assert "returned an output that fails: its LSE:" in verdict.reason, verdict.reason
+
+
+def _every_call_timed(call, before, after, case, copy) -> Timing:
+    """Twelve calls, each on new inputs, as the CPU timer makes them."""
+    for k in range(12):
+        before(k)
+        after(k, call())
+    return Timing((0.001,) * 12, "torch_timer", calls=(1,) * 12)
 
 
 def _one_new_input_then_five_calls(call, before, after, case, copy) -> Timing:
