@@ -2,12 +2,13 @@
 engine's next step.
 
 A timing seeded ``seed`` (:class:`TimedInputs`) writes, before its call ``k`` (0 the
-first), new Q into the tensor :func:`~.inputs.materialize` made, drawn from
-:func:`call_seed` of ``seed`` and ``k``: fresh normal values for a Q of at most
-:data:`FRESH_ELEMENTS` elements; for a larger one, its ``total_q * num_q_heads`` query
-vectors picked in a drawn order among twice as many drawn once from ``seed`` (a pick and a
-copy on the inputs' device, cheap enough to precede every call; the orders of that many
-vectors do not repeat). Before the calls ``kv_calls`` it also writes new K and V into
+first), new Q into the tensor :func:`~.inputs.materialize` made: its ``total_q *
+num_q_heads`` query vectors picked from a pool drawn once from ``seed``, vector ``j`` the
+pool's ``(a * j + b) mod R`` (``R`` a power of two, :func:`pool_size`; ``a`` odd and drawn
+per call from :func:`call_seed` of ``seed`` and ``k``, ``b`` a drawn start plus ``k``), so
+the vectors of one call are distinct, no two calls of a timing get the same Q, and the
+write is a gather on the inputs' device from host integers: no host synchronization,
+cheaper than any call. Before the calls ``kv_calls`` it also writes new K and V into
 every live slot (:func:`refresh_kv`). Block tables, lengths, slot mapping, poison and
 stale tails stay as they are. The judge rebuilds the inputs of any one call from freshly
 materialized ones (:meth:`TimedInputs.rebuild`); an implementation that computed its
@@ -26,14 +27,16 @@ from .errors import PagedTypeError, PagedValueError
 from .inputs import PagedInputs
 from .writes import draw_kv, outlier_gain, write_slots
 
-#: Elements of the largest Q drawn afresh before each call (about 0.1 ms of
-#: ``torch.randn`` on one CPU core); a larger Q is picked from a pool.
-FRESH_ELEMENTS = 2**14
+#: Fewest query vectors in a timing's pool: a Q of one vector gets a new one on each of
+#: this many calls.
+MIN_POOL = 2**12
 
 
 def call_seed(seed: int, call: int) -> int:
     """The seed of the new inputs of call ``call`` (0 the first) of a timing seeded
-    ``seed``: ``seed * 2**32 + call``.
+    ``seed``: ``(seed * 2654435761 + call * 2246822519) mod 2**32``. torch's CPU generator
+    keeps only the low 32 bits of a seed, so they must hold both; ``call`` maps one to one
+    onto them (an odd multiplier), so no two calls of a timing share a seed.
 
     Raises
     ------
@@ -44,7 +47,13 @@ def call_seed(seed: int, call: int) -> int:
         raise PagedValueError("seed", seed, "an int in [0, 2**31)")
     if isinstance(call, bool) or not isinstance(call, int) or not 0 <= call < 2**32:
         raise PagedValueError("call", call, "an int in [0, 2**32)")
-    return seed * 2**32 + call
+    return (seed * 2654435761 + call * 2246822519) % 2**32
+
+
+def pool_size(case: PagedCase) -> int:
+    """Query vectors a timing of ``case`` picks from: the least power of two that is at
+    least twice the ``total_q * num_q_heads`` it writes and at least :data:`MIN_POOL`."""
+    return 1 << (max(2 * case.total_q * case.num_q_heads, MIN_POOL) - 1).bit_length()
 
 
 def _offset_channel(case: PagedCase) -> float:
@@ -106,9 +115,15 @@ class TimedInputs:
         for call in kv_calls:
             call_seed(seed, call)
         self.case, self.seed, self.kv_calls = case, seed, frozenset(kv_calls)
-        vectors = case.total_q * case.num_q_heads
-        self.pool = (None if vectors * case.head_dim <= FRESH_ELEMENTS
-                     else self._draw(2 * vectors, seed).to(device))  # [2 * vectors, d]
+        generator = torch.Generator().manual_seed(seed)
+        pool = torch.randn(pool_size(case), case.head_dim, generator=generator)
+        pool *= case.qk_magnitude
+        if case.logit_offset:
+            pool[:, 0] = math.copysign(_offset_channel(case), case.logit_offset)
+        limit = torch.finfo(case.torch_dtype).max
+        self.pool = pool.clamp(-limit, limit).to(case.torch_dtype).to(device)  # [R, d]
+        self.start = int(torch.randint(pool_size(case), (), generator=generator))
+        self.vector = torch.arange(case.total_q * case.num_q_heads, device=device)  # [n]
 
     def write(self, inputs: PagedInputs, call: int) -> None:
         """Write the new inputs of ``call`` into ``inputs`` after those of the call before
@@ -125,25 +140,13 @@ class TimedInputs:
             refresh_kv(inputs, call_seed(self.seed, last_kv))
         self._write_q(inputs, call)
 
-    def _draw(self, vectors: int, seed: int) -> torch.Tensor:
-        """``Tensor[vectors, head_dim]`` in the case dtype on the CPU: normal with the
-        case's query magnitude, channel 0 set for its logit offset."""
-        case = self.case
-        drawn = torch.randn(vectors, case.head_dim, generator=torch.Generator().manual_seed(seed))
-        drawn *= case.qk_magnitude
-        if case.logit_offset:
-            drawn[:, 0] = math.copysign(_offset_channel(case), case.logit_offset)
-        limit = torch.finfo(case.torch_dtype).max
-        return drawn.clamp(-limit, limit).to(case.torch_dtype)
-
     def _write_q(self, inputs: PagedInputs, call: int) -> None:
         q = inputs.q  # [total_q, num_q_heads, head_dim], any strides
-        vectors, seed = q.shape[0] * q.shape[1], call_seed(self.seed, call)
-        if self.pool is None:
-            q.copy_(self._draw(vectors, seed).view(q.shape))
-            return
-        picks = torch.randperm(self.pool.shape[0], generator=torch.Generator().manual_seed(seed))
-        q.copy_(self.pool[picks[:vectors].to(self.pool.device)].view(q.shape))
+        size = self.pool.shape[0]
+        scale = 2 * int(torch.randint(size // 2, (), generator=torch.Generator().manual_seed(
+            call_seed(self.seed, call)))) + 1
+        picks = (self.vector * scale + (self.start + call)) % size  # [n], distinct
+        q.copy_(self.pool[picks].view(q.shape))
 
 
-__all__ = ["FRESH_ELEMENTS", "TimedInputs", "call_seed", "refresh_kv"]
+__all__ = ["MIN_POOL", "TimedInputs", "call_seed", "pool_size", "refresh_kv"]

@@ -107,10 +107,13 @@ def sample_count(per_sample_ms: float, min_samples: int, rep_ms: float = REP_MS)
 
 
 def preroll(device: CudaDevice, fn: Callable[[], object],
-            preroll_ms: float = PREROLL_MS) -> float:
-    """Run ``fn`` once (lazy initialization, compiles), then back to back for about
-    ``preroll_ms``; the mean milliseconds of one of those calls."""
-    fn()
+            preroll_ms: float = PREROLL_MS,
+            after_first: Callable[[object], None] | None = None) -> float:
+    """Run ``fn`` once (lazy initialization, compiles; ``after_first(its output)``), then
+    back to back for about ``preroll_ms``; the mean milliseconds of one of those calls."""
+    out = fn()
+    if after_first is not None:
+        after_first(out)
     device.synchronize()
     start, end = device.event(), device.event()
     start.record()
@@ -128,17 +131,24 @@ def preroll(device: CudaDevice, fn: Callable[[], object],
 
 
 def cold_events(device: CudaDevice, fn: Callable[[], object], samples: int,
-                flush_bytes: int = FLUSH_BYTES) -> list[float]:
+                flush_bytes: int = FLUSH_BYTES,
+                before: Callable[[int], None] | None = None,
+                after: Callable[[int, object], None] | None = None) -> list[float]:
     """``samples`` times of ``fn`` (ms), each after an L2 flush, by CUDA events around the
-    call alone."""
+    call alone; ``before(i)`` before sample ``i``'s flush and ``after(i, its output)``
+    after its end event (work queued there is outside the events)."""
     cache = device.flush_buffer(flush_bytes)
     starts = [device.event() for _ in range(samples)]
     ends = [device.event() for _ in range(samples)]
-    for start, end in zip(starts, ends):
+    for i, (start, end) in enumerate(zip(starts, ends)):
+        if before is not None:
+            before(i)
         cache.zero_()
         start.record()
-        fn()
+        out = fn()
         end.record()
+        if after is not None:
+            after(i, out)
     device.synchronize()
     return [start.elapsed_time(end) for start, end in zip(starts, ends)]
 

@@ -323,7 +323,9 @@ def device_l2_bytes(device: str | torch.device | None = None) -> int:
 
 
 def time_cuda_point(calls: Sequence[Callable[[], object]], plan: PointPlan,
-                    device: cuda_timers.CudaDevice | None = None) -> Timing:
+                    device: cuda_timers.CudaDevice | None = None,
+                    before: Callable[[int], None] | None = None,
+                    after: Callable[[int, object], None] | None = None) -> Timing:
     """Time one implementation at one point as ``plan`` says: a pre-roll of ``calls[0]``,
     the SM clock and temperature, ``calls[0]`` cold (:func:`~.cuda_timers.cold_events`,
     at least ``plan.min_samples``); with ``cuda_graph``, then a graph of every call in
@@ -341,6 +343,10 @@ def time_cuda_point(calls: Sequence[Callable[[], object]], plan: PointPlan,
         The point's :func:`point_plan`.
     device : CudaDevice, optional
         The current CUDA device when None.
+    before, after : callable, optional
+        ``before(k)`` and ``after(k, output)`` around call ``k`` of ``calls[0]``: 0 the
+        pre-roll's first, ``1 + i`` cold sample ``i`` (outside its events); the pre-roll's
+        other calls and a graph's take none.
 
     Raises
     ------
@@ -356,10 +362,15 @@ def time_cuda_point(calls: Sequence[Callable[[], object]], plan: PointPlan,
         if not torch.cuda.is_available():
             raise RuntimeError("time_cuda_point needs a CUDA device; none is visible to torch")
         device = cuda_timers.CudaDevice()
-    per_call_ms = cuda_timers.preroll(device, calls[0])
+    if before is not None:
+        before(0)
+    per_call_ms = cuda_timers.preroll(device, calls[0], after_first=None if after is None
+                                      else lambda out: after(0, out))
     clock_before, temperature_before = device.conditions()
     count = cuda_timers.sample_count(per_call_ms, plan.min_samples)
-    samples = cuda_timers.cold_events(device, calls[0], count)
+    samples = cuda_timers.cold_events(
+        device, calls[0], count, before=None if before is None else lambda i: before(i + 1),
+        after=None if after is None else lambda i, out: after(i + 1, out))
     method, copies, fallback = "cuda_events", 1, None
     if plan.method == "cuda_graph":
         try:

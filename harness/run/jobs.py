@@ -10,7 +10,6 @@ bandwidth and bf16 throughput).
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import torch
@@ -88,10 +87,9 @@ def timer_for(config: RunConfig, interpreted: bool) -> conformance.Timer:
     """How the worker times ``run`` under ``config``: one wall-clock call for an
     interpreter; on a GPU the point's one method for every implementation
     (:func:`~pagedbench.harness.measure.timing.point_plan`: cold events, or graph replay
-    over rotated input copies); blocks of calls with a drift probe on the CPU, each call
-    between its ``before`` and ``after``. A GPU timing, whose samples a loop of its own
-    takes, calls ``before(0)`` before its pre-roll and ``after(0, ...)`` after the
-    pre-roll's first call."""
+    over rotated input copies); blocks of calls with a drift probe on the CPU. Each call of
+    a CPU timing, and on a GPU the pre-roll's first and each cold sample, comes between
+    its ``before`` and ``after``."""
     def timer(call, before, after, case: PagedCase, copy) -> Timing:
         if interpreted:
             before(0)
@@ -102,16 +100,8 @@ def timer_for(config: RunConfig, interpreted: bool) -> conformance.Timer:
         if torch.device(config.device).type == "cuda":
             with torch.cuda.device(torch.device(config.device)):
                 plan = point_plan(case, device_l2_bytes(config.device))
-                made = itertools.count()
-
-                def first() -> object:
-                    out = call()
-                    if next(made) == 0:
-                        after(0, out)
-                    return out
-                before(0)
-                return time_cuda_point([first, *(copy() for _ in range(plan.copies - 1))],
-                                       plan)
+                return time_cuda_point([call, *(copy() for _ in range(plan.copies - 1))],
+                                       plan, before=before, after=after)
         probe = DriftProbe(case)
         return time_cpu(call, threads=config.threads, warmup=config.warmup,
                         min_samples=config.repetitions, min_run_time_s=config.time_budget_s,

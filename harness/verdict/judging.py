@@ -43,9 +43,10 @@ MOST_KV_CALLS = 4
 #: at most :data:`IDLE_CPU_SHARE` of one core then (no thread still computing).
 IDLE_WINDOW_S = 0.1
 IDLE_CPU_SHARE = 0.5
-#: Timing methods whose samples a loop of their own takes (CUDA events, graph replay), so
-#: that new inputs are written before their first call only.
-REFRESHED_ONCE = frozenset({"cuda_events", "cuda_graph"})
+#: Timing methods whose samples are not calls on new inputs (a CUDA graph's replays: the
+#: inputs it captured): new inputs come before the pre-roll's first call and each cold
+#: sample only.
+REPLAYED_METHODS = frozenset({"cuda_graph"})
 
 #: ``truth(case, *, logits_precision, with_lse, timed_call) -> Expected``.
 Truth = Callable[..., tolerance.Expected]
@@ -344,7 +345,7 @@ class CaseJudge:
         if plan.seed is None:
             return ""
         made = message.refreshed_calls
-        if message.method not in REFRESHED_ONCE and made < sum(message.calls):
+        if message.method not in REPLAYED_METHODS and made < sum(message.calls):
             return (f"only {made} calls of the timing came on new inputs, fewer than its "
                     f"{sum(message.calls)} timed calls")
         drawn = Reservoir(plan.judged, plan.seed)
@@ -423,7 +424,6 @@ def _own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-__all__ = ["IDLE_CPU_SHARE", "IDLE_WINDOW_S", "JUDGED", "MOST_KV_CALLS", "REFRESHED_ONCE",
-           "CaseJudge",
-           "DeviceTruth", "Refused", "Truth", "Verdict", "cu_seqlens_q", "describe_exception",
-           "Reservoir", "harness_fault", "judged_here", "kv_calls"]
+__all__ = ["IDLE_CPU_SHARE", "IDLE_WINDOW_S", "JUDGED", "MOST_KV_CALLS", "REPLAYED_METHODS",
+           "CaseJudge", "DeviceTruth", "Refused", "Reservoir", "Truth", "Verdict",
+           "cu_seqlens_q", "describe_exception", "harness_fault", "judged_here", "kv_calls"]

@@ -235,3 +235,33 @@ def test_mla_bytes_count_the_latent_cache_once() -> None:
     assert bytes_moved(separate) == q + o + cache + (100 + 300) * 512 * 2 + tables
     # Two matmuls: 2 * 576 (Q K^T) + 2 * 512 (P V) FLOPs per head per key.
     assert flops(case) == (2 * 576 + 2 * 512) * 16 * 400
+
+
+def test_new_inputs_come_before_the_first_call_and_each_cold_sample_outside_its_events() -> None:
+    """``before(k)`` and ``after(k, out)`` wrap call 0 (the pre-roll's first) and each cold
+    sample ``k = 1 + i``; what they queue (writing new inputs, 0.5 ms; copying an output,
+    0.3 ms) is outside the samples, which stay the call's own 2 ms."""
+    device = SimulatedDevice()
+    events: list[tuple[str, int]] = []
+    runs = [0]
+
+    def call() -> int:
+        runs[0] += 1
+        device.now += 2.0
+        return runs[0]
+
+    def before(k: int) -> None:
+        events.append(("before", k))
+        device.now += 0.5
+
+    def after(k: int, out: object) -> None:
+        events.append(("after", k))
+        assert out == runs[0]
+        device.now += 0.3
+
+    timing = time_cuda_point([call], PointPlan("cuda_events", 1, 10**9, H200_L2), device,
+                             before=before, after=after)
+    samples = len(timing.samples_ms)
+    assert events == [("before", 0), ("after", 0)] + [
+        (step, k) for k in range(1, samples + 1) for step in ("before", "after")]
+    assert all(ms == pytest.approx(2.0) for ms in timing.samples_ms)

@@ -14,7 +14,7 @@ from pagedbench.harness.verdict.conformance import check
 from pagedbench.harness.verdict.judging import JUDGED, MOST_KV_CALLS, Reservoir, kv_calls
 from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase, materialize
-from pagedbench.reference.refresh import FRESH_ELEMENTS, TimedInputs
+from pagedbench.reference.refresh import MIN_POOL, TimedInputs, pool_size
 
 from pagedbench.adapters.base import Prepared
 from pagedbench.suites.faults.kernel import PagedKernel
@@ -65,12 +65,15 @@ def test_the_judged_calls_are_a_uniform_sample_of_all_calls() -> None:
     assert again.calls == sample.calls
 
 
-#: A Q over FRESH_ELEMENTS (2 x 9 query rows x 8 heads x 128 channels): picked from a pool.
-POOLED = PagedCase(kv_lens=(9, 20), q_lens=(9, 20), num_q_heads=8, num_kv_heads=2,
-                   head_dim=128, block_size=16, dtype="bfloat16", name="pooled")
+#: A prefill whose Q (29 query rows x 8 heads) needs a pool past MIN_POOL.
+PREFILL = PagedCase(kv_lens=(9, 20), q_lens=(9, 20), num_q_heads=8, num_kv_heads=2,
+                    head_dim=128, block_size=16, dtype="bfloat16", name="prefill")
+#: One query vector: the pool's start moves by one each call.
+ONE_VECTOR = PagedCase(kv_lens=(9,), num_q_heads=1, num_kv_heads=1, head_dim=16,
+                       block_size=16, dtype="float32", name="one-vector")
 
 
-@pytest.mark.parametrize("case", [CASE, POOLED], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [CASE, PREFILL, ONE_VECTOR], ids=lambda c: c.name)
 def test_the_inputs_of_a_judged_call_are_rebuilt_from_the_seed_alone(case) -> None:
     """What the worker writes call by call (new Q each, new K/V before ``kv``) equals what
     the judge rebuilds for one call from fresh inputs; Q is new at every call, and K/V
@@ -93,22 +96,23 @@ def test_the_inputs_of_a_judged_call_are_rebuilt_from_the_seed_alone(case) -> No
         cache = now
 
 
-@pytest.mark.parametrize("case", [
-    PagedCase(kv_lens=(9,), num_q_heads=1, num_kv_heads=1, head_dim=16, block_size=16,
-              dtype="float32", name="one-vector"), POOLED], ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [CASE, PREFILL, ONE_VECTOR], ids=lambda c: c.name)
 def test_no_two_calls_of_a_timing_get_the_same_query(case) -> None:
-    """Fresh values for a small Q; for one over FRESH_ELEMENTS, vectors picked from a pool
-    in an order drawn per call: 300 calls, 300 different Q (a memo keyed by the query never
-    hits)."""
+    """Each call's query vectors are distinct, and 1000 calls get 1000 different Q (a memo
+    keyed by the query never hits); the pool is a power of two at least twice the vectors
+    and MIN_POOL."""
     inputs = materialize(case)
     fresh = TimedInputs(case, 7, [0])
-    assert (fresh.pool is None) is (case.total_q * case.num_q_heads * case.head_dim
-                                    <= FRESH_ELEMENTS)
+    vectors = case.total_q * case.num_q_heads
+    size = fresh.pool.shape[0]
+    assert size == pool_size(case) >= max(2 * vectors, MIN_POOL) and size & (size - 1) == 0
     seen = set()
-    for call in range(300):
+    for call in range(1000):
         fresh.write(inputs, call)
-        seen.add(inputs.q.float().numpy().tobytes())
-    assert len(seen) == 300
+        q = inputs.q.float().reshape(vectors, -1).numpy()
+        assert len({row.tobytes() for row in q}) == vectors
+        seen.add(q.tobytes())
+    assert len(seen) == 1000
 
 
 class LseOnFirstCallOnly(PagedKernel):
