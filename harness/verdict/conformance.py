@@ -24,6 +24,7 @@ turns into the results line.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
@@ -122,6 +123,7 @@ def implementation_side(adapter: Adapter, case: PagedCase, device: str, *,
     except Exception as exc:  # pagedbench's own code; the judge records it as error
         yield _raised("inputs", exc, "pagedbench could not draw the inputs: ")
         return
+    drawn = (inputs.q, inputs.kv_cache)
     yield Entered(step="prepare")
     try:
         prepared = adapter.prepare(inputs)
@@ -163,7 +165,13 @@ def implementation_side(adapter: Adapter, case: PagedCase, device: str, *,
         return
     yield Entered(step="timing")
     yield timed(adapter, prepared, inputs, reply, timer, returns_lse=returns_lse,
-                poison=poison)
+                poison=poison, drawn=drawn)
+
+
+#: The trace and profile functions this process had before any implementation ran (a
+#: coverage tool's, say): a timed call that leaves others set can run its work inside
+#: pagedbench's untimed steps (a profile function fires as the new inputs are written).
+HOOKS_BEFORE = (sys.gettrace(), sys.getprofile())
 
 
 class DeferredWork(Exception):
@@ -172,14 +180,17 @@ class DeferredWork(Exception):
 
 
 def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
-          timer: Timer, *, returns_lse: bool = False, poison: str = "nan") -> Timed:
+          timer: Timer, *, returns_lse: bool = False, poison: str = "nan",
+          drawn: tuple[torch.Tensor, torch.Tensor] | None = None) -> Timed:
     """Time ``adapter.run(prepared)`` (and ``adapter.lse(prepared)`` with ``returns_lse``:
     an LSE is part of the call's work) with ``timer``. With ``plan.seed``, before each
     call ``k`` the timer makes, write that call's new inputs into ``inputs``' own tensors
     (:class:`~pagedbench.reference.refresh.TimedInputs`: Q, and K and V before
     ``plan.kv_calls``); after it, refuse an output that is not a plain ``torch.Tensor``
     or a torch function or dispatch mode left active (either could defer the work until
-    the output is read), and keep a copy of the outputs of the calls
+    the output is read), a trace or profile function other than :data:`HOOKS_BEFORE`, or
+    ``inputs``' Q and cache other than the tensors ``drawn`` (either could run the work
+    while the new inputs are written), and keep a copy of the outputs of the calls
     :class:`~.judging.Reservoir` draws: what the judge checks. A timer that rotates input
     copies (CUDA graph replay) gets more calls from ``copy()``, each prepared on inputs of
     its own (of ``poison``). What a timed call raises is :attr:`~.messages.Timed.error`;
@@ -209,6 +220,14 @@ def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
         if torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack():
             raise DeferredWork(f"timed call {k} left a torch function or dispatch mode "
                                "active: it can leave the work until the output is read")
+        if (sys.gettrace(), sys.getprofile()) != HOOKS_BEFORE:
+            raise DeferredWork(f"timed call {k} ran with a trace or profile function set "
+                               "(sys.settrace, sys.setprofile): it can run the work while "
+                               "pagedbench writes the next inputs, outside the timed call")
+        if drawn is not None and (inputs.q is not drawn[0] or inputs.kv_cache is not drawn[1]):
+            raise DeferredWork(f"timed call {k} found the inputs' q or kv_cache replaced: "
+                               "a tensor of the implementation's own can run the work while "
+                               "pagedbench writes the next inputs into it")
         if fresh is None:
             return
         place = judged.offer(k)

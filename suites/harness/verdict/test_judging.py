@@ -5,6 +5,7 @@ judge's truth of a judged call built from the seed alone."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -135,6 +136,49 @@ def test_a_timed_call_is_judged_on_its_lse_too() -> None:
     verdict = check(LseOnFirstCallOnly(), CASE, "cpu", timer=_every_call_timed, samples=4)
     assert (verdict.status, verdict.step) == (Status.FAIL, "timing"), verdict.reason
     assert "returned an output that fails: its LSE:" in verdict.reason, verdict.reason
+
+
+class WorkWhileInputsAreWritten(PagedKernel):
+    """Sets a profile function in ``prepare`` that computes the output as soon as
+    pagedbench's write of a call's new Q returns; ``run`` then hands that output back:
+    right on every call, its work done in pagedbench's untimed step."""
+
+    name = "work-while-inputs-are-written"
+
+    def prepare(self, inputs):
+        inner = super().prepare(inputs)
+        ready: list[torch.Tensor] = []
+
+        def profile(frame, event, arg) -> None:
+            if event == "return" and frame.f_code.co_name == "_write_q":
+                ready[:] = [inner.call()]
+
+        sys.setprofile(profile)
+        return Prepared(lambda: ready.pop() if ready else inner.call(), lse=inner.lse)
+
+
+class OwnQuery(PagedKernel):
+    """Puts a tensor of its own in place of the inputs' Q in ``prepare`` (one whose writes
+    it could intercept)."""
+
+    name = "own-query"
+
+    def prepare(self, inputs):
+        object.__setattr__(inputs, "q", inputs.q.clone())
+        return super().prepare(inputs)
+
+
+@pytest.mark.parametrize("kernel, words", [
+    (WorkWhileInputsAreWritten, "ran with a trace or profile function set"),
+    (OwnQuery, "found the inputs' q or kv_cache replaced")], ids=lambda x: getattr(x, "name", ""))
+def test_work_moved_into_pagedbench_s_untimed_steps_is_refused(kernel, words) -> None:
+    before = sys.getprofile()
+    try:
+        verdict = check(kernel(), CASE, "cpu", timer=_every_call_timed, samples=4)
+    finally:
+        sys.setprofile(before)
+    assert (verdict.status, verdict.step) == (Status.FAIL, "timing"), verdict.reason
+    assert words in verdict.reason, verdict.reason
 
 
 def _every_call_timed(call, before, after, case, copy) -> Timing:
