@@ -26,13 +26,15 @@ class DevicePeaks:
     Attributes
     ----------
     copy_gbps : float
-        ``dst.copy_(src)`` of :data:`~pagedbench.harness.measure.timing.COPY_BYTES`, counting its read and its write (GB/s).
+        ``dst.copy_(src)`` of :data:`~pagedbench.harness.measure.timing.COPY_BYTES`,
+        counting its read and its write (GB/s).
     bf16_tflops : float
         A square bf16 matmul (``2 n^3`` FLOPs) at its median time (TFLOP/s).
     method : str
         The timing method (``torch_timer`` or ``cuda_events``).
     cache_copy_gbps : float or None
-        The fastest ``dst.copy_(src)`` of :data:`~pagedbench.harness.measure.timing.CACHE_COPY_BYTES`, whose source and
+        The fastest ``dst.copy_(src)`` of
+        :data:`~pagedbench.harness.measure.timing.CACHE_COPY_BYTES`, whose source and
         destination stay in a cache between calls (GB/s, read plus write;
         :func:`~pagedbench.harness.measure.timing.cache_copy_gbps`); None when not measured.
     """

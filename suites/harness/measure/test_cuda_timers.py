@@ -18,7 +18,8 @@ import pytest
 from pagedbench.harness.lane.sweep import CUDA_SELECTION
 from pagedbench.harness.measure import cuda_timers
 from pagedbench.harness.measure.speed import Thresholds
-from pagedbench.harness.measure.timing import MAX_COPIES, ROTATE_PAST_L2, PointPlan, point_plan, time_cuda, time_cuda_point
+from pagedbench.harness.measure.timing import (MAX_COPIES, ROTATE_PAST_L2, PointPlan, point_plan,
+                                               time_cuda, time_cuda_point)
 from pagedbench.harness.measure.roofline import bytes_moved, flops
 from pagedbench.reference import PagedCase
 
