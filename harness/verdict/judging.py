@@ -35,8 +35,9 @@ from pagedbench.harness.verdict.truth import (TRUTH_SITES, TimedCall, compute_de
 
 #: Timed calls judged in one timing: a uniform sample of this many among all its calls
 #: (:class:`Reservoir`), so an implementation that skips the work of a share ``f`` of
-#: its calls is caught with probability ``1 - (1 - f) ** JUDGED`` (0.98 for half).
-JUDGED = 6
+#: its calls is caught with probability ``1 - (1 - f) ** JUDGED`` (0.94 for half); each
+#: judged call costs the judge one truth (docs/trust.md).
+JUDGED = 4
 #: Most calls before which new K and V are written in one timing (:func:`kv_calls`).
 MOST_KV_CALLS = 4
 #: Seconds the judge watches the implementation's process after its timing: it must use
