@@ -177,6 +177,11 @@ KNOWN_FAULTS = [
                                        num_kv_heads=1, head_dim=64, block_size=128,
                                        dtype="float32", name="empty-prefill"),
      "prefill rows of a sequence with kv_len 0"),
+    # The search's case on a clean clone: an empty decode row before a prefill sequence.
+    ("vllm-chunked-prefill", PagedCase(kv_lens=(0, 17), q_lens=(1, 17), num_q_heads=1,
+                                       num_kv_heads=1, head_dim=64, block_size=16,
+                                       dtype="float32", name="empty-before-prefill"),
+     "a sequence with kv_len 0 before a prefill sequence"),
     # The search's case on a CI host: float16, one head, an offset of 1e4, so
     # q0 * k0 = 1e4 / scale = 8e4 overflows the MHA path's float16 products.
     ("vllm-decode", PagedCase(kv_lens=(1,), num_q_heads=1, num_kv_heads=1, head_dim=64,
