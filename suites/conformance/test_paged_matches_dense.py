@@ -101,19 +101,21 @@ def test_nan_safe_tail_declaration_is_true(adapter, impl) -> None:
     )
 
 
-#: A short timing (the CPU timer's blocks of calls, as ``pagedbench run`` takes them):
-#: enough samples for the refreshed calls the judge places among them.
+#: A short timing (the CPU timer's blocks of calls, as ``pagedbench run`` takes them),
+#: with the torch threads the implementation was prepared under (a worker sets its
+#: threads before ``prepare``; a kernel compiled for a thread count refuses another).
 TIMED = RunConfig(timing=True, warmup=1, repetitions=4, time_budget_s=0.02,
                   time_limit_s=2.0, threads=1)
 
 
 def test_timed_calls_are_the_judged_calls(adapter, impl) -> None:
-    """Timed as ``pagedbench run`` times it, with new values written into the same Q (and
-    the live K/V of a cache read in place) before calls the implementation cannot predict,
-    and those calls' outputs judged as soon as they return: an output kept per input
-    object, computed in ``prepare`` or left to a thread fails step ``timing``."""
+    """Timed as ``pagedbench run`` times it, with new Q written into the same buffers
+    before every call (and new K/V of a cache read in place before calls it cannot
+    predict), and the outputs of a uniform sample of the calls judged: an output kept per
+    input object or while sampled inputs are unchanged, computed in ``prepare``, left to
+    a thread or to a tensor subclass fails step ``timing``."""
     case = pinned_case(adapter, lambda bs: (bs + 3, 2 * bs + 1), 4, 2, "timed")
-    config = replace(TIMED, device=DEVICE)
+    config = replace(TIMED, device=DEVICE, threads=torch.get_num_threads())
     verdict = check(adapter, case, DEVICE, samples=config.repetitions,
                     timer=timer_for(config, adapter.is_interpreted(DEVICE)))
     assert verdict.status is Status.PASS and verdict.timing is not None, (
