@@ -2,7 +2,8 @@
 read and that skips the work of a call whose inputs look unchanged. New Q is written
 before every timed call (``harness/verdict/conformance.py``'s ``timed``), so it does the
 work of every call and its time is its work's; ``test_timing_faults.py`` asserts that it
-passes no faster than the kernel it wraps. It is not in the catalogue (``site/``): the
+never returned a kept output in a timed run (:meth:`~.kernel.PagedKernel.fired` logs the
+first time it does). It is not in the catalogue (``site/``): the
 catalogue and ``pagedbench selftest`` count faults that the suites catch.
 """
 
@@ -43,6 +44,7 @@ class SentinelMemo(PagedKernel):
         def call() -> torch.Tensor:
             now = sentinels()
             if kept and torch.equal(now, kept[0]):
+                self.fired()
                 return kept[1]
             kept[:] = [now, inner.call()]
             return kept[1]
