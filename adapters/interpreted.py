@@ -19,6 +19,12 @@ from pagedbench.reference import PagedCase
 from .base import Adapter
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers (``b > 0``), as ``triton.cdiv``: the programs or key
+    steps of a launch grid, without importing Triton."""
+    return -(-a // b)
+
+
 @dataclass(frozen=True)
 class InterpretedWork:
     """What one call launches, as an interpreter cost model counts it.

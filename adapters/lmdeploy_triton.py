@@ -37,7 +37,7 @@ from pagedbench.reference import PagedCase, PagedInputs
 from pagedbench.reference.axes import LAYOUTS
 
 from .base import AtLeast, Availability, Capabilities, Prepared
-from .interpreted import InterpretedWork, InterpreterBudget
+from .interpreted import InterpretedWork, InterpreterBudget, cdiv
 from .lmdeploy_triton_load import CPU_SPLIT_K, LmdeployTritonKernels, load_kernels
 from .pinned_files import PinnedFilesInvalid
 from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities, window_of_one
@@ -59,10 +59,6 @@ SOFT_CAP_INTERPRETED = ("its tanh is tl.extra.cuda.libdevice.tanh, which Triton'
 #: The kernels (loaded once per process), or None and why they cannot be loaded.
 _loaded = cached_load(load_kernels, ((ImportError, "triton not importable"),
                                      (PinnedFilesInvalid, "LMDeploy's kernel files not usable")))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _pow2(n: int) -> int:
@@ -107,9 +103,7 @@ class _LmdeployTritonAdapter(PeerTritonAdapter):
     rocm_reason = "the host answers cover CUDA and the CPU only"
     interpreter_budget = INTERPRETER_BUDGET
 
-    @staticmethod
-    def load() -> tuple[LmdeployTritonKernels | None, str]:
-        return _loaded()
+    load = staticmethod(_loaded)
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         return super().why_unsupported(case, device) + window_of_one(case, "LMDeploy")
@@ -165,11 +159,11 @@ class LmdeployDecode(_LmdeployTritonAdapter):
         window's first); the reduce: one program per query head and sequence."""
         heads = case.gqa_ratio
         block_h = max(MIN_HEAD_TILE, min(case.block_size, _pow2(heads)))
-        tiles = _cdiv(heads, block_h) * case.num_kv_heads
+        tiles = cdiv(heads, block_h) * case.num_kv_heads
         steps = 0
         for kv_len in case.kv_lens:
-            blocks = _cdiv(kv_len, case.block_size)
-            per_split = _cdiv(blocks, CPU_SPLIT_K)
+            blocks = cdiv(kv_len, case.block_size)
+            per_split = cdiv(blocks, CPU_SPLIT_K)
             first = 0
             if case.sliding_window is not None:
                 first = max(0, kv_len - case.sliding_window) // case.block_size
@@ -265,11 +259,11 @@ class LmdeployPrefill(_LmdeployTritonAdapter):
     def interpreter_work(self, case: PagedCase) -> InterpretedWork:
         """Flatten: one program per (block, sequence, KV head); the varlen kernel: one per
         (tile of 64 query rows, query head, sequence) over its causal keys in tiles of 32."""
-        blocks = sum(_cdiv(n, case.block_size) for n in case.kv_lens)
-        steps = sum(_cdiv(q, 64) * _cdiv(kv, 32)
+        blocks = sum(cdiv(n, case.block_size) for n in case.kv_lens)
+        steps = sum(cdiv(q, 64) * cdiv(kv, 32)
                     for q, kv in zip(case.q_lens_or_decode, case.kv_lens))
         programs = (blocks * case.num_kv_heads
-                    + case.batch_size * case.num_q_heads * _cdiv(max(case.q_lens_or_decode), 64))
+                    + case.batch_size * case.num_q_heads * cdiv(max(case.q_lens_or_decode), 64))
         return InterpretedWork(programs, case.num_q_heads * steps,
                                (case.head_dim + case.v_head_dim) / 128 * 4)
 
@@ -281,7 +275,7 @@ class LmdeployPrefill(_LmdeployTritonAdapter):
         kernels = self.kernels()
         device = inputs.device
         starts = torch.tensor([0, *accumulate(case.kv_lens)], dtype=torch.int32, device=device)
-        out_size = _cdiv(sum(case.kv_lens), case.block_size) * case.block_size + case.block_size
+        out_size = cdiv(sum(case.kv_lens), case.block_size) * case.block_size + case.block_size
         flatten = functools.partial(
             kernels.flatten.flatten_kv_cache, inputs.k_cache, inputs.v_cache, inputs.kv_lens,
             inputs.block_tables, start_loc=starts[:-1], out_size=out_size,

@@ -37,7 +37,7 @@ from pagedbench.reference import PagedCase, PagedInputs, new_output
 from pagedbench.reference.axes import LAYOUTS
 
 from .base import AtLeast, Capabilities, Prepared
-from .interpreted import InterpretedWork, InterpreterBudget
+from .interpreted import InterpretedWork, InterpreterBudget, cdiv
 from .sglang_triton_load import SglangFilesInvalid, SglangTritonKernels, load_kernels
 from .triton_peer import PeerTritonAdapter, cached_load, triton_capabilities, window_of_one
 
@@ -60,10 +60,6 @@ SCHEDULE_SEQ_MIN = 256
 #: The kernels (loaded once per process), or None and why they cannot be loaded.
 _loaded = cached_load(load_kernels, ((ImportError, "triton not importable"),
                                      (SglangFilesInvalid, "SGLang's kernel files not usable")))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def grouped_head_tile_straddles(case: PagedCase) -> list[str]:
@@ -159,9 +155,7 @@ class _SglangTritonAdapter(PeerTritonAdapter):
     rocm_reason = "the stand-ins answer SGLang's ROCm questions with no"
     interpreter_budget = INTERPRETER_BUDGET
 
-    @staticmethod
-    def load() -> tuple[SglangTritonKernels | None, str]:
-        return _loaded()
+    load = staticmethod(_loaded)
 
     def jit_function(self, kernels: SglangTritonKernels) -> object:
         return kernels.decode._fwd_kernel_stage1
@@ -205,13 +199,13 @@ class SglangDecode(_SglangTritonAdapter):
         if case.gqa_ratio == 1:
             head_programs, tile = case.num_q_heads, MHA_KV_TILE
         else:
-            head_programs = _cdiv(case.num_q_heads, min(GROUPED_HEAD_TILE, case.gqa_ratio))
+            head_programs = cdiv(case.num_q_heads, min(GROUPED_HEAD_TILE, case.gqa_ratio))
             tile = GROUPED_KV_TILE
         splits = MAX_KV_SPLITS
         steps = 0
         for n in attended_lens(case):
-            per_split = _cdiv(_cdiv(n, splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
-            steps += sum(_cdiv(max(0, min(per_split, n - s * per_split)), tile)
+            per_split = cdiv(cdiv(n, splits), MIN_BLOCK_KV) * MIN_BLOCK_KV
+            steps += sum(cdiv(max(0, min(per_split, n - s * per_split)), tile)
                          for s in range(splits))
         programs = case.batch_size * (head_programs * splits + case.num_q_heads)
         return InterpretedWork(programs, head_programs * steps,
@@ -321,10 +315,10 @@ class SglangExtend(_SglangTritonAdapter):
         max_q = max(case.q_lens_or_decode)
         steps = 0
         for q_len, kv_len in zip(case.q_lens_or_decode, case.kv_lens):
-            for m in range(_cdiv(q_len, block_m)):
-                steps += (_cdiv(kv_len - q_len, block_n)
-                          + _cdiv(min(q_len, (m + 1) * block_m), block_n))
-        programs = case.batch_size * case.num_q_heads * max(1, _cdiv(max_q, block_m))
+            for m in range(cdiv(q_len, block_m)):
+                steps += (cdiv(kv_len - q_len, block_n)
+                          + cdiv(min(q_len, (m + 1) * block_m), block_n))
+        programs = case.batch_size * case.num_q_heads * max(1, cdiv(max_q, block_m))
         weight = (case.head_dim + case.v_head_dim) / 128 * block_m * block_n / (16 * 32)
         return InterpretedWork(programs, case.num_q_heads * steps, weight)
 

@@ -55,6 +55,11 @@ INTERPRETER_BUDGET = InterpreterBudget(s_per_program=0.005, s_per_step=0.006, ma
 
 #: TritonAttentionBackend.supports_head_size: head_size >= 32.
 _HEAD_DIMS = frozenset({AtLeast(32)})
+#: What the two backends' kernels (``unified_attention``, ``chunked_prefill_paged_decode``)
+#: share: their head sizes, any block size that is a multiple of 16 (their backends'
+#: ``get_supported_kernel_block_sizes``), decode and prefill rows in one batch.
+_BACKEND_AXES = dict(head_dims=_HEAD_DIMS, block_sizes=frozenset({MultipleOf(16)}),
+                     modes=frozenset({"decode", "prefill"}))
 
 
 def load_kernels() -> VllmTritonKernels:
@@ -146,9 +151,7 @@ class _VllmTritonAdapter(PeerTritonAdapter):
     interpreter_budget = INTERPRETER_BUDGET
     rocm_reason = "the adapter stubs vLLM's ROCm helpers"
 
-    @staticmethod
-    def load() -> tuple[VllmTritonKernels | None, str]:
-        return _loaded()
+    load = staticmethod(_loaded)
 
     #: This adapter's kernel family: its field of
     #: :class:`~.vllm_triton_import.VllmTritonKernels` and its interpreter cost model
@@ -179,11 +182,8 @@ class VllmUnified(_VllmTritonAdapter):
     family = "unified"
     description = ("vLLM unified_attention (Triton; 2D, or 3D split-KV for small decode "
                    "batches); interpreted on the CPU")
-    # Block sizes: TritonAttentionBackend.get_supported_kernel_block_sizes.
     CAPABILITIES = triton_capabilities(
-        head_dims=_HEAD_DIMS,
-        block_sizes=frozenset({MultipleOf(16)}),
-        modes=frozenset({"decode", "prefill"}),
+        **_BACKEND_AXES,
         # Not empty_kv, unseen_rows: a row that sees no key comes out NaN, not 0.
         features=frozenset({"sliding_window", "logits_soft_cap", "alibi", "sinks",
                             "empty_q"}),
@@ -341,12 +341,10 @@ class VllmChunkedPrefill(_VllmTritonAdapter):
     family = "chunked"
     description = ("vLLM chunked_prefill_paged_decode (Triton prefix-prefill + paged "
                    "decode, legacy split-x K layout); interpreted on the CPU")
-    # Block sizes: RocmAttentionBackend.get_supported_kernel_block_sizes (its Triton path
-    # takes any multiple of 16); no soft cap in the signature.
+    # Block sizes: RocmAttentionBackend's (its Triton path takes any multiple of 16); no
+    # soft cap in the signature.
     CAPABILITIES = triton_capabilities(
-        head_dims=_HEAD_DIMS,
-        block_sizes=frozenset({MultipleOf(16)}),
-        modes=frozenset({"decode", "prefill"}),
+        **_BACKEND_AXES,
         # Not unseen_rows: a row that sees no key comes out NaN, not 0; not empty_q: a
         # batch with a q_len 0 entry aborts the interpreted process (free(): invalid pointer).
         features=frozenset({"sliding_window", "alibi", "sinks", "empty_kv"}),

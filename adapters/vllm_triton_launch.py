@@ -15,7 +15,7 @@ import torch
 
 from pagedbench.reference import PagedCase
 
-from .interpreted import InterpretedWork
+from .interpreted import InterpretedWork, cdiv
 
 #: ``vllm/v1/attention/backends/triton_attn.py`` (``TritonAttentionMetadataBuilder``): the
 #: 2D kernel's minimum launch grid, whence the batch size below which decode batches take
@@ -37,10 +37,6 @@ DECODE_KV_TILE, DECODE_HEAD_TILE = 64, 16
 #: 128) for a power-of-two block size, else 32.
 PREFILL_Q_TILE, PREFILL_CONTEXT_TILE, PREFILL_NEW_TILE = 128, 32, 64
 CHUNKED_DECODE_MAX_TILE, CHUNKED_DECODE_ODD_TILE = 128, 32
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def unified_uses_3d(case: PagedCase) -> bool:
@@ -66,9 +62,9 @@ def unified_work(case: PagedCase) -> InterpretedWork:
     if unified_uses_3d(case):
         programs = (q_programs * NUM_PAR_SOFTMAX_SEGMENTS  # attention, then the reduction
                     + case.total_q * case.num_q_heads)
-        steps = case.num_kv_heads * sum(_cdiv(kv, UNIFIED_TILE_3D) for _, kv in lens)
+        steps = case.num_kv_heads * sum(cdiv(kv, UNIFIED_TILE_3D) for _, kv in lens)
         return InterpretedWork(programs, steps, weight)
-    steps = case.num_kv_heads * sum(_cdiv(q, block_q) * _cdiv(kv, UNIFIED_TILE_2D)
+    steps = case.num_kv_heads * sum(cdiv(q, block_q) * cdiv(kv, UNIFIED_TILE_2D)
                                     for q, kv in lens)
     return InterpretedWork(q_programs, steps, weight)
 
@@ -90,10 +86,10 @@ def decode_work(case: PagedCase) -> InterpretedWork:
     if case.gqa_ratio == 1:
         head_programs = case.num_q_heads
     else:
-        head_programs = case.num_kv_heads * _cdiv(case.gqa_ratio, DECODE_HEAD_TILE)
+        head_programs = case.num_kv_heads * cdiv(case.gqa_ratio, DECODE_HEAD_TILE)
     programs = case.batch_size * (head_programs * splits + case.num_q_heads)
     steps = head_programs * sum(
-        splits * _cdiv(_cdiv(kv, splits), DECODE_KV_TILE) for kv in case.kv_lens)
+        splits * cdiv(cdiv(kv, splits), DECODE_KV_TILE) for kv in case.kv_lens)
     return InterpretedWork(programs, steps, (case.head_dim + case.v_head_dim) / 128)
 
 
@@ -105,12 +101,12 @@ def chunked_work(case: PagedCase) -> InterpretedWork:
                    else CHUNKED_DECODE_ODD_TILE)
     lens = list(zip(case.q_lens_or_decode, case.kv_lens))
     programs = case.batch_size * case.num_kv_heads
-    steps = case.num_kv_heads * sum(_cdiv(kv, decode_tile) for q, kv in lens if q == 1)
+    steps = case.num_kv_heads * sum(cdiv(kv, decode_tile) for q, kv in lens if q == 1)
     max_q = max(case.q_lens_or_decode)
     if max_q > 1:
-        programs += case.batch_size * case.num_q_heads * _cdiv(max_q, PREFILL_Q_TILE)
+        programs += case.batch_size * case.num_q_heads * cdiv(max_q, PREFILL_Q_TILE)
         steps += case.num_q_heads * sum(
-            _cdiv(q, PREFILL_Q_TILE) * (_cdiv(kv - q, PREFILL_CONTEXT_TILE)
-                                        + _cdiv(q, PREFILL_NEW_TILE))
+            cdiv(q, PREFILL_Q_TILE) * (cdiv(kv - q, PREFILL_CONTEXT_TILE)
+                                        + cdiv(q, PREFILL_NEW_TILE))
             for q, kv in lens if q > 1)
     return InterpretedWork(programs, steps, case.head_dim / 64)
