@@ -190,12 +190,13 @@ def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
     or a torch function or dispatch mode left active (either could defer the work until
     the output is read), a trace or profile function other than :data:`HOOKS_BEFORE`, or
     ``inputs``' Q and cache other than the tensors ``drawn`` (either could run the work
-    while the new inputs are written), and keep a copy of the outputs of the calls
+    while the new inputs are written), or torch's intra-op thread count other than the
+    one the timer set before call 0 (more cores than the run grants), and keep a copy of the outputs of the calls
     :class:`~.judging.Reservoir` draws: what the judge checks. A timer that rotates input
     copies (CUDA graph replay) gets more calls from ``copy()``, each prepared on inputs of
     its own (of ``poison``). What a timed call raises is :attr:`~.messages.Timed.error`;
     the refusal, :attr:`~.messages.Timed.refused`."""
-    refreshed = [0]
+    refreshed, threads = [0], [0]
     device = inputs.device
     fresh = (None if plan.seed is None
              else TimedInputs(inputs.case, plan.seed, plan.kv_calls, device))
@@ -207,6 +208,8 @@ def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
         return [out, adapter.lse(prepared)] if returns_lse else [out]
 
     def before(k: int) -> None:  # queued on the call's stream: no host synchronization
+        if k == 0:
+            threads[0] = torch.get_num_threads()
         if fresh is not None:
             fresh.write(inputs, k)
             refreshed[0] = k + 1
@@ -224,6 +227,11 @@ def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
             raise DeferredWork(f"timed call {k} ran with a trace or profile function set "
                                "(sys.settrace, sys.setprofile): it can run the work while "
                                "pagedbench writes the next inputs, outside the timed call")
+        if torch.get_num_threads() != threads[0]:
+            raise DeferredWork(f"timed call {k} changed torch's intra-op threads from "
+                               f"{threads[0]} to {torch.get_num_threads()} "
+                               "(torch.set_num_threads): the run grants every "
+                               "implementation the same threads")
         if drawn is not None and (inputs.q is not drawn[0] or inputs.kv_cache is not drawn[1]):
             raise DeferredWork(f"timed call {k} found the inputs' q or kv_cache replaced: "
                                "a tensor of the implementation's own can run the work while "

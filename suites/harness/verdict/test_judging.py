@@ -168,15 +168,33 @@ class OwnQuery(PagedKernel):
         return super().prepare(inputs)
 
 
+class MoreThreads(PagedKernel):
+    """Raises torch's intra-op thread count in its first call (to use more cores than the
+    run grants it), and keeps it."""
+
+    name = "more-threads"
+
+    def prepare(self, inputs):
+        inner = super().prepare(inputs)
+
+        def call() -> torch.Tensor:
+            torch.set_num_threads(torch.get_num_threads() + 1)
+            return inner.call()
+        return Prepared(call, lse=inner.lse)
+
+
 @pytest.mark.parametrize("kernel, words", [
     (WorkWhileInputsAreWritten, "ran with a trace or profile function set"),
-    (OwnQuery, "found the inputs' q or kv_cache replaced")], ids=lambda x: getattr(x, "name", ""))
-def test_work_moved_into_pagedbench_s_untimed_steps_is_refused(kernel, words) -> None:
-    before = sys.getprofile()
+    (OwnQuery, "found the inputs' q or kv_cache replaced"),
+    (MoreThreads, "changed torch's intra-op threads from")],
+    ids=lambda x: getattr(x, "name", ""))
+def test_work_outside_the_timed_call_or_more_threads_are_refused(kernel, words) -> None:
+    before, threads = sys.getprofile(), torch.get_num_threads()
     try:
         verdict = check(kernel(), CASE, "cpu", timer=_every_call_timed, samples=4)
     finally:
         sys.setprofile(before)
+        torch.set_num_threads(threads)
     assert (verdict.status, verdict.step) == (Status.FAIL, "timing"), verdict.reason
     assert words in verdict.reason, verdict.reason
 
