@@ -1,6 +1,6 @@
-"""Processes as Linux shows them in ``/proc``: a process's live descendants, its CPU time,
-and killing a set of them. Where ``/proc`` is missing, a process has no descendants and no
-CPU time (the checks built on them then pass)."""
+"""Processes as Linux shows them in ``/proc``: a process's live descendants, the CPU time of
+it and its descendants, and killing a set of them. Where ``/proc`` is missing, a process
+has no descendants and no CPU time (the checks built on them then pass)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,31 @@ from pathlib import Path
 
 
 def process_cpu_seconds(pid: int | None) -> float:
-    """CPU seconds (user + system, all its threads) process ``pid`` has used, from
-    ``/proc/<pid>/stat`` (Linux; 0.0 where it cannot be read, so a check built on it
-    passes there)."""
+    """CPU seconds (user + system, all threads) process ``pid`` and its descendants have
+    used: each one's own, and what its children it has waited for used (``/proc/<pid>/stat``
+    fields 14-17; Linux; 0.0 where it cannot be read, so a check built on it passes there).
+    A descendant not yet waited for (a zombie included) counts with its own figures."""
     if pid is None:
         return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    children: dict[int, list[int]] = {}
+    used: dict[int, int] = {}
+    for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        used[int(proc.name)] = sum(int(t) for t in fields[11:15])
+        children.setdefault(int(fields[1]), []).append(int(proc.name))
+    if pid not in used:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks, todo = 0, [pid]
+    while todo:
+        here = todo.pop()
+        ticks += used.get(here, 0)
+        todo.extend(children.get(here, ()))
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def descendants(pid: int) -> list[int]:

@@ -223,7 +223,8 @@ class _Evaluation:
                 device_truth=partial(device_truth_for, cache_dir=cache),
                 timing=self.config.timing, samples=self.config.repetitions, rng=self.rng,
                 work=_Budget(self.config.harness_timeout_s),
-                cpu_seconds=lambda: process_cpu_seconds(self.worker_pid))
+                cpu_seconds=lambda: process_cpu_seconds(self.worker_pid),
+                threads=self.config.threads)
         return self.judge
 
     def max_payload_bytes(self) -> int:

@@ -289,7 +289,8 @@ def nan_tail_output_finite(adapter: Adapter, case: PagedCase, device: str, *,
 def check(adapter: Adapter, case: PagedCase, device: str, *, truth: Truth = compute_truth,
           on_step: Callable[[str], None] | None = None, probe_nan_tail: bool = True,
           truth_site: str = "host", device_truth: DeviceTruth = compute_device_truth,
-          timer: Timer | None = None, samples: int = 1) -> Verdict:
+          timer: Timer | None = None, samples: int = 1,
+          threads: int | None = None) -> Verdict:
     """Check ``adapter`` on ``case`` on ``device`` in this process: both sides, as the
     runner drives them across its pipe (pytest's check).
 
@@ -305,6 +306,9 @@ def check(adapter: Adapter, case: PagedCase, device: str, *, truth: Truth = comp
         ``"host"`` or ``"device"`` (inputs drawn on ``device``).
     timer : Timer or None
         Time a pass with it (its timed calls checked); None: no timing.
+    threads : int, optional
+        The CPU threads ``timer`` grants: a timing that used more cores is refused
+        (:class:`CaseJudge`).
 
     Returns
     -------
@@ -317,7 +321,7 @@ def check(adapter: Adapter, case: PagedCase, device: str, *, truth: Truth = comp
         If ``truth_site`` is not one of :data:`~.truth.TRUTH_SITES`.
     """
     judge = CaseJudge(case, device, site=truth_site, truth=truth, device_truth=device_truth,
-                      timing=timer is not None, samples=samples)
+                      timing=timer is not None, samples=samples, threads=threads)
     side = implementation_side(adapter, case, device, on_device=truth_site == "device",
                                probe_nan_tail=probe_nan_tail, timer=timer)
     reply = None

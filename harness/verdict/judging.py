@@ -4,8 +4,9 @@ handler per message type. It computes the truth before the implementation draws 
 inputs (so nothing the adapter does reaches it), compares the output (and the LSE of an
 implementation that returns one) under the tolerance policy, plans the new inputs written
 into the buffers before every timed call and which calls it judges, judges those calls'
-outputs, refuses a timing whose calls cannot fit in the wall time it took or whose
-process kept computing after its last call returned, and concludes a :class:`Verdict`,
+outputs, refuses a timing whose calls cannot fit in the wall time it took, whose
+process used more cores than the run grants, or kept computing after its last call
+returned, and concludes a :class:`Verdict`,
 the one result type from the check to the results line.
 """
 
@@ -44,6 +45,13 @@ MOST_KV_CALLS = 4
 #: at most :data:`IDLE_CPU_SHARE` of one core then (no thread still computing).
 IDLE_WINDOW_S = 0.1
 IDLE_CPU_SHARE = 0.5
+#: A CPU timing's process (and its descendants) may use at most this many times the
+#: threads the run grants, over the wall time of the timing, plus :data:`CPU_READ_SLACK_S`
+#: (``/proc`` counts CPU in clock ticks of 10 ms, read twice). Every built-in of the
+#: default job's presets used 0.99-1.01 cores at one thread and up to 1.99 at two
+#: (docs/trust.md).
+CORES_SLACK = 1.1
+CPU_READ_SLACK_S = 0.05
 #: Timing methods whose samples are not calls on new inputs (a CUDA graph's replays: the
 #: inputs it captured): new inputs come before the pre-roll's first call and each cold
 #: sample only.
@@ -159,14 +167,20 @@ class CaseJudge:
         ``work(fn, what)`` runs the judge's computations (:func:`judged_here`; the
         runner's adds a time budget and raises ``TimeoutError`` past it).
     cpu_seconds : callable
-        CPU seconds the implementation's process has used so far (user + system).
+        CPU seconds the implementation's process (and its descendants) has used so far
+        (user + system).
+    threads : int, optional
+        The CPU threads the run grants the implementation: a CPU timing whose process used
+        more cores than that over its wall time is refused. None: not checked (the
+        implementation shares the judge's process).
     """
 
     def __init__(self, case: PagedCase, device: str, *, site: str = "host",
                  truth: Truth = compute_truth, device_truth: DeviceTruth = compute_device_truth,
                  timing: bool = False, samples: int = 1, rng: random.Random | None = None,
                  work: Callable[[Callable[[], Any], str], Any] = judged_here,
-                 cpu_seconds: Callable[[], float] | None = None) -> None:
+                 cpu_seconds: Callable[[], float] | None = None,
+                 threads: int | None = None) -> None:
         if site not in TRUTH_SITES:
             raise ValueError(f"truth_site must be one of {TRUTH_SITES}, got {site!r}")
         self.case, self.device, self.site = case, device, site
@@ -175,12 +189,13 @@ class CaseJudge:
         self.rng = rng or random.Random()
         self.work = work
         self.cpu_seconds = cpu_seconds or _own_cpu_seconds
+        self.threads = threads
         self.verdict: Verdict | None = None
         self._ready: Ready | None = None
         self._expected: tolerance.Expected | None = None
         self._passed: Verdict | None = None
         self._plan: TimeIt | None = None
-        self._timing_began = 0.0
+        self._timing_began = self._timing_cpu_began = 0.0
         self._handlers: dict[type, Callable[[Any], Any]] = {
             Concluded: self._concluded, Ready: self._on_ready, Output: self._on_output,
             Timed: self._on_timed}
@@ -285,7 +300,7 @@ class CaseJudge:
             return TimeIt(time=False)
         self._passed = verdict
         self._plan = self._timing_plan()
-        self._timing_began = time.monotonic()
+        self._timing_began, self._timing_cpu_began = time.monotonic(), self.cpu_seconds()
         return self._plan
 
     def _timing_plan(self) -> TimeIt:
@@ -301,12 +316,13 @@ class CaseJudge:
         if self._passed is None:
             raise Refused("a timing before a pass")
         envelope_s = time.monotonic() - self._timing_began
+        cpu_s = self.cpu_seconds() - self._timing_cpu_began
         busy_s = self._busy_after()
         if message.error is not None:
             self._conclude(replace(self._passed, status=Status.ERROR, step="timing",
                                    reason=f"run raised while timing: {message.error}"))
             return
-        why = (message.refused or self._timing_problem(message, envelope_s, busy_s)
+        why = (message.refused or self._timing_problem(message, envelope_s, cpu_s, busy_s)
                or self._checked_calls(message))
         if why:
             self._conclude(replace(self._passed, status=Status.FAIL, step="timing",
@@ -321,8 +337,11 @@ class CaseJudge:
         time.sleep(IDLE_WINDOW_S)
         return self.cpu_seconds() - before
 
-    def _timing_problem(self, message: Timed, envelope_s: float, busy_s: float) -> str:
-        """Why this timing cannot be the implementation's (empty when it can)."""
+    def _timing_problem(self, message: Timed, envelope_s: float, cpu_s: float,
+                        busy_s: float) -> str:
+        """Why this timing cannot be the implementation's (empty when it can): ``cpu_s`` is
+        the CPU its process used in the ``envelope_s`` seconds of wall time the timing
+        took, ``busy_s`` what it used after."""
         if len(message.calls) != len(message.samples_ms) or not message.samples_ms:
             return (f"the timing has {len(message.samples_ms)} samples and calls for "
                     f"{len(message.calls)}")
@@ -330,6 +349,11 @@ class CaseJudge:
             return (f"its process used {busy_s * 1e3:.0f} ms of CPU in the "
                     f"{IDLE_WINDOW_S * 1e3:.0f} ms after its last timed call returned: work "
                     "still running after run() returned is not in its time")
+        if (self.threads is not None and self.device == "cpu"
+                and cpu_s > CORES_SLACK * self.threads * envelope_s + CPU_READ_SLACK_S):
+            return (f"its process used {cpu_s:.3g} s of CPU in the {envelope_s:.3g} s the "
+                    f"timing took ({cpu_s / envelope_s:.1f} cores): more than the "
+                    f"{self.threads} thread(s) the run grants every implementation")
         timed_s = sum(ms * n for ms, n in zip(message.samples_ms, message.calls)) / 1e3
         if timed_s > envelope_s:
             return (f"its timed calls add up to {timed_s:.3g} s, more than the "
@@ -425,6 +449,6 @@ def _own_cpu_seconds() -> float:
     return times.user + times.system
 
 
-__all__ = ["IDLE_CPU_SHARE", "IDLE_WINDOW_S", "JUDGED", "MOST_KV_CALLS", "REPLAYED_METHODS",
+__all__ = ["CORES_SLACK", "CPU_READ_SLACK_S", "IDLE_CPU_SHARE", "IDLE_WINDOW_S", "JUDGED", "MOST_KV_CALLS", "REPLAYED_METHODS",
            "CaseJudge", "DeviceTruth", "Refused", "Reservoir", "Truth", "Verdict",
            "cu_seqlens_q", "describe_exception", "harness_fault", "judged_here", "kv_calls"]

@@ -113,11 +113,13 @@ def test_timed_calls_are_the_judged_calls(adapter, impl) -> None:
     before every call (and new K/V of a cache read in place before calls it cannot
     predict), and the outputs of a uniform sample of the calls judged: an output kept per
     input object or while sampled inputs are unchanged, computed in ``prepare``, left to
-    a thread or to a tensor subclass fails step ``timing``."""
+    a thread or to a tensor subclass fails step ``timing``, and so does a timing that used
+    more cores than its threads."""
     case = pinned_case(adapter, lambda bs: (bs + 3, 2 * bs + 1), 4, 2, "timed")
     config = replace(TIMED, device=DEVICE, threads=torch.get_num_threads())
     verdict = check(adapter, case, DEVICE, samples=config.repetitions,
-                    timer=timer_for(config, adapter.is_interpreted(DEVICE)))
+                    timer=timer_for(config, adapter.is_interpreted(DEVICE)),
+                    threads=config.threads)
     assert verdict.status is Status.PASS and verdict.timing is not None, (
         f"{adapter.name}: {verdict.status} in {verdict.step}: {verdict.reason}; "
         f"{replay.hint(case, impl, timed=True)}")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 
 import pytest
 import torch
 
 from pagedbench.harness.measure.samples import Timing
+from pagedbench.harness.verdict import judging
 from pagedbench.harness.verdict.conformance import check
 from pagedbench.harness.verdict.judging import JUDGED, MOST_KV_CALLS, Reservoir, kv_calls
 from pagedbench.harness.verdict.status import Status
@@ -197,6 +199,31 @@ def test_work_outside_the_timed_call_or_more_threads_are_refused(kernel, words) 
         torch.set_num_threads(threads)
     assert (verdict.status, verdict.step) == (Status.FAIL, "timing"), verdict.reason
     assert words in verdict.reason, verdict.reason
+
+
+@pytest.mark.parametrize("cpu_s, threads, refused", [
+    (1.0, 2, True), (0.2, 1, False), (0.45, 2, False)])
+def test_a_cpu_timing_that_used_more_cores_than_its_threads_is_refused(
+        monkeypatch, cpu_s, threads, refused) -> None:
+    """The CPU the implementation's process used over the timing's wall time (0.2 s
+    here) is at most its threads, a tenth more and a few clock ticks' reading: 1 s in
+    0.2 s with 2 threads is 5 cores, refused; 0.2 s with 1 thread and 0.45 s with 2 are
+    within."""
+    used = [0.0]
+    monkeypatch.setattr(judging, "_own_cpu_seconds", lambda: used[0])
+
+    def timer(call, before, after, case, copy) -> Timing:
+        timing = _every_call_timed(call, before, after, case, copy)
+        time.sleep(0.2)
+        used[0] += cpu_s
+        return timing
+    verdict = check(PagedKernel(), CASE, "cpu", timer=timer, samples=4, threads=threads)
+    if refused:
+        assert (verdict.status, verdict.step) == (Status.FAIL, "timing"), verdict.reason
+        assert f"more than the {threads} thread(s) the run grants" in verdict.reason, \
+            verdict.reason
+    else:
+        assert verdict.status is Status.PASS, verdict.reason
 
 
 def _every_call_timed(call, before, after, case, copy) -> Timing:
