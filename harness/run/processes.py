@@ -11,15 +11,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def process_cpu_seconds(pid: int | None) -> float:
-    """CPU seconds (user + system, all threads) process ``pid`` and its descendants have
-    used: each one's own, and what its children it has waited for used (``/proc/<pid>/stat``
-    fields 14-17; Linux; 0.0 where it cannot be read, so a check built on it passes there).
-    A descendant not yet waited for (a zombie included) counts with its own figures."""
+def tree_cpu_seconds(pid: int | None) -> dict[tuple[int, int], float]:
+    """CPU seconds (user + system, all threads) used by process ``pid`` and by each of its
+    descendants (a zombie included): each one's own and what its children it has waited
+    for used (``/proc/<pid>/stat`` fields 14-17), keyed by ``(pid, start time in clock
+    ticks)`` so that a reused pid is another process. Linux; empty where ``/proc`` cannot
+    be read, so a check built on it passes there."""
     if pid is None:
-        return 0.0
+        return {}
     children: dict[int, list[int]] = {}
-    used: dict[int, int] = {}
+    used: dict[int, tuple[int, int]] = {}
     for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
         if not proc.name.isdigit():
             continue
@@ -27,16 +28,16 @@ def process_cpu_seconds(pid: int | None) -> float:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        used[int(proc.name)] = sum(int(t) for t in fields[11:15])
+        used[int(proc.name)] = (int(fields[19]), sum(int(t) for t in fields[11:15]))
         children.setdefault(int(fields[1]), []).append(int(proc.name))
-    if pid not in used:
-        return 0.0
-    ticks, todo = 0, [pid]
+    tick = os.sysconf("SC_CLK_TCK")
+    found, todo = {}, [pid] if pid in used else []
     while todo:
         here = todo.pop()
-        ticks += used.get(here, 0)
-        todo.extend(children.get(here, ()))
-    return ticks / os.sysconf("SC_CLK_TCK")
+        started, ticks = used[here]
+        found[(here, started)] = ticks / tick
+        todo.extend(child for child in children.get(here, ()) if child in used)
+    return found
 
 
 def descendants(pid: int) -> list[int]:
@@ -66,4 +67,4 @@ def kill_all(pids: Iterable[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-__all__ = ["descendants", "kill_all", "process_cpu_seconds"]
+__all__ = ["descendants", "kill_all", "tree_cpu_seconds"]

@@ -54,7 +54,7 @@ from pagedbench.harness.results.outcome import result_record
 from pagedbench.harness.run import replay
 from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.environment import worker_environment
-from pagedbench.harness.run.processes import process_cpu_seconds
+from pagedbench.harness.run.processes import tree_cpu_seconds
 from pagedbench.harness.run.protocol import Answer, Fault, Supervisor
 from pagedbench.harness.run.spread import DeviceSlot, Stop, device_slots, spread
 from pagedbench.harness.verdict import judging
@@ -223,7 +223,7 @@ class _Evaluation:
                 device_truth=partial(device_truth_for, cache_dir=cache),
                 timing=self.config.timing, samples=self.config.repetitions, rng=self.rng,
                 work=_Budget(self.config.harness_timeout_s),
-                cpu_seconds=lambda: process_cpu_seconds(self.worker_pid),
+                cpu_seconds=lambda: tree_cpu_seconds(self.worker_pid),
                 threads=self.config.threads)
         return self.judge
 

@@ -17,7 +17,7 @@ import os
 import random
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,9 @@ REPLAYED_METHODS = frozenset({"cuda_graph"})
 Truth = Callable[..., tolerance.Expected]
 #: ``device_truth(inputs, *, logits_precision, with_lse) -> Expected``.
 DeviceTruth = Callable[..., tolerance.Expected]
+#: CPU seconds each process of the implementation has used so far, keyed by an identity
+#: of the process that is never reused (the runner's: ``(pid, start time)``).
+CpuReading = Mapping[Hashable, float]
 
 
 class Refused(Exception):
@@ -167,8 +170,8 @@ class CaseJudge:
         ``work(fn, what)`` runs the judge's computations (:func:`judged_here`; the
         runner's adds a time budget and raises ``TimeoutError`` past it).
     cpu_seconds : callable
-        CPU seconds the implementation's process (and its descendants) has used so far
-        (user + system).
+        A :data:`CpuReading` of the implementation's process and its descendants (user +
+        system).
     threads : int, optional
         The CPU threads the run grants the implementation: a CPU timing whose process used
         more cores than that over its wall time is refused. None: not checked (the
@@ -179,7 +182,7 @@ class CaseJudge:
                  truth: Truth = compute_truth, device_truth: DeviceTruth = compute_device_truth,
                  timing: bool = False, samples: int = 1, rng: random.Random | None = None,
                  work: Callable[[Callable[[], Any], str], Any] = judged_here,
-                 cpu_seconds: Callable[[], float] | None = None,
+                 cpu_seconds: Callable[[], CpuReading] | None = None,
                  threads: int | None = None) -> None:
         if site not in TRUTH_SITES:
             raise ValueError(f"truth_site must be one of {TRUTH_SITES}, got {site!r}")
@@ -195,7 +198,7 @@ class CaseJudge:
         self._expected: tolerance.Expected | None = None
         self._passed: Verdict | None = None
         self._plan: TimeIt | None = None
-        self._timing_began = self._timing_cpu_began = 0.0
+        self._timing_began, self._timing_cpu_began = 0.0, {}
         self._handlers: dict[type, Callable[[Any], Any]] = {
             Concluded: self._concluded, Ready: self._on_ready, Output: self._on_output,
             Timed: self._on_timed}
@@ -316,13 +319,14 @@ class CaseJudge:
         if self._passed is None:
             raise Refused("a timing before a pass")
         envelope_s = time.monotonic() - self._timing_began
-        cpu_s = self.cpu_seconds() - self._timing_cpu_began
+        cpu_s, gone = _cpu_used(self._timing_cpu_began, self.cpu_seconds())
         busy_s = self._busy_after()
         if message.error is not None:
             self._conclude(replace(self._passed, status=Status.ERROR, step="timing",
                                    reason=f"run raised while timing: {message.error}"))
             return
-        why = (message.refused or self._timing_problem(message, envelope_s, cpu_s, busy_s)
+        why = (message.refused
+               or self._timing_problem(message, envelope_s, cpu_s, gone, busy_s)
                or self._checked_calls(message))
         if why:
             self._conclude(replace(self._passed, status=Status.FAIL, step="timing",
@@ -335,13 +339,14 @@ class CaseJudge:
         timing ended (it is waiting for the reply, so any is a thread still working)."""
         before = self.cpu_seconds()
         time.sleep(IDLE_WINDOW_S)
-        return self.cpu_seconds() - before
+        return _cpu_used(before, self.cpu_seconds())[0]
 
     def _timing_problem(self, message: Timed, envelope_s: float, cpu_s: float,
-                        busy_s: float) -> str:
+                        gone: list[Hashable], busy_s: float) -> str:
         """Why this timing cannot be the implementation's (empty when it can): ``cpu_s`` is
-        the CPU its process used in the ``envelope_s`` seconds of wall time the timing
-        took, ``busy_s`` what it used after."""
+        the CPU its processes used in the ``envelope_s`` seconds of wall time the timing
+        took, ``gone`` those of them that ended meanwhile, ``busy_s`` what they used
+        after."""
         if len(message.calls) != len(message.samples_ms) or not message.samples_ms:
             return (f"the timing has {len(message.samples_ms)} samples and calls for "
                     f"{len(message.calls)}")
@@ -349,8 +354,12 @@ class CaseJudge:
             return (f"its process used {busy_s * 1e3:.0f} ms of CPU in the "
                     f"{IDLE_WINDOW_S * 1e3:.0f} ms after its last timed call returned: work "
                     "still running after run() returned is not in its time")
-        if (self.threads is not None and self.device == "cpu"
-                and cpu_s > CORES_SLACK * self.threads * envelope_s + CPU_READ_SLACK_S):
+        counted = self.threads is not None and self.device == "cpu"
+        if counted and gone:
+            return (f"{len(gone)} process(es) of the implementation ended during its "
+                    "timing: the CPU they used then cannot be counted against the threads "
+                    "the run grants")
+        if counted and cpu_s > CORES_SLACK * self.threads * envelope_s + CPU_READ_SLACK_S:
             return (f"its process used {cpu_s:.3g} s of CPU in the {envelope_s:.3g} s the "
                     f"timing took ({cpu_s / envelope_s:.1f} cores): more than the "
                     f"{self.threads} thread(s) the run grants every implementation")
@@ -443,12 +452,20 @@ def kv_calls(rng: random.Random, first_calls: int, most: int = MOST_KV_CALLS) ->
     return sorted(calls)
 
 
-def _own_cpu_seconds() -> float:
-    """CPU seconds (user + system) of this process so far."""
+def _own_cpu_seconds() -> CpuReading:
+    """The :data:`CpuReading` of this process alone (user + system)."""
     times = os.times()
-    return times.user + times.system
+    return {os.getpid(): times.user + times.system}
 
 
-__all__ = ["CORES_SLACK", "CPU_READ_SLACK_S", "IDLE_CPU_SHARE", "IDLE_WINDOW_S", "JUDGED", "MOST_KV_CALLS", "REPLAYED_METHODS",
-           "CaseJudge", "DeviceTruth", "Refused", "Reservoir", "Truth", "Verdict",
+def _cpu_used(before: CpuReading, after: CpuReading) -> tuple[float, list[Hashable]]:
+    """CPU seconds used between two readings by the processes of the second (those it
+    adds, all they used), and the processes of the first gone from the second (what they
+    used in between is unknown: never a credit)."""
+    return (sum(seconds - before.get(key, 0.0) for key, seconds in after.items()),
+            [key for key in before if key not in after])
+
+
+__all__ = ["CORES_SLACK", "CPU_READ_SLACK_S", "IDLE_CPU_SHARE", "IDLE_WINDOW_S", "JUDGED",
+           "MOST_KV_CALLS", "REPLAYED_METHODS", "CaseJudge", "CpuReading", "DeviceTruth", "Refused", "Reservoir", "Truth", "Verdict",
            "cu_seqlens_q", "describe_exception", "harness_fault", "judged_here", "kv_calls"]

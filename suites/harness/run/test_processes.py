@@ -1,5 +1,5 @@
-"""A process's CPU time counts its descendants': a grandchild still running, and a child
-once waited for (Linux ``/proc``)."""
+"""A process's CPU time counts its descendants', process by process: a grandchild still
+running, and a child once waited for (Linux ``/proc``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from pagedbench.harness.run.processes import process_cpu_seconds
+from pagedbench.harness.run.processes import tree_cpu_seconds
 
 #: A child that starts a grandchild burning ``BURN_S`` of CPU, says so once it is done, and
 #: waits on its standard input with the grandchild still there.
@@ -28,16 +28,22 @@ grandchild.wait()
 """
 
 
+def _total(pid: int) -> float:
+    return sum(tree_cpu_seconds(pid).values())
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
 def test_descendants_count_while_they_run_and_once_waited_for() -> None:
-    before = process_cpu_seconds(os.getpid())
+    before = _total(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", BURNER], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)
     child.stdout.readline()  # the grandchild has burned its CPU and is still alive
-    running = process_cpu_seconds(os.getpid()) - before
+    tree = tree_cpu_seconds(os.getpid())
+    running = sum(tree.values()) - before
+    assert len({pid for pid, _ in tree} & {os.getpid(), child.pid}) == 2 and len(tree) >= 3
     child.stdin.close()
     child.wait()
-    waited = process_cpu_seconds(os.getpid()) - before
+    waited = _total(os.getpid()) - before
     assert running >= BURN_S - 0.02, running  # two clock ticks of reading
     assert waited >= running - 0.02, (running, waited)
-    assert process_cpu_seconds(child.pid) == 0.0  # gone: nothing to read
+    assert tree_cpu_seconds(child.pid) == {}  # gone: nothing to read

@@ -210,7 +210,7 @@ def test_a_cpu_timing_that_used_more_cores_than_its_threads_is_refused(
     0.2 s with 2 threads is 5 cores, refused; 0.2 s with 1 thread and 0.45 s with 2 are
     within."""
     used = [0.0]
-    monkeypatch.setattr(judging, "_own_cpu_seconds", lambda: used[0])
+    monkeypatch.setattr(judging, "_own_cpu_seconds", lambda: {"worker": used[0]})
 
     def timer(call, before, after, case, copy) -> Timing:
         timing = _every_call_timed(call, before, after, case, copy)
@@ -224,6 +224,22 @@ def test_a_cpu_timing_that_used_more_cores_than_its_threads_is_refused(
             verdict.reason
     else:
         assert verdict.status is Status.PASS, verdict.reason
+
+
+@pytest.mark.parametrize("readings", [
+    # A helper alive at the start, gone at the end: its 3 s before the timing are no credit.
+    [{"worker": 0.0, "helper": 3.0}, {"worker": 0.4}],
+    # A helper that used 0.1 s in the timing, then ended: refused, however little it used.
+    [{"worker": 0.0, "helper": 0.0}, {"worker": 0.1}]], ids=["credit", "ended"])
+def test_a_process_that_ends_during_a_cpu_timing_is_refused(monkeypatch, readings) -> None:
+    """Each process's CPU counts from the first reading it is in; one that ended is
+    refused, so that a descendant reaped where no one counts it cannot hide the cores it
+    used, nor its past CPU offset the worker's."""
+    clock = iter(readings + [readings[-1]] * 8)
+    monkeypatch.setattr(judging, "_own_cpu_seconds", lambda: next(clock))
+    verdict = check(PagedKernel(), CASE, "cpu", timer=_every_call_timed, samples=4, threads=1)
+    assert (verdict.status, verdict.step) == (Status.FAIL, "timing"), verdict.reason
+    assert "1 process(es) of the implementation ended during its timing" in verdict.reason
 
 
 def _every_call_timed(call, before, after, case, copy) -> Timing:
