@@ -44,9 +44,11 @@ def test_timing_cheats_fail_step_timing_and_are_never_ranked(tmp_path) -> None:
             assert (record.status, record.step) == (Status.FAIL, "timing"), (impl, record.reason)
             # A judged call's stale output, an output whose work waits until it is read,
             # or (a thread queued earlier may happen to compute on the new inputs in
-            # time) the CPU it still used after the timing.
+            # time) the CPU it used beside the timed calls or still used after them:
+            # which one comes first depends on how the host schedules that thread.
             assert ("run on new inputs written into its buffers" in record.reason
                     or "not a torch.Tensor: a tensor subclass" in record.reason
+                    or "more than the 1 thread(s) the run grants" in record.reason
                     or "work still running after run() returned" in record.reason), \
                 record.reason
             assert record.time_ms is None and not ranked(record)
