@@ -9,55 +9,67 @@ import os
 import signal
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NamedTuple
 
 
-def tree_cpu_seconds(pid: int | None) -> dict[tuple[int, int], float]:
-    """CPU seconds (user + system, all threads) used by process ``pid`` and by each of its
-    descendants (a zombie included): each one's own and what its children it has waited
-    for used (``/proc/<pid>/stat`` fields 14-17), keyed by ``(pid, start time in clock
-    ticks)`` so that a reused pid is another process. Linux; empty where ``/proc`` cannot
-    be read, so a check built on it passes there."""
-    if pid is None:
-        return {}
-    children: dict[int, list[int]] = {}
-    used: dict[int, tuple[int, int]] = {}
+class _Stat(NamedTuple):
+    """What this module reads of ``/proc/<pid>/stat`` (fields 3, 4, 14-17 and 22)."""
+
+    state: str
+    ppid: int
+    ticks: int  # user + system CPU, its own and its waited-for children's, in clock ticks
+    started: int  # clock ticks after boot
+
+
+def _stats() -> dict[int, _Stat]:
+    """Every process ``/proc`` shows (empty where it cannot be read)."""
+    found = {}
     for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
         if not proc.name.isdigit():
             continue
         try:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            found[int(proc.name)] = _Stat(fields[0], int(fields[1]),
+                                          sum(int(t) for t in fields[11:15]), int(fields[19]))
+        except (OSError, IndexError, ValueError):
             continue
-        used[int(proc.name)] = (int(fields[19]), sum(int(t) for t in fields[11:15]))
-        children.setdefault(int(fields[1]), []).append(int(proc.name))
-    tick = os.sysconf("SC_CLK_TCK")
-    found, todo = {}, [pid] if pid in used else []
+    return found
+
+
+def _tree(stats: dict[int, _Stat], pid: int, *, zombies: bool) -> list[int]:
+    """``pid`` (when listed) and its descendants in ``stats``; a zombie's only with
+    ``zombies``."""
+    children: dict[int, list[int]] = {}
+    for child, stat in stats.items():
+        if zombies or stat.state != "Z":
+            children.setdefault(stat.ppid, []).append(child)
+    found, todo = [], [pid] if pid in stats else []
     while todo:
         here = todo.pop()
-        started, ticks = used[here]
-        found[(here, started)] = ticks / tick
-        todo.extend(child for child in children.get(here, ()) if child in used)
+        found.append(here)
+        todo.extend(children.get(here, ()))
     return found
+
+
+def tree_cpu_seconds(pid: int | None) -> dict[tuple[int, int], float]:
+    """CPU seconds (user + system, all threads) used by process ``pid`` and by each of its
+    descendants (a zombie included): each one's own and what its children it has waited
+    for used, keyed by ``(pid, start time in clock ticks)`` so that a reused pid is another
+    process. Linux; empty where ``/proc`` cannot be read, so a check built on it passes
+    there."""
+    if pid is None:
+        return {}
+    stats, tick = _stats(), os.sysconf("SC_CLK_TCK")
+    return {(p, stats[p].started): stats[p].ticks / tick
+            for p in _tree(stats, pid, zombies=True)}
 
 
 def descendants(pid: int) -> list[int]:
     """Live (not zombie) descendants of ``pid``, from ``/proc`` (Linux; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not proc.name.isdigit():
-            continue
-        try:
-            state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-        except (OSError, ValueError):
-            continue
-        if state != "Z":
-            children.setdefault(int(ppid), []).append(int(proc.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            found.append(child)
-            todo.append(child)
-    return found
+    stats = _stats()
+    if pid not in stats:  # gone: its children are reparented
+        return []
+    return _tree(stats, pid, zombies=False)[1:]
 
 
 def kill_all(pids: Iterable[int]) -> None:

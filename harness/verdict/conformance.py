@@ -183,19 +183,19 @@ def timed(adapter: Adapter, prepared: Any, inputs: PagedInputs, plan: TimeIt,
           timer: Timer, *, returns_lse: bool = False, poison: str = "nan",
           drawn: tuple[torch.Tensor, torch.Tensor] | None = None) -> Timed:
     """Time ``adapter.run(prepared)`` (and ``adapter.lse(prepared)`` with ``returns_lse``:
-    an LSE is part of the call's work) with ``timer``. With ``plan.seed``, before each
-    call ``k`` the timer makes, write that call's new inputs into ``inputs``' own tensors
+    an LSE is part of the call's work) with ``timer``. With ``plan.seed``, before each call
+    ``k`` the timer makes, write that call's new inputs into ``inputs``' own tensors
     (:class:`~pagedbench.reference.refresh.TimedInputs`: Q, and K and V before
-    ``plan.kv_calls``); after it, refuse an output that is not a plain ``torch.Tensor``
-    or a torch function or dispatch mode left active (either could defer the work until
-    the output is read), a trace or profile function other than :data:`HOOKS_BEFORE`, or
+    ``plan.kv_calls``); after it, refuse an output that is not a plain ``torch.Tensor`` or a
+    torch function or dispatch mode left active (either could defer the work until the
+    output is read), a trace or profile function other than :data:`HOOKS_BEFORE`, or
     ``inputs``' Q and cache other than the tensors ``drawn`` (either could run the work
-    while the new inputs are written), or torch's intra-op thread count other than the
-    one the timer set before call 0 (more cores than the run grants), and keep a copy of the outputs of the calls
-    :class:`~.judging.Reservoir` draws: what the judge checks. A timer that rotates input
-    copies (CUDA graph replay) gets more calls from ``copy()``, each prepared on inputs of
-    its own (of ``poison``). What a timed call raises is :attr:`~.messages.Timed.error`;
-    the refusal, :attr:`~.messages.Timed.refused`."""
+    while the new inputs are written), or torch's intra-op thread count other than the one
+    the timer set before call 0 (more cores than the run grants), and keep a copy of the
+    outputs of the calls :class:`~.judging.Reservoir` draws: what the judge checks. A timer
+    that rotates input copies (CUDA graph replay) gets more calls from ``copy()``, each
+    prepared on inputs of its own (of ``poison``). What a timed call raises is
+    :attr:`~.messages.Timed.error`; the refusal, :attr:`~.messages.Timed.refused`."""
     refreshed, threads = [0], [0]
     device = inputs.device
     fresh = (None if plan.seed is None

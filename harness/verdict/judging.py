@@ -467,5 +467,6 @@ def _cpu_used(before: CpuReading, after: CpuReading) -> tuple[float, list[Hashab
 
 
 __all__ = ["CORES_SLACK", "CPU_READ_SLACK_S", "IDLE_CPU_SHARE", "IDLE_WINDOW_S", "JUDGED",
-           "MOST_KV_CALLS", "REPLAYED_METHODS", "CaseJudge", "CpuReading", "DeviceTruth", "Refused", "Reservoir", "Truth", "Verdict",
-           "cu_seqlens_q", "describe_exception", "harness_fault", "judged_here", "kv_calls"]
+           "MOST_KV_CALLS", "REPLAYED_METHODS", "CaseJudge", "CpuReading", "DeviceTruth",
+           "Refused", "Reservoir", "Truth", "Verdict", "cu_seqlens_q", "describe_exception",
+           "harness_fault", "judged_here", "kv_calls"]

@@ -201,21 +201,27 @@ def test_work_outside_the_timed_call_or_more_threads_are_refused(kernel, words) 
     assert words in verdict.reason, verdict.reason
 
 
-@pytest.mark.parametrize("cpu_s, threads, refused", [
-    (1.0, 2, True), (0.2, 1, False), (0.45, 2, False)])
+@pytest.mark.parametrize("cores, threads, refused", [
+    (5.0, 2, True), (1.0, 1, False), (2.0, 2, False)])
 def test_a_cpu_timing_that_used_more_cores_than_its_threads_is_refused(
-        monkeypatch, cpu_s, threads, refused) -> None:
-    """The CPU the implementation's process used over the timing's wall time (0.2 s
-    here) is at most its threads, a tenth more and a few clock ticks' reading: 1 s in
-    0.2 s with 2 threads is 5 cores, refused; 0.2 s with 1 thread and 0.45 s with 2 are
-    within."""
+        monkeypatch, cores, threads, refused) -> None:
+    """The CPU the implementation's process used over the timing's wall time is at most its
+    threads, a tenth more and a few clock ticks' reading: 5 cores with 2 threads is
+    refused; 1 core with 1 thread and 2 with 2 are within. The fake process reports
+    ``cores`` times the wall time since the judge's first reading, whatever the host's
+    speed."""
+    began: list[float] = []
     used = [0.0]
-    monkeypatch.setattr(judging, "_own_cpu_seconds", lambda: {"worker": used[0]})
+
+    def reading() -> dict[str, float]:
+        began[:] = began or [time.monotonic()]
+        return {"worker": used[0]}
+    monkeypatch.setattr(judging, "_own_cpu_seconds", reading)
 
     def timer(call, before, after, case, copy) -> Timing:
         timing = _every_call_timed(call, before, after, case, copy)
         time.sleep(0.2)
-        used[0] += cpu_s
+        used[0] = cores * (time.monotonic() - began[0])
         return timing
     verdict = check(PagedKernel(), CASE, "cpu", timer=timer, samples=4, threads=threads)
     if refused:
