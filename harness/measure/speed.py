@@ -66,7 +66,7 @@ class Thresholds:
                                       f"an integer >= {low}")
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.StrEnum):
     """What happened to one point between the baseline and the current run; the order is
     the order of the report."""
 
@@ -79,9 +79,6 @@ class Outcome(str, enum.Enum):
     UNTIMED = "untimed"
     STILL_FAILING = "still failing"
     NO_VERDICT = "no verdict"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def fails_gate(self) -> bool:

@@ -61,8 +61,8 @@ PARTIES = (IMPL, HARNESS)
 #: that forks while it is killed leaves a child for the next round).
 KILL_ROUNDS = 20
 #: Keeps the current folder off the worker's module path (``-m`` puts it first, so a
-#: ``selectors.py`` there would run in the worker); ``-P`` is Python 3.11's.
-SAFE_PATH = ("-P",) if sys.version_info >= (3, 11) else ()
+#: ``selectors.py`` there would run in the worker).
+SAFE_PATH = ("-P",)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import enum
 from collections.abc import Iterable
 
 
-class Status(str, enum.Enum):
+class Status(enum.StrEnum):
     """Outcome of one (implementation, case); the order of definition is the order of
     report columns."""
 
@@ -31,9 +31,6 @@ class Status(str, enum.Enum):
     HARNESS_ERROR = "harness-error"
     UNSUPPORTED = "unsupported"
     UNAVAILABLE = "unavailable"
-
-    def __str__(self) -> str:
-        return self.value
 
     @property
     def meaning(self) -> str:

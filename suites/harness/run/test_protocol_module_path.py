@@ -4,7 +4,6 @@ start with ``-P`` (Python 3.11+)."""
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 
@@ -18,7 +17,6 @@ raise SystemExit("a planted module ran")
 """
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="-P is Python 3.11's")
 @pytest.mark.parametrize("module", ["selectors", "json"])
 def test_a_module_in_the_current_folder_never_runs_in_a_worker(tmp_path, monkeypatch,
                                                                module) -> None:
