@@ -70,24 +70,6 @@ def mask_overflows(case: PagedCase) -> list[str]:
     return []
 
 
-#: Largest ``|logit_offset|`` of a float16 case on the CPU (:func:`packed_flash_fp16`).
-FP16_CPU_LOGIT_OFFSET_LIMIT = 3e3
-
-
-def packed_flash_fp16(case: PagedCase, device: str) -> list[str]:
-    """Why a float16 case with logits near 1e4 is not taken on the CPU: torch's CPU flash
-    SDPA kernel over the packed batch gives a row an error that depends on the other rows
-    of the call (found by the search: 2.25x the allowance with four rows, within it for
-    the row alone or with the math backend; docs/findings.md, open). Offsets up to
-    :data:`FP16_CPU_LOGIT_OFFSET_LIMIT` stay within a third of the allowance."""
-    if (torch.device(device).type == "cpu" and case.dtype == "float16" and case.batch_size > 1
-            and abs(case.logit_offset) > FP16_CPU_LOGIT_OFFSET_LIMIT):
-        return [f"logit_offset {case.logit_offset:g} in float16 with {case.batch_size} "
-                "sequences on the CPU: torch's flash SDPA over the packed batch loses "
-                "precision there (docs/findings.md)"]
-    return []
-
-
 class TransformersPaged(Adapter):
     """transformers' continuous-batching attention over its ``PagedAttentionCache``."""
 
@@ -113,10 +95,8 @@ class TransformersPaged(Adapter):
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
         """Also: logits that may spread over more than the mask's magnitude
-        (:func:`mask_overflows`), and float16 logits near 1e4 on the CPU
-        (:func:`packed_flash_fp16`)."""
-        return (super().why_unsupported(case, device) + mask_overflows(case)
-                + packed_flash_fp16(case, device))
+        (:func:`mask_overflows`)."""
+        return super().why_unsupported(case, device) + mask_overflows(case)
 
     def available(self, device: str = "cpu") -> Availability:
         device_type = torch.device(device).type

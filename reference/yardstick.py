@@ -25,8 +25,8 @@ The arithmetic, per sequence and query row (a scalar kernel's):
 
 The yardstick is the larger error of :data:`YARDSTICK_ORDERS` (:func:`yardstick_attention`).
 Beside it, :func:`logit_rounding` gives what float32 rounding of the logits typically does
-to each output element, which two yardstick draws do not always cover in float32 when the
-logits are large.
+to each output element, which two yardstick draws do not always cover when the logits
+are large (in float32, and in float16 and bfloat16 near 1e4).
 """
 
 from __future__ import annotations

@@ -308,16 +308,6 @@ ROWS += [
         "cause": "the decode's ALiBi bias is -slope * (kv_len - j) (_fwd_grouped_split_kernel in pagedattention.py), one slope below the distance kv_len - 1 - j that its prefill (-|j - i| * slope, flashattention.py) and the reference use; softmax cancels a shift shared by every key, but the sink's logit does not share it; declared: alibi with sinks unsupported",
     },
     {
-        "impl": "lmdeploy-decode",
-        "version": "0.18.0",
-        "build": "*",
-        "isa": "interpreter-avx512-bf16",
-        "probe": "fp16-far-logits",
-        "outcome": "fault",
-        "smallest_case": "hyp-fp16-d192-bs64-h1x1-b3-kv38-off+10000 (kv_lens (38, 38, 38), seed 186): sequence 1 off by 7.6 ulps, 1.08x its allowance",
-        "cause": "open: float16 with logits near 1e4 only (four seeds: 1.2x at +-1e4, 0.55x at 3e3, 0.26x at 1e3; float32 0.27x); declared: float16 with |logit_offset| > 3e3 unsupported",
-    },
-    {
         "impl": "transformers-paged",
         "version": "5.19.0",
         "build": "*",
@@ -336,16 +326,6 @@ ROWS += [
         "outcome": "fault",
         "smallest_case": "kv_lens (1, 1), 1/1 head, head_dim 16, block 16, float16, sm_scale 10: sequence 0's logit 0, its query against sequence 1's key 70000: row 0 returns sequence 1's V",
         "cause": "continuous batching packs every request into one SDPA call and masks with finfo(dtype).min added to the float32 logits (build_attention_mask in generation/continuous_batching/utils.py): a masked key (another request's, or a later one) whose logit exceeds a visible one by more than 65504 (float16) still wins; declared: float16 cases whose logits can spread that far unsupported",
-    },
-    {
-        "impl": "transformers-paged",
-        "version": "5.19.0",
-        "build": "*",
-        "isa": "cpu-avx512-bf16",
-        "probe": "packed-flash-fp16",
-        "outcome": "fault",
-        "smallest_case": "hyp-fp16-d192-bs8-h2x2-b4-kv1..128-scale0.2-off+10000 (kv_lens (1, 1, 7, 128), seed 372): sequence 2 off by 13 ulps, 2.25x its allowance",
-        "cause": "open: torch's CPU flash SDPA kernel over the packed batch gives a row an error that depends on the other rows of the call (the row alone 0.35x, per sequence 0.53x, math backend within); declared: float16 with |logit_offset| > 3e3 and 2+ sequences unsupported on the CPU",
     },
 ]
 

@@ -3,7 +3,7 @@
 An output at dtype T passes when every element ``e`` of every sequence ``i`` satisfies
 
     |out_e - truth_e| <= ERROR_RATIO * yardstick_i + ULP_FLOOR[T] * ulp_T(max(|truth_e|, rms_i))
-                         + logit_rounding_e  (float32)
+                         + logit_rounding_e
 
 - ``truth``: float64 dense attention on the same (already rounded) inputs;
 - ``yardstick_i``: the largest error on sequence ``i`` of naive attention at T with its
@@ -23,12 +23,13 @@ An output at dtype T passes when every element ``e`` of every sequence ``i`` sat
   elements near zero get an absolute floor at the sequence's scale. It plays the part of
   FlashAttention-3's dtype-scaled ``fwd_atol = 2 * |(ref + 0.3) - 0.3 - ref|``
   (``hopper/test_flash_attn.py``) without vanishing for large outputs;
-- ``logit_rounding_e``, float32 only: what float32 rounding of the logits typically does
-  to element ``e`` (:func:`~pagedbench.reference.logit_rounding`, three standard
-  deviations): about 0 unless the logits are large and the softmax spread, where the
-  yardstick's two draws of that rounding and a correct kernel's third are random draws,
-  and the third can fall outside twice the larger (docs/tolerance.md, "Large logits"). In
-  float16 and bfloat16 the output's rounding dominates and no term is added;
+- ``logit_rounding_e``: what float32 rounding of the logits typically does to element
+  ``e`` (:func:`~pagedbench.reference.logit_rounding`, three standard deviations): about 0
+  unless the logits are large and the softmax spread, where the yardstick's two draws of
+  that rounding and a correct kernel's third are random draws, and the third can fall
+  outside twice the larger (docs/tolerance.md, "Large logits"). Every dtype gets it: a
+  16-bit case's logits are float32 too, and near 1e4 their rounding outweighs the
+  output's;
 - any NaN or Inf in the output fails; wrong shape or dtype fails before any value.
 
 Errors are also reported in ulps of T at the same magnitude: the largest, and the mean
@@ -66,8 +67,8 @@ _FORMAT = {"float32": (23, -126), "float16": (10, -14), "bfloat16": (7, -126)}
 class Expected:
     """What an output of one case is judged against, each ``Tensor[total_q, num_q_heads,
     v_head_dim]`` on the CPU: ``truth`` (float64), ``naive`` (the yardstick, case dtype) and
-    ``logit_rounding`` (float64, :func:`~pagedbench.reference.logit_rounding`, float32
-    cases only; None adds nothing); for an implementation that returns its log-sum-exp,
+    ``logit_rounding`` (float64, :func:`~pagedbench.reference.logit_rounding`; None adds
+    nothing); for an implementation that returns its log-sum-exp,
     ``lse`` and ``lse_scale`` (``Tensor[total_q, num_q_heads]``, float64,
     :func:`~pagedbench.reference.lse.reference_lse`; None otherwise)."""
 
@@ -87,7 +88,7 @@ class Expected:
         in the case dtype); ``with_lse``: the log-sum-exp's truth too."""
         there = inputs if where_they_are else inputs.to("cpu")
         truth = reference_attention(there)
-        rounding = logit_rounding(there, truth).cpu() if there.case.dtype == "float32" else None
+        rounding = logit_rounding(there, truth).cpu()
         lse, lse_scale = reference_lse(there) if with_lse else (None, None)
         return cls(truth.cpu(), yardstick_attention(there, truth, logits_precision).cpu(),
                    rounding, lse, lse_scale)

@@ -7,10 +7,10 @@ runs in ``<cache_dir>/truth/<key>.npz``: plain numpy arrays, read with
 ``allow_pickle=False`` from a regular file only (a folder, FIFO or symlink there is
 unusable, never waited on), so a planted file can never execute code (``torch.load`` is
 not used, whatever ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says). The key is a SHA-256 over
-the case, the source of ``reference/`` and the torch version; the file stores the key, the
-shapes and an HMAC-SHA256 of its arrays under a secret of the cache folder
-(``<cache_dir>/truth/.key``, mode 0600, made by the judging process, never named to a
-worker), so a file that is corrupt, truncated, of another case, of another reference or
+the case, the source of ``reference/`` and of the tolerance policy, and the torch
+version; the file stores the key, the shapes and an HMAC-SHA256 of its arrays under a
+secret of the cache folder (``<cache_dir>/truth/.key``, mode 0600, made by the judging
+process, never named to a worker), so a file that is corrupt, truncated, of another case, of another reference or
 written by anyone without the secret is detected, recomputed and replaced (atomically),
 with a warning, never fatal; a file that cannot be replaced is left and the truth used
 uncached.
@@ -53,6 +53,8 @@ from pagedbench.reference.refresh import TimedInputs
 from pagedbench.harness.verdict.tolerance import Expected
 
 _REFERENCE_DIR = Path(__file__).resolve().parents[2] / "reference"
+#: What :meth:`Expected.of` computes is decided here, beside the reference.
+_POLICY_SOURCE = Path(__file__).resolve().with_name("tolerance.py")
 TRUTH_SITES = ("host", "device")
 #: Share of the host's physical memory a host truth may take: the parent, the worker
 #: and whatever else runs there share the rest.
@@ -135,7 +137,8 @@ def compute_truth(case: PagedCase, logits_precision: str = "float32", *,
 def cache_key(case: PagedCase, logits_precision: str = "float32", *, with_lse: bool = False,
               timed_call: TimedCall | None = None) -> str:
     """SHA-256 (hex) of the case, the yardstick's logits precision, whether the LSE is
-    held, the timed call, the reference's source and the torch version."""
+    held, the timed call, the source of the reference and of the tolerance policy, and the
+    torch version."""
     digest = hashlib.sha256(json.dumps(case.to_dict(), sort_keys=True).encode())
     digest.update(logits_precision.encode())
     if with_lse:
@@ -143,7 +146,7 @@ def cache_key(case: PagedCase, logits_precision: str = "float32", *, with_lse: b
     if timed_call is not None:
         digest.update(f"timed_call={timed_call[0]},{timed_call[1]},"
                       f"{sorted(timed_call[2])}".encode())
-    for source in sorted(_REFERENCE_DIR.glob("*.py")):
+    for source in (*sorted(_REFERENCE_DIR.glob("*.py")), _POLICY_SOURCE):
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     return digest.hexdigest()
@@ -236,9 +239,8 @@ def _load(path: Path, case: PagedCase, key: str, secret: bytes,
         raise ValueError(f"stored key {stored_key[:12]}... is not this case's {key[:12]}...")
     if not hmac.compare_digest(stored_mac, _mac(secret, key, arrays)):
         raise ValueError("its HMAC does not match its values (not written by this cache)")
-    wanted = {"truth": (np.float64, shape), "naive": (np.float32, shape)}
-    if case.dtype == "float32":  # the policy's logit-rounding term is float32's only
-        wanted["logit_rounding"] = (np.float64, shape)
+    wanted = dict.fromkeys(("truth", "logit_rounding"), (np.float64, shape))
+    wanted["naive"] = (np.float32, shape)
     if with_lse:
         wanted |= dict.fromkeys(("lse", "lse_scale"), (np.float64, shape[:2]))
     if set(arrays) - {"q"} != set(wanted):

@@ -110,10 +110,10 @@ def test_declared_limits_are_unsupported_with_the_reason() -> None:
         "alibi with sinks": base.with_(alibi=True, sinks=True),
         "block_size 8 not supported": base.with_(block_size=8),
         "head_dim 8 not supported": base.with_(head_dim=8),
-        "logits near 1e4": base.with_(dtype="float16", logit_offset=1e4),
     }
     for expected, case in reasons.items():
         assert any(expected in r for r in adapter.why_unsupported(case, DEVICE)), expected
+    assert adapter.why_unsupported(base.with_(dtype="float16", logit_offset=1e4), DEVICE) == []
     if adapter.is_interpreted(DEVICE):
         assert any("libdevice" in r for r in
                    adapter.why_unsupported(base.with_(logits_soft_cap=30.0), DEVICE))
@@ -132,17 +132,14 @@ def test_alibi_with_sinks_really_deviates(pytestconfig, monkeypatch) -> None:
     peer_findings.expect(key, outcome, error, case.case_id, pytestconfig.rootpath)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-def test_fp16_far_logits_really_deviate(pytestconfig, monkeypatch) -> None:
-    """The search's case, run past the declaration: held to the table (open finding)."""
+def test_fp16_logits_near_1e4_pass() -> None:
+    """Float16 logits near 1e4, a case of the search (1.08x the allowance without the
+    logits' float32 rounding term): taken, and passed."""
     adapter = _decode()
-    monkeypatch.setattr(type(adapter), "why_unsupported", Adapter.why_unsupported)
     case = PagedCase(kv_lens=(38, 38, 38), num_q_heads=1, num_kv_heads=1, head_dim=192,
                      block_size=64, dtype="float16", logit_offset=1e4, seed=186, name="hyp")
-    outcome, error = peer_findings.observe(
-        lambda: replay.check(adapter, case, DEVICE, adapter.name))
-    key = peer_findings.combination(adapter, DEVICE) + ("fp16-far-logits",)
-    peer_findings.expect(key, outcome, error, case.case_id, pytestconfig.rootpath)
+    assert adapter.why_unsupported(case, DEVICE) == []
+    assert replay.check(adapter, case, DEVICE, adapter.name).comparison.err_over_allowance < 0.5
 
 
 def test_prefill_says_why_it_cannot_run_here() -> None:

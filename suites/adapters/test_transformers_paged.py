@@ -16,10 +16,7 @@ from pagedbench.suites import peer_findings
 
 pytest.importorskip("transformers.generation.continuous_batching.cache")
 
-from pagedbench.adapters.transformers_paged import (  # noqa: E402
-    FP16_CPU_LOGIT_OFFSET_LIMIT,
-    TransformersPaged,
-)
+from pagedbench.adapters.transformers_paged import TransformersPaged  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -56,17 +53,13 @@ def test_cache_holds_each_sequence_through_its_block_table(adapter) -> None:
 def test_declared_limits_are_unsupported_with_the_reason(adapter) -> None:
     base = PagedCase(kv_lens=(3, 9), num_q_heads=2, num_kv_heads=1, head_dim=64, block_size=16,
                      dtype="float16")
-    offset = 2 * FP16_CPU_LOGIT_OFFSET_LIMIT
     reasons = {
         "feature 'sliding_window'": base.with_(sliding_window=4),
         "feature 'sinks'": base.with_(sinks=True),
         "transformers' packed mask adds -65504": base.with_(qk_magnitude=300.0),
-        "flash SDPA over the packed batch": base.with_(logit_offset=offset),
     }
     for expected, case in reasons.items():
         assert any(expected in r for r in adapter.why_unsupported(case, "cpu")), expected
-    assert adapter.why_unsupported(base.with_(logit_offset=offset, dtype="bfloat16"), "cpu") == []
-    assert adapter.why_unsupported(base.with_(logit_offset=offset, kv_lens=(9,)), "cpu") == []
 
 
 def test_packed_mask_overflow_really_deviates(pytestconfig, monkeypatch) -> None:
@@ -95,12 +88,11 @@ def test_packed_mask_overflow_really_deviates(pytestconfig, monkeypatch) -> None
     peer_findings.expect(key, outcome, error, case.case_id, pytestconfig.rootpath)
 
 
-def test_packed_flash_fp16_really_deviates(pytestconfig, monkeypatch) -> None:
-    """The search's case, run past the declaration: held to the table (open finding)."""
-    adapter = _unchecked(monkeypatch)
+def test_fp16_logits_near_1e4_pass(adapter) -> None:
+    """Float16 logits near 1e4, a case of the search (2.25x the allowance without the
+    logits' float32 rounding term): taken, and passed."""
     case = PagedCase(kv_lens=(1, 1, 7, 128), num_q_heads=2, num_kv_heads=2, head_dim=192,
                      block_size=8, dtype="float16", sm_scale=0.2, logit_offset=1e4, seed=372,
                      name="hyp")
-    outcome, error = peer_findings.observe(lambda: replay.check(adapter, case, "cpu", "x"))
-    key = peer_findings.combination(adapter, "cpu") + ("packed-flash-fp16",)
-    peer_findings.expect(key, outcome, error, case.case_id, pytestconfig.rootpath)
+    assert adapter.why_unsupported(case, "cpu") == []
+    assert replay.check(adapter, case, "cpu", adapter.name).comparison.err_over_allowance < 0.5

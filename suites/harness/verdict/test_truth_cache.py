@@ -31,6 +31,7 @@ def _assert_is_the_truth(found) -> None:
     expected = _expected()
     assert torch.equal(found.truth, expected.truth)
     assert found.naive.dtype == torch.bfloat16 and torch.equal(found.naive, expected.naive)
+    assert torch.equal(found.logit_rounding, expected.logit_rounding)
 
 
 def test_a_cached_truth_is_read_back_exactly(tmp_path) -> None:
@@ -41,7 +42,6 @@ def test_a_cached_truth_is_read_back_exactly(tmp_path) -> None:
     _assert_is_the_truth(truth_for(CASE, tmp_path))
     _assert_is_the_truth(first)
     assert path.stat().st_mtime_ns == stamp  # read, not rewritten
-    assert first.logit_rounding is None  # bfloat16: no logit-rounding term
 
 
 def test_a_float32_truth_keeps_its_logit_rounding(tmp_path) -> None:
