@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
+from pagedbench.harness.run.confine import PR_SET_CHILD_SUBREAPER, confine
 from pagedbench.harness.run.processes import descendants, kill_all
 from pagedbench.harness.verdict.messages import (HARNESS, IMPL, Done, Entered, Message,
                                                  parse_message, party_of)
@@ -141,8 +142,8 @@ def _signal_name(returncode: int) -> str:
 
 #: How often the worker checks that its parent is alive (s).
 PARENT_POLL_S = 0.5
-#: ``prctl(2)`` options.
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+#: ``prctl(2)``'s option.
+PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -164,8 +165,9 @@ def die_with_parent(parent_pid: int) -> None:
 
 def worker_main(argv: list[str] | None = None) -> None:
     """The worker process: ``python -m pagedbench.harness.run.protocol --fd N --parent
-    PID --work MODULE:FUNCTION``, the job on standard input. Dies with its parent and
-    becomes a child subreaper before it imports anything heavy, then imports and runs
+    PID --work MODULE:FUNCTION``, the job on standard input. Dies with its parent, becomes
+    a child subreaper and confines itself (:mod:`.confine`: no process of its tree may
+    leave it) before it imports anything heavy, then imports and runs
     ``FUNCTION(job, channel)``, says ``done`` and waits to be killed (so that the parent
     finds every process it left), without running interpreter shutdown (a plug-in's
     threads or ``atexit`` hooks cannot hang it)."""
@@ -177,6 +179,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     die_with_parent(args.parent)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    confine()  # after the flag is set: from now on it cannot be cleared
     os.set_inheritable(args.fd, False)  # a subprocess a plug-in starts cannot write to it
     replies = os.fdopen(os.dup(0), "rb")  # not inheritable; fd 0 becomes /dev/null
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)

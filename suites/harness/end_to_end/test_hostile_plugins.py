@@ -36,6 +36,7 @@ EXPECTED = {
     "poisons-the-cache": ("fail", "compare", "exceeds its allowance"),
     "meta-output": ("error", "run", "its output cannot be read"),
     "refusing-subclass-output": ("error", "run", "its output cannot be read"),
+    "leaves-the-worker-tree": ("error", "prepare", "flag was refused"),
 }
 TARGETS = {
     "patches-compare": "PatchesCompare", "patches-expected-of": "PatchesExpectedOf",
@@ -44,6 +45,7 @@ TARGETS = {
     "forges-the-compare-step": "ForgesTheCompareStep", "alternates-items": "AlternatesItems",
     "changes-torch-state": "ChangesTorchState", "poisons-the-cache": "PoisonsTheCache",
     "meta-output": "MetaOutput", "refusing-subclass-output": "RefusingSubclassOutput",
+    "leaves-the-worker-tree": "LeavesTheWorkerTree",
 }
 FIGURES = ("status", "step", "max_abs_err", "max_err_ulps", "mean_err_ulps", "naive_abs_err",
            "err_over_allowance", "worst_index")

@@ -7,6 +7,7 @@ import by the loader), so that each class cheats alone although they share this 
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from pagedbench.adapters.torch_sdpa import TorchGather
+from pagedbench.harness.run.confine import PR_SET_CHILD_SUBREAPER
 
 
 class _Zeros(TorchGather):
@@ -215,3 +217,18 @@ class RefusingSubclassOutput(TorchGather):
 
     def run(self, prepared):
         return super().run(prepared).as_subclass(_Refuses)
+
+
+class LeavesTheWorkerTree(_Zeros):
+    """In ``prepare``, clears the worker's child-subreaper flag: the first step of moving a
+    helper process out of the worker's tree, where its CPU would not count in a timing
+    (then a double fork). The worker's filter refuses it, and the plug-in raises with the
+    error; were it allowed, the zeros would fail."""
+
+    name = "leaves-the-worker-tree"
+
+    def prepare(self, inputs):
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0):
+            raise PermissionError(ctypes.get_errno(), "clearing the worker's child-subreaper "
+                                                      "flag was refused")
+        return super().prepare(inputs)

@@ -1,0 +1,141 @@
+"""What a worker's processes may not do: leave the worker's process tree, or reach into
+another process. A seccomp filter (``seccomp(2)``, classic BPF) that the worker installs
+on itself before it imports an implementation; every process it starts inherits it.
+
+Refused with ``EPERM``:
+
+- ``prctl(PR_SET_CHILD_SUBREAPER, 0)``: the worker is its processes' subreaper, so that
+  every process they orphan stays its descendant, counted in the CPU of a timing
+  (``processes.tree_cpu_seconds``) and killed with it. Clearing the flag, then a double
+  fork, left a helper outside the tree that computed half of each timed call uncounted;
+- ``clone`` with ``CLONE_PARENT``: the child would be the worker's parent's, not its own;
+- ``ptrace``, ``process_vm_readv``, ``process_vm_writev``: another process's memory (the
+  judging parent's, where the kernel's ptrace policy lets the same user in).
+
+``clone3`` gets ``ENOSYS``: its flags sit in memory the filter cannot read, and the C
+library then falls back to ``clone`` (as container runtimes' default profiles rely on). A
+system call of another ABI (32-bit calls on x86-64, x32) is refused too. The filter exists
+for Linux on x86-64 and AArch64 (:data:`ARCHES`); elsewhere :func:`confine` installs
+nothing and says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import platform
+import struct
+import sys
+from collections.abc import Sequence
+
+#: ``prctl(2)`` options and ``clone(2)``'s flag.
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
+PR_SET_CHILD_SUBREAPER = 36
+CLONE_PARENT = 0x8000
+#: Per machine: the audit architecture, and the numbers of the system calls filtered
+#: (``prctl``, ``clone``, ``clone3``, ``ptrace``, ``process_vm_readv``,
+#: ``process_vm_writev``), from the kernel's ``unistd`` tables.
+ARCHES = {
+    "x86_64": (0xC000003E, {"prctl": 157, "clone": 56, "clone3": 435, "ptrace": 101,
+                            "process_vm_readv": 310, "process_vm_writev": 311}),
+    "aarch64": (0xC00000B7, {"prctl": 167, "clone": 220, "clone3": 435, "ptrace": 117,
+                             "process_vm_readv": 270, "process_vm_writev": 271}),
+}
+#: x86-64's x32 system calls carry this bit in their number.
+X32_SYSCALL_BIT = 0x40000000
+_ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
+# struct seccomp_data: nr at 0, arch at 4, args[i] at 16 + 8 i (low word first).
+_NR, _ARCH, _ARG0, _ARG1 = 0, 4, 16, 24
+_LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
+
+
+def _assemble(program: Sequence[tuple]) -> list[tuple[int, int, int, int]]:
+    """Classic BPF from ``("ld", offset)``, ``("jeq" | "jge" | "jset", k, then, else)``,
+    ``("ret", value)`` and ``("label", name)``; jump targets are labels, resolved to the
+    forward offsets ``sock_filter`` holds."""
+    where, count = {}, 0
+    for op in program:
+        if op[0] == "label":
+            where[op[1]] = count
+        else:
+            count += 1
+    out = []
+    for op in program:
+        kind = op[0]
+        if kind == "label":
+            continue
+        here = len(out)
+        if kind == "ld":
+            out.append((_LD, 0, 0, op[1]))
+        elif kind == "ret":
+            out.append((_RET, 0, 0, op[1]))
+        else:
+            code = {"jeq": _JEQ, "jge": _JGE, "jset": _JSET}[kind]
+            out.append((code, where[op[2]] - here - 1, where[op[3]] - here - 1, op[1]))
+    return out
+
+
+def program(machine: str) -> list[tuple[int, int, int, int]]:
+    """The filter for ``machine`` (a key of :data:`ARCHES`), as ``(code, jt, jf, k)``.
+
+    Raises
+    ------
+    KeyError
+        If ``machine`` is not in :data:`ARCHES`.
+    """
+    arch, nr = ARCHES[machine]
+    eperm, enosys = _ERRNO | errno.EPERM, _ERRNO | errno.ENOSYS
+    return _assemble([
+        ("ld", _ARCH), ("jeq", arch, "native", "eperm"),
+        ("label", "native"), ("ld", _NR), ("jge", X32_SYSCALL_BIT, "eperm", "prctl?"),
+        ("label", "prctl?"), ("jeq", nr["prctl"], "prctl", "clone?"),
+        ("label", "clone?"), ("jeq", nr["clone"], "clone", "clone3?"),
+        ("label", "clone3?"), ("jeq", nr["clone3"], "enosys", "ptrace?"),
+        ("label", "ptrace?"), ("jeq", nr["ptrace"], "eperm", "readv?"),
+        ("label", "readv?"), ("jeq", nr["process_vm_readv"], "eperm", "writev?"),
+        ("label", "writev?"), ("jeq", nr["process_vm_writev"], "eperm", "allow"),
+        ("label", "prctl"), ("ld", _ARG0), ("jeq", PR_SET_CHILD_SUBREAPER, "flag", "allow"),
+        ("label", "flag"), ("ld", _ARG1), ("jeq", 0, "eperm", "allow"),
+        ("label", "clone"), ("ld", _ARG0), ("jset", CLONE_PARENT, "eperm", "allow"),
+        ("label", "allow"), ("ret", _ALLOW),
+        ("label", "eperm"), ("ret", eperm),
+        ("label", "enosys"), ("ret", enosys),
+    ])
+
+
+def confine() -> str:
+    """Install the filter on this process (and so on every process it starts from now
+    on), with ``PR_SET_NO_NEW_PRIVS`` as an unprivileged filter needs; returns what was
+    done: ``"seccomp"``, or why nothing was (not Linux, another machine).
+
+    Raises
+    ------
+    OSError
+        If the kernel refuses either ``prctl`` (the worker then ends before it loads an
+        implementation, with this error as its crash's reason).
+    """
+    machine = platform.machine()
+    if not sys.platform.startswith("linux"):
+        return f"none: {sys.platform} is not Linux"
+    if machine not in ARCHES:
+        return f"none: no filter for {machine} (only {', '.join(ARCHES)})"
+    code = b"".join(struct.pack("=HBBI", *op) for op in program(machine))
+    filters = ctypes.create_string_buffer(code)
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(code) // 8, ctypes.addressof(filters))
+    libc = ctypes.CDLL(None, use_errno=True)
+    ulong = ctypes.c_ulong
+    for name, arguments in (("PR_SET_NO_NEW_PRIVS", (PR_SET_NO_NEW_PRIVS, ulong(1), ulong(0))),
+                            ("PR_SET_SECCOMP", (PR_SET_SECCOMP, ulong(SECCOMP_MODE_FILTER),
+                                                ctypes.byref(fprog)))):
+        if libc.prctl(*arguments, ulong(0), ulong(0)) != 0:  # the unused ones must be 0
+            number = ctypes.get_errno()
+            raise OSError(number, f"cannot confine the worker: prctl({name}) failed: "
+                                  f"{errno.errorcode.get(number, number)}")
+    return "seccomp"
+
+
+__all__ = ["ARCHES", "CLONE_PARENT", "PR_SET_CHILD_SUBREAPER", "confine", "program"]
