@@ -117,8 +117,9 @@ def confine() -> str:
     machine = platform.machine()
     if not sys.platform.startswith("linux"):
         return f"none: {sys.platform} is not Linux"
-    if machine not in ARCHES:
-        return f"none: no filter for {machine} (only {', '.join(ARCHES)})"
+    if machine not in ARCHES or struct.calcsize("P") != 8:
+        return (f"none: no filter for {machine} ({struct.calcsize('P') * 8}-bit Python; "
+                f"only 64-bit {', '.join(ARCHES)})")
     code = b"".join(struct.pack("=HBBI", *op) for op in program(machine))
     filters = ctypes.create_string_buffer(code)
 
@@ -126,12 +127,11 @@ def confine() -> str:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     fprog = SockFprog(len(code) // 8, ctypes.addressof(filters))
-    libc = ctypes.CDLL(None, use_errno=True)
-    ulong = ctypes.c_ulong
-    for name, arguments in (("PR_SET_NO_NEW_PRIVS", (PR_SET_NO_NEW_PRIVS, ulong(1), ulong(0))),
-                            ("PR_SET_SECCOMP", (PR_SET_SECCOMP, ulong(SECCOMP_MODE_FILTER),
-                                                ctypes.byref(fprog)))):
-        if libc.prctl(*arguments, ulong(0), ulong(0)) != 0:  # the unused ones must be 0
+    libc, ulong = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong
+    calls = {"PR_SET_NO_NEW_PRIVS": (PR_SET_NO_NEW_PRIVS, ulong(1), ulong(0)),
+             "PR_SET_SECCOMP": (PR_SET_SECCOMP, ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog))}
+    for name, arguments in calls.items():
+        if libc.prctl(*arguments, ulong(0), ulong(0)):  # prctl wants the unused ones 0
             number = ctypes.get_errno()
             raise OSError(number, f"cannot confine the worker: prctl({name}) failed: "
                                   f"{errno.errorcode.get(number, number)}")
