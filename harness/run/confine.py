@@ -1,6 +1,7 @@
 """What a worker's processes may not do: leave the worker's process tree, or reach into
 another process. A seccomp filter (``seccomp(2)``, classic BPF) that the worker installs
-on itself before it imports an implementation; every process it starts inherits it.
+on itself before it imports an implementation (:func:`confine`); every process it starts
+inherits it. The judging parent, for its part, is not dumpable (:func:`guard_parent`).
 
 Refused with ``EPERM``:
 
@@ -29,6 +30,7 @@ import sys
 from collections.abc import Sequence
 
 #: ``prctl(2)`` options and ``clone(2)``'s flag.
+PR_SET_DUMPABLE, PR_GET_DUMPABLE = 4, 3
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 PR_SET_CHILD_SUBREAPER = 36
 CLONE_PARENT = 0x8000
@@ -138,4 +140,18 @@ def confine() -> str:
     return "seccomp"
 
 
-__all__ = ["ARCHES", "CLONE_PARENT", "PR_SET_CHILD_SUBREAPER", "confine", "program"]
+def guard_parent() -> None:
+    """Make this process, the judge of the workers it starts, not dumpable
+    (``PR_SET_DUMPABLE`` 0; Linux only): a process of the same user without
+    ``CAP_SYS_PTRACE`` can then neither read nor write its memory (``/proc/<pid>/mem``,
+    which the worker's filter cannot refuse) nor take its descriptors (``pidfd_getfd``),
+    whatever the kernel's ptrace policy (``ptrace(2)``, "Ptrace access mode checking").
+    A worker is dumpable again: ``execve`` resets the flag. Idempotent."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, ctypes.c_ulong(0),
+                                                ctypes.c_ulong(0), ctypes.c_ulong(0),
+                                                ctypes.c_ulong(0))
+
+
+__all__ = ["ARCHES", "CLONE_PARENT", "PR_GET_DUMPABLE", "PR_SET_CHILD_SUBREAPER", "confine",
+           "guard_parent", "program"]

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
-from pagedbench.harness.run.confine import PR_SET_CHILD_SUBREAPER, confine
+from pagedbench.harness.run.confine import PR_SET_CHILD_SUBREAPER, confine, guard_parent
 from pagedbench.harness.run.processes import descendants, kill_all
 from pagedbench.harness.verdict.messages import (HARNESS, IMPL, Done, Entered, Message,
                                                  parse_message, party_of)
@@ -236,15 +236,17 @@ class Supervisor:
         self._cancelled = False
 
     def run(self, on_message: Callable[[Message], Answer | None]) -> Fault | None:
-        """Start the worker and pass every job message to ``on_message``; return ``None``
-        after ``done``, or the :class:`Fault` that ended it. The worker is killed (with
-        its descendants and process group) before this returns or raises.
+        """Start the worker (this process made not dumpable first: :func:`.guard_parent`)
+        and pass every job message to ``on_message``; return ``None`` after ``done``, or
+        the :class:`Fault` that ended it. The worker is killed (with its descendants and
+        process group) before this returns or raises.
 
         Raises
         ------
         Cancelled
             If :meth:`cancel` came first: no worker is started.
         """
+        guard_parent()
         read_fd, write_fd = os.pipe()
         try:
             with self._lock:

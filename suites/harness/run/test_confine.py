@@ -2,12 +2,14 @@
 classic-BPF interpreter for every machine it is written for, decides each system call as
 the module says; installed in a child process of this host, the kernel refuses what it
 refuses and lets threads, subprocesses, forks and torch work, and a process that
-double-forks out of a new session stays below the confined one."""
+double-forks out of a new session stays below the confined one. A guarded parent is not
+dumpable, and a child of the same user cannot write its memory."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -108,3 +110,34 @@ def test_a_confined_process_stays_in_its_tree_and_still_works() -> None:
         "subprocess": "7", "thread": [1], "orphan_parent_is_me": True,
         "torch": 256.0 ** 3,
     }
+
+
+#: Run in a child process: guard it, then let a child of its own try to write its memory
+#: through ``/proc/<pid>/mem``; print the dumpable flag before and after, and what the
+#: memory holds at the end.
+GUARDED = r"""
+import ctypes, json, os, subprocess, sys
+from pagedbench.harness.run.confine import PR_GET_DUMPABLE, guard_parent
+libc = ctypes.CDLL(None, use_errno=True)
+secret = ctypes.create_string_buffer(b"verdict=fail")
+before = libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
+guard_parent()
+writer = (f"with open('/proc/{os.getpid()}/mem', 'r+b', buffering=0) as f:\n"
+          f"    f.seek({ctypes.addressof(secret)}); f.write(b'verdict=pass')")
+wrote = subprocess.run([sys.executable, "-c", writer], capture_output=True).returncode == 0
+print(json.dumps([before, libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0), wrote,
+                  secret.value.decode()]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_DUMPABLE is Linux's")
+def test_a_guarded_parent_is_not_dumpable_and_its_memory_is_its_own() -> None:
+    """As root, ``CAP_SYS_PTRACE`` passes the kernel's check whatever the flag: the write
+    is then not asserted (the flag still is)."""
+    done = subprocess.run([sys.executable, "-c", GUARDED], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    before, after, wrote, value = json.loads(done.stdout.splitlines()[-1])
+    assert (before, after) == (1, 0)
+    if os.geteuid() != 0:
+        assert (wrote, value) == (False, "verdict=fail")
