@@ -231,10 +231,14 @@ class VllmCpuMlaDecode(_SglCpuKernel):
                 and case.head_dim == case.v_head_dim + 64)
 
     def why_unsupported(self, case: PagedCase, device: str) -> list[str]:
-        """Capability reasons, and the MLA kernel in float16 without AMX-FP16."""
+        """Capability reasons; on the MLA kernel, float16 without AMX-FP16 and a soft cap
+        (``decode.cpp`` refuses it there: "decode MLA: expect no logit_cap")."""
         reasons = super().why_unsupported(case, device)
         if case.dtype == "float16" and self.mla_kernel(case) and not _has_amx_fp16():
             reasons.append(f"float16 on the MLA kernel (latent cache) {NO_AMX_FP16}")
+        if case.logits_soft_cap is not None and self.mla_kernel(case):
+            reasons.append("logits_soft_cap on the MLA kernel (latent cache): decode.cpp "
+                           "refuses it ('decode MLA: expect no logit_cap')")
         return reasons
 
     def prepare(self, inputs: PagedInputs) -> Prepared:

@@ -97,6 +97,19 @@ def test_float16_brgemm_paths_need_amx_fp16(monkeypatch, amx_fp16) -> None:
     assert bool(extend.why_unsupported(fp16, "cpu")) != amx_fp16
 
 
+def test_decode_declares_no_soft_cap_on_its_mla_kernel() -> None:
+    """decode.cpp's MLA kernel refuses a cap ("decode MLA: expect no logit_cap", found by
+    the nightly search on kv_lens (1,), head_dim 128, V 64, cap 30); its other kernels
+    take one."""
+    decode = mla.VllmCpuMlaDecode()
+    small = LATENT.with_(kv_lens=(1,), num_q_heads=2, head_dim=128, head_dim_v=64,
+                         logits_soft_cap=30.0)
+    assert decode.mla_kernel(small)
+    assert any("expect no logit_cap" in r for r in decode.why_unsupported(small, "cpu"))
+    assert not decode.why_unsupported(small.with_(latent_cache=False), "cpu")
+    assert not decode.why_unsupported(small.with_(logits_soft_cap=None), "cpu")
+
+
 def test_extend_declares_the_logits_it_cannot_take() -> None:
     """The search's case (kv_lens (1, 1, 13), bf16, d64, sm_scale 1000, Q/K magnitude
     300: logits up to 2.3e10) is unsupported; the same at sm_scale 300 (6.97e9) is not."""
