@@ -30,6 +30,9 @@ An output at dtype T passes when every element ``e`` of every sequence ``i`` sat
   outside twice the larger (docs/tolerance.md, "Large logits"). Every dtype gets it: a
   16-bit case's logits are float32 too, and near 1e4 their rounding outweighs the
   output's;
+- in float32 and bfloat16, at least ``FLUSH_FLOOR`` (the smallest normal number, 2**-126):
+  a result below it flushed to zero, as x86's AVX512_BF16 conversion and CUDA's ``-ftz``
+  do, passes on every host;
 - any NaN or Inf in the output fails; wrong shape or dtype fails before any value.
 
 Errors are also reported in ulps of T at the same magnitude: the largest, and the mean
@@ -61,6 +64,12 @@ ULP_FLOOR = {"float32": 256.0, "float16": 2.0, "bfloat16": 2.0}
 #: Mantissa bits and smallest normal exponent of each output dtype (IEEE 754; bfloat16
 #: has float32's exponent range).
 _FORMAT = {"float32": (23, -126), "float16": (10, -14), "bfloat16": (7, -126)}
+#: The least allowance of any element: float32's and bfloat16's smallest normal number
+#: (2**-126), so that a result below it flushed to zero passes. Hardware does that: x86's
+#: AVX512_BF16 conversion (VCVTNE2PS2BF16) flushes subnormal results, CUDA's ``-ftz``
+#: float32 arithmetic too, so without it a verdict would depend on the host. float16's
+#: subnormals (below 2**-14, 6.1e-5) are kept by its conversions and hold real values: none.
+FLUSH_FLOOR = {"float32": 2.0**-126, "float16": 0.0, "bfloat16": 2.0**-126}
 
 
 @dataclass(frozen=True)
@@ -219,6 +228,7 @@ def compare(
         err = float(diff[lo:hi].abs().max())
         ratio = err / yard if yard > 0 else (0.0 if err == 0 else float("inf"))
         worst_ratio = max(worst_ratio, ratio)
+    allowed.clamp_(min=FLUSH_FLOOR[dtype])
     over = diff.abs() / allowed  # [total_q, hq, d]
     flat = int(over.argmax())
     row, rest = divmod(flat, over.shape[1] * over.shape[2])
@@ -236,6 +246,7 @@ def compare(
         f"row {index[1]}, head {head}, channel {channel} exceeds its allowance "
         f"{allowance:.3g} = {ERROR_RATIO:g} x its naive {dtype} error {yard:.3g} + "
         f"{ULP_FLOOR[dtype]:g} ulps + its logits' float32 rounding {rounding:.3g}"
+        + (f", at least {FLUSH_FLOOR[dtype]:.3g}" if FLUSH_FLOOR[dtype] else "")
     )
     return Comparison(
         passed=passed,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedbench.harness.verdict.tolerance import (ERROR_RATIO, ULP_FLOOR, Expected,
+from pagedbench.harness.verdict.tolerance import (ERROR_RATIO, FLUSH_FLOOR, ULP_FLOOR, Expected,
                                                   assert_close_report, compare, ulp)
 
 TRUTH = torch.tensor([[[1.0, -2.0, 0.5, 0.25]]], dtype=torch.float64)  # [1, 1, 4]
@@ -53,6 +53,26 @@ def test_passes_at_the_allowance_and_fails_just_above() -> None:
     assert "exceeds its allowance" in bad.reason and "row 0, head 0, channel 2" in bad.reason
     assert bad.err_over_allowance == pytest.approx(1.02, rel=1e-3)
     assert bad.err_ratio_vs_naive == pytest.approx(allowed * 1.02 / yardstick, rel=1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16"])
+def test_results_flushed_to_zero_below_the_smallest_normal(dtype: str) -> None:
+    """A sequence whose outputs are all near float32's smallest normal, 2**-126 (a sink
+    taking nearly all the weight): a result below it flushed to zero, the rest exact,
+    passes in bfloat16 and float32 (vllm-cpu-mla-extend's bfloat16 output does that) and
+    one off by twice it does not; float16's subnormals (6e-8 to 6.1e-5) are held to their
+    ulps."""
+    tiny = 2.0**-126 if dtype != "float16" else 2.0**-14
+    truth = torch.tensor([[[1.25, 0.6, -0.9, 1.5]]], dtype=torch.float64) * tiny
+    truth = truth.to(getattr(torch, dtype)).double()  # representable in the dtype
+    expected = Expected(truth, truth.to(getattr(torch, dtype)))  # an exact yardstick
+    flushed = truth.clone()
+    flushed[0, 0, 1:3] = 0.0  # the two values below the smallest normal
+    verdict = compare(flushed.to(getattr(torch, dtype)), expected, dtype)
+    assert verdict.passed == (FLUSH_FLOOR[dtype] > 0), verdict.reason
+    off = truth.clone()
+    off[0, 0, 1] += 2 * tiny
+    assert not compare(off.to(getattr(torch, dtype)), expected, dtype).passed
 
 
 def test_any_nan_or_inf_fails_even_when_other_values_are_exact() -> None:
