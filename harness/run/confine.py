@@ -1,7 +1,8 @@
 """What a worker's processes may not do: leave the worker's process tree, or reach into
 another process. A seccomp filter (``seccomp(2)``, classic BPF) that the worker installs
-on itself before it imports an implementation (:func:`confine`); every process it starts
-inherits it. The judging parent, for its part, is not dumpable (:func:`guard_parent`).
+on all its threads before it imports an implementation (:func:`confine`); every process
+it starts inherits it. The judging parent and each worker are not dumpable
+(:func:`close_memory`), so no process of the same user reads or writes their memory.
 
 Refused with ``EPERM``:
 
@@ -10,6 +11,7 @@ Refused with ``EPERM``:
   (``processes.tree_cpu_seconds``) and killed with it. Clearing the flag, then a double
   fork, left a helper outside the tree that computed half of each timed call uncounted;
 - ``clone`` with ``CLONE_PARENT``: the child would be the worker's parent's, not its own;
+- ``prctl(PR_SET_DUMPABLE, n)`` with ``n`` not 0: the worker's memory stays closed;
 - ``ptrace``, ``process_vm_readv``, ``process_vm_writev``: another process's memory (the
   judging parent's, where the kernel's ptrace policy lets the same user in).
 
@@ -29,19 +31,21 @@ import struct
 import sys
 from collections.abc import Sequence
 
-#: ``prctl(2)`` options and ``clone(2)``'s flag.
+#: ``prctl(2)`` options, ``seccomp(2)``'s operation and flag, and ``clone(2)``'s flag.
 PR_SET_DUMPABLE, PR_GET_DUMPABLE = 4, 3
-PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
-PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 38, 36
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC = 1, 1
 CLONE_PARENT = 0x8000
 #: Per machine: the audit architecture, and the numbers of the system calls filtered
 #: (``prctl``, ``clone``, ``clone3``, ``ptrace``, ``process_vm_readv``,
-#: ``process_vm_writev``), from the kernel's ``unistd`` tables.
+#: ``process_vm_writev``) and of ``seccomp``, from the kernel's ``unistd`` tables.
 ARCHES = {
     "x86_64": (0xC000003E, {"prctl": 157, "clone": 56, "clone3": 435, "ptrace": 101,
-                            "process_vm_readv": 310, "process_vm_writev": 311}),
+                            "process_vm_readv": 310, "process_vm_writev": 311,
+                            "seccomp": 317}),
     "aarch64": (0xC00000B7, {"prctl": 167, "clone": 220, "clone3": 435, "ptrace": 117,
-                             "process_vm_readv": 270, "process_vm_writev": 271}),
+                             "process_vm_readv": 270, "process_vm_writev": 271,
+                             "seccomp": 277}),
 }
 #: x86-64's x32 system calls carry this bit in their number.
 X32_SYSCALL_BIT = 0x40000000
@@ -96,8 +100,11 @@ def program(machine: str) -> list[tuple[int, int, int, int]]:
         ("label", "ptrace?"), ("jeq", nr["ptrace"], "eperm", "readv?"),
         ("label", "readv?"), ("jeq", nr["process_vm_readv"], "eperm", "writev?"),
         ("label", "writev?"), ("jeq", nr["process_vm_writev"], "eperm", "allow"),
-        ("label", "prctl"), ("ld", _ARG0), ("jeq", PR_SET_CHILD_SUBREAPER, "flag", "allow"),
-        ("label", "flag"), ("ld", _ARG1), ("jeq", 0, "eperm", "allow"),
+        ("label", "prctl"), ("ld", _ARG0),
+        ("jeq", PR_SET_CHILD_SUBREAPER, "subreaper", "dumpable?"),
+        ("label", "dumpable?"), ("jeq", PR_SET_DUMPABLE, "dumpable", "allow"),
+        ("label", "subreaper"), ("ld", _ARG1), ("jeq", 0, "eperm", "allow"),
+        ("label", "dumpable"), ("ld", _ARG1), ("jeq", 0, "allow", "eperm"),
         ("label", "clone"), ("ld", _ARG0), ("jset", CLONE_PARENT, "eperm", "allow"),
         ("label", "allow"), ("ret", _ALLOW),
         ("label", "eperm"), ("ret", eperm),
@@ -106,19 +113,27 @@ def program(machine: str) -> list[tuple[int, int, int, int]]:
 
 
 def confine() -> str:
-    """Install the filter on this process (and so on every process it starts from now
-    on), with ``PR_SET_NO_NEW_PRIVS`` as an unprivileged filter needs; returns what was
-    done: ``"seccomp"``, or why nothing was (not Linux, another machine).
+    """Make this process its descendants' subreaper (``PR_SET_CHILD_SUBREAPER``: every
+    process they orphan stays below it), then install the filter on every thread of this
+    process (``SECCOMP_FILTER_FLAG_TSYNC``:
+    ``prctl(PR_SET_SECCOMP)`` filters the calling thread alone, and a thread started
+    before it, reached by a plug-in that patches what the thread calls, was free), and so
+    on every process it starts from now on, with ``PR_SET_NO_NEW_PRIVS`` as an
+    unprivileged filter needs; returns what was done: ``"seccomp"``, or why nothing was
+    (not Linux, another machine).
 
     Raises
     ------
     OSError
-        If the kernel refuses either ``prctl`` (the worker then ends before it loads an
-        implementation, with this error as its crash's reason).
+        If the kernel refuses the ``prctl`` or the ``seccomp`` call (the worker then ends
+        before it loads an implementation, with this error as its crash's reason).
     """
     machine = platform.machine()
     if not sys.platform.startswith("linux"):
         return f"none: {sys.platform} is not Linux"
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1),
+                                            ctypes.c_ulong(0), ctypes.c_ulong(0),
+                                            ctypes.c_ulong(0))
     if machine not in ARCHES or struct.calcsize("P") != 8:
         return (f"none: no filter for {machine} ({struct.calcsize('P') * 8}-bit Python; "
                 f"only 64-bit {', '.join(ARCHES)})")
@@ -130,28 +145,34 @@ def confine() -> str:
 
     fprog = SockFprog(len(code) // 8, ctypes.addressof(filters))
     libc, ulong = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong
-    calls = {"PR_SET_NO_NEW_PRIVS": (PR_SET_NO_NEW_PRIVS, ulong(1), ulong(0)),
-             "PR_SET_SECCOMP": (PR_SET_SECCOMP, ulong(SECCOMP_MODE_FILTER), ctypes.byref(fprog))}
-    for name, arguments in calls.items():
-        if libc.prctl(*arguments, ulong(0), ulong(0)):  # prctl wants the unused ones 0
+    seccomp = ARCHES[machine][1]["seccomp"]
+    calls = {"prctl(PR_SET_NO_NEW_PRIVS)": lambda: libc.prctl(
+                 PR_SET_NO_NEW_PRIVS, ulong(1), ulong(0), ulong(0), ulong(0)),  # rest 0
+             "seccomp(SECCOMP_SET_MODE_FILTER, TSYNC)": lambda: libc.syscall(
+                 ctypes.c_long(seccomp), ulong(SECCOMP_SET_MODE_FILTER),
+                 ulong(SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(fprog))}
+    for name, call in calls.items():
+        if call() != 0:  # TSYNC: a thread id where one cannot take the filter
             number = ctypes.get_errno()
-            raise OSError(number, f"cannot confine the worker: prctl({name}) failed: "
+            raise OSError(number, f"cannot confine the worker: {name} failed: "
                                   f"{errno.errorcode.get(number, number)}")
     return "seccomp"
 
 
-def guard_parent() -> None:
-    """Make this process, the judge of the workers it starts, not dumpable
-    (``PR_SET_DUMPABLE`` 0; Linux only): a process of the same user without
-    ``CAP_SYS_PTRACE`` can then neither read nor write its memory (``/proc/<pid>/mem``,
-    which the worker's filter cannot refuse) nor take its descriptors (``pidfd_getfd``),
-    whatever the kernel's ptrace policy (``ptrace(2)``, "Ptrace access mode checking").
-    A worker is dumpable again: ``execve`` resets the flag. Idempotent."""
+def close_memory() -> None:
+    """Make this process not dumpable (``PR_SET_DUMPABLE`` 0; Linux only): a process of
+    the same user without ``CAP_SYS_PTRACE`` can then neither read nor write its memory
+    (``/proc/<pid>/mem``, which no filter can refuse) nor take its descriptors
+    (``pidfd_getfd``), whatever the kernel's ptrace policy (``ptrace(2)``, "Ptrace access
+    mode checking"). The judging parent calls it before it starts a worker, and each
+    worker before it confines itself (a worker beside it in a spread run is of the same
+    user). ``execve`` makes a process dumpable again. The process itself then cannot read
+    its own ``/proc/self/{environ,auxv,io,mem}`` either, and a debugger cannot attach."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, ctypes.c_ulong(0),
                                                 ctypes.c_ulong(0), ctypes.c_ulong(0),
                                                 ctypes.c_ulong(0))
 
 
-__all__ = ["ARCHES", "CLONE_PARENT", "PR_GET_DUMPABLE", "PR_SET_CHILD_SUBREAPER", "confine",
-           "guard_parent", "program"]
+__all__ = ["ARCHES", "CLONE_PARENT", "PR_GET_DUMPABLE", "PR_SET_CHILD_SUBREAPER",
+           "PR_SET_DUMPABLE", "close_memory", "confine", "program"]

@@ -46,7 +46,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
-from pagedbench.harness.run.confine import PR_SET_CHILD_SUBREAPER, confine, guard_parent
+from pagedbench.harness.run.confine import close_memory, confine
 from pagedbench.harness.run.processes import descendants, kill_all
 from pagedbench.harness.verdict.messages import (HARNESS, IMPL, Done, Entered, Message,
                                                  parse_message, party_of)
@@ -165,9 +165,10 @@ def die_with_parent(parent_pid: int) -> None:
 
 def worker_main(argv: list[str] | None = None) -> None:
     """The worker process: ``python -m pagedbench.harness.run.protocol --fd N --parent
-    PID --work MODULE:FUNCTION``, the job on standard input. Dies with its parent, becomes
-    a child subreaper and confines itself (:mod:`.confine`: no process of its tree may
-    leave it) before it imports anything heavy, then imports and runs
+    PID --work MODULE:FUNCTION``, the job on standard input. Becomes a child subreaper,
+    closes its memory and confines itself (:mod:`.confine`: no process of its tree may
+    leave it), then dies with its parent, before it imports anything heavy; then imports
+    and runs
     ``FUNCTION(job, channel)``, says ``done`` and waits to be killed (so that the parent
     finds every process it left), without running interpreter shutdown (a plug-in's
     threads or ``atexit`` hooks cannot hang it)."""
@@ -176,10 +177,9 @@ def worker_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--work", required=True, metavar="MODULE:FUNCTION")
     args = parser.parse_args(argv)
+    close_memory()
+    confine()  # the subreaper flag, then the filter: before any thread is started
     die_with_parent(args.parent)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    confine()  # after the flag is set: from now on it cannot be cleared
     os.set_inheritable(args.fd, False)  # a subprocess a plug-in starts cannot write to it
     replies = os.fdopen(os.dup(0), "rb")  # not inheritable; fd 0 becomes /dev/null
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -236,7 +236,7 @@ class Supervisor:
         self._cancelled = False
 
     def run(self, on_message: Callable[[Message], Answer | None]) -> Fault | None:
-        """Start the worker (this process made not dumpable first: :func:`.guard_parent`)
+        """Start the worker (this process made not dumpable first: :func:`.close_memory`)
         and pass every job message to ``on_message``; return ``None`` after ``done``, or
         the :class:`Fault` that ended it. The worker is killed (with its descendants and
         process group) before this returns or raises.
@@ -246,7 +246,7 @@ class Supervisor:
         Cancelled
             If :meth:`cancel` came first: no worker is started.
         """
-        guard_parent()
+        close_memory()
         read_fd, write_fd = os.pipe()
         try:
             with self._lock:

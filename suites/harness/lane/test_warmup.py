@@ -1,13 +1,17 @@
 """The GPU lane's compile warm-up: miniatures keep what compilers specialize on; each
 implementation is prepared and run on what it supports, unjudged; one that hangs is
-stopped at the budget and recorded, the others' records kept."""
+stopped at the budget and recorded, the others' records kept; no process one leaves
+outlives its warm-up."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from pagedbench.harness.lane import sweep, warmup
+
+from ..conftest import FAULTS
 
 HANGS = "pagedbench.suites.harness.plugins.hangs_at_import:Anything"
 
@@ -61,3 +65,29 @@ def test_one_that_hangs_is_stopped_at_the_budget(tmp_path: Path) -> None:
     assert [json.loads(line)["impl"] for line in out.read_text().splitlines()] == [
         "hangs", "queued"]
     assert (tmp_path / "warmup-hangs.log").exists()
+
+
+def test_no_process_an_implementation_leaves_outlives_its_warm_up(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """``starts-daemons`` starts two ``sleep 600`` per run, one in a new session, one that
+    its shell leaves an orphan: its warm-up process kills both before it exits."""
+    pid_file = tmp_path / "pids"
+    monkeypatch.setenv("PAGEDBENCH_TEST_PID_FILE", str(pid_file))
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps([c.to_dict() for c in sweep.CPU_SELECTION.conformance_cases()]))
+    (record,) = warmup.warm_all({"starts-daemons": FAULTS["starts-daemons"]}, "cpu", cases,
+                                tmp_path / "warmup.jsonl", budget_s=120)
+    assert record["status"] == "ok", record
+    pids = [int(line) for line in pid_file.read_text().split()]
+    assert len(pids) == 2 * record["cases"] > 0
+
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in pids), pids

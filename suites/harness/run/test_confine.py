@@ -2,8 +2,9 @@
 classic-BPF interpreter for every machine it is written for, decides each system call as
 the module says; installed in a child process of this host, the kernel refuses what it
 refuses and lets threads, subprocesses, forks and torch work, and a process that
-double-forks out of a new session stays below the confined one. A guarded parent is not
-dumpable, and a child of the same user cannot write its memory."""
+double-forks out of a new session stays below the confined one, whichever thread it
+starts from. A process whose memory is closed is not dumpable, and a child of the same
+user cannot write its memory."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import sys
 
 import pytest
 
-from pagedbench.harness.run.confine import ARCHES, CLONE_PARENT, PR_SET_CHILD_SUBREAPER, program
+from pagedbench.harness.run.confine import (ARCHES, CLONE_PARENT, PR_SET_CHILD_SUBREAPER,
+                                            PR_SET_DUMPABLE, program)
 
 ALLOW, EPERM, ENOSYS = "allow", "EPERM", "ENOSYS"
 
@@ -47,6 +49,8 @@ def test_the_program_decides_each_call_as_documented(machine: str) -> None:
     assert _decide(machine, nr["prctl"], (PR_SET_CHILD_SUBREAPER, 0)) == EPERM
     assert _decide(machine, nr["prctl"], (PR_SET_CHILD_SUBREAPER, 1)) == ALLOW
     assert _decide(machine, nr["prctl"], (PR_SET_CHILD_SUBREAPER + 1, 0)) == ALLOW
+    assert _decide(machine, nr["prctl"], (PR_SET_DUMPABLE, 1)) == EPERM
+    assert _decide(machine, nr["prctl"], (PR_SET_DUMPABLE, 0)) == ALLOW
     assert _decide(machine, nr["clone"], (CLONE_PARENT | 17,)) == EPERM
     assert _decide(machine, nr["clone"], (0x3D0F00,)) == ALLOW  # a thread's flags
     assert _decide(machine, nr["clone"], (17,)) == ALLOW  # fork: SIGCHLD alone
@@ -60,16 +64,31 @@ def test_the_program_decides_each_call_as_documented(machine: str) -> None:
         assert _decide(machine, 0x40000000 | nr["clone"], (17,)) == EPERM  # x32
 
 
-#: Run in a child process: confine it, then try each call and report what came back.
+#: Run in a child process: start a thread, confine the process, then try each call (one of
+#: them from the thread started before) and report what came back, and each thread's
+#: seccomp mode.
 PROBE = r"""
-import ctypes, errno, json, os, subprocess, sys, threading
+import ctypes, errno, json, os, pathlib, subprocess, sys, threading
 from pagedbench.harness.run.confine import CLONE_PARENT, PR_SET_CHILD_SUBREAPER, confine
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+go, earlier = threading.Event(), {}
+def before():
+    go.wait()
+    result = libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    earlier["clear"] = errno.errorcode[ctypes.get_errno()] if result == -1 else "ok"
+thread = threading.Thread(target=before)
+thread.start()
 got = {"confine": confine()}
+go.set(); thread.join()
+got["clear_subreaper_from_an_earlier_thread"] = earlier["clear"]
+got["modes"] = sorted({line.split()[1] for task in pathlib.Path("/proc/self/task").iterdir()
+                       for line in (task / "status").read_text().splitlines()
+                       if line.startswith("Seccomp:")})
 def call(name, result):
     got[name] = errno.errorcode[ctypes.get_errno()] if result == -1 else "ok"
 call("clear_subreaper", libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0))
+call("dumpable", libc.prctl(4, 1, 0, 0, 0))
 call("set_subreaper", libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0))
 nr = {"x86_64": (56, 435, 101), "aarch64": (220, 435, 117)}[os.uname().machine]
 call("clone_parent", libc.syscall(nr[0], CLONE_PARENT | 17, 0, 0, 0, 0))
@@ -105,23 +124,24 @@ def test_a_confined_process_stays_in_its_tree_and_still_works() -> None:
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {
-        "confine": "seccomp", "clear_subreaper": "EPERM", "set_subreaper": "ok",
+        "confine": "seccomp", "clear_subreaper_from_an_earlier_thread": "EPERM",
+        "modes": ["2"], "clear_subreaper": "EPERM", "dumpable": "EPERM", "set_subreaper": "ok",
         "clone_parent": "EPERM", "clone3": "ENOSYS", "ptrace_parent": "EPERM",
         "subprocess": "7", "thread": [1], "orphan_parent_is_me": True,
         "torch": 256.0 ** 3,
     }
 
 
-#: Run in a child process: guard it, then let a child of its own try to write its memory
+#: Run in a child process: close its memory, then let a child of its own try to write it
 #: through ``/proc/<pid>/mem``; print the dumpable flag before and after, and what the
 #: memory holds at the end.
 GUARDED = r"""
 import ctypes, json, os, subprocess, sys
-from pagedbench.harness.run.confine import PR_GET_DUMPABLE, guard_parent
+from pagedbench.harness.run.confine import PR_GET_DUMPABLE, close_memory
 libc = ctypes.CDLL(None, use_errno=True)
 secret = ctypes.create_string_buffer(b"verdict=fail")
 before = libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
-guard_parent()
+close_memory()
 writer = (f"with open('/proc/{os.getpid()}/mem', 'r+b', buffering=0) as f:\n"
           f"    f.seek({ctypes.addressof(secret)}); f.write(b'verdict=pass')")
 wrote = subprocess.run([sys.executable, "-c", writer], capture_output=True).returncode == 0
@@ -131,7 +151,7 @@ print(json.dumps([before, libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0), wrote,
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_DUMPABLE is Linux's")
-def test_a_guarded_parent_is_not_dumpable_and_its_memory_is_its_own() -> None:
+def test_a_closed_process_is_not_dumpable_and_its_memory_is_its_own() -> None:
     """As root, ``CAP_SYS_PTRACE`` passes the kernel's check whatever the flag: the write
     is then not asserted (the flag still is)."""
     done = subprocess.run([sys.executable, "-c", GUARDED], capture_output=True, text=True,
