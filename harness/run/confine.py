@@ -9,7 +9,7 @@ Refused with ``EPERM``:
 - ``prctl(PR_SET_CHILD_SUBREAPER, 0)``: the worker is its processes' subreaper, so that
   every process they orphan stays its descendant, counted in the CPU of a timing
   (``processes.tree_cpu_seconds``) and killed with it. Clearing the flag, then a double
-  fork, left a helper outside the tree that computed half of each timed call uncounted;
+  fork, would put a helper outside the tree, its share of each timed call uncounted;
 - ``clone`` with ``CLONE_PARENT``: the child would be the worker's parent's, not its own;
 - ``prctl(PR_SET_DUMPABLE, n)`` with ``n`` not 0: the worker's memory stays closed;
 - ``ptrace``, ``process_vm_readv``, ``process_vm_writev``: another process's memory (the
