@@ -13,8 +13,8 @@ compiled instead of spending their per-case budget on it (a killed worker loses 
 in flight). Each implementation's process (:func:`warm`), confined as a worker is
 (``harness/run/confine.py``), imports the adapter, asks ``available``, then prepares and
 runs every case of ``--cases`` it supports, unjudged; it prints one JSON line
-(:func:`warm`'s record) last and kills every process the implementation left, its output going to
-``warmup-<name>.log`` beside ``--out``. The parent (:func:`warm_all`) runs them
+(:func:`warm`'s record) last and kills every process the implementation left, its output
+going to ``warmup-<name>.log`` beside ``--out``. The parent (:func:`warm_all`) runs them
 side by side (the compilers are single-threaded per kernel; the GPU work is tiny), stops
 those past the budget (SIGINT, then SIGKILL), and writes every record, the stopped ones
 ``"status": "out of budget"``, to ``--out`` as JSON lines as they finish.
@@ -40,9 +40,9 @@ from typing import Any
 from pagedbench.reference import PagedCase
 
 from pagedbench.harness.lane import BUILD, ROOT
-from pagedbench.harness.run.confine import close_memory, confine
+from pagedbench.harness.run.confine import confine
 from pagedbench.harness.run.environment import worker_environment
-from pagedbench.harness.run.processes import descendants, kill_all
+from pagedbench.harness.run.processes import kill_descendants
 
 #: Keys of each sequence but the first in a :func:`miniature`.
 SHORT_KV_LEN = 64
@@ -188,10 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cases = [PagedCase.from_dict(c) for c in json.loads(args.cases.read_text())]
     if args.one:  # confined as a worker is, and no process it leaves outlives it
-        close_memory()
         confine()
         print(json.dumps(warm(args.one, args.target, args.device, cases)), flush=True)
-        kill_all(descendants(os.getpid()))
+        kill_descendants(os.getpid())
         return 0
     impls = dict(item.split("=", 1) for item in args.impl)
     records = warm_all(impls, args.device, args.cases, args.out, args.budget_s)

@@ -112,28 +112,42 @@ def program(machine: str) -> list[tuple[int, int, int, int]]:
     ])
 
 
+def _prctl(option: int, value: int) -> int:
+    """``prctl(option, value, 0, 0, 0)`` (the unused arguments must be 0); its return."""
+    zero = ctypes.c_ulong(0)
+    return ctypes.CDLL(None, use_errno=True).prctl(option, ctypes.c_ulong(value), zero, zero,
+                                                   zero)
+
+
+def _refused(name: str) -> OSError:
+    number = ctypes.get_errno()
+    return OSError(number, f"cannot confine the worker: {name} failed: "
+                           f"{errno.errorcode.get(number, number)}")
+
+
 def confine() -> str:
-    """Make this process its descendants' subreaper (``PR_SET_CHILD_SUBREAPER``: every
-    process they orphan stays below it), then install the filter on every thread of this
-    process (``SECCOMP_FILTER_FLAG_TSYNC``:
+    """Confine this process, a worker (or a compile warm-up's process) before it imports
+    an implementation: make it its descendants' subreaper (``PR_SET_CHILD_SUBREAPER``:
+    every process they orphan stays below it), close its memory (:func:`close_memory`),
+    then install the filter on every thread (``SECCOMP_FILTER_FLAG_TSYNC``:
     ``prctl(PR_SET_SECCOMP)`` filters the calling thread alone, and a thread started
-    before it, reached by a plug-in that patches what the thread calls, was free), and so
-    on every process it starts from now on, with ``PR_SET_NO_NEW_PRIVS`` as an
-    unprivileged filter needs; returns what was done: ``"seccomp"``, or why nothing was
-    (not Linux, another machine).
+    before it, reached by a plug-in that patches what the thread calls, would be free),
+    and so on every process it starts from now on, with ``PR_SET_NO_NEW_PRIVS`` as an
+    unprivileged filter needs. Returns what was done: ``"seccomp"``, or why no filter was
+    installed (not Linux, another machine).
 
     Raises
     ------
     OSError
-        If the kernel refuses the ``prctl`` or the ``seccomp`` call (the worker then ends
-        before it loads an implementation, with this error as its crash's reason).
+        If the kernel refuses ``PR_SET_NO_NEW_PRIVS`` or the ``seccomp`` call (the worker
+        then ends before it loads an implementation, with this error as its crash's
+        reason).
     """
     machine = platform.machine()
     if not sys.platform.startswith("linux"):
         return f"none: {sys.platform} is not Linux"
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, ctypes.c_ulong(1),
-                                            ctypes.c_ulong(0), ctypes.c_ulong(0),
-                                            ctypes.c_ulong(0))
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    close_memory()
     if machine not in ARCHES or struct.calcsize("P") != 8:
         return (f"none: no filter for {machine} ({struct.calcsize('P') * 8}-bit Python; "
                 f"only 64-bit {', '.join(ARCHES)})")
@@ -144,18 +158,13 @@ def confine() -> str:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     fprog = SockFprog(len(code) // 8, ctypes.addressof(filters))
-    libc, ulong = ctypes.CDLL(None, use_errno=True), ctypes.c_ulong
-    seccomp = ARCHES[machine][1]["seccomp"]
-    calls = {"prctl(PR_SET_NO_NEW_PRIVS)": lambda: libc.prctl(
-                 PR_SET_NO_NEW_PRIVS, ulong(1), ulong(0), ulong(0), ulong(0)),  # rest 0
-             "seccomp(SECCOMP_SET_MODE_FILTER, TSYNC)": lambda: libc.syscall(
-                 ctypes.c_long(seccomp), ulong(SECCOMP_SET_MODE_FILTER),
-                 ulong(SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(fprog))}
-    for name, call in calls.items():
-        if call() != 0:  # TSYNC: a thread id where one cannot take the filter
-            number = ctypes.get_errno()
-            raise OSError(number, f"cannot confine the worker: {name} failed: "
-                                  f"{errno.errorcode.get(number, number)}")
+    if _prctl(PR_SET_NO_NEW_PRIVS, 1) != 0:
+        raise _refused("prctl(PR_SET_NO_NEW_PRIVS)")
+    ulong = ctypes.c_ulong
+    if ctypes.CDLL(None, use_errno=True).syscall(
+            ctypes.c_long(ARCHES[machine][1]["seccomp"]), ulong(SECCOMP_SET_MODE_FILTER),
+            ulong(SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(fprog)) != 0:
+        raise _refused("seccomp(SECCOMP_SET_MODE_FILTER, TSYNC)")  # or a thread that cannot
     return "seccomp"
 
 
@@ -164,14 +173,12 @@ def close_memory() -> None:
     the same user without ``CAP_SYS_PTRACE`` can then neither read nor write its memory
     (``/proc/<pid>/mem``, which no filter can refuse) nor take its descriptors
     (``pidfd_getfd``), whatever the kernel's ptrace policy (``ptrace(2)``, "Ptrace access
-    mode checking"). The judging parent calls it before it starts a worker, and each
-    worker before it confines itself (a worker beside it in a spread run is of the same
+    mode checking"). The judging parent calls it before it starts a worker, and
+    :func:`confine` in each worker (a worker beside it in a spread run is of the same
     user). ``execve`` makes a process dumpable again. The process itself then cannot read
     its own ``/proc/self/{environ,auxv,io,mem}`` either, and a debugger cannot attach."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, ctypes.c_ulong(0),
-                                                ctypes.c_ulong(0), ctypes.c_ulong(0),
-                                                ctypes.c_ulong(0))
+        _prctl(PR_SET_DUMPABLE, 0)
 
 
 __all__ = ["ARCHES", "CLONE_PARENT", "PR_GET_DUMPABLE", "PR_SET_CHILD_SUBREAPER",

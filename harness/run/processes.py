@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -72,11 +71,22 @@ def descendants(pid: int) -> list[int]:
     return _tree(stats, pid, zombies=False)[1:]
 
 
-def kill_all(pids: Iterable[int]) -> None:
-    """SIGKILL each of ``pids`` (gone or not ours: skipped)."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+#: Rounds of :func:`kill_descendants` (each round kills those found; a process that forks
+#: while it is killed leaves a child for the next round).
+KILL_ROUNDS = 20
 
 
-__all__ = ["descendants", "kill_all", "tree_cpu_seconds"]
+def kill_descendants(pid: int) -> None:
+    """SIGKILL every live descendant of ``pid``, in rounds until none is found (at most
+    :data:`KILL_ROUNDS`); gone or not ours: skipped. ``pid`` itself is left: its caller
+    must not have reaped it, or the number may be another process's."""
+    for _ in range(KILL_ROUNDS):
+        found = descendants(pid)
+        if not found:
+            return
+        for child in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child, signal.SIGKILL)
+
+
+__all__ = ["KILL_ROUNDS", "descendants", "kill_descendants", "tree_cpu_seconds"]

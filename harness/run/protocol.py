@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel
 
 from pagedbench.harness.run.confine import close_memory, confine
-from pagedbench.harness.run.processes import descendants, kill_all
+from pagedbench.harness.run.processes import kill_descendants
 from pagedbench.harness.verdict.messages import (HARNESS, IMPL, Done, Entered, Message,
                                                  parse_message, party_of)
 
@@ -58,9 +58,6 @@ EXIT_GRACE_S = 10.0
 #: Characters of the worker's output kept for crash reasons.
 OUTPUT_TAIL_CHARS = 4000
 PARTIES = (IMPL, HARNESS)
-#: Rounds of killing a worker's descendants (each round kills those found; a process
-#: that forks while it is killed leaves a child for the next round).
-KILL_ROUNDS = 20
 #: Keeps the current folder off the worker's module path (``-m`` puts it first, so a
 #: ``selectors.py`` there would run in the worker).
 SAFE_PATH = ("-P",)
@@ -177,8 +174,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--work", required=True, metavar="MODULE:FUNCTION")
     args = parser.parse_args(argv)
-    close_memory()
-    confine()  # the subreaper flag, then the filter: before any thread is started
+    confine()  # the subreaper flag, a closed memory, the filter: before any thread starts
     die_with_parent(args.parent)
     os.set_inheritable(args.fd, False)  # a subprocess a plug-in starts cannot write to it
     replies = os.fdopen(os.dup(0), "rb")  # not inheritable; fd 0 becomes /dev/null
@@ -293,11 +289,8 @@ class Supervisor:
         process = self._process
         if process is None:
             return
-        for _ in range(KILL_ROUNDS):
-            found = descendants(process.pid) if process.poll() is None else []
-            if not found:
-                break
-            kill_all(found)
+        if process.poll() is None:  # not reaped: its number is still its own
+            kill_descendants(process.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()

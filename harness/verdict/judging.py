@@ -47,9 +47,8 @@ IDLE_WINDOW_S = 0.1
 IDLE_CPU_SHARE = 0.5
 #: A CPU timing's process (and its descendants) may use at most this many times the
 #: threads the run grants, over the wall time of the timing, plus :data:`CPU_READ_SLACK_S`
-#: (``/proc`` counts CPU in clock ticks of 10 ms, read twice). Every built-in of the
-#: default job's presets used 0.99-1.01 cores at one thread and up to 1.99 at two
-#: (docs/trust.md).
+#: (``/proc`` counts CPU in clock ticks of 10 ms, read twice); what the built-ins used,
+#: measured: docs/trust.md.
 CORES_SLACK = 1.1
 CPU_READ_SLACK_S = 0.05
 #: Timing methods whose samples are not calls on new inputs (a CUDA graph's replays: the

@@ -88,6 +88,7 @@ got["modes"] = sorted({line.split()[1] for task in pathlib.Path("/proc/self/task
 def call(name, result):
     got[name] = errno.errorcode[ctypes.get_errno()] if result == -1 else "ok"
 call("clear_subreaper", libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0))
+got["dumpable_after"] = libc.prctl(3, 0, 0, 0, 0)  # PR_GET_DUMPABLE: closed by confine
 call("dumpable", libc.prctl(4, 1, 0, 0, 0))
 call("set_subreaper", libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0))
 nr = {"x86_64": (56, 435, 101), "aarch64": (220, 435, 117)}[os.uname().machine]
@@ -125,7 +126,8 @@ def test_a_confined_process_stays_in_its_tree_and_still_works() -> None:
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == {
         "confine": "seccomp", "clear_subreaper_from_an_earlier_thread": "EPERM",
-        "modes": ["2"], "clear_subreaper": "EPERM", "dumpable": "EPERM", "set_subreaper": "ok",
+        "modes": ["2"], "clear_subreaper": "EPERM", "dumpable_after": 0, "dumpable": "EPERM",
+        "set_subreaper": "ok",
         "clone_parent": "EPERM", "clone3": "ENOSYS", "ptrace_parent": "EPERM",
         "subprocess": "7", "thread": [1], "orphan_parent_is_me": True,
         "torch": 256.0 ** 3,
