@@ -1,30 +1,28 @@
 """The values each axis of a :class:`~.case.PagedCase` may take, and the checks of one
 field's type and range (every refusal a :class:`~.errors.PagedInputError` naming the field).
+Names only, no torch: a case is described and checked without it (the CLI's options too);
+:attr:`~.case.PagedCase.torch_dtype` turns a name into torch's dtype.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
-
 from .errors import PagedTypeError, PagedValueError
 
-#: Data types a case may use, by the names results and case ids carry.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+#: Data types a case may use, by the names results and case ids carry (torch's own names:
+#: ``torch.float32``, ...).
+DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 
-#: KV-cache storage types, by vLLM's ``kv_cache_dtype`` names: ``"auto"`` stores K and V in
-#: the case dtype; the fp8 types store ``x / k_scale`` (``x / v_scale``) rounded to OCP FP8
+#: KV-cache storage types, by vLLM's ``kv_cache_dtype`` names, each with the name of the
+#: torch dtype it stores: ``"auto"`` stores K and V in the case dtype (``None``: "the case
+#: dtype"); the fp8 types store ``x / k_scale`` (``x / v_scale``) rounded to OCP FP8
 #: (E4M3 "fn": no infinities, max 448; E5M2: max 57344), as vLLM's and FlashInfer's fp8 KV
-#: caches do. ``None`` means "the case dtype".
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+#: caches do.
+KV_CACHE_DTYPES: dict[str, str | None] = {
     "auto": None,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
 }
 #: fp8 caches' ``(k_scale, v_scale)`` the suites use: unequal, neither 1 nor each other's
 #: reciprocal, so that a kernel that drops a scale, swaps the two or divides by one is off

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .axes import (DTYPES, KV_CACHE_DTYPES, LAYOUTS, MAX_LOGIT_OFFSET, POISONS, as_int,
                    check_one_of, int_tuple, positive_finite)
 from .errors import PagedTypeError, PagedValueError
+
+if TYPE_CHECKING:
+    import torch
 
 #: Short names of the dtypes and fp8 cache types in case ids.
 _DTYPE_TAGS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -336,13 +337,18 @@ class PagedCase:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """Element type of Q, K, V and the output."""
-        return DTYPES[self.dtype]
+        """Element type of Q, K, V and the output: torch's dtype of :attr:`dtype`'s name."""
+        import torch  # here alone: a case is built, checked and stored without torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """Element type of the KV cache: the case dtype, or the fp8 type."""
-        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.torch_dtype
+        import torch
+
+        stored = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        return self.torch_dtype if stored is None else getattr(torch, stored)
 
     @property
     def blocks_per_seq(self) -> tuple[int, ...]:

@@ -30,12 +30,11 @@ from hypothesis import strategies as st
 
 from pagedbench.adapters.base import FEATURES, Capabilities, allows
 from pagedbench.reference import PagedCase
-from pagedbench.reference.axes import FP8_SCALES, KV_CACHE_DTYPES, LAYOUTS, POISONS
+from pagedbench.reference.axes import DTYPES, FP8_SCALES, KV_CACHE_DTYPES, LAYOUTS, POISONS
 
 BLOCK_SIZES = (1, 2, 8, 16, 32, 48, 64, 128, 256)
 GQA_RATIOS = (1, 2, 4, 5, 8)
 HEAD_DIMS = (64, 80, 96, 128)
-DTYPES = ("float32", "float16", "bfloat16")
 #: Explicit softmax scales in the range models use (Gemma-2's query_pre_attn_scalar,
 #: muP-style 1/head_dim, a softmax temperature).
 SM_SCALES = (0.03, 0.0625, 0.2, 0.5)
