@@ -7,8 +7,13 @@ follow the built-ins; the entry point's name is the implementation's name.
 
 :func:`entries` finds every implementation without importing any of them, so that a
 plug-in that exits, crashes or hangs at import cannot take a command down: the runner
-imports each one (:func:`load`) inside its own worker process. :func:`registry` imports
-them all in this process, for the pytest suites.
+imports each one (:func:`~.loading.load`) inside its own worker process.
+:func:`registry` imports them all in this process, for the pytest suites.
+
+Finding them imports neither torch nor any adapter: the contract's names (``Adapter``,
+``Capabilities``, ...), ``load`` and ``Unloadable`` are imported from :mod:`.base` and
+:mod:`.loading` when first used (PEP 562), so a command lists its implementations and
+refuses a bad one before torch is imported.
 """
 
 from __future__ import annotations
@@ -17,8 +22,7 @@ import importlib
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-
-from .base import Adapter, Availability, Capabilities, MultipleOf
+from typing import TYPE_CHECKING, Any
 
 ENTRY_POINT_GROUP = "pagedbench.adapters"
 
@@ -78,55 +82,13 @@ def entries() -> list[Entry]:
     return list(found.values())
 
 
-def load(target: str) -> Adapter:
-    """Import and instantiate the adapter class named by ``target`` (``"module:Class"``).
-
-    Raises
-    ------
-    ValueError
-        If ``target`` is not of the form ``"module:Class"``.
-    TypeError
-        If the object it names is not an :class:`Adapter` subclass.
-    ImportError, AttributeError
-        If the module or class does not exist (and whatever the module raises at import).
-    """
-    module_name, sep, class_name = target.partition(":")
-    if not sep or not module_name or not class_name:
-        raise ValueError(f"adapter target must be 'module:Class', got {target!r}")
-    cls = getattr(importlib.import_module(module_name), class_name)
-    if not (isinstance(cls, type) and issubclass(cls, Adapter)):
-        raise TypeError(f"{target} is a {type(cls).__name__}, not an Adapter subclass")
-    return cls()
-
-
-class Unloadable(Adapter):
-    """Stands in, in :func:`registry`, for an out-of-tree adapter whose module or class
-    failed to load: ``unavailable`` with the import error as the reason."""
-
-    description = "adapter failed to load"
-
-    def __init__(self, name: str, target: str, error: Exception) -> None:
-        self.name = name
-        self.reason = f"failed to load {target}: {type(error).__name__}: {error}"
-
-    def capabilities(self, device: str) -> Capabilities:
-        return Capabilities(devices=frozenset(), dtypes=frozenset())
-
-    def available(self, device: str = "cpu") -> Availability:
-        return Availability(False, self.reason)
-
-    def prepare(self, inputs):
-        raise RuntimeError(self.reason)
-
-    def run(self, prepared):
-        raise RuntimeError(self.reason)
-
-
 def registry() -> dict[str, tuple[str, Adapter]]:
     """Every adapter imported in this process: ``{name: (target, adapter)}``, in
     leaderboard order (for the pytest suites; commands never import plug-ins in their own
     process). A built-in that fails to load is a bug and raises; an entry-point adapter
     that raises at import becomes an :class:`Unloadable`."""
+    from .loading import Unloadable, load
+
     out: dict[str, tuple[str, Adapter]] = {}
     for entry in entries():
         try:
@@ -137,6 +99,29 @@ def registry() -> dict[str, tuple[str, Adapter]]:
             adapter = Unloadable(entry.name, entry.target, exc)
         out[entry.name] = (entry.target, adapter)
     return out
+
+
+#: The names imported when first used, by their module of this package.
+_MODULE_OF = {"Adapter": "base", "Availability": "base", "Capabilities": "base",
+              "MultipleOf": "base", "Unloadable": "loading", "load": "loading"}
+
+
+def __getattr__(name: str) -> Any:
+    """``name`` of :data:`_MODULE_OF`, from its module (imported now if it was not)."""
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+    globals()[name] = value  # the next use finds it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
+
+
+if TYPE_CHECKING:  # for type checkers and the import graph (suites/docs/test_architecture.py)
+    from .base import Adapter, Availability, Capabilities, MultipleOf
+    from .loading import Unloadable, load
 
 
 __all__ = [

@@ -1,17 +1,22 @@
 """The command line answers ``--help`` and a wrong command without importing torch (what a
 command's module brings), and each command's own parser is built from the module the table
-names."""
+names; a case, the input errors and the implementations' names come without torch."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from pagedbench.harness import cli
 
 HEAVY = ("torch", "numpy", "pandas", "pydantic", "triton", "pagedbench.reference")
+#: What only a command's body needs.
+BODY_ONLY = ("torch", "pandas", "triton", "matplotlib")
 
 
 def _imported(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
@@ -51,3 +56,35 @@ def test_the_help_lists_every_command_and_each_command_answers_help(capsys) -> N
             cli.main([name, "--help"])
         assert own.value.code == 0
         assert capsys.readouterr().out.startswith(f"usage: pagedbench {name}")
+
+
+@pytest.mark.parametrize("package", ["pagedbench.reference", "pagedbench.adapters"])
+def test_a_lazy_package_imports_each_name_from_the_module_its_table_names(package) -> None:
+    """The packages whose names are imported when first used: every public name comes from
+    the module ``_MODULE_OF`` names, and the imports the type checkers and the import graph
+    read (``if TYPE_CHECKING:``) say the same."""
+    module = importlib.import_module(package)
+    declared = {}
+    for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            declared |= {alias.name: node.module for alias in node.names}
+    assert declared == module._MODULE_OF
+    for name, where in module._MODULE_OF.items():
+        assert getattr(module, name) is getattr(importlib.import_module(f"{package}.{where}"), name)
+    assert set(module._MODULE_OF) <= set(module.__all__) <= set(dir(module))
+
+
+def test_a_case_its_errors_and_the_implementations_come_without_torch() -> None:
+    """What a command's options and its refusals use: a case, its axes, the input errors,
+    the presets and workloads, and the implementations' names and targets."""
+    script = ("import sys; from pagedbench.reference import DTYPES, PagedCase, PagedValueError; "
+              "from pagedbench.adapters import entries; "
+              "from pagedbench.harness.cases.presets import default_cases; "
+              "from pagedbench.harness.cases.workloads import MODES; "
+              "assert entries() and default_cases()[0].case_id; "
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+              f"{BODY_ONLY!r}))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
