@@ -23,7 +23,7 @@ plug-ins' metadata go under ``--work-dir``; ``--output`` gets the rates as JSON.
 ``--threads-study`` instead times a few decode cases in this process with 1 thread and
 with every core, and writes their medians, spreads and distances to the nearest multiple
 of 4 ms (a scheduler slice) with the load averages: the measurement behind
-:data:`~pagedbench.harness.measure.timing.CPU_THREADS`.
+:data:`~pagedbench.harness.run.config.CPU_THREADS`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pagedbench.reference import PagedInputError, PagedValueError, resolve_devic
 
 from pagedbench.harness.results import shard
 from pagedbench.harness.results.record import DevicePeaks
-from pagedbench.harness.results.store import DEFAULT_RESULTS_DIR
+from pagedbench.harness.run.config import DEFAULT_RESULTS_DIR
 from pagedbench.harness.run import runner
 from pagedbench.harness.run.environment import CACHE_DIR_VARIABLE, default_cache_dir
 

@@ -98,11 +98,6 @@ class DriftProbe:
 #: A drift probe block lasts about this share of the block of calls it follows (at
 #: least one probe call).
 PROBE_SHARE = 0.5
-#: Torch threads of a CPU timing unless chosen: with more, a call waits at every parallel
-#: region for a thread the scheduler preempted, so on a shared host medians snap to
-#: multiples of its 4 ms slice (``python -m pagedbench.harness.calibration.gate
-#: --threads-study``; docs/gate.md has the figures).
-CPU_THREADS = 1
 #: A block that lasts more than this many times its planned length re-sizes the blocks
 #: after it (the one-call estimate was too short).
 RESIZE_FACTOR = 2.0
@@ -113,7 +108,8 @@ def oversubscribed(threads: int, load: float | None = None,
     """A warning when ``threads`` torch threads (in all, over ``workers`` CPU workers
     at once) plus the host's 1-minute load average (``os.getloadavg``, or ``load``)
     exceed its cores (``os.cpu_count``, or ``cores``): such timings wait for preempted
-    threads (:data:`CPU_THREADS`); "" otherwise, and always for one thread."""
+    threads (:data:`~pagedbench.harness.run.config.CPU_THREADS`); "" otherwise, and
+    always for one thread."""
     load = os.getloadavg()[0] if load is None else load
     cores = (os.cpu_count() or 1) if cores is None else cores
     if threads <= 1 or load + threads <= cores:
@@ -468,7 +464,7 @@ def measure_peaks(device: str, threads: int) -> DevicePeaks:
                        method=copy_t.method, cache_copy_gbps=cache_copy_gbps(device, threads))
 
 
-__all__ = ["CPU_THREADS", "MAX_COPIES", "METHODS", "NOISE_THRESHOLD", "PROBE_SHARE",
+__all__ = ["MAX_COPIES", "METHODS", "NOISE_THRESHOLD", "PROBE_SHARE",
            "ROTATE_PAST_L2", "DriftProbe", "PointPlan", "Timing", "cache_copy_gbps",
            "device_l2_bytes", "measure_peaks", "oversubscribed", "point_plan", "time_cpu",
            "time_cuda", "time_cuda_point", "time_once"]

@@ -46,7 +46,6 @@ from pagedbench.harness.results.record import (COMPARISON_FIELDS, LINE, SCHEMA_V
                                                VERSION_FIELDS, ResultRecord, RunRecord,
                                                validation_problem)
 
-DEFAULT_RESULTS_DIR = Path("results/runs")
 #: The commit and dirtiness of a checkout without ``.git`` (the GPU lane's copy), set by
 #: whoever made the copy: a 40-hex commit, and ``1``/``0``. Taken over what git says.
 GIT_SHA_ENV = "PAGEDBENCH_GIT_SHA"
@@ -483,7 +482,6 @@ def run_states(lines: Iterable[ResultRecord | RunRecord]) -> dict[str, RunState]
 
 
 __all__ = [
-    "DEFAULT_RESULTS_DIR",
     "OutputError",
     "ResultsFile",
     "ResultsFileError",

@@ -1,5 +1,7 @@
 """How a run runs and times (:class:`RunConfig`): recorded in its ``started`` line, handed
-to every worker, restored by ``run --resume``."""
+to every worker, restored by ``run --resume``; and the defaults the commands' options
+show (threads, results folder, ``list``'s wait). It imports nothing heavy: a command's
+``--help`` reads them without torch."""
 
 from __future__ import annotations
 
@@ -11,9 +13,15 @@ from typing import Any
 
 from pagedbench.reference import PagedValueError
 
-from pagedbench.harness.measure.timing import CPU_THREADS
-
-
+#: Torch threads of a CPU timing unless chosen: with more, a call waits at every parallel
+#: region for a thread the scheduler preempted, so on a shared host medians snap to
+#: multiples of its 4 ms slice (``python -m pagedbench.harness.calibration.gate
+#: --threads-study``; docs/gate.md has the figures).
+CPU_THREADS = 1
+#: Where ``pagedbench run`` and ``bench`` write their results unless ``--results-dir``.
+DEFAULT_RESULTS_DIR = Path("results/runs")
+#: Seconds ``pagedbench list`` gives each implementation to import and answer.
+LIST_TIMEOUT_S = 120.0
 #: Most CPU workers ``cpu:N`` may start.
 MAX_CPU_WORKERS = 256
 _CPU_SPEC = re.compile(r"cpu:([1-9][0-9]*)")
@@ -72,7 +80,7 @@ class RunConfig:
         samples of a slow call need it, never longer than ``time_limit_s`` (s).
     threads : int
         ``torch.set_num_threads`` in every worker (fixed, recorded in ``env.threads``;
-        default :data:`~pagedbench.harness.measure.timing.CPU_THREADS`).
+        default :data:`CPU_THREADS`).
     case_timeout_s : float
         The implementation's budget per case, everything its worker does: its import and
         ``available`` (once), then ``why_unsupported``, inputs, ``prepare``, ``run``,
@@ -155,4 +163,4 @@ class RunConfig:
         return cls(**{k: v for k, v in data.items() if k in known}, cache_dir=cache_dir)
 
 
-__all__ = ["RunConfig"]
+__all__ = ["CPU_THREADS", "DEFAULT_RESULTS_DIR", "LIST_TIMEOUT_S", "RunConfig"]

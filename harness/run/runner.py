@@ -52,7 +52,7 @@ from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Envi
 from pagedbench.harness.results.store import ResultsFile, environment, results_of
 from pagedbench.harness.results.outcome import result_record
 from pagedbench.harness.run import replay
-from pagedbench.harness.run.config import RunConfig
+from pagedbench.harness.run.config import LIST_TIMEOUT_S, RunConfig
 from pagedbench.harness.run.environment import worker_environment
 from pagedbench.harness.run.processes import tree_cpu_seconds
 from pagedbench.harness.run.protocol import Answer, Fault, Supervisor
@@ -62,9 +62,6 @@ from pagedbench.harness.verdict.messages import (HARNESS, IMPL, JOB_STEPS, Data,
                                                  Message, as_json)
 from pagedbench.harness.verdict.status import Status, exit_code
 from pagedbench.harness.verdict.truth import device_truth_for, truth_for, truth_site
-
-#: Seconds ``pagedbench list`` gives each implementation to import and answer.
-LIST_TIMEOUT_S = 120.0
 
 
 class Interrupted(BaseException):
