@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from pagedbench.reference import PagedCase
 
 
@@ -59,8 +57,8 @@ def bytes_moved(case: PagedCase) -> int:
     for fp8; with a sliding window, only the keys inside it; a latent cache's V is K's
     first channels, read with K: counted once), and the used block-table entries (int32).
     """
-    elem = torch.empty((), dtype=case.torch_dtype).element_size()
-    kv_elem = torch.empty((), dtype=case.kv_torch_dtype).element_size()  # 1 for fp8
+    elem = case.torch_dtype.itemsize
+    kv_elem = case.kv_torch_dtype.itemsize  # 1 for fp8
     qo = case.total_q * case.num_q_heads * (case.head_dim + case.v_head_dim) * elem
     attended = sum(
         min(kv, case.sliding_window + q - 1) if case.sliding_window else kv
