@@ -323,6 +323,8 @@ def preset_workload(preset: str, batch_size: int, max_kv_len: int) -> Workload:
 
 #: The ``suite`` of results written by ``pagedbench bench``.
 BENCH_SUITE = "bench"
+#: The implementation bench's speedups are measured against unless another is named.
+DEFAULT_BASELINE = "sdpa-contiguous"
 #: The tag of a workload's point at its contiguous block size (one block per sequence).
 CONTIGUOUS_TAG = "contig"
 
@@ -339,7 +341,7 @@ def workload_fields(case: PagedCase, suite: str) -> dict[str, str | None]:
 
 
 __all__ = ["BATCH_BOUNDS", "BATCH_SPEC_GRAMMAR", "BENCH_SUITE", "CONTIGUOUS_TAG",
-           "LAYOUT_RATIOS", "MAX_BATCH_KV_TOKENS", "MAX_BATCH_SEQUENCES", "MAX_SEQ_LEN",
+           "DEFAULT_BASELINE", "LAYOUT_RATIOS", "MAX_BATCH_KV_TOKENS", "MAX_BATCH_SEQUENCES", "MAX_SEQ_LEN",
            "MODES", "Workload", "check_sequences", "format_batch_spec", "grid_batch_spec",
            "grid_workload",
            "layout_heads", "mode_of", "parse_batch_spec", "preset_workload", "spec_workload",

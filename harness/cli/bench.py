@@ -17,14 +17,15 @@ from pagedbench.reference import DTYPES, PagedInputError, PagedValueError, check
 
 from pagedbench.harness.cases.presets import MODEL_PRESETS
 from pagedbench.harness.cases.batch_trace import trace_workloads
-from pagedbench.harness.cases.workloads import BENCH_SUITE, LAYOUT_RATIOS, MODES, parse_batch_spec
+from pagedbench.harness.cases.workloads import (BENCH_SUITE, DEFAULT_BASELINE, LAYOUT_RATIOS, MODES,
+                                                parse_batch_spec)
 from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, positive_int,
                                             positive_seconds, run_and_bench_arguments,
                                             select_impls, writable_file, writable_folder)
 from pagedbench.harness.cli.run import (device_peaks, interrupted, results_of_run, shard_of,
                                         warn_oversubscribed)
 from pagedbench.harness.results import report
-from pagedbench.harness.results.derived import DEFAULT_BASELINE, trace_times
+from pagedbench.harness.results.derived import trace_times
 from pagedbench.harness.results.junit import write_junit_xml
 from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.results.store import ResultsFile, new_run_id, write_output

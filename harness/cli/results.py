@@ -21,7 +21,7 @@ from pagedbench.harness.cli.options import fraction, int_in, writable_file, writ
 from pagedbench.harness.gate import baselines, compare as gate
 from pagedbench.harness.measure.speed import Outcome, Thresholds
 from pagedbench.harness.results import plots, report, shard, site
-from pagedbench.harness.results.derived import DEFAULT_BASELINE
+from pagedbench.harness.cases.workloads import DEFAULT_BASELINE
 from pagedbench.harness.results.record import json_schema
 from pagedbench.harness.results.store import read_lines, write_output
 from pagedbench.harness.run.summary import fitted_table, print_summary, terminal

@@ -27,12 +27,10 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import pandas as pd
 
-from pagedbench.harness.cases.workloads import BENCH_SUITE
+from pagedbench.harness.cases.workloads import BENCH_SUITE, DEFAULT_BASELINE
 from pagedbench.harness.results.record import ResultRecord, environment_key, result_key
 from pagedbench.harness.verdict.status import Status
 
-#: The implementation speedups are measured against unless another is named.
-DEFAULT_BASELINE = "sdpa-contiguous"
 #: Thresholds of the fast_p table (speedup over the baseline).
 FAST_P = (0.0, 0.5, 0.8, 1.0, 1.25, 1.5, 2.0)
 #: Timing methods that rank (an interpreter's wall clock never does).
@@ -165,5 +163,4 @@ def trace_times(records: Iterable[ResultRecord], steps: Sequence[str]) -> pd.Dat
     return out[["block_size", "dtype", "step", *impls]]
 
 
-__all__ = ["DEFAULT_BASELINE", "FAST_P", "RANKED_METHODS", "bench_frame",
-           "fast_p", "group_scores", "trace_times"]
+__all__ = ["FAST_P", "RANKED_METHODS", "bench_frame", "fast_p", "group_scores", "trace_times"]

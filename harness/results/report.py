@@ -26,7 +26,8 @@ from typing import Any
 
 import pandas as pd
 
-from pagedbench.harness.results.derived import DEFAULT_BASELINE, bench_frame, fast_p, group_scores
+from pagedbench.harness.cases.workloads import DEFAULT_BASELINE
+from pagedbench.harness.results.derived import bench_frame, fast_p, group_scores
 from pagedbench.harness.results.record import ResultRecord, RunRecord, environment_key, result_key
 from pagedbench.harness.results.store import results_of, run_states
 from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK

@@ -32,8 +32,9 @@ from urllib.parse import quote
 
 import pandas as pd
 
+from pagedbench.harness.cases.workloads import DEFAULT_BASELINE
 from pagedbench.harness.results import plots, report
-from pagedbench.harness.results.derived import DEFAULT_BASELINE, RANKED_METHODS
+from pagedbench.harness.results.derived import RANKED_METHODS
 from pagedbench.harness.results.record import (VERSION_FIELDS, ResultRecord, RunRecord,
                                                environment_key, result_key)
 from pagedbench.harness.results.site_assets import CSS, JS

@@ -28,10 +28,9 @@ import pytest
 import torch
 
 from pagedbench.adapters import BUILTIN, load
-from pagedbench.harness.cases.workloads import CONTIGUOUS_TAG
+from pagedbench.harness.cases.workloads import CONTIGUOUS_TAG, DEFAULT_BASELINE
 from pagedbench.harness.measure.timing import time_cpu, time_cuda
 from pagedbench.harness.measure.roofline import bytes_moved, flops
-from pagedbench.harness.results.derived import DEFAULT_BASELINE
 from pagedbench.harness.run.bench import CPU_IMPLS, default_sweep
 from pagedbench.harness.verdict import conformance
 from pagedbench.harness.verdict.status import Status
