@@ -1,7 +1,9 @@
 """The gate's golden files: ``results/baselines/<device>/baseline.jsonl``, one folder per
 device (:func:`device_folder`), found for the devices of the current results
 (:func:`baseline_paths`), read (:func:`read_results`) and rewritten from current results
-(:func:`write_baseline`, ``pagedbench gate --update-baseline``)."""
+(:func:`write_baseline`, ``pagedbench gate --update-baseline``). Finding them imports
+nothing heavy (``pagedbench gate --help`` shows :data:`BASELINES_DIR`); reading and
+writing import the results' records when called."""
 
 from __future__ import annotations
 
@@ -9,12 +11,12 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedbench.reference import PagedValueError
 
-from pagedbench.harness.gate.compare import points
-from pagedbench.harness.results.record import ResultRecord
-from pagedbench.harness.results.store import read_lines, results_of
+if TYPE_CHECKING:
+    from pagedbench.harness.results.record import ResultRecord
 
 #: Where ``pagedbench gate`` and ``make`` keep the golden results, one folder per device.
 BASELINES_DIR = Path("results/baselines")
@@ -59,6 +61,8 @@ def read_results(paths: Iterable[Path]) -> list[ResultRecord]:
     """The result lines of ``paths`` (files or folders of ``.jsonl``), validated
     (:func:`~pagedbench.harness.results.store.read_lines`; raises
     :class:`~pagedbench.harness.results.store.ResultsFileError`)."""
+    from pagedbench.harness.results.store import read_lines, results_of
+
     return results_of(read_lines(paths))
 
 
@@ -73,6 +77,8 @@ def write_baseline(records: Iterable[ResultRecord], path: Path) -> list[Path]:
     PagedValueError
         If there is no record to write.
     """
+    from pagedbench.harness.gate.compare import points
+
     by_point = points(records)
     if not by_point:
         raise PagedValueError("--current", "no results", "at least one result to write")
