@@ -14,7 +14,7 @@ from pathlib import Path
 from pagedbench.adapters import entries
 from pagedbench.reference import PagedInputError, PagedValueError, resolve_device
 
-from pagedbench.harness.results import shard
+from pagedbench.harness.results.shard_spec import ShardSpec, resolve as resolve_shard
 from pagedbench.harness.results.record import DevicePeaks
 from pagedbench.harness.run.config import DEFAULT_RESULTS_DIR
 from pagedbench.harness.run import runner
@@ -140,11 +140,11 @@ def run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
                         "not by bytes moved; every shard needs the same FILE")
 
 
-def shard_spec(text: str) -> shard.ShardSpec:
-    """``--shard K/N`` or ``auto`` (:func:`~pagedbench.harness.results.shard.resolve`, from
-    this process's environment)."""
+def shard_spec(text: str) -> ShardSpec:
+    """``--shard K/N`` or ``auto`` (:func:`~pagedbench.harness.results.shard_spec.resolve`,
+    from this process's environment)."""
     try:
-        return shard.resolve(text)
+        return resolve_shard(text)
     except PagedValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

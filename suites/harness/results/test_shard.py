@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.harness.results import shard
+from pagedbench.harness.results import shard, shard_spec
 from pagedbench.harness.cli import _parser, main
 from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord
 from pagedbench.harness.run.runner import make_plan
@@ -66,7 +66,7 @@ def test_two_shards_of_two_equal_pairs_take_one_each() -> None:
 @pytest.mark.parametrize("text", ["0/2", "3/2", "1/0", "a/b", "1", "1/2/3", "-1/2"])
 def test_a_bad_shard_is_refused_naming_the_option(text) -> None:
     with pytest.raises(PagedValueError, match="--shard"):
-        shard.parse_spec(text)
+        shard_spec.parse_spec(text)
 
 
 def test_a_bad_shard_on_the_command_line_is_a_usage_error(capsys) -> None:
@@ -123,7 +123,7 @@ def runs(tmp_path_factory) -> Path:
     argv = [a.replace("${{ matrix.shard }}/$SHARDS", "1/2")
             for a in shlex.split(script[script.index("pagedbench bench"):].split("\\")[0])[1:]]
     assert vars(_parser().parse_args(argv)) == vars(_parser().parse_args(BENCH)) | {
-        "shard": shard.ShardSpec(1, 2), "devices": "cpu:2"}  # the workflow's bench, over
+        "shard": shard_spec.ShardSpec(1, 2), "devices": "cpu:2"}  # the workflow's bench, over
     # two CPU workers: merged, its shards still give the one-worker verdicts
     procs = [_bench(base, "whole")]
     for index in (1, 2):
@@ -242,7 +242,7 @@ def test_the_matrix_workflow_merge_job_runs_on_the_shards(runs: Path, tmp_path: 
 
 def _auto(base: Path, folder: str, environ: dict[str, str]) -> subprocess.Popen:
     env = {k: v for k, v in _env(base).items()
-           if k not in [n for _, n, *_ in shard.CI_VARIABLES]} | environ
+           if k not in [n for _, n, *_ in shard_spec.CI_VARIABLES]} | environ
     return subprocess.Popen(
         [sys.executable, "-m", "pagedbench.harness.cli", *BENCH, "--shard", "auto",
          "--results-dir", str(base / folder), "--cache-dir", str(base / "build")],

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pagedbench.harness.cli import _parser, main
-from pagedbench.harness.results import shard
+from pagedbench.harness.results import shard, shard_spec
 from pagedbench.harness.results.record import SCHEMA_VERSION, RunRecord
 from pagedbench.harness.results.store import ResultsFile
 from pagedbench.harness.run.runner import make_plan
@@ -40,13 +40,13 @@ T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
     ({"PAGEDBENCH_SHARD": "2/3"}, (2, 3)),  # a GitHub matrix value passed through
 ])
 def test_auto_reads_the_ci_index_and_count(environ, expected) -> None:
-    spec = shard.resolve("auto", environ)
+    spec = shard_spec.resolve("auto", environ)
     assert (spec.index, spec.count) == expected
 
 
 def test_a_kubernetes_indexed_job_gives_the_index_and_auto_n_the_count() -> None:
-    assert str(shard.resolve("auto/3", {"JOB_COMPLETION_INDEX": "2"})) == "3/3"
-    assert str(shard.resolve("auto/4", {"BUILDKITE_PARALLEL_JOB": "1",
+    assert str(shard_spec.resolve("auto/3", {"JOB_COMPLETION_INDEX": "2"})) == "3/3"
+    assert str(shard_spec.resolve("auto/4", {"BUILDKITE_PARALLEL_JOB": "1",
                                         "BUILDKITE_PARALLEL_JOB_COUNT": "4"})) == "2/4"
 
 
@@ -68,12 +68,12 @@ def test_a_kubernetes_indexed_job_gives_the_index_and_auto_n_the_count() -> None
 ])
 def test_an_incomplete_set_is_refused_naming_what_it_lacks(text, environ, lacking) -> None:
     with pytest.raises(PagedValueError, match="--shard") as refused:
-        shard.resolve(text, environ)
+        shard_spec.resolve(text, environ)
     assert lacking in str(refused.value)
 
 
 def test_an_incomplete_set_on_the_command_line_is_a_usage_error(monkeypatch, capsys) -> None:
-    for name in [n for _, n, *_ in shard.CI_VARIABLES]:
+    for name in [n for _, n, *_ in shard_spec.CI_VARIABLES]:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("BUILDKITE_PARALLEL_JOB", "1")
     with pytest.raises(SystemExit) as exit_:
@@ -134,7 +134,7 @@ def test_shards_balanced_differently_do_not_merge(tmp_path, capsys) -> None:
     files = []
     for index, balance in ((1, None), (2, "seconds:" + "0" * 64)):
         path = tmp_path / f"s{index}.jsonl"
-        record = shard.shard_record(plan, shard.ShardSpec(index, 2))
+        record = shard.shard_record(plan, shard_spec.ShardSpec(index, 2))
         ResultsFile(path).append(RunRecord(
             kind="run", schema_version=SCHEMA_VERSION, run_id=f"s{index}", event="started",
             timestamp=T0, plan=plan, config=None, exit_code=None, counts=None,
@@ -151,9 +151,9 @@ def test_a_resume_must_balance_as_its_shard_did(tmp_path) -> None:
     started = RunRecord(kind="run", schema_version=SCHEMA_VERSION, run_id="r",
                         event="started", timestamp=T0, plan=plan, config=None,
                         exit_code=None, counts=None,
-                        shard=shard.shard_record(plan, shard.ShardSpec(1, 2), seconds))
+                        shard=shard.shard_record(plan, shard_spec.ShardSpec(1, 2), seconds))
     assert shard.recorded_pairs(plan, [started], "r", seconds) == shard.pairs_of(
-        plan, shard.ShardSpec(1, 2), seconds)
+        plan, shard_spec.ShardSpec(1, 2), seconds)
     with pytest.raises(PagedValueError, match="--balance-from FILE it ran with"):
         shard.recorded_pairs(plan, [started], "r")
 
@@ -189,7 +189,7 @@ def test_the_ci_examples_run_their_parallel_jobs_as_shards(examples, environ,
     assert benches and all("auto" in c[c.index("--shard") + 1] for c in benches)
     assert {c[0] for c in commands} >= {"bench", "report", "gate"}
     for k in (1, count):
-        for name in [n for _, n, *_ in shard.CI_VARIABLES]:
+        for name in [n for _, n, *_ in shard_spec.CI_VARIABLES]:
             monkeypatch.delenv(name, raising=False)
         for name, value in environ(k, count).items():
             monkeypatch.setenv(name, value)
