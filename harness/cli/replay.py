@@ -21,6 +21,7 @@ from pagedbench.harness.results import report
 from pagedbench.harness.results.record import COMPARISON_FIELDS, Environment, ResultRecord
 from pagedbench.harness.results.store import environment, new_run_id
 from pagedbench.harness.run import replay, runner, selftest
+from pagedbench.harness.run.config import CHECKOUT, DEFAULT_CATALOGUE, REGRESSION_CASES
 from pagedbench.harness.run.environment import default_cache_dir
 from pagedbench.harness.verdict.status import ExitCode, exit_code, exit_codes_help
 
@@ -71,12 +72,12 @@ def regression_folder(save: Path | bool) -> Path:
     if save is not True:
         writable_folder(save, "--save")
         return save
-    if not (selftest.CHECKOUT / "pyproject.toml").is_file():
+    if not (CHECKOUT / "pyproject.toml").is_file():
         raise PagedValueError("--save", None, "a folder (--save DIR)",
                               f"--save needs a folder: pagedbench is installed at "
-                              f"{selftest.CHECKOUT}, not run from a checkout, and nothing is "
+                              f"{CHECKOUT}, not run from a checkout, and nothing is "
                               "written into an installed package")
-    return selftest.REGRESSION_CASES
+    return REGRESSION_CASES
 
 
 def _replay_lines(record: ResultRecord) -> list[str]:
@@ -160,9 +161,9 @@ def add_selftest_parser(sub: argparse._SubParsersAction) -> None:
         epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     selftest_p.add_argument("--hypothesis-profile", default="ci", metavar="NAME",
                             help="hypothesis profile of the run (default: ci)")
-    selftest_p.add_argument("--catalogue", type=Path, default=selftest.DEFAULT_CATALOGUE,
+    selftest_p.add_argument("--catalogue", type=Path, default=DEFAULT_CATALOGUE,
                             help="folder of the catalogue's distribution metadata "
-                                 f"(default: {selftest.DEFAULT_CATALOGUE})")
+                                 f"(default: {DEFAULT_CATALOGUE})")
     selftest_p.add_argument("--output-dir", type=Path, default=default_cache_dir() / "selftest",
                             help="JUnit report, fault log and failing cases (default: "
                                  "selftest/ of the cache folder)")
@@ -178,7 +179,7 @@ def add_selftest_parser(sub: argparse._SubParsersAction) -> None:
                                  "profile's; make test passes its own)")
     selftest_p.add_argument("--save-regressions", action="store_true",
                             help="keep the case the search found for each fault in "
-                                 f"{selftest.REGRESSION_CASES} (replacing its earlier one)")
+                                 f"{REGRESSION_CASES} (replacing its earlier one)")
 
 
 def cmd_selftest(args: argparse.Namespace) -> int:
@@ -196,7 +197,7 @@ def cmd_selftest(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps([r.to_dict() for r in rows], indent=1) + "\n")
     if args.save_regressions:
         config = runner.RunConfig(timing=False, cache_dir=args.cache_dir, suite="selftest")
-        for path in selftest.save_regressions(rows, selftest.REGRESSION_CASES, config):
+        for path in selftest.save_regressions(rows, REGRESSION_CASES, config):
             print(f"saved: {path}")
     faults = [r for r in rows if r.name != selftest.CONTROL]
     print(f"\n{sum(map(selftest.caught, faults))} of {len(faults)} faults caught "

@@ -1,7 +1,8 @@
 """How a run runs and times (:class:`RunConfig`): recorded in its ``started`` line, handed
 to every worker, restored by ``run --resume``; and the defaults the commands' options
-show (threads, results folder, ``list``'s wait). It imports nothing heavy: a command's
-``--help`` reads them without torch."""
+show (threads, results folder, ``list``'s wait, the checkout's fault catalogue and
+regression cases). It imports nothing heavy: a command's ``--help`` reads them without
+torch."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ CPU_THREADS = 1
 DEFAULT_RESULTS_DIR = Path("results/runs")
 #: Seconds ``pagedbench list`` gives each implementation to import and answer.
 LIST_TIMEOUT_S = 120.0
+#: The checkout this module belongs to (``pagedbench selftest`` runs its suites there).
+CHECKOUT = Path(__file__).resolve().parents[2]
+#: The fault catalogue's distribution metadata (``pagedbench selftest --catalogue``).
+DEFAULT_CATALOGUE = CHECKOUT / "suites" / "faults" / "site"
+#: Where failing cases found once are kept, and replayed by suites/regressions.
+REGRESSION_CASES = CHECKOUT / "suites" / "regressions" / "cases"
 #: Most CPU workers ``cpu:N`` may start.
 MAX_CPU_WORKERS = 256
 _CPU_SPEC = re.compile(r"cpu:([1-9][0-9]*)")
@@ -163,4 +170,5 @@ class RunConfig:
         return cls(**{k: v for k, v in data.items() if k in known}, cache_dir=cache_dir)
 
 
-__all__ = ["CPU_THREADS", "DEFAULT_RESULTS_DIR", "LIST_TIMEOUT_S", "RunConfig"]
+__all__ = ["CHECKOUT", "CPU_THREADS", "DEFAULT_CATALOGUE", "DEFAULT_RESULTS_DIR", "LIST_TIMEOUT_S",
+           "REGRESSION_CASES", "RunConfig"]

@@ -46,16 +46,12 @@ from pagedbench.reference import PagedCase, PagedValueError
 from pagedbench.harness.results.record import Environment, ResultRecord
 from pagedbench.harness.results.store import environment
 from pagedbench.harness.run import replay, runner
+from pagedbench.harness.run.config import CHECKOUT, DEFAULT_CATALOGUE
 
-#: The checkout this module belongs to (the suites run from there).
-CHECKOUT = Path(__file__).resolve().parents[2]
 CONFORMANCE_SUITE = CHECKOUT / "suites" / "conformance"
 SERVING_SUITE = CHECKOUT / "suites" / "serving"
 #: The profile the serving loop runs in under first-catch: ``ci`` without shrinking.
 CATCH_PROFILE = "catch"
-DEFAULT_CATALOGUE = CHECKOUT / "suites" / "faults" / "site"
-#: Where failing cases found once are kept, and replayed by suites/regressions.
-REGRESSION_CASES = CHECKOUT / "suites" / "regressions" / "cases"
 CONTROL = "catalogue-control"
 #: The variable the faults append their name to when they fire (suites/faults/kernel.py).
 FAULT_LOG = "PAGEDBENCH_FAULT_LOG"
@@ -370,6 +366,6 @@ def table(rows: list[FaultRow]) -> list[dict[str, str]]:
              "seconds": f"{r.seconds:.1f}"} for r in rows]
 
 
-__all__ = ["CONTROL", "DEFAULT_CATALOGUE", "FAULT_LOG", "REGRESSION_CASES", "FaultRow",
+__all__ = ["CONTROL", "FAULT_LOG", "FaultRow",
            "catalogue_entries", "passed", "register_catalogue", "register_catalogue_if_named",
            "run", "save_regressions", "table"]

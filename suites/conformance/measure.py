@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 from pagedbench.suites import conftest as _session  # noqa: F401  isort: skip
 from pagedbench.adapters import entries, load
 from pagedbench.harness.results.store import environment
-from pagedbench.harness.run.selftest import (CONTROL, DEFAULT_CATALOGUE, catalogue_entries,
-                                             register_catalogue)
+from pagedbench.harness.run.config import DEFAULT_CATALOGUE
+from pagedbench.harness.run.selftest import CONTROL, catalogue_entries, register_catalogue
 from pagedbench.harness.verdict import conformance
 from pagedbench.suites.budget import TABLE
 

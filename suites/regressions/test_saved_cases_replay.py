@@ -15,7 +15,7 @@ import pytest
 
 from pagedbench.adapters import BUILTIN, ENTRY_POINT_GROUP, entries, load
 from pagedbench.harness.run import replay
-from pagedbench.harness.run.selftest import DEFAULT_CATALOGUE
+from pagedbench.harness.run.config import DEFAULT_CATALOGUE
 from pagedbench.harness.verdict import conformance
 from pagedbench.reference import PagedCase
 
