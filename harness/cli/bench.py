@@ -33,7 +33,8 @@ from pagedbench.harness.run import bench, runner
 from pagedbench.harness.run.progress import RunProgress
 from pagedbench.harness.run.summary import print_summary, terminal
 from pagedbench.harness.verdict.status import Status, exit_code, exit_codes_help
-from pagedbench.harness.verdict.truth import HOST_TRUTH_FRACTION, truth_site
+from pagedbench.harness.verdict.truth import truth_site
+from pagedbench.harness.verdict.truth_sites import HOST_TRUTH_FRACTION
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

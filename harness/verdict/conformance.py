@@ -318,7 +318,7 @@ def check(adapter: Adapter, case: PagedCase, device: str, *, truth: Truth = comp
     Raises
     ------
     ValueError
-        If ``truth_site`` is not one of :data:`~.truth.TRUTH_SITES`.
+        If ``truth_site`` is not one of :data:`~.truth_sites.TRUTH_SITES`.
     """
     judge = CaseJudge(case, device, site=truth_site, truth=truth, device_truth=device_truth,
                       timing=timer is not None, samples=samples, threads=threads)

@@ -31,8 +31,9 @@ from pagedbench.harness.verdict.messages import (Concluded, Go, Message, Output,
                                                  Timed, decode, lse_shape, output_shape,
                                                  split_payload)
 from pagedbench.harness.verdict.status import Status
-from pagedbench.harness.verdict.truth import (TRUTH_SITES, TimedCall, compute_device_truth,
-                                              compute_truth, judging_state)
+from pagedbench.harness.verdict.truth import (TimedCall, compute_device_truth, compute_truth,
+                                              judging_state)
+from pagedbench.harness.verdict.truth_sites import TRUTH_SITES
 
 #: Timed calls judged in one timing: a uniform sample of this many among all its calls
 #: (:class:`Reservoir`), so an implementation that skips the work of a share ``f`` of

@@ -51,14 +51,11 @@ from pagedbench.reference.inputs import device_memory_bytes, footprint_bytes
 from pagedbench.reference.refresh import TimedInputs
 
 from pagedbench.harness.verdict.tolerance import Expected
+from pagedbench.harness.verdict.truth_sites import HOST_TRUTH_FRACTION
 
 _REFERENCE_DIR = Path(__file__).resolve().parents[2] / "reference"
 #: What :meth:`Expected.of` computes is decided here, beside the reference.
 _POLICY_SOURCE = Path(__file__).resolve().with_name("tolerance.py")
-TRUTH_SITES = ("host", "device")
-#: Share of the host's physical memory a host truth may take: the parent, the worker
-#: and whatever else runs there share the rest.
-HOST_TRUTH_FRACTION = 0.25
 #: Bytes of the cache folder's HMAC secret.
 KEY_BYTES = 32
 #: The arrays a cached truth may hold (:class:`~.tolerance.Expected`'s fields).
@@ -374,8 +371,6 @@ def judging_state() -> Iterator[None]:
             torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
-__all__ = ["HOST_TRUTH_FRACTION", "KEY_BYTES", "TRUTH_SITES", "cache_key", "cache_path",
-           "cache_secret",
-           "compute_device_truth", "compute_truth", "device_name", "device_truth_for",
-           "fits_host", "host_budget_bytes", "judging_state", "truth_bytes", "truth_for",
-           "truth_site"]
+__all__ = ["KEY_BYTES", "cache_key", "cache_path", "cache_secret", "compute_device_truth",
+           "compute_truth", "device_name", "device_truth_for", "fits_host", "host_budget_bytes",
+           "judging_state", "truth_bytes", "truth_for", "truth_site"]
