@@ -13,7 +13,8 @@ For a workload that shares prefixes it also replays SGLang's radix tree (page si
 says whether it reuses more prefix tokens than the blocks, and by how much. A
 recommendation is for the device its timings come from: CPU timings make a CPU-serving
 recommendation, and results of two devices are never mixed. What it prints and writes:
-:mod:`~pagedbench.harness.capacity.tune_output`.
+:mod:`~pagedbench.harness.capacity.tune_output`. The options and workloads are read
+without numpy, pandas or torch: :func:`run` imports the prediction and the output.
 
 The points benched when no results folder is given (:func:`bench_cases`): the corners of
 the region every workload's decode steps span, and their median step, as ragged
@@ -29,27 +30,22 @@ import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-import numpy as np
+from typing import TYPE_CHECKING, Literal
 
 from pagedbench.reference import DTYPES, PagedCase, PagedValueError
 from pagedbench.reference.kv_policies import Policy
 from pagedbench.reference.simulator import PolicyResult, budget_tokens_from_bytes, simulate
 from pagedbench.reference.workload import Request
 
-from pagedbench.harness.capacity.prediction import (TUNE_SCHEMA_VERSION, DecodeStep,
-                                                    TuneReport, kernel_models, kernel_points,
-                                                    predict, prefix_reuse, recommend, shares,
-                                                    simulate_decode)
 from pagedbench.harness.capacity.prefix_traces import TRACE_KINDS
 from pagedbench.harness.capacity.simulate import block_sizes as listed_block_sizes
 from pagedbench.harness.capacity.traces import generate_trace, read_trace
-from pagedbench.harness.capacity.tune_output import (JSON_NAME, PLOT_NAME, conditions, text,
-                                                     write)
 from pagedbench.harness.cases.presets import MODEL_PRESETS, ModelPreset
-from pagedbench.harness.results.record import ResultRecord
 from pagedbench.harness.verdict.status import ExitCode, Status, exit_code
+
+if TYPE_CHECKING:
+    from pagedbench.harness.capacity.prediction import DecodeStep
+    from pagedbench.harness.results.record import ResultRecord
 
 DEFAULT_PRESET = "llama3.1-8b"
 DEFAULT_IMPL = "vllm-cpu"
@@ -61,6 +57,9 @@ DEFAULT_KV_BUDGET_GIB = 1.0
 DEFAULT_BLOCK_SIZES = (16, 32, 64, 128)
 DEFAULT_NUM_REQUESTS = 100
 DEFAULT_OUTPUT_DIR = Path("results/tune")
+#: What ``--output-dir`` gets (:func:`~.tune_output.write`).
+PLOT_NAME = "tune.png"
+JSON_NAME = "tune.json"
 #: CPU timing of the points tune benches (``RunConfig`` fields): 7 samples over at least
 #: 0.1 s, enough for a p10 and p90; one torch thread (a shared host's extra threads wait
 #: on preempted ones, docs/gate.md).
@@ -172,6 +171,8 @@ def bench_batches(steps_by_workload: dict[str, Sequence[DecodeStep]]) -> list[tu
     ``(b_min, min(ceil(c_hi b_min), t_max))``, ``(floor(t_max / c_hi), t_max)`` when
     that lies right of ``b_min``, and ``(b_max, t_max)``.
     """
+    import numpy as np
+
     every = [s for steps in steps_by_workload.values() for s in steps]
     if not every:
         return []
@@ -321,6 +322,11 @@ def run(args: argparse.Namespace) -> int:
     """
     from pagedbench.adapters import entries
 
+    from pagedbench.harness.capacity.prediction import (TUNE_SCHEMA_VERSION, TuneReport,
+                                                        kernel_models, kernel_points, predict,
+                                                        prefix_reuse, recommend, shares,
+                                                        simulate_decode)
+    from pagedbench.harness.capacity.tune_output import conditions, text, write
     from pagedbench.harness.results.store import read_lines, results_of
 
     preset = MODEL_PRESETS[args.preset]
@@ -406,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
                   prefix_reuse=reuse)
     sharing = {n: shares(t) for n, (_, t, _) in workloads.items()}
     report = TuneReport(**fields, conditions=conditions(fields, sharing, models))
-    write(report, args.output_dir)
+    write(report, args.output_dir / JSON_NAME, args.output_dir / PLOT_NAME)
     if args.json:
         print(report.model_dump_json(indent=1))
     else:

@@ -10,8 +10,6 @@ import pandas as pd
 from pagedbench.harness.capacity.prediction import KernelModel, TuneReport
 from pagedbench.harness.results.record import Environment
 
-PLOT_NAME = "tune.png"
-JSON_NAME = "tune.json"
 
 
 def conditions(report_fields: dict, sharing: dict[str, bool],
@@ -115,13 +113,15 @@ def plot(report: TuneReport, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def write(report: TuneReport, output_dir: Path) -> None:
-    """Write ``tune.json`` and ``tune.png`` into ``output_dir``."""
+def write(report: TuneReport, json_path: Path, plot_path: Path) -> None:
+    """Write the report as JSON to ``json_path`` and its plot to ``plot_path`` (``tune.json``
+    and ``tune.png`` of ``--output-dir``: :data:`~.tune.JSON_NAME`,
+    :data:`~.tune.PLOT_NAME`)."""
     from pagedbench.harness.results.store import write_output
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    write_output(output_dir / JSON_NAME, report.model_dump_json(indent=1) + "\n")
-    plot(report, output_dir / PLOT_NAME)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    write_output(json_path, report.model_dump_json(indent=1) + "\n")
+    plot(report, plot_path)
 
 
 def text(report: TuneReport) -> str:
@@ -139,4 +139,4 @@ def text(report: TuneReport) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["JSON_NAME", "PLOT_NAME", "conditions", "plot", "table", "text", "write"]
+__all__ = ["conditions", "plot", "table", "text", "write"]
