@@ -25,9 +25,11 @@ Implementations are found without importing them and imported only in worker pro
 (:func:`pagedbench.harness.run.protocol.worker_main`), so no plug-in can take a command down. Bad options and
 input files are refused with the option, the value and what is allowed (exit 2); exit codes are
 those of :class:`~pagedbench.harness.verdict.status.ExitCode`. Each command's options and body are
-in the modules :data:`COMMANDS` names, imported only when that command runs: ``--help`` and a
-wrong command answer without importing torch. This module builds the parser and turns errors
-into exit codes.
+in the modules :data:`COMMANDS` names, imported only when that command is chosen: ``--help``
+and a wrong command import none of them. The options (``*_options.py``, and the constants
+they show) import nothing heavy, so a command's ``--help`` and its usage errors answer
+without torch or pandas; its body imports what it needs once the arguments are parsed.
+This module builds the parser and turns errors into exit codes.
 """
 
 from __future__ import annotations
@@ -59,30 +61,32 @@ class Command(NamedTuple):
 
 CLI = "pagedbench.harness.cli"
 COMMANDS = {
-    "run": Command(f"{CLI}.run:add_parser", f"{CLI}.run:cmd_run",
+    "run": Command(f"{CLI}.run_options:add_parser", f"{CLI}.run:cmd_run",
                    "check and time implementations on model-preset cases"),
-    "bench": Command(f"{CLI}.bench:add_parser", f"{CLI}.bench:cmd_bench",
+    "bench": Command(f"{CLI}.bench_options:add_parser", f"{CLI}.bench:cmd_bench",
                      "benchmark sweep: block size x batch x GQA layout x context x mode x dtype"),
-    "loop": Command(f"{CLI}.loop:add_parser", f"{CLI}.loop:cmd_loop",
+    "loop": Command(f"{CLI}.loop_options:add_parser", f"{CLI}.loop:cmd_loop",
                     "a serving loop on one implementation: one pool, blocks reused, prefix "
                     "hits, forks, preemption, plans replayed"),
-    "list": Command(f"{CLI}.listing:add_parser", f"{CLI}.listing:cmd_list",
+    "list": Command(f"{CLI}.listing_options:add_parser", f"{CLI}.listing:cmd_list",
                     "implementations: available here or why not, version, build; NAME or "
                     "--wide: what each declares"),
-    "report": Command(f"{CLI}.results:add_report_parser", f"{CLI}.results:cmd_report",
+    "report": Command(f"{CLI}.results_options:add_report_parser", f"{CLI}.results:cmd_report",
                       "leaderboard from stored result files"),
-    "schema": Command(f"{CLI}.results:add_schema_parser", f"{CLI}.results:cmd_schema",
+    "schema": Command(f"{CLI}.results_options:add_schema_parser", f"{CLI}.results:cmd_schema",
                       "JSON Schema of a results-file line (docs/results.md)"),
-    "simulate": Command(f"{CLI}.capacity:add_simulate_parser",
+    "simulate": Command(f"{CLI}.capacity_options:add_simulate_parser",
                         "pagedbench.harness.capacity.simulate:run",
                         "KV capacity: contiguous reservation vs paged allocation on a trace"),
-    "tune": Command(f"{CLI}.capacity:add_tune_parser", "pagedbench.harness.capacity.tune:run",
+    "tune": Command(f"{CLI}.capacity_options:add_tune_parser",
+                    "pagedbench.harness.capacity.tune:run",
                     "block size per workload from measured kernel time and simulated capacity"),
-    "replay": Command(f"{CLI}.replay:add_replay_parser", f"{CLI}.replay:cmd_replay",
+    "replay": Command(f"{CLI}.replay_options:add_replay_parser", f"{CLI}.replay:cmd_replay",
                       "re-run one case through the conformance check, in a worker"),
-    "selftest": Command(f"{CLI}.replay:add_selftest_parser", f"{CLI}.replay:cmd_selftest",
+    "selftest": Command(f"{CLI}.replay_options:add_selftest_parser",
+                        f"{CLI}.replay:cmd_selftest",
                         "run the conformance suite on the fault catalogue"),
-    "gate": Command(f"{CLI}.results:add_gate_parser", f"{CLI}.results:cmd_gate",
+    "gate": Command(f"{CLI}.results_options:add_gate_parser", f"{CLI}.results:cmd_gate",
                     "current results against a baseline: exit 1 on a conformance regression "
                     "or a slowdown"),
 }
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     N)."""
     command = _parser(full=()).parse_known_args(argv)[0].command
     args = _parser(full=[command]).parse_args(argv)
-    # Once a command is chosen (these import torch):
+    # Once the arguments are parsed (the store imports torch):
     from pagedbench.reference import PagedInputError
 
     from pagedbench.harness.results.store import OutputError

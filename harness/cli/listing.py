@@ -1,6 +1,7 @@
 """``pagedbench list``: the implementations, whether each is available here (or why not),
 its version and library build; ``list NAME...`` what each named one declares, ``--wide``
-every implementation's declarations in one Markdown table, ``--json`` the rows as data.
+every implementation's declarations in one Markdown table, ``--json`` the rows as data
+(its options: :mod:`.listing_options`).
 
 The default table fits the terminal (:func:`~pagedbench.harness.run.summary.terminal`:
 its width, ``$COLUMNS``, else 100 columns): the reason an implementation is unavailable
@@ -22,29 +23,11 @@ from rich.table import Table
 from pagedbench.adapters import entries
 from pagedbench.reference import PagedValueError
 
-from pagedbench.harness.cli.options import cache_dir_argument, device_arg, positive_seconds
 from pagedbench.harness.results import report
 from pagedbench.harness.results.record import ListingRow
 from pagedbench.harness.run import runner
 from pagedbench.harness.run.summary import fitted_table, terminal
 from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``pagedbench list`` and its options."""
-    list_p = sub.add_parser("list")
-    list_p.add_argument("names", nargs="*", metavar="NAME",
-                        help="show what these implementations declare, one block each")
-    list_p.add_argument("--device", type=device_arg, default="cpu",
-                        help="device to check availability on: cpu, cuda or cuda:N")
-    list_p.add_argument("--wide", action="store_true",
-                        help="every implementation's declarations in one Markdown table "
-                             "(devices, dtypes, block sizes, head dims, modes, features, ...)")
-    list_p.add_argument("--json", action="store_true", help="machine-readable output")
-    list_p.add_argument("--timeout", type=positive_seconds, default=runner.LIST_TIMEOUT_S,
-                        metavar="SECONDS", help="each implementation's time to import and "
-                        f"answer; past it: 'timeout' (default: {runner.LIST_TIMEOUT_S:g})")
-    cache_dir_argument(list_p, "compiler and scratch caches of the workers that answer")
 
 
 def cmd_list(args: argparse.Namespace) -> int:

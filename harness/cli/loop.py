@@ -1,5 +1,5 @@
 """``pagedbench loop``: a serving loop on one implementation (``harness/run/loop.py``), and
-``pagedbench replay TRACE`` of a loop's saved trace."""
+``pagedbench replay TRACE`` of a loop's saved trace. Its options: :mod:`.loop_options`."""
 
 from __future__ import annotations
 
@@ -17,59 +17,17 @@ from pagedbench.reference import PagedCase, PagedValueError
 from pagedbench.reference.axes import FP8_SCALES
 
 from pagedbench.harness.cases.presets import MODEL_PRESETS
-from pagedbench.harness.cli.options import (cache_dir_argument, checked_device, device_arg,
-                                            int_in, positive_int, positive_seconds, select_impls)
+from pagedbench.harness.cli.loop_options import DEFAULT_HEAD_DIM, DEFAULT_HEADS
+from pagedbench.harness.cli.options import checked_device, select_impls
 from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.loop import LoopOutcome, Scheduler, run_loop
 from pagedbench.harness.verdict.serving import TRANSITIONS, LoopEventError, LoopSpec, read_trace
 from pagedbench.harness.verdict.serving_judge import (LoopJudge, StepVerdict, describe_failure,
                                                       save_failure)
-from pagedbench.harness.verdict.status import ExitCode, Status, exit_codes_help
+from pagedbench.harness.verdict.status import ExitCode, Status
 
-#: The loop's shape when no preset is named: small enough for an interpreted kernel.
-DEFAULT_HEADS, DEFAULT_HEAD_DIM = (8, 2), 64
 #: Where a failing loop's trace is kept (under the cache folder).
 TRACES = "loop-traces"
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``pagedbench loop`` and its options."""
-    p = sub.add_parser(
-        "loop", description="Drive one implementation through a serving loop: the reference "
-                    "allocator admits requests (half sharing a cached prompt prefix), "
-                    "prefills them in chunks beside decodes, forks, finishes, preempts and "
-                    "swaps them, on one persistent pool whose freed blocks keep their K/V; "
-                    "every step's output is judged against the float64 truth. A failing "
-                    "loop's trace is saved; `pagedbench replay TRACE --impl NAME` reruns it.",
-        epilog=exit_codes_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impl", required=True, metavar="NAME", help="the implementation")
-    p.add_argument("--steps", type=int_in(1, 100_000), default=50,
-                   help="forward steps (default: 50)")
-    p.add_argument("--seed", type=int_in(0, 2**31 - 1), default=0,
-                   help="seeds the scheduler and the values (default: 0)")
-    p.add_argument("--trace", type=Path, metavar="FILE",
-                   help="replay this trace's events instead of scheduling")
-    p.add_argument("--preset", choices=list(MODEL_PRESETS), metavar="NAME",
-                   help=f"model shape (heads, head dim; one of {', '.join(MODEL_PRESETS)}); "
-                        f"default: {DEFAULT_HEADS[0]}/{DEFAULT_HEADS[1]} heads of "
-                        f"{DEFAULT_HEAD_DIM}")
-    p.add_argument("--block-size", type=positive_int, default=16, help="default: 16")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16",
-                   help="default: bfloat16")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
-                   default="auto", help="default: auto (the dtype's); fp8 takes k_scale "
-                                        f"{FP8_SCALES[0][0]} and v_scale {FP8_SCALES[0][1]}")
-    p.add_argument("--num-blocks", type=int_in(2, 1 << 20), default=48,
-                   help="blocks the allocator hands out (default: 48)")
-    p.add_argument("--max-batch", type=int_in(1, 4096), default=8, help="default: 8")
-    p.add_argument("--max-tokens", type=int_in(1, 1 << 20), default=160,
-                   help="longest sequence (default: 160)")
-    p.add_argument("--device", type=device_arg, default=None,
-                   help="cpu (default), cuda or cuda:N; checked against this machine")
-    p.add_argument("--case-timeout", type=positive_seconds, default=None, metavar="SECONDS",
-                   help="the implementation's own time per step (default: "
-                        f"{RunConfig.case_timeout_s:g})")
-    cache_dir_argument(p)
 
 
 def loop_spec(args: argparse.Namespace) -> LoopSpec:
@@ -195,4 +153,4 @@ def replay_trace(path: Path, name: str, target: str, config: RunConfig,
                 config.cache_dir)
 
 
-__all__ = ["add_parser", "cmd_loop", "is_trace", "loop_spec", "replay_trace"]
+__all__ = ["cmd_loop", "is_trace", "loop_spec", "replay_trace"]

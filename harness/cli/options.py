@@ -1,10 +1,11 @@
 """Option types and checks the commands share: devices, seconds, counts, run ids,
-fractions, cache and output folders, the implementations chosen."""
+fractions, cache and output folders, the implementations chosen. Nothing heavy is imported
+here (the parsers of the ``*_options.py`` modules use it); :func:`checked_device` asks the
+machine, through torch, once a command runs."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -12,12 +13,10 @@ import tempfile
 from pathlib import Path
 
 from pagedbench.adapters import entries
-from pagedbench.reference import PagedInputError, PagedValueError, resolve_device
+from pagedbench.reference import PagedInputError, PagedValueError
 
 from pagedbench.harness.results.shard_spec import ShardSpec, resolve as resolve_shard
-from pagedbench.harness.results.record import DevicePeaks
-from pagedbench.harness.run.config import DEFAULT_RESULTS_DIR
-from pagedbench.harness.run import runner
+from pagedbench.harness.run.config import DEFAULT_RESULTS_DIR, RunConfig
 from pagedbench.harness.run.environment import CACHE_DIR_VARIABLE, default_cache_dir
 
 #: Most torch threads a worker may be given.
@@ -101,12 +100,12 @@ def run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
     ``point``)."""
     p.add_argument("--threads", type=int_in(1, MAX_THREADS), default=None,
                    help="torch threads per worker (default: "
-                        f"{runner.RunConfig.threads}: more wait for preempted threads on a "
+                        f"{RunConfig.threads}: more wait for preempted threads on a "
                         "shared host; docs/gate.md)")
     p.add_argument("--case-timeout", type=positive_seconds, default=None, metavar="SECONDS",
                    help=f"the implementation's own time per {unit} (import and available, "
                         "then prepare, run, describe, timing); past it: 'timeout' (default: "
-                        f"{runner.RunConfig.case_timeout_s:g})")
+                        f"{RunConfig.case_timeout_s:g})")
     p.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR,
                    help=f"folder for <run-id>.jsonl and .md (default: {DEFAULT_RESULTS_DIR})")
     cache_dir_argument(p)
@@ -147,24 +146,6 @@ def shard_spec(text: str) -> ShardSpec:
         return resolve_shard(text)
     except PagedValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def peaks_file(path: Path) -> DevicePeaks:
-    """The device peaks in ``path`` (``--peaks``): a JSON object of
-    :class:`~pagedbench.harness.results.record.DevicePeaks`, at its top or under ``"peaks"``.
-
-    Raises
-    ------
-    PagedValueError
-        Naming ``--peaks`` and the file when it cannot be read or holds no valid peaks.
-    """
-    try:
-        data = json.loads(path.read_text())
-        data = data.get("peaks", data) if isinstance(data, dict) else data
-        return DevicePeaks.model_validate(data)
-    except (OSError, ValueError) as exc:  # ValidationError is a ValueError
-        raise PagedValueError("--peaks", str(path), "a JSON file of copy_gbps, bf16_tflops "
-                              "and method", f"--peaks {path}: {exc}") from None
 
 
 def writable_folder(path: Path, option: str) -> None:
@@ -217,6 +198,8 @@ def checked_device(text: str, devices: str = "") -> str:
     does (``CUDA_DEVICE_ORDER=PCI_BUS_ID`` unless set, before CUDA starts), so an index
     names the same GPU here, in its worker and in the recorded UUID
     (:mod:`~pagedbench.harness.run.spread`)."""
+    from pagedbench.reference.inputs import resolve_device  # torch, to ask the machine
+
     if devices and text.startswith("cuda"):
         os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     try:

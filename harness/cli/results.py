@@ -1,6 +1,7 @@
 """The commands that read results: ``pagedbench report`` (leaderboards of stored result
 files), ``schema`` (the JSON Schema of a results line) and ``gate`` (current results
-against a baseline, :mod:`pagedbench.harness.gate.compare`)."""
+against a baseline, :mod:`pagedbench.harness.gate.compare`); their options:
+:mod:`.results_options`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import json
 import math
 import re
 import sys
-from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape as rich_escape
@@ -17,89 +17,20 @@ from rich.text import Text
 
 from pagedbench.reference import PagedValueError
 
-from pagedbench.harness.cli.options import fraction, int_in, writable_file, writable_folder
+from pagedbench.harness.cli.options import writable_file, writable_folder
 from pagedbench.harness.gate import baselines, compare as gate
 from pagedbench.harness.measure.speed import Outcome, Thresholds
 from pagedbench.harness.results import plots, report, shard, site
-from pagedbench.harness.cases.workloads import DEFAULT_BASELINE
 from pagedbench.harness.results.record import json_schema
 from pagedbench.harness.results.store import read_lines, write_output
 from pagedbench.harness.run.summary import fitted_table, print_summary, terminal
-from pagedbench.harness.verdict.status import GATE_EXIT_MEANING, ExitCode, exit_codes_help
+from pagedbench.harness.verdict.status import ExitCode
 
 
 #: The gate's outcomes that moved (its summary lists them, then the too noisy ones).
 MOVED = (Outcome.BROKEN, Outcome.SLOWER, Outcome.FASTER, Outcome.FIXED)
 #: Most points the gate's summary lists (the report of --output has every one).
 MAX_GATE_ROWS = 30
-
-
-def add_report_parser(sub: argparse._SubParsersAction) -> None:
-    """``pagedbench report`` and its options."""
-    report_p = sub.add_parser("report")
-    report_p.add_argument("paths", nargs="+", type=Path,
-                          help=".jsonl result files or folders of them (merged in order)")
-    report_p.add_argument("--format", choices=["md", "csv", "html", "site"], default="md",
-                          help="md: leaderboard + summary (+ bench tables); csv: one row per "
-                               "result with derived figures; html: one standalone page "
-                               "(board, plots, tables); site: a folder (--output DIR) of "
-                               "index.html and one such page per device and environment")
-    report_p.add_argument("--baseline", "--baseline-impl", dest="baseline",
-                          default=DEFAULT_BASELINE, metavar="NAME",
-                          help="implementation speedups are measured against (default: "
-                               f"{DEFAULT_BASELINE})")
-    report_p.add_argument("--output", type=Path, help="write here instead of stdout (a "
-                          "folder with --format site)")
-    report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",
-                          help="also write the bench plots there as PNG files")
-
-
-def add_schema_parser(sub: argparse._SubParsersAction) -> None:
-    """``pagedbench schema`` (no options)."""
-    sub.add_parser("schema")
-
-
-def add_gate_parser(sub: argparse._SubParsersAction) -> None:
-    """``pagedbench gate`` and its options."""
-    _gate_arguments(sub.add_parser(
-        "gate", description=gate.__doc__.split("\n\n")[0],
-        epilog=exit_codes_help(GATE_EXIT_MEANING),
-        formatter_class=argparse.RawDescriptionHelpFormatter))
-
-
-def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
-    defaults = Thresholds()
-    gate_p.add_argument("--baseline", type=Path, required=True, metavar="FILE_OR_DIR",
-                        help="the golden: a .jsonl file, a folder of them, or a folder of "
-                             f"device folders such as {baselines.BASELINES_DIR} (the folder of "
-                             "each current device is read)")
-    gate_p.add_argument("--current", type=Path, required=True, metavar="FILE_OR_DIR",
-                        help="the results to judge: a .jsonl file or a folder of them")
-    gate_p.add_argument("--alpha", type=fraction(0, 1), default=defaults.alpha,
-                        help="family-wise significance level of the U tests "
-                             f"(default: {defaults.alpha:g})")
-    gate_p.add_argument("--min-effect", type=fraction(0, math.inf),
-                        default=defaults.min_effect, metavar="FRACTION",
-                        help="smallest change of the median that counts, e.g. 0.1 for 10%% "
-                             f"(default: {defaults.min_effect:g})")
-    gate_p.add_argument("--min-samples", type=int_in(2, 2**31), default=defaults.min_samples,
-                        metavar="N", help="fewest samples on either side that are judged "
-                        f"(default: {defaults.min_samples})")
-    gate_p.add_argument("--raw", action="store_true",
-                        help="judge raw ms, not each CPU sample divided by the drift probe "
-                             "timed after it (which cancels a shared machine's drift)")
-    gate_p.add_argument("--allow-unjudged", action="store_true",
-                        help="exit 0, not 7, when no point regressed but some could not be "
-                             "judged (too noisy, timed on one side only, or in only one of "
-                             "baseline and current); the last line still counts them")
-    gate_p.add_argument("--output", type=Path, default=None, metavar="FILE",
-                        help="also write the full report (Markdown: every point that moved or "
-                             "was too noisy, with its figures) there; the terminal gets a "
-                             "summary")
-    gate_p.add_argument("--update-baseline", action="store_true",
-                        help="after comparing, write the current results as the new golden "
-                             "(--baseline's file, or <folder>/<device>/"
-                             f"{baselines.BASELINE_FILE}) and exit 0")
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -1,24 +1,23 @@
 """``pagedbench run``: check and time implementations on model-preset cases (``--resume
 RUN_ID`` finishes an interrupted run); what ``run`` and ``bench`` share (sharding, the
-oversubscription warning, an interrupted run's message)."""
+device's peaks, the oversubscription warning, an interrupted run's message). Its options:
+:mod:`.run_options`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
 from pagedbench.adapters import entries
-from pagedbench.reference import DTYPES, PagedInputError, PagedValueError, check_fits
+from pagedbench.reference import PagedInputError, PagedValueError, check_fits
 
-from pagedbench.harness.cases.presets import (DEFAULT_BLOCK_SIZES, DEFAULT_DTYPES, MODEL_PRESETS,
-                                              default_cases)
-from pagedbench.harness.cli.options import (checked_device, device_arg, int_in, peaks_file,
-                                            positive_int, positive_seconds,
-                                            run_and_bench_arguments, run_id_arg, select_impls,
-                                            writable_file, writable_folder)
+from pagedbench.harness.cases.presets import default_cases
+from pagedbench.harness.cli.options import (checked_device, select_impls, writable_file,
+                                            writable_folder)
 from pagedbench.harness.measure.timing import oversubscribed
 from pagedbench.harness.results import report
 from pagedbench.harness.results.junit import write_junit_xml
@@ -29,41 +28,7 @@ from pagedbench.harness.results.store import (ResultsFile, ResultsFileError, new
 from pagedbench.harness.run import runner
 from pagedbench.harness.run.progress import RunProgress
 from pagedbench.harness.run.summary import print_summary, terminal
-from pagedbench.harness.verdict.status import ExitCode, exit_code, exit_codes_help
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``pagedbench run`` and its options."""
-    run_p = sub.add_parser("run", epilog=exit_codes_help(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    run_p.add_argument("--impl", action="append", default=[], metavar="NAME",
-                       help="implementation to run (repeatable; default: all)")
-    run_p.add_argument("--preset", action="append", default=[], choices=list(MODEL_PRESETS),
-                       metavar="NAME", help=f"model preset (repeatable; default: all of {', '.join(MODEL_PRESETS)})")
-    run_p.add_argument("--device", type=device_arg, default=None,
-                       help="cpu (default), cuda or cuda:N; checked against this machine")
-    run_p.add_argument("--block-size", action="append", type=positive_int, default=[],
-                       help=f"block size (repeatable; default: {' '.join(map(str, DEFAULT_BLOCK_SIZES))}, "
-                            "or the preset's own)")
-    run_p.add_argument("--dtype", action="append", default=[], choices=list(DTYPES),
-                       help=f"dtype (repeatable; default: {' '.join(DEFAULT_DTYPES)}, or the "
-                            "preset's own)")
-    run_p.add_argument("--no-timing", action="store_const", const=True, default=None,
-                       help="check correctness only")
-    run_p.add_argument("--repetitions", type=int_in(1, 100_000), default=None,
-                       help="CPU timing samples per case, as the time limit of "
-                            f"{runner.RunConfig.time_limit_s:g} s allows (at least "
-                            f"{runner.RunConfig.time_budget_s:g} s of blocks of calls; "
-                            f"default: {runner.RunConfig.repetitions})")
-    run_p.add_argument("--harness-timeout", type=positive_seconds, default=None,
-                       metavar="SECONDS",
-                       help="pagedbench's own time per case (truth and compare, in the "
-                            "judging parent); past it: 'harness-error' (default: "
-                            f"{runner.RunConfig.harness_timeout_s:g})")
-    run_p.add_argument("--resume", type=run_id_arg, metavar="RUN_ID",
-                       help="finish the interrupted run RUN_ID of --results-dir with its "
-                            "recorded selection, skipping the results it already has")
-    run_and_bench_arguments(run_p, "case")
+from pagedbench.harness.verdict.status import ExitCode, exit_code
 
 
 def _finish(records: list[ResultRecord], lines: list, results: ResultsFile,
@@ -226,6 +191,24 @@ def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id:
     console.print(f"shard {args.shard} of plan {part.plan_sha256[:12]}, balanced by {how}: "
                   f"{len(pairs)} of {plan.size} (implementation, point) pairs")
     return part, pairs
+
+
+def peaks_file(path: Path) -> DevicePeaks:
+    """The device peaks in ``path`` (``--peaks``): a JSON object of
+    :class:`~pagedbench.harness.results.record.DevicePeaks`, at its top or under ``"peaks"``.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``--peaks`` and the file when it cannot be read or holds no valid peaks.
+    """
+    try:
+        data = json.loads(path.read_text())
+        data = data.get("peaks", data) if isinstance(data, dict) else data
+        return DevicePeaks.model_validate(data)
+    except (OSError, ValueError) as exc:  # ValidationError is a ValueError
+        raise PagedValueError("--peaks", str(path), "a JSON file of copy_gbps, bf16_tflops "
+                              "and method", f"--peaks {path}: {exc}") from None
 
 
 def device_peaks(args: argparse.Namespace, config: runner.RunConfig,

@@ -1,5 +1,6 @@
-"""The command line answers ``--help`` and a wrong command without importing torch (what a
-command's module brings), and each command's own parser is built from the module the table
+"""The command line answers ``--help`` and a wrong command without importing any command's
+module, and each command's ``--help`` and its usage errors without torch or pandas (what
+a command's body brings); each command's own parser is built from the module the table
 names; a case, the input errors and the implementations' names come without torch."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from pagedbench.harness import cli
 
 HEAVY = ("torch", "numpy", "pandas", "pydantic", "triton", "pagedbench.reference")
-#: What only a command's body needs.
+#: What a command's parser must not import: only its body needs them.
 BODY_ONLY = ("torch", "pandas", "triton", "matplotlib")
 
 
@@ -35,6 +36,29 @@ def test_help_and_usage_errors_import_nothing_heavy(argv, code) -> None:
     assert len(modules) > 20, "no import times read"  # the reading itself works
     heavy = {m for m in modules if m.split(".")[0] in HEAVY or m.startswith(HEAVY)}
     assert not heavy, sorted(heavy)
+
+
+def _body_only(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if m.split(".")[0] in BODY_ONLY)
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_each_commands_help_imports_no_torch(command) -> None:
+    proc, modules = _imported(command, "--help")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"usage: pagedbench {command}")
+    assert _body_only(modules) == []
+
+
+@pytest.mark.parametrize("argv", [["run", "--block-size", "x"], ["run", "--dtype", "nope"],
+                                  ["bench", "--mode", "nope"], ["list", "--timeout", "0"],
+                                  ["gate", "--alpha", "2"], ["tune", "--block-sizes", "x"]])
+def test_a_usage_error_imports_no_torch(argv) -> None:
+    """argparse's refusal (exit 2) comes before the command's body imports anything heavy."""
+    proc, modules = _imported(*argv)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"pagedbench {argv[0]}: error: argument" in proc.stderr
+    assert _body_only(modules) == []
 
 
 def test_a_command_imports_what_it_needs() -> None:

@@ -1,5 +1,6 @@
 """``pagedbench simulate`` and ``pagedbench tune``: their parsers (the bodies and options
-are :mod:`pagedbench.harness.capacity.simulate` and :mod:`~pagedbench.harness.capacity.tune`)."""
+are :mod:`pagedbench.harness.capacity.simulate` and :mod:`~pagedbench.harness.capacity.tune`,
+whose options import nothing heavy)."""
 
 from __future__ import annotations
 
