@@ -18,11 +18,12 @@ refuses a bad one before torch is imported.
 
 from __future__ import annotations
 
-import importlib
 import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import lazy_loader
 
 ENTRY_POINT_GROUP = "pagedbench.adapters"
 
@@ -101,22 +102,11 @@ def registry() -> dict[str, tuple[str, Adapter]]:
     return out
 
 
-#: The names imported when first used, by their module of this package.
-_MODULE_OF = {"Adapter": "base", "Availability": "base", "Capabilities": "base",
-              "MultipleOf": "base", "Unloadable": "loading", "load": "loading"}
-
-
-def __getattr__(name: str) -> Any:
-    """``name`` of :data:`_MODULE_OF`, from its module (imported now if it was not)."""
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
-    globals()[name] = value  # the next use finds it without this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
+#: The contract's names, imported when first used, by the module of this package that
+#: defines each.
+_NAMES_BY_MODULE = {"base": ["Adapter", "Availability", "Capabilities", "MultipleOf"],
+                    "loading": ["Unloadable", "load"]}
+__getattr__, _, _ = lazy_loader.attach(__name__, submod_attrs=_NAMES_BY_MODULE)
 
 
 if TYPE_CHECKING:  # for type checkers and the import graph (suites/docs/test_architecture.py)

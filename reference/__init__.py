@@ -8,45 +8,22 @@ errors answer before torch is imported.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-#: Each public name, by the module (of this package) that defines it.
-_MODULE_OF = {
-    "BlockAllocator": "allocator",
-    "OutOfBlocksError": "allocator",
-    "DTYPES": "axes",
-    "PagedCase": "case",
-    "attention": "dense",
-    "gather_kv": "dense",
-    "reference_attention": "dense",
-    "PagedInputError": "errors",
-    "PagedTypeError": "errors",
-    "PagedValueError": "errors",
-    "PagedInputs": "inputs",
-    "check_fits": "inputs",
-    "logit_bound": "inputs",
-    "materialize": "inputs",
-    "new_output": "inputs",
-    "resolve_device": "inputs",
-    "logit_rounding": "yardstick",
-    "naive_attention": "yardstick",
-    "yardstick_attention": "yardstick",
+import lazy_loader
+
+#: The public names, by the module (of this package) that defines each.
+_NAMES_BY_MODULE = {
+    "allocator": ["BlockAllocator", "OutOfBlocksError"],
+    "axes": ["DTYPES"],
+    "case": ["PagedCase"],
+    "dense": ["attention", "gather_kv", "reference_attention"],
+    "errors": ["PagedInputError", "PagedTypeError", "PagedValueError"],
+    "inputs": ["PagedInputs", "check_fits", "logit_bound", "materialize", "new_output",
+               "resolve_device"],
+    "yardstick": ["logit_rounding", "naive_attention", "yardstick_attention"],
 }
-
-
-def __getattr__(name: str) -> Any:
-    """The public ``name``, from its module (imported now if it was not)."""
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
-    globals()[name] = value  # the next use finds it without this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_MODULE_OF})
-
+__getattr__, __dir__, __all__ = lazy_loader.attach(__name__, submod_attrs=_NAMES_BY_MODULE)
 
 if TYPE_CHECKING:  # for type checkers and the import graph (suites/docs/test_architecture.py)
     from .allocator import BlockAllocator, OutOfBlocksError
@@ -57,25 +34,3 @@ if TYPE_CHECKING:  # for type checkers and the import graph (suites/docs/test_ar
     from .inputs import (PagedInputs, check_fits, logit_bound, materialize, new_output,
                          resolve_device)
     from .yardstick import logit_rounding, naive_attention, yardstick_attention
-
-__all__ = [
-    "DTYPES",
-    "BlockAllocator",
-    "OutOfBlocksError",
-    "PagedCase",
-    "PagedInputError",
-    "PagedInputs",
-    "PagedTypeError",
-    "PagedValueError",
-    "attention",
-    "check_fits",
-    "gather_kv",
-    "logit_bound",
-    "logit_rounding",
-    "materialize",
-    "naive_attention",
-    "new_output",
-    "reference_attention",
-    "resolve_device",
-    "yardstick_attention",
-]

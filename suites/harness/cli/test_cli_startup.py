@@ -84,18 +84,20 @@ def test_the_help_lists_every_command_and_each_command_answers_help(capsys) -> N
 
 @pytest.mark.parametrize("package", ["pagedbench.reference", "pagedbench.adapters"])
 def test_a_lazy_package_imports_each_name_from_the_module_its_table_names(package) -> None:
-    """The packages whose names are imported when first used: every public name comes from
-    the module ``_MODULE_OF`` names, and the imports the type checkers and the import graph
-    read (``if TYPE_CHECKING:``) say the same."""
+    """The packages whose names are imported when first used: every name the table
+    (``_NAMES_BY_MODULE``) lists comes from the module it names, is public, and the imports
+    the type checkers and the import graph read (``if TYPE_CHECKING:``) say the same."""
     module = importlib.import_module(package)
-    declared = {}
+    declared: dict[str, list[str]] = {}
     for node in ast.walk(ast.parse(Path(module.__file__).read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 1:
-            declared |= {alias.name: node.module for alias in node.names}
-    assert declared == module._MODULE_OF
-    for name, where in module._MODULE_OF.items():
-        assert getattr(module, name) is getattr(importlib.import_module(f"{package}.{where}"), name)
-    assert set(module._MODULE_OF) <= set(module.__all__) <= set(dir(module))
+            declared[node.module] = [alias.name for alias in node.names]
+    assert declared == module._NAMES_BY_MODULE
+    for where, names in declared.items():
+        for name in names:
+            assert name in module.__all__
+            assert getattr(module, name) is getattr(
+                importlib.import_module(f"{package}.{where}"), name)
 
 
 def test_a_case_its_errors_and_the_implementations_come_without_torch() -> None:
