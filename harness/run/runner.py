@@ -24,8 +24,7 @@ A run records its plan when it starts and ``finished`` when it ends, so that
 :func:`run` with ``resume=True`` completes an interrupted run without redoing the
 (implementation, case) pairs already in its file. SIGTERM, SIGINT and SIGHUP stop the
 run cleanly (the worker's process group is killed, ``interrupted`` is recorded) and raise
-:class:`Interrupted`. :func:`run_point_major` runs a plan one point at a time (``pagedbench
-bench --point-major``).
+:class:`Interrupted`.
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ from pydantic import ValidationError
 from pagedbench.adapters import Entry
 from pagedbench.reference import PagedCase, PagedValueError
 
-from pagedbench.harness.measure.cuda_timers import release_device_memory
 from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Environment,
                                                ListingRow, Plan, PlannedImpl, ResultRecord,
                                                RunRecord, Shard, now, validation_problem)
@@ -418,41 +416,6 @@ def run(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
     return records
 
 
-def point_order(plan: Plan,
-                pairs: Collection[tuple[str, str]] | None = None) -> list[list[tuple[str, str]]]:
-    """The (implementation, case id) pairs of ``plan`` (of ``pairs`` only, when given),
-    one list per case in the plan's order, each in the plan's implementation order."""
-    return [[(impl.name, case.case_id) for impl in plan.impls
-             if pairs is None or (impl.name, case.case_id) in pairs]
-            for case in plan.paged_cases()]
-
-
-def run_point_major(plan: Plan, config: RunConfig, results: ResultsFile, run_id: str,
-                    on_record: Callable[[ResultRecord], None] | None = None, *,
-                    peaks: DevicePeaks | None = None, left_out: list[str] | None = None,
-                    shard: Shard | None = None,
-                    pairs: Collection[tuple[str, str]] | None = None) -> list[ResultRecord]:
-    """:func:`run` one point at a time: every implementation of ``plan`` on the
-    first case, then on the next, ... (:func:`point_order`; with ``pairs``, only those).
-    The first point's call records ``started`` (with ``left_out`` and ``shard``), each
-    later one ``resumed`` (the run's results so far counted in its ``finished``), and
-    :func:`~pagedbench.harness.measure.cuda_timers.release_device_memory` runs between
-    points (the judge's device truths live in this process). Returns every result of the
-    run.
-
-    Raises
-    ------
-    Interrupted
-        On SIGTERM, SIGINT or SIGHUP: the points done are on disk, ``resume`` finishes.
-    """
-    records: list[ResultRecord] = []
-    for index, point in enumerate(point_order(plan, pairs)):
-        records = run(plan, config, results, run_id, on_record, resume=index > 0,
-                      peaks=peaks, left_out=left_out, shard=shard, pairs=point)
-        release_device_memory()
-    return records
-
-
 def _spread(units: list[tuple[PlannedImpl, list[PagedCase]]], slots: list[DeviceSlot],
             config: RunConfig, run_id: str, emit: Callable[[ResultRecord], None],
             peaks: DevicePeaks | None) -> None:
@@ -516,5 +479,5 @@ def list_adapters(found: list[Entry], device: str, cache_dir: Path,
     return rows
 
 
-__all__ = ["Interrupted", "RunConfig", "device_peaks", "list_adapters", "make_plan", "missing",
-           "point_order", "run", "run_point_major", "run_target"]
+__all__ = ["Interrupted", "RunConfig",
+           "device_peaks", "list_adapters", "make_plan", "missing", "run", "run_target"]

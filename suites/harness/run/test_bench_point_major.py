@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pagedbench.harness import cli
+from pagedbench.harness.measure import cuda_timers
 from pagedbench.harness.run import bench, runner
-from pagedbench.harness.run.bench import Sweep
-from pagedbench.harness.run.runner import point_order, run_point_major
+from pagedbench.harness.run.bench import Sweep, point_order, run_point_major
 
 
 def small_plan():
@@ -37,7 +37,7 @@ def test_run_point_major_runs_one_point_per_call(monkeypatch: pytest.MonkeyPatch
         return [f"records after {len(calls)} points"]
 
     monkeypatch.setattr(runner, "run", fake_run)
-    monkeypatch.setattr(runner, "release_device_memory", lambda: events.append("free"))
+    monkeypatch.setattr(cuda_timers, "release_device_memory", lambda: events.append("free"))
     records = run_point_major(plan, runner.RunConfig(), None, "r1", left_out=["x: big"])
     assert calls == [(index > 0, [("a", c.case_id), ("b", c.case_id)], ["x: big"], "r1")
                      for index, c in enumerate(cases)]
