@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 from .errors import PagedTypeError, PagedValueError
+
+if TYPE_CHECKING:
+    import torch
 
 #: Data types a case may use, by the names results and case ids carry (torch's own names:
 #: ``torch.float32``, ...).
@@ -57,6 +62,14 @@ LAYOUTS = ("contiguous", "fused_qkv", "layer_pool", "every_other_block", "layer_
 #: NaN, or clamps infinities, still reads it). fp8 E4M3 "fn" has no infinity: ``"inf"``
 #: and ``"-inf"`` store its largest magnitude (448) there.
 POISONS = ("nan", "inf", "-inf", "huge")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch's dtype of a name of :data:`DTYPES` or a value of :data:`KV_CACHE_DTYPES` (torch
+    is imported here alone: a case is built, checked and stored without it)."""
+    import torch
+
+    return getattr(torch, name)
 
 
 def as_int(name: str, value: object) -> int:

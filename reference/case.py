@@ -13,15 +13,15 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from .axes import (DTYPES, KV_CACHE_DTYPES, LAYOUTS, MAX_LOGIT_OFFSET, POISONS, as_int,
-                   check_one_of, int_tuple, positive_finite)
+                   check_one_of, int_tuple, positive_finite, torch_dtype)
 from .errors import PagedTypeError, PagedValueError
 
 if TYPE_CHECKING:
     import torch
 
 #: Short names of the dtypes and fp8 cache types in case ids.
-_DTYPE_TAGS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-_KV_CACHE_DTYPE_TAGS = {"fp8_e4m3": "fp8e4m3", "fp8_e5m2": "fp8e5m2"}
+_TAGS = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "fp8_e4m3": "fp8e4m3",
+         "fp8_e5m2": "fp8e5m2"}
 
 
 def _range_tag(values: tuple[int, ...]) -> str:
@@ -337,18 +337,13 @@ class PagedCase:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """Element type of Q, K, V and the output: torch's dtype of :attr:`dtype`'s name."""
-        import torch  # here alone: a case is built, checked and stored without torch
-
-        return getattr(torch, self.dtype)
+        """Element type of Q, K, V and the output."""
+        return torch_dtype(self.dtype)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:
         """Element type of the KV cache: the case dtype, or the fp8 type."""
-        import torch
-
-        stored = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        return self.torch_dtype if stored is None else getattr(torch, stored)
+        return torch_dtype(KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype)
 
     @property
     def blocks_per_seq(self) -> tuple[int, ...]:
@@ -409,7 +404,7 @@ class PagedCase:
         """A stable, readable id, e.g. ``llama3.1-8b-bf16-d128-bs16-h32x8-b8-kv1..2048``."""
         parts = [
             self.name,
-            _DTYPE_TAGS[self.dtype],
+            _TAGS[self.dtype],
             f"d{self.head_dim}" + ("" if self.head_dim_v is None else f"v{self.head_dim_v}"),
             f"bs{self.block_size}",
             f"h{self.num_q_heads}/{self.num_kv_heads}".replace("/", "x"),
@@ -427,9 +422,7 @@ class PagedCase:
         if self.sinks:
             parts.append("sinks")
         if self.kv_cache_dtype != "auto":
-            parts.append(_KV_CACHE_DTYPE_TAGS[self.kv_cache_dtype])
-            parts.append(f"ks{self.k_scale:g}")
-            parts.append(f"vs{self.v_scale:g}")
+            parts += [_TAGS[self.kv_cache_dtype], f"ks{self.k_scale:g}", f"vs{self.v_scale:g}"]
         if self.sm_scale is not None:
             parts.append(f"scale{self.sm_scale:g}")
         if self.qk_magnitude != 1.0:
