@@ -342,7 +342,6 @@ def workload_fields(case: PagedCase, suite: str) -> dict[str, str | None]:
 
 __all__ = ["BATCH_BOUNDS", "BATCH_SPEC_GRAMMAR", "BENCH_SUITE", "CONTIGUOUS_TAG",
            "DEFAULT_BASELINE", "LAYOUT_RATIOS", "MAX_BATCH_KV_TOKENS", "MAX_BATCH_SEQUENCES",
-           "MAX_SEQ_LEN", "MODES", "Workload", "check_sequences", "format_batch_spec", "grid_batch_spec",
-           "grid_workload",
-           "layout_heads", "mode_of", "parse_batch_spec", "preset_workload", "spec_workload",
-           "workload_fields"]
+           "MAX_SEQ_LEN", "MODES", "Workload", "check_sequences", "format_batch_spec",
+           "grid_batch_spec", "grid_workload", "layout_heads", "mode_of", "parse_batch_spec",
+           "preset_workload", "spec_workload", "workload_fields"]

@@ -43,9 +43,7 @@ def add_schema_parser(sub: argparse._SubParsersAction) -> None:
 def add_gate_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedbench gate`` and its options."""
     _gate_arguments(sub.add_parser(
-        "gate", description="The regression gate: a run's results against a stored baseline, "
-                            "point by point.",
-        epilog=exit_codes_help(GATE_EXIT_MEANING),
+        "gate", epilog=exit_codes_help(GATE_EXIT_MEANING),
         formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
