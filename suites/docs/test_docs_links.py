@@ -1,7 +1,8 @@
 """Every relative link of README.md and docs/*.md resolves: to a file or folder of the
 repository, and, with ``#anchor``, to a heading of that page (GitHub's anchors). Every
 repository path a page names (``harness/run/runner.py``, in a code span or a code block)
-exists, but under ``results/``, which holds what commands write.
+exists, but under ``results/``, which holds what commands write; every ``from pagedbench...
+import ...`` a page shows resolves.
 
 The pages are plain Markdown read where the repository is (GitHub renders them); this
 is the check a documentation site's strict build would give. Links to the pages that
@@ -12,6 +13,8 @@ links and anchors are checked like every other.
 
 from __future__ import annotations
 
+import importlib
+import re
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -92,3 +95,19 @@ def test_named_paths_reads_paths_and_skips_patterns() -> None:
             "`suites/adapters/test_<peer>_x.py`, results/gpu/<device>/, suites/x_*.py, "
             "vLLM's tests/kernels/attention/a.py and docs/KERNELS.md.")
     assert named_paths(text) == {"harness/run/runner.py", "suites/adapters/", "docs/KERNELS.md"}
+
+
+#: ``from pagedbench.<module> import <names>`` in a page's code (a reader pastes it).
+_IMPORT = re.compile(r"^\s*from (pagedbench(?:\.\w+)*) import ([\w, ]+)$", re.MULTILINE)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_the_imports_a_page_shows_resolve(page: Path) -> None:
+    """What a page tells a reader to import exists under that name (a page once imported
+    ``flops`` from the module that re-exported ``bytes_moved`` only)."""
+    missing = []
+    for module, names in _IMPORT.findall(page.read_text()):
+        for name in (n.strip() for n in names.split(",")):
+            if not hasattr(importlib.import_module(module), name):
+                missing.append(f"{name} from {module}")
+    assert not missing, missing
