@@ -43,7 +43,7 @@ import sys
 import traceback
 from pathlib import Path
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 from pagedbench.harness.run.environment import (apply_environment, cache_environment,
                                                 default_cache_dir)
@@ -170,5 +170,20 @@ def main(argv: list[str] | None = None) -> int:
         return int(ExitCode.HARNESS_FAULT)
 
 
+def console_main() -> NoReturn:
+    """The ``pagedbench`` console script and ``python -m pagedbench``: :func:`main`, then
+    exit with its code. A judge thread still in its torch work (left past a signal or its
+    budget) would have torch torn down under it by the interpreter's exit, which aborts the
+    process (``std::terminate``: exit 134, not the code the run recorded); the process then
+    leaves at once, its output flushed (the results file is written record by record)."""
+    code = main()
+    runner = sys.modules.get("pagedbench.harness.run.runner")  # only a run starts judges
+    if runner is not None and runner.judges_running():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

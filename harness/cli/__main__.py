@@ -1,7 +1,5 @@
 """``python -m pagedbench.harness.cli``: the ``pagedbench`` command."""
 
-import sys
+from pagedbench.harness.cli import console_main
 
-from pagedbench.harness.cli import main
-
-sys.exit(main())
+console_main()

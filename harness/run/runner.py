@@ -115,6 +115,19 @@ def make_plan(impls: dict[str, str], cases: list[PagedCase]) -> Plan:
 REPLAYED = (Status.FAIL, Status.ERROR)
 
 
+#: The judge threads (:func:`bounded`) whose work has not returned. ``Thread.is_alive``
+#: cannot tell: a signal that interrupts ``join`` marks the running thread stopped
+#: (CPython's bpo-45274 handling in ``Thread._wait_for_tstate_lock``, Python 3.11).
+_JUDGING: set[threading.Thread] = set()
+
+
+def judges_running() -> bool:
+    """Whether a judge thread is still at its work: one left past its budget, or past a
+    signal that stopped the run (they are daemons, in the middle of pagedbench's own torch
+    work)."""
+    return bool(_JUDGING)
+
+
 def bounded(work: Callable[[], Any], seconds: float, what: str) -> Any:
     """``work()`` in a thread, given ``seconds``; raises TimeoutError past them (the
     thread is left to finish: pagedbench's own computation, never an implementation's)."""
@@ -125,8 +138,11 @@ def bounded(work: Callable[[], Any], seconds: float, what: str) -> Any:
             found["value"] = work()
         except BaseException as exc:  # re-raised in the caller
             found["error"] = exc
+        finally:
+            _JUDGING.discard(threading.current_thread())
 
     thread = threading.Thread(target=target, name=f"judge-{what}", daemon=True)
+    _JUDGING.add(thread)
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
@@ -479,5 +495,5 @@ def list_adapters(found: list[Entry], device: str, cache_dir: Path,
     return rows
 
 
-__all__ = ["Interrupted", "RunConfig",
-           "device_peaks", "list_adapters", "make_plan", "missing", "run", "run_target"]
+__all__ = ["Interrupted", "RunConfig", "device_peaks", "judges_running",
+           "list_adapters", "make_plan", "missing", "run", "run_target"]

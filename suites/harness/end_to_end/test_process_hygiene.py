@@ -1,10 +1,12 @@
 """Workers die with their parent, whatever signal ends it, leave no file behind, and hold
 only the environment they need; processes an implementation starts in a new session die with
 its worker; a run killed with SIGKILL and resumed gives the verdicts of an uninterrupted run
-without redoing finished pairs."""
+without redoing finished pairs; a signal while the judge computes still exits 128 + its
+number."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import signal
 import subprocess
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedbench.harness.results.record import Environment, ResultRecord
+from pagedbench.harness.results.record import Environment, ResultRecord, RunRecord
 from pagedbench.harness.results.report import markdown
 from pagedbench.harness.results.store import environment, read_lines
 from pagedbench.harness.run.environment import cache_environment
@@ -161,3 +163,57 @@ def test_worker_environment_is_what_it_needs_and_a_planted_truth_never_runs(
     assert not names & {"AWS_SECRET_ACCESS_KEY", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
     assert not marker.exists()
     assert planted.read_bytes()[:2] == b"PK"  # replaced by a valid .npz (a zip)
+
+
+#: A ``sitecustomize`` that makes the judge's truth a 30 s torch loop in the ``pagedbench``
+#: process (not in its workers, which never import the run command), touching ``MARKER``
+#: when it begins.
+SLOW_TRUTH = '''
+import importlib.abc, os, sys, time
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "pagedbench.harness.cli.run":
+            sys.meta_path.remove(self)
+            from pathlib import Path
+            import torch
+            from pagedbench.harness.run import runner
+            truth_for = runner.truth_for
+
+            def slow(*args, **kwargs):
+                Path(os.environ["MARKER"]).touch()
+                x, end = torch.randn(256, 256, dtype=torch.float64), time.monotonic() + 30
+                while time.monotonic() < end:
+                    x = (x @ x).tanh()
+                return truth_for(*args, **kwargs)
+
+            runner.truth_for = slow
+
+sys.meta_path.insert(0, _Hook())
+'''
+
+
+def test_a_signal_while_the_judge_computes_exits_128_plus_its_number(tmp_path) -> None:
+    """SIGINT while the judge's thread is inside torch: the run records ``interrupted``
+    with exit code 130 and the process exits 130, its message printed (the interpreter's
+    exit tore torch down under that thread: ``terminate called``, exit 134)."""
+    site, marker = tmp_path / "site", tmp_path / "truth-began"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_TRUTH)
+    env = {**os.environ, "PYTHONPATH": str(site), "MARKER": str(marker)}
+    parent = subprocess.Popen(
+        [*CLI, "run", *ONE_PRESET, "--impl", "torch-gather", "--results-dir",
+         str(tmp_path / "r"), "--cache-dir", str(tmp_path / "build")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(marker.exists, 120, "the judge's first truth")
+        parent.send_signal(signal.SIGINT)
+        out, err = parent.communicate(timeout=60)
+    finally:
+        parent.kill()
+    assert parent.returncode == 128 + signal.SIGINT, (parent.returncode, err[-2000:])
+    assert "terminate called" not in err and "interrupted by SIGINT" in out + err
+    (jsonl,) = (tmp_path / "r").glob("*.jsonl")
+    (stop,) = [line for line in read_lines([jsonl])
+               if isinstance(line, RunRecord) and line.event == "interrupted"]
+    assert stop.exit_code == 128 + signal.SIGINT
