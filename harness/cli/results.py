@@ -17,11 +17,12 @@ from rich.text import Text
 
 from pagedbench.reference import PagedValueError
 
+from pagedbench.harness.cases.workloads import DEFAULT_BASELINE
 from pagedbench.harness.cli.options import writable_file, writable_folder
 from pagedbench.harness.gate import baselines, compare as gate
 from pagedbench.harness.measure.speed import Outcome, Thresholds
 from pagedbench.harness.results import plots, report, shard, site
-from pagedbench.harness.results.record import json_schema
+from pagedbench.harness.results.record import ResultRecord, json_schema
 from pagedbench.harness.results.store import read_lines, write_output
 from pagedbench.harness.run.summary import fitted_table, print_summary, terminal
 from pagedbench.harness.verdict.status import ExitCode
@@ -31,6 +32,19 @@ from pagedbench.harness.verdict.status import ExitCode
 MOVED = (Outcome.BROKEN, Outcome.SLOWER, Outcome.FASTER, Outcome.FIXED)
 #: Most points the gate's summary lists (the report of --output has every one).
 MAX_GATE_ROWS = 30
+
+
+def _baseline(given: str | None, lines: list[object]) -> str:
+    """The implementation speedups are against: ``given``, which must have results among
+    ``lines`` (else every speedup would be empty, silently), or :data:`DEFAULT_BASELINE`."""
+    if given is None:
+        return DEFAULT_BASELINE
+    impls = sorted({line.impl for line in lines if isinstance(line, ResultRecord)})
+    if given not in impls:
+        raise PagedValueError("--baseline", given, f"one of {', '.join(impls) or 'none'}",
+                              f"--baseline {given}: no result of it in these files; "
+                              f"the implementations there: {', '.join(impls) or 'none'}")
+    return given
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -47,6 +61,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         writable_file(args.output, "--output")
     shard.check_merge(args.paths)
     lines = list(read_lines(args.paths))
+    args.baseline = _baseline(args.baseline, lines)
     if args.format == "site":
         for path in site.build(lines, args.output, args.baseline):
             print(f"site: {path}", file=sys.stderr)

@@ -25,10 +25,9 @@ def add_report_parser(sub: argparse._SubParsersAction) -> None:
                                "result with derived figures; html: one standalone page "
                                "(board, plots, tables); site: a folder (--output DIR) of "
                                "index.html and one such page per device and environment")
-    report_p.add_argument("--baseline", "--baseline-impl", dest="baseline",
-                          default=DEFAULT_BASELINE, metavar="NAME",
-                          help="implementation speedups are measured against (default: "
-                               f"{DEFAULT_BASELINE})")
+    report_p.add_argument("--baseline", "--baseline-impl", dest="baseline", metavar="NAME",
+                          help="implementation speedups are measured against, one of the "
+                               f"results' (default: {DEFAULT_BASELINE}, where it ran)")
     report_p.add_argument("--output", type=Path, help="write here instead of stdout (a "
                           "folder with --format site)")
     report_p.add_argument("--plots-dir", type=Path, default=None, metavar="DIR",

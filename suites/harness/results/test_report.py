@@ -62,3 +62,20 @@ def test_cells_mark_stale_tails_and_declared_case_dtype_logits() -> None:
     assert [report.cell_text(r) for r in (plain, stale, case_logits, both)] == [
         f"pass {spread}", f"pass† {spread}", f"pass‡ {spread}", f"pass†‡ {spread}"]
     assert "`‡`: the implementation declares" in report.markdown([plain, case_logits])
+
+
+def test_a_baseline_without_results_is_refused_naming_those_there(tmp_path, capsys) -> None:
+    """``report --baseline NAME`` with no result of NAME would leave every speedup empty:
+    exit 2, naming the implementations the files hold; without the option, the default
+    baseline may be absent."""
+    from pagedbench.harness.cli import main
+    from pagedbench.harness.results.store import ResultsFile
+
+    results = ResultsFile(tmp_path / "r.jsonl")
+    for record in (result("a", "c1", "pass", 2.0), result("b", "c1", "pass", 1.0)):
+        results.append(record)
+    assert main(["report", str(results.path), "--baseline-impl", "nosuch"]) == 2
+    assert "--baseline nosuch: no result of it in these files; the implementations there: " \
+           "a, b" in capsys.readouterr().err
+    assert main(["report", str(results.path), "--baseline", "b"]) == 0
+    assert main(["report", str(results.path)]) == 0
