@@ -56,7 +56,7 @@ DEFAULT_KV_BUDGET_GIB = 1.0
 #: 128 is vLLM's CPU default (vllm/platforms/cpu.py), 16 its CUDA default.
 DEFAULT_BLOCK_SIZES = (16, 32, 64, 128)
 DEFAULT_NUM_REQUESTS = 100
-DEFAULT_OUTPUT_DIR = Path("results/tune")
+DEFAULT_OUTPUT_DIR = Path("results/runs/tune")
 #: What ``--output-dir`` gets (:func:`~.tune_output.write`).
 PLOT_NAME = "tune.png"
 JSON_NAME = "tune.json"

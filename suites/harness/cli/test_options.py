@@ -151,3 +151,21 @@ def test_docs_document_every_field_and_readme_every_exit_code() -> None:
     readme = (ROOT / "README.md").read_text()
     for code in ExitCode:
         assert f"| {int(code)} |" in readme
+
+
+def test_what_commands_write_by_default_is_not_tracked() -> None:
+    """The default output folders of run, bench, simulate and tune are ignored by git, so
+    following the README leaves a clean checkout (tune wrote over the published
+    ``results/tune/`` once) and later results do not record ``dirty``."""
+    import shutil
+    import subprocess
+
+    from pagedbench.harness.capacity import simulate, tune
+    from pagedbench.harness.run.config import DEFAULT_RESULTS_DIR
+
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout")
+    for folder in (DEFAULT_RESULTS_DIR, simulate.DEFAULT_OUTPUT_DIR, tune.DEFAULT_OUTPUT_DIR):
+        probe = folder / "probe.jsonl"
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=ROOT)
+        assert ignored.returncode == 0, f"{folder} is tracked"
