@@ -196,6 +196,8 @@ def _load_trace(args: argparse.Namespace) -> list[Request]:
             f"{', '.join(given)} shape(s) the generated trace only; a --trace file sets "
             "n, prefix_id and arrival per row"
         )
+    if not args.trace.exists():
+        raise ValueError(f"--trace {args.trace}: no such file")
     return read_trace(args.trace, args.max_context)
 
 

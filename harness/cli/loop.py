@@ -146,8 +146,9 @@ def replay_trace(path: Path, name: str, target: str, config: RunConfig,
     try:
         spec, events = read_trace(path)
     except (LoopEventError, OSError) as exc:
+        why = f"{path}: cannot read it ({exc.strerror})" if isinstance(exc, OSError) else str(exc)
         raise PagedValueError("TRACE", str(path), "a loop trace (its spec, then one event "
-                              "per line)", str(exc)) from None
+                              "per line)", why) from None
     remaining = iter(events)
     return _run(name, target, spec, config, lambda judge: next(remaining, None), console,
                 config.cache_dir)

@@ -215,6 +215,7 @@ def select_impls(names: list[str]) -> dict[str, str]:
     known = {e.name: e.target for e in entries()}
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise PagedValueError("--impl", unknown, f"among {list(known)}",
-                              f"--impl {unknown} unknown; choose from {list(known)}")
+        raise PagedValueError("--impl", unknown, f"among {', '.join(known)}",
+                              f"--impl {', '.join(unknown)}: unknown; choose from "
+                              f"{', '.join(known)}")
     return {n: known[n] for n in dict.fromkeys(names)} if names else known

@@ -133,7 +133,8 @@ def write_listing(device: str, impls: tuple[str, ...], path: Path) -> int:
     found = entries()
     unknown = sorted(set(impls) - {e.name for e in found})
     if unknown:
-        raise ValueError(f"--impl {unknown} unknown; choose from {[e.name for e in found]}")
+        raise ValueError(f"--impl {', '.join(unknown)}: unknown; choose from "
+                         f"{', '.join(e.name for e in found)}")
     rows = list_adapters([e for e in found if not impls or e.name in impls], device, BUILD)
     path.write_text(json.dumps([row.model_dump(mode="json") for row in rows], indent=2) + "\n")
     return sum(row.available for row in rows)

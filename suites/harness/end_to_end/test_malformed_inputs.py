@@ -284,3 +284,16 @@ def test_scales_that_would_overflow_the_truth_are_refused() -> None:
     for name in ("sm_scale", "logits_soft_cap", "k_scale", "v_scale"):
         with pytest.raises(PagedValueError, match=f"{name} must be .* at most 1e\\+06"):
             PagedCase(**BASE | {name: 1e300, "kv_cache_dtype": "fp8_e4m3"})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["loop", "--impl", "torch-gather", "--trace", "{missing}"],
+     "{missing}: cannot read it (No such file or directory)"),
+    (["simulate", "--trace", "{missing}"], "--trace {missing}: no such file"),
+], ids=["loop", "simulate"])
+def test_a_missing_trace_is_named_with_its_option(tmp_path, capsys, argv, message) -> None:
+    missing = str(tmp_path / "nowhere.jsonl")
+    code = cli.main([a.format(missing=missing) for a in argv])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message.format(missing=missing) in err and "Errno" not in err
