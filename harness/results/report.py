@@ -28,7 +28,8 @@ import pandas as pd
 
 from pagedbench.harness.cases.workloads import DEFAULT_BASELINE
 from pagedbench.harness.results.derived import bench_frame, fast_p, group_scores
-from pagedbench.harness.results.record import ResultRecord, RunRecord, environment_key, result_key
+from pagedbench.harness.results.record import (DevicePeaks, ResultRecord, RunRecord,
+                                               environment_key, result_key)
 from pagedbench.harness.results.store import results_of, run_states
 from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from pagedbench.harness.verdict.status import Status
@@ -317,11 +318,18 @@ def bench_tables(bdf: pd.DataFrame, scores: pd.DataFrame, fastp: pd.DataFrame
     return out
 
 
-def _environment_note(env_records: list[ResultRecord], peaks: dict) -> str:
+def measured_peaks(records: list[ResultRecord]) -> DevicePeaks | None:
+    """The device peaks shown beside ``records`` (one device's): the last run's to have
+    measured them (a results file's runs follow each other), None when none did. The
+    Markdown and the site show the same."""
+    return next((r.peaks for r in reversed(records) if r.peaks is not None), None)
+
+
+def _environment_note(env_records: list[ResultRecord]) -> str:
     first = env_records[0]
     runs = sorted({r.run_id for r in env_records})
     text = _conditions(first).removesuffix(f"run {first.run_id}.") + f"runs {', '.join(runs)}."
-    seen = peaks.get(first.env.device)
+    seen = measured_peaks(env_records)
     if seen is not None:
         text += (f" Measured peaks: {seen.copy_gbps:.3g} GB/s copy, {seen.bf16_tflops:.3g} "
                  "TFLOP/s bf16 matmul.")
@@ -337,7 +345,6 @@ def sections(lines: list[ResultRecord | RunRecord], baseline: str = DEFAULT_BASE
     records = results_of(lines)
     df = frame(records)
     bdf = bench_frame(records, baseline)
-    peaks = {r.env.device: r.peaks for r in records if r.peaks is not None}
     out = []
     for device_name, versions in environments(df):
         mine = df[(df["device_name"] == device_name) & (df["versions"] == versions)]
@@ -347,10 +354,10 @@ def sections(lines: list[ResultRecord | RunRecord], baseline: str = DEFAULT_BASE
         tables = [("Leaderboard", LEGEND, leaderboard(mine)),
                   ("Summary", "", summary(mine)),
                   *bench_tables(benv, scores, fast_p(scores))]
-        seen = peaks.get(env_records[0].env.device)
+        seen = measured_peaks(env_records)
         out.append({"title": f"{device_name} ({versions})",
                     "copy_gbps": None if seen is None else seen.copy_gbps,
-                    "conditions": _environment_note(env_records, peaks),
+                    "conditions": _environment_note(env_records),
                     "tables": tables, "reasons": reasons(mine), "bench": benv,
                     "scores": scores})
     return out

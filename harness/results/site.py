@@ -221,7 +221,7 @@ def conditions(records: list[ResultRecord], lines: list) -> str:
     runs = sorted({r.run_id for r in records})
     shas = sorted({(r.env.git_sha or "?")[:12] + (" (dirty)" if r.env.dirty else "")
                    for r in records})
-    peaks = next((r.peaks for r in records if r.peaks is not None), None)
+    peaks = report.measured_peaks(records)
     items = [("device", f"{env.device} ({env.device_type})"), ("threads", env.threads),
              ("compute capability", env.cc), ("driver", env.driver), ("python", env.python),
              *((name, getattr(env, name)) for name in VERSION_FIELDS),
@@ -270,7 +270,8 @@ def environment_section(env: dict, lines: list, baseline: str, key: str) -> str:
              f"<p class='note'>Outlined: the fastest pass of the row. Marks: "
              f"{escape(report.MARKS.replace('`', ''))}</p>"
              f"{replay}</section>"]
-    copy_gbps = next((r.peaks.copy_gbps for r in records if r.peaks is not None), None)
+    peaks = report.measured_peaks(records)
+    copy_gbps = None if peaks is None else peaks.copy_gbps
     figures = plots.figures(section["bench"], section["scores"], copy_gbps,
                             plots.case_frame(records))
     if figures:

@@ -79,3 +79,19 @@ def test_a_baseline_without_results_is_refused_naming_those_there(tmp_path, caps
            "a, b" in capsys.readouterr().err
     assert main(["report", str(results.path), "--baseline", "b"]) == 0
     assert main(["report", str(results.path)]) == 0
+
+
+def test_the_markdown_and_the_site_show_the_same_measured_peaks() -> None:
+    """Two runs that measured different peaks: both formats show the later run's (the
+    Markdown showed the last run's, the site the first's)."""
+    from pagedbench.harness.measure.roofline import DevicePeaks
+    from pagedbench.harness.results import site
+
+    first = DevicePeaks(copy_gbps=38.7, bf16_tflops=0.525, method="torch_timer")
+    later = DevicePeaks(copy_gbps=34.3, bf16_tflops=0.255, method="torch_timer")
+    lines = [result("a", "c1", "pass", 1.0, run_id="r1", peaks=first),
+             result("a", "c2", "pass", 1.0, run_id="r2", peaks=later)]
+    assert "Measured peaks: 34.3 GB/s copy, 0.255 TFLOP/s bf16 matmul." in \
+        report.markdown(lines)
+    conditions = site.conditions(lines, lines)
+    assert "34.3 GB/s (measured)" in conditions and "38.7" not in conditions
