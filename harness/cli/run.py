@@ -139,8 +139,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     part, pairs = shard_of(args, plan, results, run_id, console)
     warn_oversubscribed(config, console)
     with results.locked():  # one writer per run: a second resume is refused
-        console.print(f"pagedbench run {run_id}: {len(plan.impls)} implementations x "
-                      f"{len(plan.cases)} cases on {config.device} -> {results.path}")
+        impls, cases = len(plan.impls), len(plan.cases)
+        console.print(f"pagedbench run {run_id}: {impls} implementation{'s' * (impls != 1)} x "
+                      f"{cases} case{'s' * (cases != 1)} on {config.device} -> {results.path}")
         peaks = device_peaks(args, config, console)
         order = runner.missing(plan, results_of_run(results, run_id)) if args.resume else \
             runner.missing(plan, [])
