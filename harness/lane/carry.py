@@ -9,7 +9,8 @@ the checkout in one call::
 - ``wheels/``: downloaded now (``pip download --no-deps``, for the device's CPython 3.12
   on manylinux x86-64), never at run time: pydantic with its compiled core and helpers
   at this venv's versions (the image has no pydantic; ``harness/results/record.py``
-  needs it), packaging (vLLM's ``triton_decode_attention.py`` imports it), xformers
+  needs it), lazy_loader (``reference/`` and ``adapters/`` name their contents through
+  it), packaging (vLLM's ``triton_decode_attention.py`` and lazy_loader import it), xformers
   0.0.35 (it needs only torch and numpy, which the image has), and FlashInfer
   (:data:`~.flashinfer_aot.FLASHINFER`: flashinfer-python 0.7.0.post1, the newest release
   whose wheel fits, 32.1 MiB with its JIT sources and the CUTLASS and CCCL headers; 0.7.1
@@ -76,6 +77,9 @@ PIP_PLATFORM = ["--python-version", "3.12", "--implementation", "cp", "--only-bi
 #: asks for a newer one than an image may have).
 PYDANTIC = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection",
             "typing-extensions")
+#: What pagedbench's own packages import beyond torch, numpy and pydantic (``reference/`` and
+#: ``adapters/`` name their contents through lazy_loader; it needs packaging, carried below).
+LAZY_LOADER = ("lazy_loader",)
 XFORMERS = "xformers==0.0.35"
 #: What the carried vLLM Triton files import beyond torch and triton.
 VLLM_TRITON_NEEDS = ("packaging",)
@@ -212,9 +216,9 @@ def lane_command(carry: Path, root: Path = ROOT) -> str:
 
 
 def requirements() -> list[str]:
-    """Every wheel of the carry, each distribution once (pydantic and packaging at this
-    venv's versions, xformers, FlashInfer and what it imports)."""
-    wanted = [*pinned(PYDANTIC), *pinned(VLLM_TRITON_NEEDS), XFORMERS,
+    """Every wheel of the carry, each distribution once (pydantic, lazy_loader and
+    packaging at this venv's versions, xformers, FlashInfer and what it imports)."""
+    wanted = [*pinned(PYDANTIC), *pinned(LAZY_LOADER), *pinned(VLLM_TRITON_NEEDS), XFORMERS,
               *flashinfer_aot.FLASHINFER, *pinned(FLASHINFER_NEEDS)]
     return list({r.split("==")[0].lower(): r for r in wanted}.values())
 
