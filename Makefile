@@ -112,7 +112,7 @@ leaderboard: $(VENV)/.installed $(SGLANG_FILES)
 	mkdir -p $(TMPDIR)
 	rm -rf $(NEW_BOARD) && mkdir -p $(NEW_BOARD)
 	$(BIN)/python -c "import json, os; from pagedbench.harness.results.store import environment; \
-	from pagedbench.harness.measure.timing import CPU_THREADS; \
+	from pagedbench.harness.run.config import CPU_THREADS; \
 	print(json.dumps(environment('cpu') | {'threads': CPU_THREADS, 'cpu_count': os.cpu_count(), \
 	'loadavg_1_5_15': os.getloadavg()}, indent=2))" > $(NEW_BOARD)/environment.json
 	$(BIN)/pagedbench bench --results-dir $(NEW_BOARD) || test $$? -eq 1

@@ -97,14 +97,20 @@ def test_named_paths_reads_paths_and_skips_patterns() -> None:
     assert named_paths(text) == {"harness/run/runner.py", "suites/adapters/", "docs/KERNELS.md"}
 
 
-#: ``from pagedbench.<module> import <names>`` in a page's code (a reader pastes it).
-_IMPORT = re.compile(r"^\s*from (pagedbench(?:\.\w+)*) import ([\w, ]+)$", re.MULTILINE)
+#: ``from pagedbench.<module> import <names>`` on one line (of a page's code, a make recipe's
+#: ``python -c``, a script), up to a ``;``, ``"`` or the line's end.
+_IMPORT = re.compile(r"from (pagedbench(?:\.\w+)*) import ([\w, ]+?)\s*(?:[;\"\\]|$)",
+                     re.MULTILINE)
+#: What a reader or a make target runs beside the pages: the Makefile, the scripts, examples.
+COMMAND_FILES = (ROOT / "Makefile", *sorted((ROOT / "scripts").glob("*.sh")),
+                 *sorted((ROOT / "examples").rglob("*.yml")))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", PAGES + COMMAND_FILES, ids=lambda p: p.name)
 def test_the_imports_a_page_shows_resolve(page: Path) -> None:
-    """What a page tells a reader to import exists under that name (a page once imported
-    ``flops`` from the module that re-exported ``bytes_moved`` only)."""
+    """What a page, the Makefile or a script imports exists under that name (a page once
+    imported ``flops`` from the module that re-exported ``bytes_moved`` only, and
+    ``make leaderboard`` a constant that had moved)."""
     missing = []
     for module, names in _IMPORT.findall(page.read_text()):
         for name in (n.strip() for n in names.split(",")):
