@@ -275,6 +275,9 @@ def _workloads(args: argparse.Namespace) -> dict[str, tuple[str, list[Request], 
         w = WORKLOADS[name]
         chosen[name] = (w.description, w.trace(args.num_requests, args.seed), w.max_context)
     for path in args.trace:
+        if not path.exists():
+            raise PagedValueError("--trace", str(path), "a CSV file",
+                                  f"--trace {path}: no such file")
         chosen[path.name] = (f"trace file {path}", read_trace(path, args.max_context),
                              args.max_context)
     return chosen

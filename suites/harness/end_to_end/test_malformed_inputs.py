@@ -290,7 +290,8 @@ def test_scales_that_would_overflow_the_truth_are_refused() -> None:
     (["loop", "--impl", "torch-gather", "--trace", "{missing}"],
      "{missing}: cannot read it (No such file or directory)"),
     (["simulate", "--trace", "{missing}"], "--trace {missing}: no such file"),
-], ids=["loop", "simulate"])
+    (["tune", "--trace", "{missing}"], "--trace {missing}: no such file"),
+], ids=["loop", "simulate", "tune"])
 def test_a_missing_trace_is_named_with_its_option(tmp_path, capsys, argv, message) -> None:
     missing = str(tmp_path / "nowhere.jsonl")
     code = cli.main([a.format(missing=missing) for a in argv])
