@@ -32,6 +32,13 @@ def device_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
 
 
+def existing_file(text: str) -> Path:
+    """A path to a file that exists (argparse type: refused before the command starts)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return Path(text)
+
+
 def _number(text: str) -> float:
     """``text`` as a float; NaN when it is not a number (refused by every check)."""
     try:
@@ -122,7 +129,7 @@ def run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
                    help="do not measure the device's copy bandwidth, in-cache copy and bf16 "
                         "throughput (then no fraction of peak, and no physical floor: "
                         "docs/trust.md)")
-    p.add_argument("--peaks", type=Path, default=None, metavar="FILE",
+    p.add_argument("--peaks", type=existing_file, default=None, metavar="FILE",
                    help="take the device's peaks from FILE instead of measuring them: a JSON "
                         "object with copy_gbps, bf16_tflops and method (and "
                         "cache_copy_gbps), at its top or under 'peaks' (the GPU lane's "

@@ -291,10 +291,16 @@ def test_scales_that_would_overflow_the_truth_are_refused() -> None:
      "{missing}: cannot read it (No such file or directory)"),
     (["simulate", "--trace", "{missing}"], "--trace {missing}: no such file"),
     (["tune", "--trace", "{missing}"], "--trace {missing}: no such file"),
-], ids=["loop", "simulate", "tune"])
-def test_a_missing_trace_is_named_with_its_option(tmp_path, capsys, argv, message) -> None:
+    (["run", "--peaks", "{missing}"], "argument --peaks: no such file: '{missing}'"),
+], ids=["loop", "simulate", "tune", "run-peaks"])
+def test_a_missing_input_file_is_named_with_its_option(tmp_path, capsys, argv,
+                                                        message) -> None:
+    """Exit 2 naming the option (or the path and why), before anything runs."""
     missing = str(tmp_path / "nowhere.jsonl")
-    code = cli.main([a.format(missing=missing) for a in argv])
+    try:
+        code = cli.main([a.format(missing=missing) for a in argv])
+    except SystemExit as refused:  # argparse's own refusal
+        code = refused.code
     assert code == 2
     err = capsys.readouterr().err
     assert message.format(missing=missing) in err and "Errno" not in err
