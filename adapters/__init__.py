@@ -106,7 +106,12 @@ def registry() -> dict[str, tuple[str, Adapter]]:
 #: defines each.
 _NAMES_BY_MODULE = {"base": ["Adapter", "Availability", "Capabilities", "MultipleOf"],
                     "loading": ["Unloadable", "load"]}
-__getattr__, _, _ = lazy_loader.attach(__name__, submod_attrs=_NAMES_BY_MODULE)
+__getattr__, _lazy_dir, _ = lazy_loader.attach(__name__, submod_attrs=_NAMES_BY_MODULE)
+
+
+def __dir__() -> list[str]:
+    """This module's names and the contract's, imported or not."""
+    return sorted({*globals(), *_lazy_dir()})
 
 
 if TYPE_CHECKING:  # for type checkers and the import graph (suites/docs/test_architecture.py)
