@@ -17,8 +17,8 @@ from pagedbench.reference import PagedInputError, PagedValueError, check_fits
 
 from pagedbench.harness.cases.batch_trace import trace_workloads
 from pagedbench.harness.cases.workloads import BENCH_SUITE
-from pagedbench.harness.cli.options import (checked_device, select_impls, writable_file,
-                                            writable_folder)
+from pagedbench.harness.cli.options import (checked_device, existing_file, select_impls,
+                                            writable_file, writable_folder)
 from pagedbench.harness.cli.run import (device_peaks, interrupted, results_of_run, shard_of,
                                         warn_oversubscribed)
 from pagedbench.harness.results import report
@@ -91,6 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"{len(cases)} points x {len(impls)} implementations "
                       f"({', '.join(impls)})")
         return 0
+    existing_file(args.peaks, "--peaks")  # read by the run (a dry run plans without it)
     if not cases:
         raise PagedValueError("bench options", "no point", "options that keep at least one "
                               "point", "the options leave no point to time (--workload "

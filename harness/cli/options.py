@@ -32,13 +32,6 @@ def device_arg(text: str) -> str:
     raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
 
 
-def existing_file(text: str) -> Path:
-    """A path to a file that exists (argparse type: refused before the command starts)."""
-    if not Path(text).is_file():
-        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
-    return Path(text)
-
-
 def _number(text: str) -> float:
     """``text`` as a float; NaN when it is not a number (refused by every check)."""
     try:
@@ -129,7 +122,7 @@ def run_and_bench_arguments(p: argparse.ArgumentParser, unit: str) -> None:
                    help="do not measure the device's copy bandwidth, in-cache copy and bf16 "
                         "throughput (then no fraction of peak, and no physical floor: "
                         "docs/trust.md)")
-    p.add_argument("--peaks", type=existing_file, default=None, metavar="FILE",
+    p.add_argument("--peaks", type=Path, default=None, metavar="FILE",
                    help="take the device's peaks from FILE instead of measuring them: a JSON "
                         "object with copy_gbps, bf16_tflops and method (and "
                         "cache_copy_gbps), at its top or under 'peaks' (the GPU lane's "
@@ -175,6 +168,20 @@ def writable_folder(path: Path, option: str) -> None:
         raise PagedValueError(option, str(path), "a folder pagedbench can create and write to",
                               f"{option} {path}: cannot create or write there "
                               f"({exc.strerror or exc})") from None
+
+
+def existing_file(path: Path | None, option: str) -> None:
+    """Check that ``path`` (an input file; None: not given) exists, before the command
+    starts (the command line itself parses without looking at the disk).
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``option`` and ``path``.
+    """
+    if path is not None and not path.is_file():
+        raise PagedValueError(option, str(path), "an existing file",
+                              f"{option} {path}: no such file")
 
 
 def writable_file(path: Path, option: str) -> None:

@@ -16,8 +16,8 @@ from pagedbench.adapters import entries
 from pagedbench.reference import PagedInputError, PagedValueError, check_fits
 
 from pagedbench.harness.cases.presets import default_cases
-from pagedbench.harness.cli.options import (checked_device, select_impls, writable_file,
-                                            writable_folder)
+from pagedbench.harness.cli.options import (checked_device, existing_file, select_impls,
+                                            writable_file, writable_folder)
 from pagedbench.harness.measure.timing import oversubscribed
 from pagedbench.harness.results import report
 from pagedbench.harness.results.junit import write_junit_xml
@@ -100,6 +100,7 @@ def interrupted(exc: runner.Interrupted, console: Console, run_id: str, results:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    existing_file(args.peaks, "--peaks")
     writable_folder(args.results_dir, "--results-dir")
     if args.junit_xml is not None:
         writable_file(args.junit_xml, "--junit-xml")

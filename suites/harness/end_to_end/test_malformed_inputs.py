@@ -291,7 +291,7 @@ def test_scales_that_would_overflow_the_truth_are_refused() -> None:
      "{missing}: cannot read it (No such file or directory)"),
     (["simulate", "--trace", "{missing}"], "--trace {missing}: no such file"),
     (["tune", "--trace", "{missing}"], "--trace {missing}: no such file"),
-    (["run", "--peaks", "{missing}"], "argument --peaks: no such file: '{missing}'"),
+    (["run", "--peaks", "{missing}"], "--peaks {missing}: no such file"),
 ], ids=["loop", "simulate", "tune", "run-peaks"])
 def test_a_missing_input_file_is_named_with_its_option(tmp_path, capsys, argv,
                                                         message) -> None:
