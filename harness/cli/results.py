@@ -91,13 +91,12 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def print_gate(console: Console, result: gate.GateReport, written: bool) -> None:
-    """The gate's part of its summary: its notes, the points that moved (broken and slower
-    first, each by effect) and those too noisy, in a table cut to the console's width,
-    then its one-line verdict (:meth:`~pagedbench.harness.gate.compare.GateReport.summary`,
-    printed whole)."""
-    for note in result.notes:
-        console.print(Text(note, style="dim"), overflow="ellipsis", no_wrap=True,
-                      soft_wrap=False)
+    """The gate's part of its summary: its notes (whole, wrapped), the points that moved
+    (broken and slower first, each by effect) and those too noisy, in a table cut to the
+    console's width, then its one-line verdict
+    (:meth:`~pagedbench.harness.gate.compare.GateReport.summary`, printed whole)."""
+    for note in result.notes:  # whole, wrapped: "nothing comparable" says why there
+        console.print(Text(note, style="dim"))
     shown = [p for p in result.points if p.outcome in MOVED or p.outcome is Outcome.NOISY]
     shown.sort(key=lambda p: (list(Outcome).index(p.outcome), -abs(p.ratio - 1)
                               if math.isfinite(p.ratio) else 0))
