@@ -144,10 +144,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         console.print(f"pagedbench run {run_id}: {impls} implementation{'s' * (impls != 1)} x "
                       f"{cases} case{'s' * (cases != 1)} on {config.device} -> {results.path}")
         peaks = device_peaks(args, config, console)
-        order = runner.missing(plan, results_of_run(results, run_id)) if args.resume else \
-            runner.missing(plan, [])
+        earlier = results_of_run(results, run_id) if args.resume else []
+        order = runner.missing(plan, earlier)
         order = order if pairs is None else [p for p in order if p in pairs]
-        with RunProgress(console, "run", order) as progress:
+        with RunProgress(console, "run", order, earlier) as progress:
             try:
                 records = runner.run(plan, config, results, run_id, resume=bool(args.resume),
                                      on_record=progress.update,

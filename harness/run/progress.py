@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections import Counter
+from collections.abc import Iterable
 
 from rich.console import Console
 from rich.markup import escape
@@ -52,7 +53,8 @@ def implementation_line(impl: str, counts: Counter[Status], unavailable: str | N
 
 class RunProgress:
     """Context manager showing the progress of ``order``, the (implementation, case id)
-    pairs in the order the runner takes them, under ``label`` (``run``, ``bench``).
+    pairs in the order the runner takes them, under ``label`` (``run``, ``bench``); a
+    resumed run's ``earlier`` results count in each implementation's line.
 
     Attributes
     ----------
@@ -60,12 +62,15 @@ class RunProgress:
         Wall time of each result received, by (implementation, case id), in seconds.
     """
 
-    def __init__(self, console: Console, label: str, order: list[tuple[str, str]]) -> None:
+    def __init__(self, console: Console, label: str, order: list[tuple[str, str]],
+                 earlier: Iterable[ResultRecord] = ()) -> None:
         self.console, self.label, self.order = console, label, order
         self.seconds: dict[tuple[str, str], float] = {}
         self._left = Counter(impl for impl, _ in order)
         self._counts: dict[str, Counter[Status]] = {}
         self._unavailable: dict[str, str] = {}
+        for record in earlier:
+            self._count(record)
         self._bar: Progress | None = None
         self._start = self._last = time.monotonic()
 
@@ -89,6 +94,13 @@ class RunProgress:
     def _name(self, done: int) -> str:
         return escape(" ".join(self.order[done])) if done < len(self.order) else ""
 
+    def _count(self, record: ResultRecord) -> Counter[Status]:
+        counts = self._counts.setdefault(record.impl, Counter())
+        counts[record.status] += 1
+        if record.status is Status.UNAVAILABLE:
+            self._unavailable.setdefault(record.impl, record.reason)
+        return counts
+
     def update(self, record: ResultRecord) -> None:
         """One more result: time it, advance, and print its line if it is a failure and
         its implementation's line if it was the implementation's last pair."""
@@ -98,10 +110,7 @@ class RunProgress:
         lines = []
         if record.status.failing or record.status is Status.HARNESS_ERROR:
             lines.append(result_line(record))
-        counts = self._counts.setdefault(record.impl, Counter())
-        counts[record.status] += 1
-        if record.status is Status.UNAVAILABLE:
-            self._unavailable.setdefault(record.impl, record.reason)
+        counts = self._count(record)
         self._left[record.impl] -= 1
         if self._left[record.impl] == 0:
             every = counts[Status.UNAVAILABLE] == sum(counts.values())

@@ -1,7 +1,7 @@
 """Progress of ``run`` and ``bench``: at 80 columns the bar keeps its count and ETA and
 cuts the point's name; without a terminal a line per failure and per finished
-implementation (an unavailable one once, with its reason); each result's wall time is
-JUnit's ``time=``."""
+implementation (an unavailable one once, with its reason), a resumed run's earlier
+results counted in it; each result's wall time is JUnit's ``time=``."""
 
 from __future__ import annotations
 
@@ -57,6 +57,16 @@ def test_without_a_terminal_a_line_per_failure_and_per_finished_implementation()
     assert lines[0].endswith(f"sdpa-contiguous {CASES[1].case_id} fail: max error 9 ulps")
     assert lines[1].endswith("sdpa-contiguous done: 2 pass, 1 fail")
     assert lines[2].endswith("absent: unavailable: lib not installed")
+
+
+def test_a_resumed_run_counts_its_earlier_results_in_each_implementations_line() -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=80)
+    earlier, rest = _records()[:2], _records()[2:]
+    with RunProgress(console, "run", ORDER[2:], earlier) as progress:
+        for record in rest:
+            progress.update(record)
+    assert out.getvalue().splitlines()[-1].endswith("sdpa-contiguous done: 3 pass")
 
 
 def test_each_result_carries_its_wall_time_into_junit() -> None:
