@@ -166,14 +166,22 @@ def read_trace(path: Path) -> tuple[LoopSpec, list[BaseModel]]:
         spec = LoopSpec.model_validate_json(lines[0])
         spec.template()
     except (ValidationError, PagedInputError) as exc:
-        raise LoopEventError(f"{path}:1: not a loop spec: {exc}") from None
+        raise LoopEventError(f"{path}:1: not a loop spec: {_problem(exc)}") from None
     events = []
     for number, line in enumerate(lines[1:], 2):
         try:
             events.append(_EVENT.validate_json(line))
         except ValidationError as exc:
-            raise LoopEventError(f"{path}:{number}: not a loop event: {exc}") from None
+            raise LoopEventError(f"{path}:{number}: not a loop event: {_problem(exc)}") from None
     return spec, events
+
+
+def _problem(exc: Exception) -> str:
+    """A refusal in a line: pydantic's first problems without its links, else the error."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}"
+                         for e in exc.errors(include_url=False)[:3])
+    return str(exc)
 
 
 # The implementation's side -----------------------------------------------------------------

@@ -304,3 +304,18 @@ def test_a_missing_input_file_is_named_with_its_option(tmp_path, capsys, argv,
     assert code == 2
     err = capsys.readouterr().err
     assert message.format(missing=missing) in err and "Errno" not in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ("junk\n", ":1: not a loop spec: line: Invalid JSON: expected value at line 1 column 1"),
+    ('{"steps": 3}\n', ":1: not a loop spec: case: Field required; num_blocks: Field required"),
+], ids=["not-json", "missing-fields"])
+def test_a_bad_loop_trace_names_its_line_and_the_problems(tmp_path, capsys, text,
+                                                          message) -> None:
+    """A loop trace that is not one: exit 2, the file's line and pydantic's first problems,
+    without its links."""
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(text)
+    assert cli.main(["loop", "--impl", "torch-gather", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert f"{trace}{message}" in err and "http" not in err
