@@ -415,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
                   prefix_reuse=reuse)
     sharing = {n: shares(t) for n, (_, t, _) in workloads.items()}
     report = TuneReport(**fields, conditions=conditions(fields, sharing, models))
-    write(report, args.output_dir)
+    write(report, args.output_dir / JSON_NAME, args.output_dir / PLOT_NAME)
     if args.json:
         print(report.model_dump_json(indent=1))
     else:

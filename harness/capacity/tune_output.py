@@ -113,14 +113,15 @@ def plot(report: TuneReport, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def write(report: TuneReport, output_dir: Path) -> None:
-    """Write :data:`~.tune.JSON_NAME` and :data:`~.tune.PLOT_NAME` into ``output_dir``."""
-    from pagedbench.harness.capacity.tune import JSON_NAME, PLOT_NAME
+def write(report: TuneReport, json_path: Path, plot_path: Path) -> None:
+    """Write the report as JSON to ``json_path`` and its plot to ``plot_path`` (``tune.json``
+    and ``tune.png`` of ``--output-dir``: :data:`~.tune.JSON_NAME`,
+    :data:`~.tune.PLOT_NAME`)."""
     from pagedbench.harness.results.store import write_output
 
-    output_dir.mkdir(parents=True, exist_ok=True)
-    write_output(output_dir / JSON_NAME, report.model_dump_json(indent=1) + "\n")
-    plot(report, output_dir / PLOT_NAME)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    write_output(json_path, report.model_dump_json(indent=1) + "\n")
+    plot(report, plot_path)
 
 
 def text(report: TuneReport) -> str:
