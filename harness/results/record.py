@@ -410,20 +410,6 @@ def result_key(record: ResultRecord) -> tuple[str, str, str, str]:
     return record.impl, record.env.device, versions_key(record), record.case_id
 
 
-def validation_problem(exc: ValidationError) -> str:
-    """The first few problems of a pydantic ``ValidationError``, one line:
-    ``field.path: message; ...``."""
-    parts = []
-    for error in exc.errors()[:3]:
-        loc = ".".join(str(p) for p in error["loc"] if p not in ("result", "run"))
-        cause = error.get("ctx", {}).get("error")
-        message = str(cause) if isinstance(cause, Exception) else error["msg"]
-        parts.append(message if isinstance(cause, PagedInputError) else
-                     f"{loc or 'line'}: {message}")
-    more = f" (and {exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
-    return "; ".join(parts) + more
-
-
 def now() -> datetime:
     """The timestamp records carry: now, UTC, to the millisecond (``--balance-from``)."""
     moment = datetime.now(timezone.utc)
@@ -458,6 +444,5 @@ __all__ = [
     "result_key",
     "timing_environment",
     "to_json_data",
-    "validation_problem",
     "versions_key",
 ]

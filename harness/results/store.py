@@ -43,8 +43,8 @@ from pagedbench.reference import PagedValueError
 
 from pagedbench.harness.results import floor
 from pagedbench.harness.results.record import (COMPARISON_FIELDS, LINE, SCHEMA_VERSION,
-                                               VERSION_FIELDS, ResultRecord, RunRecord,
-                                               validation_problem)
+                                               VERSION_FIELDS, ResultRecord, RunRecord)
+from pagedbench.harness.verdict.messages import validation_problem
 
 #: The commit and dirtiness of a checkout without ``.git`` (the GPU lane's copy), set by
 #: whoever made the copy: a 40-hex commit, and ``1``/``0``. Taken over what git says.

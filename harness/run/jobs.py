@@ -22,12 +22,13 @@ from pagedbench.harness.measure.cuda_timers import release_device_memory
 from pagedbench.harness.measure.timing import (DriftProbe, Timing, device_l2_bytes,
                                                measure_peaks, point_plan, time_cpu,
                                                time_cuda_point, time_once)
-from pagedbench.harness.results.record import DevicePeaks, ListingRow, validation_problem
+from pagedbench.harness.results.record import DevicePeaks, ListingRow
 from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.protocol import Channel
 from pagedbench.harness.verdict import conformance, judging, serving
 from pagedbench.harness.verdict.messages import (Data, Entered, Fatal, Go, Loaded, LoopTick,
-                                                 Output, Ready, TimeIt, Waiting)
+                                                 Output, Ready, TimeIt, Waiting,
+                                                 validation_problem)
 from pagedbench.harness.verdict.status import Status
 
 #: The reply each message waits for.

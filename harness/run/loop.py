@@ -23,14 +23,14 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from pagedbench.harness.results.record import ListingRow, validation_problem
+from pagedbench.harness.results.record import ListingRow
 from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.environment import worker_environment
 from pagedbench.harness.run.protocol import Answer, Supervisor
 from pagedbench.harness.verdict import judging
 from pagedbench.harness.verdict.messages import (IMPL, JOB_STEPS, Applied, Concluded, Fatal,
                                                  Loaded, LoopTick, Message, StepDone, Waiting,
-                                                 as_json)
+                                                 as_json, validation_problem)
 from pagedbench.harness.verdict.serving import (Admit, Finish, Fork, LoopEventError, LoopSpec,
                                                 Preempt, Readmit, Step, SwapIn, SwapOut)
 from pagedbench.harness.verdict.serving_judge import LoopJudge, StepVerdict

@@ -48,7 +48,7 @@ from pagedbench.reference import PagedCase, PagedValueError
 
 from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Environment,
                                                ListingRow, Plan, PlannedImpl, ResultRecord,
-                                               RunRecord, Shard, now, validation_problem)
+                                               RunRecord, Shard, now)
 from pagedbench.harness.results.store import ResultsFile, environment, results_of
 from pagedbench.harness.results.outcome import result_record
 from pagedbench.harness.run import replay
@@ -59,7 +59,7 @@ from pagedbench.harness.run.protocol import Answer, Fault, Supervisor
 from pagedbench.harness.run.spread import DeviceSlot, Stop, device_slots, spread
 from pagedbench.harness.verdict import judging
 from pagedbench.harness.verdict.messages import (HARNESS, IMPL, JOB_STEPS, Data, Fatal, Loaded,
-                                                 Message, as_json)
+                                                 Message, as_json, validation_problem)
 from pagedbench.harness.verdict.status import Status, exit_code
 from pagedbench.harness.verdict.truth import device_truth_for, truth_for, truth_site
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError
 
-from pagedbench.reference.errors import PagedTypeError, PagedValueError
+from pagedbench.reference.errors import PagedInputError, PagedTypeError, PagedValueError
 
 if TYPE_CHECKING:
     from pagedbench.reference import PagedCase
@@ -436,8 +436,23 @@ def as_json(model: BaseModel) -> dict[str, Any]:
     return model.model_dump(mode="json")
 
 
+def validation_problem(exc: ValidationError) -> str:
+    """The first few problems of a pydantic ``ValidationError``, one line:
+    ``field.path: message; ...``."""
+    parts = []
+    for error in exc.errors()[:3]:
+        loc = ".".join(str(p) for p in error["loc"] if p not in ("result", "run"))
+        cause = error.get("ctx", {}).get("error")
+        message = str(cause) if isinstance(cause, Exception) else error["msg"]
+        parts.append(message if isinstance(cause, PagedInputError) else
+                     f"{loc or 'line'}: {message}")
+    more = f" (and {exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
+    return "; ".join(parts) + more
+
+
 __all__ = ["HARNESS", "HARNESS_STEPS", "IMPL", "JOB_STEPS", "MAX_DEPTH", "MAX_DETAILS_BYTES",
            "MAX_DIMS", "TYPE_NAME_CHARS", "Applied", "Concluded", "Data", "Descriptor", "Done",
            "Entered", "Fatal", "Go", "Loaded", "LoopTick", "Message", "Output", "Party", "Ready",
            "StepDone", "TimeIt", "Timed", "Waiting", "as_json", "decode", "encode", "lse_shape",
-           "output_shape", "parse_message", "party_of", "split_payload", "to_json_data"]
+           "output_shape", "parse_message", "party_of", "split_payload", "to_json_data",
+           "validation_problem"]

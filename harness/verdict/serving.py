@@ -41,7 +41,7 @@ from pagedbench.harness.verdict.conformance import synchronize, tail_poison
 from pagedbench.harness.verdict.judging import describe_exception
 from pagedbench.harness.verdict.messages import (Applied, Concluded, Entered, LoopTick,
                                                  StepDone, Waiting, encode, lse_shape,
-                                                 output_shape)
+                                                 output_shape, validation_problem)
 from pagedbench.harness.verdict.status import Status
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -166,22 +166,17 @@ def read_trace(path: Path) -> tuple[LoopSpec, list[BaseModel]]:
         spec = LoopSpec.model_validate_json(lines[0])
         spec.template()
     except (ValidationError, PagedInputError) as exc:
-        raise LoopEventError(f"{path}:1: not a loop spec: {_problem(exc)}") from None
+        why = validation_problem(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise LoopEventError(f"{path}:1: not a loop spec: {why}") from None
     events = []
     for number, line in enumerate(lines[1:], 2):
         try:
             events.append(_EVENT.validate_json(line))
         except ValidationError as exc:
-            raise LoopEventError(f"{path}:{number}: not a loop event: {_problem(exc)}") from None
+            raise LoopEventError(f"{path}:{number}: not a loop event: "
+                                 f"{validation_problem(exc)}") from None
     return spec, events
 
-
-def _problem(exc: Exception) -> str:
-    """A refusal in a line: pydantic's first problems without its links, else the error."""
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}"
-                         for e in exc.errors(include_url=False)[:3])
-    return str(exc)
 
 
 # The implementation's side -----------------------------------------------------------------
