@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import platform
 import struct
 import sys
 from collections.abc import Sequence
 
 #: ``prctl(2)`` options, ``seccomp(2)``'s operation and flag, and ``clone(2)``'s flag.
-PR_SET_DUMPABLE, PR_GET_DUMPABLE = 4, 3
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_GET_DUMPABLE = 1, 4, 3
 PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 38, 36
 SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_TSYNC = 1, 1
 CLONE_PARENT = 0x8000
@@ -112,11 +113,16 @@ def program(machine: str) -> list[tuple[int, int, int, int]]:
     ])
 
 
-def _prctl(option: int, value: int) -> int:
-    """``prctl(option, value, 0, 0, 0)`` (the unused arguments must be 0); its return."""
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def prctl(option: int, value: int) -> int:
+    """``prctl(option, value, 0, 0, 0)`` (Linux; the unused arguments must be 0); its
+    return."""
     zero = ctypes.c_ulong(0)
-    return ctypes.CDLL(None, use_errno=True).prctl(option, ctypes.c_ulong(value), zero, zero,
-                                                   zero)
+    return _libc().prctl(option, ctypes.c_ulong(value), zero, zero, zero)
 
 
 def _refused(name: str) -> OSError:
@@ -146,7 +152,7 @@ def confine() -> str:
     machine = platform.machine()
     if not sys.platform.startswith("linux"):
         return f"none: {sys.platform} is not Linux"
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     close_memory()
     if machine not in ARCHES or struct.calcsize("P") != 8:
         return (f"none: no filter for {machine} ({struct.calcsize('P') * 8}-bit Python; "
@@ -158,10 +164,10 @@ def confine() -> str:
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     fprog = SockFprog(len(code) // 8, ctypes.addressof(filters))
-    if _prctl(PR_SET_NO_NEW_PRIVS, 1) != 0:
+    if prctl(PR_SET_NO_NEW_PRIVS, 1) != 0:
         raise _refused("prctl(PR_SET_NO_NEW_PRIVS)")
     ulong = ctypes.c_ulong
-    if ctypes.CDLL(None, use_errno=True).syscall(
+    if _libc().syscall(
             ctypes.c_long(ARCHES[machine][1]["seccomp"]), ulong(SECCOMP_SET_MODE_FILTER),
             ulong(SECCOMP_FILTER_FLAG_TSYNC), ctypes.byref(fprog)) != 0:
         raise _refused("seccomp(SECCOMP_SET_MODE_FILTER, TSYNC)")  # or a thread that cannot
@@ -178,8 +184,8 @@ def close_memory() -> None:
     user). ``execve`` makes a process dumpable again. The process itself then cannot read
     its own ``/proc/self/{environ,auxv,io,mem}`` either, and a debugger cannot attach."""
     if sys.platform.startswith("linux"):
-        _prctl(PR_SET_DUMPABLE, 0)
+        prctl(PR_SET_DUMPABLE, 0)
 
 
 __all__ = ["ARCHES", "CLONE_PARENT", "PR_GET_DUMPABLE", "PR_SET_CHILD_SUBREAPER",
-           "PR_SET_DUMPABLE", "close_memory", "confine", "program"]
+           "PR_SET_DUMPABLE", "PR_SET_PDEATHSIG", "close_memory", "confine", "prctl", "program"]

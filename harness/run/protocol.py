@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import importlib
 import json
 import os
@@ -46,7 +45,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
-from pagedbench.harness.run.confine import close_memory, confine
+from pagedbench.harness.run.confine import PR_SET_PDEATHSIG, close_memory, confine, prctl
 from pagedbench.harness.run.processes import kill_descendants
 from pagedbench.harness.verdict.messages import (HARNESS, IMPL, Done, Entered, Message,
                                                  parse_message, party_of)
@@ -139,8 +138,6 @@ def _signal_name(returncode: int) -> str:
 
 #: How often the worker checks that its parent is alive (s).
 PARENT_POLL_S = 0.5
-#: ``prctl(2)``'s option.
-PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -148,7 +145,7 @@ def die_with_parent(parent_pid: int) -> None:
     Linux (``prctl(2)``), an exit if the parent is already gone, and a daemon thread that
     kills this process group once the parent changes (where ``prctl`` is missing)."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != parent_pid:
         os._exit(1)
 
