@@ -83,6 +83,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cases = cases[:args.points]
     impls = _bench_impls(args)
     console = terminal(soft_wrap=True)
+    if not cases:  # a dry run too: it answers what the run would
+        left_out = sweep.left_out()
+        given = [f"--grid {sweep.grid}", *(f"--workload '{p}'" for p in sweep.workload_patterns),
+                 *([f"{len(left_out)} left out, the first {left_out[0]}"] if left_out else [])]
+        raise PagedValueError("bench options", "no point", "options that keep at least one "
+                              "point", f"the options leave no point to time ({'; '.join(given)})")
     if args.dry_run:
         for case in cases:
             print(case.case_id)
@@ -92,11 +98,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       f"({', '.join(impls)})")
         return 0
     existing_file(args.peaks, "--peaks")  # read by the run (a dry run plans without it)
-    if not cases:
-        raise PagedValueError("bench options", "no point", "options that keep at least one "
-                              "point", "the options leave no point to time (--workload "
-                              f"{list(sweep.workload_patterns)}, --grid {sweep.grid}; see "
-                              "--dry-run)")
     left_out, kept = sweep.left_out(), []
     for case in cases:  # a point whose truth fits neither the host budget nor the device
         try:

@@ -88,6 +88,27 @@ def test_bench_refuses_a_giant_batch_with_exit_2(argv, option, capsys) -> None:
     assert option in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+@pytest.mark.parametrize("argv, named", [
+    (["--grid", "none"], "(--grid none)"),
+    # the CPU sweep's three block sizes and the contiguous point, each above max_flops
+    (["--mode", "decode", "--batch-size", "4", "--context", "1000000", "--grid", "axes",
+      "--workload", "decode-gqa4*"],
+     "--workload 'decode-gqa4*'; 4 left out, the first decode-gqa4-4q1s1000000-"),
+], ids=["no-grid-no-preset", "all-above-max-flops"])
+def test_bench_with_no_point_exits_2_dry_run_or_not(argv, named, dry_run, capsys,
+                                                    tmp_path) -> None:
+    """A selection that keeps no point is refused before anything runs; a dry run
+    answers as the run would."""
+    from pagedbench.harness.cli import main
+
+    code = main(["bench", *argv, *(["--dry-run"] if dry_run else []), "--results-dir",
+                 str(tmp_path / "results")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "the options leave no point to time" in err and named in err, err
+
+
 @pytest.mark.parametrize("workload", [
     grid_workload("mixed", "gqa4", 5, 300),
     preset_workload("llama3.1-70b-tp8", 6, 200),
