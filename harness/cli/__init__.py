@@ -35,6 +35,7 @@ This module builds the parser and turns errors into exit codes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import os
@@ -46,7 +47,7 @@ from collections.abc import Iterable
 from typing import NamedTuple, NoReturn
 
 from pagedbench.harness.run.environment import (apply_environment, cache_environment,
-                                                default_cache_dir)
+                                                default_cache_dir, heavy_imports)
 from pagedbench.harness.verdict.status import ExitCode, exit_codes_help
 
 
@@ -133,22 +134,26 @@ READ_ONLY_COMMANDS = frozenset({"schema", "report", "gate"})
 WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS})
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``pagedbench`` console script; returns the exit code
+def main(argv: list[str] | None = None, *, console: bool = False) -> int:
+    """Run the command ``argv`` names (default ``sys.argv[1:]``); returns the exit code
     (:class:`~pagedbench.harness.verdict.status.ExitCode`; ``128 + N`` when stopped by signal
-    N)."""
+    N). ``console``: this process exists for the command (:func:`console_main`), so it
+    imports as such a process does (:func:`~pagedbench.harness.run.environment.heavy_imports`)."""
     command = _parser(full=()).parse_known_args(argv)[0].command
     args = _parser(full=[command]).parse_args(argv)
-    # Once the arguments are parsed (the store imports torch):
-    from pagedbench.reference import PagedInputError
+    importing = heavy_imports if console else contextlib.nullcontext
+    with importing():  # once the arguments are parsed (the store imports torch)
+        from pagedbench.reference import PagedInputError
 
-    from pagedbench.harness.results.store import OutputError
+        from pagedbench.harness.results.store import OutputError
 
     try:
         _writable_outputs(args)
         apply_environment(cache_environment(getattr(args, "cache_dir", default_cache_dir()),
                                             create=args.command not in READ_ONLY_COMMANDS))
-        return _function(COMMANDS[command].run)(args)
+        with importing():
+            run = _function(COMMANDS[command].run)
+        return run(args)
     except PagedInputError as exc:
         print(f"pagedbench {args.command}: error: {exc}", file=sys.stderr)
         return int(ExitCode.USAGE_ERROR)
@@ -176,7 +181,7 @@ def console_main() -> NoReturn:
     budget) would have torch torn down under it by the interpreter's exit, which aborts the
     process (``std::terminate``: exit 134, not the code the run recorded); the process then
     leaves at once, its output flushed (the results file is written record by record)."""
-    code = main()
+    code = main(console=True)
     runner = sys.modules.get("pagedbench.harness.run.runner")  # only a run starts judges
     if runner is not None and runner.judges_running():
         sys.stdout.flush()

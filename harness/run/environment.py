@@ -11,16 +11,21 @@
   (:data:`INHERITED`): no credentials, nothing that changes how files are loaded
   (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``).
 - :func:`apply_environment`: set variables in this process.
+- :func:`heavy_imports`: how a process that imports once, then works (the CLI, a worker),
+  imports torch, the harness and an implementation: without cyclic garbage collection,
+  then frozen.
 
 Standard library only: the GPU lane imports it before torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 #: The variable that names the cache folder when no option does (the CLI's
@@ -115,5 +120,24 @@ def apply_environment(env: Mapping[str, str]) -> None:
         sys.pycache_prefix = prefix
 
 
+@contextlib.contextmanager
+def heavy_imports() -> Iterator[None]:
+    """Import inside this: Python's cyclic garbage collector is off, then every object made
+    so far is frozen (``gc.freeze``: left out of every later collection, never freed) and
+    the collector is as it was. An import makes many objects that live as long as the
+    process and little garbage, so collections during it only walk them again, and each
+    full collection afterwards would walk them all (torch's ~180,000), in a timed call if
+    it falls there. Only for a process that imports once and then works; a test session
+    that calls the CLI in-process keeps its collector."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
+
+
 __all__ = ["CACHE_FOLDERS", "INHERITED", "apply_environment", "cache_environment",
-           "worker_environment"]
+           "heavy_imports", "worker_environment"]

@@ -24,6 +24,7 @@ from pagedbench.harness.measure.timing import (DriftProbe, Timing, device_l2_byt
                                                time_cuda_point, time_once)
 from pagedbench.harness.results.record import DevicePeaks, ListingRow
 from pagedbench.harness.run.config import RunConfig
+from pagedbench.harness.run.environment import heavy_imports
 from pagedbench.harness.run.protocol import Channel
 from pagedbench.harness.verdict import conformance, judging, serving
 from pagedbench.harness.verdict.messages import (Data, Entered, Fatal, Go, Loaded, LoopTick,
@@ -55,7 +56,8 @@ def _load(name: str, target: str, device: str, channel: Channel,
     row (an ``error`` row when it failed) and the step it got to."""
     channel.step(item, "import")
     try:
-        adapter = load(target)
+        with heavy_imports():
+            adapter = load(target)
     except (Exception, SystemExit) as exc:
         return None, ListingRow.error(name, target, "error", f"importing {target} raised "
                                       f"{judging.describe_exception(exc)}"), "import"

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel
 
 from pagedbench.harness.run.confine import PR_SET_PDEATHSIG, close_memory, confine, prctl
+from pagedbench.harness.run.environment import heavy_imports
 from pagedbench.harness.run.processes import kill_descendants
 from pagedbench.harness.verdict.messages import (HARNESS, IMPL, Done, Entered, Message,
                                                  parse_message, party_of)
@@ -179,7 +180,8 @@ def worker_main(argv: list[str] | None = None) -> None:
     channel = Channel(args.fd, replies)
     job = json.loads(replies.readline())
     module, _, function = args.work.partition(":")
-    work = getattr(importlib.import_module(module), function)  # heavy: once watched
+    with heavy_imports():  # once watched
+        work = getattr(importlib.import_module(module), function)
     work(job, channel)
     channel.send(Done())
     with contextlib.suppress(Exception):

@@ -32,6 +32,7 @@ FAULTS = {
     "hangs-in-run": f"{PLUGINS}.misbehaving:HangsInRun",
     "slow-correct": f"{PLUGINS}.misbehaving:SlowCorrect",
     "reports-environment": f"{PLUGINS}.misbehaving:ReportsEnvironment",
+    "reports-collector": f"{PLUGINS}.misbehaving:ReportsCollector",
     "writes-into-the-channel": f"{PLUGINS}.misbehaving:WritesIntoTheChannel",
     "starts-daemons": f"{PLUGINS}.misbehaving:StartsDaemons",
     "reads-past": f"{BROKEN}:ReadsPastKvLen",

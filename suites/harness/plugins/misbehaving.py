@@ -7,6 +7,7 @@ the status a run gives it is due to its one fault.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -101,6 +102,16 @@ class ReportsEnvironment(TorchGather):
 
     def describe(self, prepared) -> dict:
         return {"environment": sorted(os.environ)}
+
+
+class ReportsCollector(TorchGather):
+    """Correct; describe() records whether its process collects cyclic garbage and how
+    many objects it has frozen out of collection."""
+
+    name = "reports-collector"
+
+    def describe(self, prepared) -> dict:
+        return {"gc_enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
 
 
 class WritesIntoTheChannel(TorchGather):
