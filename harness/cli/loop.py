@@ -57,11 +57,12 @@ def loop_spec(args: argparse.Namespace) -> LoopSpec:
 
 
 def _line(verdict: StepVerdict, event: BaseModel) -> str:
-    """One step as the loop prints it (rich markup)."""
+    """One tick as the loop prints it (rich markup): its index, verdict and event (a
+    step's rows, or the lifecycle event's name)."""
     colour = verdict.status.colour
     rows = ", ".join(f"{s}:{n}" for s, n in event.rows) if event.op == "step" else event.op
     pad = f" +{event.pad} empty" if getattr(event, "pad", 0) else ""
-    text = f"step {verdict.index:>4} [{colour}]{verdict.status:<11}[/] {escape(rows)}{pad}"
+    text = f"tick {verdict.index:>4} [{colour}]{verdict.status:<11}[/] {escape(rows)}{pad}"
     if verdict.status is not Status.PASS and verdict.reason:
         text += f": {escape(verdict.reason[:300])}"
     return text

@@ -251,7 +251,7 @@ def run_loop(name: str, target: str, spec: LoopSpec, config: RunConfig,
     if fault is not None:
         kind = {"timeout": Status.TIMEOUT, "crash": Status.CRASH}.get(fault.kind, Status.ERROR)
         outcome.stopped, outcome.status = (f"worker {fault.detail} during {fault.step} of "
-                                           f"step {fault.item}"), kind
+                                           f"tick {fault.item}"), kind
     return outcome
 
 
