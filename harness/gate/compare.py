@@ -426,12 +426,13 @@ def compare(baseline: Iterable[ResultRecord], current: Iterable[ResultRecord],
 def _nothing_comparable(base: dict[PointKey, ResultRecord],
                         now: dict[PointKey, ResultRecord]) -> str:
     def conditions(keys: Iterable[PointKey]) -> str:
-        found = sorted({f"{k.device} with {k.threads} threads" for k in keys})
+        found = sorted({f"{k.device} with {k.threads} thread{'s' * (k.threads != 1)}"
+                        for k in keys})
         return "; ".join(found) or "no results"
 
     return (f"nothing comparable: the baseline holds {conditions(base)}, the current results "
-            f"{conditions(now)} (points are compared only on the same device, thread count, "
-            "implementation, case and dtype)")
+            f"hold {conditions(now)} (points are compared only on the same device, thread "
+            "count, implementation, case and dtype)")
 
 
 # Baselines on disk ---------------------------------------------------------------------

@@ -190,12 +190,17 @@ def test_update_baseline_writes_per_device_and_the_next_gate_reads_it(tmp_path,
     lines = (baselines / "nvidia-h200" / "baseline.jsonl").read_text().splitlines()
     assert [json.loads(line)["env"]["device"] for line in lines] == ["NVIDIA H200"]
     assert main(["gate", "--baseline", str(baselines), "--current", current]) == ExitCode.CLEAN
-    other = write(tmp_path / "other.jsonl", [timed("a", "c1", lognormal(5), device="M3")])
+    one_thread = timed("a", "c1", lognormal(5), device="M3")
+    one_thread = one_thread.model_copy(update={"env": one_thread.env.model_copy(
+        update={"threads": 1})})
+    other = write(tmp_path / "other.jsonl", [timed("a", "c1", lognormal(5), device="M3"),
+                                             one_thread])
     assert main(["gate", "--baseline", str(baselines), "--current", other]) \
         == ExitCode.NOTHING_COMPARABLE
     out = " ".join(capsys.readouterr().out.split())  # the log's width wraps it, whole
-    assert "(points are compared only on the same device, thread count, implementation, " \
-           "case and dtype)" in out
+    assert ("the current results hold M3 with 1 thread; M3 with 2 threads (points are "
+            "compared only on the same device, thread count, implementation, case and "
+            "dtype)") in out, out
 
 
 @pytest.mark.parametrize("argv, message", [
