@@ -31,6 +31,8 @@ In a checkout, ``suites/conftest.py`` registers this same module when pytest has
   :func:`pagedbench.harness.run.devices.xdist_worker_gpu`) unless ``--pagedbench-device
   cuda:N`` names one. The compiler caches and hypothesis's database stay shared: they
   write each entry atomically (a temporary file renamed), and ``ci`` has no database.
+- Collection runs without cyclic garbage collection, and what it made is then frozen
+  (:func:`pagedbench.harness.run.environment.heavy_imports`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import pytest
 from pagedbench.harness.run.devices import visible_gpus, xdist_worker_gpu
 from pagedbench.harness.run.environment import (CACHE_DIR_VARIABLE, DEFAULT_CACHE_DIR,
                                                 apply_environment, cache_environment,
-                                                default_cache_dir)
+                                                default_cache_dir, heavy_imports)
 
 MARKERS = (
     "gpu: needs a CUDA device (skipped without one)",
@@ -252,6 +254,14 @@ def _record_impl(request: pytest.FixtureRequest, record_property) -> None:
     (``pagedbench selftest`` reads it)."""
     if "impl" in request.fixturenames:
         record_property("impl", request.getfixturevalue("impl"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session):
+    """Collection imports torch, the implementations and the test modules, then the
+    session works: it imports as a pagedbench process does (:func:`heavy_imports`)."""
+    with heavy_imports():
+        return (yield)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

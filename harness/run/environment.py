@@ -11,9 +11,9 @@
   (:data:`INHERITED`): no credentials, nothing that changes how files are loaded
   (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``).
 - :func:`apply_environment`: set variables in this process.
-- :func:`heavy_imports`: how a process that imports once, then works (the CLI, a worker),
-  imports torch, the harness and an implementation: without cyclic garbage collection,
-  then frozen.
+- :func:`heavy_imports`: how a process that imports once, then works (the CLI, a worker,
+  a test session's collection) imports torch, the harness and the implementations:
+  without cyclic garbage collection, then frozen.
 
 Standard library only: the GPU lane imports it before torch.
 """
@@ -127,8 +127,8 @@ def heavy_imports() -> Iterator[None]:
     the collector is as it was. An import makes many objects that live as long as the
     process and little garbage, so collections during it only walk them again, and each
     full collection afterwards would walk them all (torch's ~180,000), in a timed call if
-    it falls there. Only for a process that imports once and then works; a test session
-    that calls the CLI in-process keeps its collector."""
+    it falls there. Only for a process that imports once and then works (the console
+    script, a worker, a test session's collection); the CLI called in-process does not."""
     enabled = gc.isenabled()
     gc.disable()
     try:
