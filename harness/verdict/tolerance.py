@@ -263,8 +263,10 @@ def compare(
     )
 
 
-#: Float32 ulps of the LSE's magnitude every row is allowed (its own rounding, the exp
-#: and log of a kernel's online softmax), and how many times the logits' rounding
+#: Float32 ulps every row is allowed at the larger of its LSE's magnitude and 1 (its own
+#: rounding, the exp and log of a kernel's online softmax: ``lse = m + log(l)``, where the
+#: largest term of ``l`` is ``e^0 = 1``, so ``l``'s relative rounding is an absolute
+#: error of ``log(l)``, whatever ``lse``), and how many times the logits' rounding
 #: (``Expected.lse_scale`` units of roundoff) on top.
 LSE_ULP_FLOOR = 16.0
 LSE_ROUNDING_FACTOR = 4.0
@@ -302,8 +304,8 @@ def compare_lse(lse: object, expected: Expected, dtype: str, logits_precision: s
                 cu_seqlens_q: torch.Tensor) -> LseComparison:
     """Judge a returned log-sum-exp (``Tensor[total_q, num_q_heads]``, float32, natural
     log) against ``expected.lse``: every row that sees a key within ``LSE_ULP_FLOOR``
-    float32 ulps of the truth's magnitude plus ``LSE_ROUNDING_FACTOR`` times the logits'
-    rounding (``u * expected.lse_scale``, ``u`` of float32, or of the case dtype for
+    float32 ulps of the truth's magnitude (at least 1) plus ``LSE_ROUNDING_FACTOR`` times
+    the logits' rounding (``u * expected.lse_scale``, ``u`` of float32, or of the case dtype for
     ``logits_precision="case"``). Rows that see no key are not judged (libraries return
     ``-inf``, ``+inf`` or 0 there).
 
@@ -337,7 +339,7 @@ def compare_lse(lse: object, expected: Expected, dtype: str, logits_precision: s
     if not bool(seen.any()):
         return LseComparison(True, "", 0.0, 0.0, None)
     roundoff = _LOGITS_ROUNDOFF[dtype if logits_precision == "case" else "float32"]
-    allowed = (LSE_ULP_FLOOR * ulp(truth.abs(), "float32")
+    allowed = (LSE_ULP_FLOOR * ulp(truth.abs().clamp(min=1.0), "float32")
                + LSE_ROUNDING_FACTOR * roundoff * expected.lse_scale)
     error = torch.where(seen, (found - truth).abs(), 0.0)
     over = torch.where(seen, error / allowed, 0.0)

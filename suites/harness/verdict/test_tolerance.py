@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pagedbench.harness.verdict.tolerance import (ERROR_RATIO, ULP_FLOOR, Expected,
-                                                  assert_close_report, compare, ulp)
+                                                  assert_close_report, compare, compare_lse,
+                                                  ulp)
 
 TRUTH = torch.tensor([[[1.0, -2.0, 0.5, 0.25]]], dtype=torch.float64)  # [1, 1, 4]
 NAIVE = TRUTH + torch.tensor([0.0, 0.01, 0.0, 0.0], dtype=torch.float64)  # naive error 0.01
@@ -157,3 +158,41 @@ def test_bias_in_ulps_shows_the_rounding_mode() -> None:
 def test_assert_close_report_names_the_case() -> None:
     with pytest.raises(AssertionError, match="my-case-id"):
         assert_close_report(out_with_error(1.0), EXPECTED, "float32", "my-case-id")
+
+
+#: A row whose only key's logit is the soft cap's -5 beside a sink of 0.0244 (a case the
+#: ci search drew for the fault catalogue's control): log(e^-5 + e^0.0244), in float64.
+SMALL_LSE = float(np.logaddexp(np.float64(-5.0), np.float64(0.0244)))
+
+
+def _lse_expected(truth: float) -> Expected:
+    empty = torch.zeros(1, 1, 1, dtype=torch.float64)
+    return Expected(empty, empty, None, torch.tensor([[truth]], dtype=torch.float64),
+                    torch.zeros(1, 1, dtype=torch.float64))
+
+
+def test_a_log_sum_exp_near_0_is_allowed_the_rounding_of_its_sum_near_1() -> None:
+    """An online softmax forms ``m + log(l)`` with ``l`` near 1 here (the sink's term,
+    e^0, and e^-5.02): in float32, ``l`` is off by up to half an ulp of 1, and ``log(l)``
+    by as much, whatever the LSE's own magnitude (0.031, whose 16 ulps are 3e-8)."""
+    m = np.float32(0.0244)
+    l_sum = np.float32(1.0) + np.exp(np.float32(-5.0) - m)  # each step rounded to float32
+    online = float(m + np.log(l_sum))
+    assert online != SMALL_LSE
+    cu = torch.tensor([0, 1])
+    kernel = compare_lse(torch.tensor([[online]]), _lse_expected(SMALL_LSE), "float32",
+                         "float32", cu)
+    assert kernel.passed, kernel.reason
+    # The allowance: 16 float32 ulps of 1 (2**-19), not of 0.031 (2**-25).
+    for error, passed in ((2.0**-19 * 0.99, True), (2.0**-19 * 1.01, False)):
+        found = torch.tensor([[SMALL_LSE + error]], dtype=torch.float64)
+        assert compare_lse(found, _lse_expected(SMALL_LSE), "float32", "float32",
+                           cu).passed is passed, error
+
+
+def test_a_log_sum_exp_above_1_is_allowed_ulps_of_its_own_magnitude() -> None:
+    cu = torch.tensor([0, 1])
+    for error, passed in ((16 * 2.0**-20 * 0.99, True), (16 * 2.0**-20 * 1.01, False)):
+        found = torch.tensor([[12.5 + error]], dtype=torch.float64)  # ulp(12.5) = 2**-20
+        assert compare_lse(found, _lse_expected(12.5), "float32", "float32",
+                           cu).passed is passed, error
