@@ -42,6 +42,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from collections.abc import Iterable
 from typing import NamedTuple, NoReturn
@@ -138,9 +139,12 @@ def main(argv: list[str] | None = None, *, console: bool = False) -> int:
     """Run the command ``argv`` names (default ``sys.argv[1:]``); returns the exit code
     (:class:`~pagedbench.harness.verdict.status.ExitCode`; ``128 + N`` when stopped by signal
     N). ``console``: this process exists for the command (:func:`console_main`), so it
-    imports as such a process does (:func:`~pagedbench.harness.run.environment.heavy_imports`)."""
+    imports as such a process does (:func:`~pagedbench.harness.run.environment.heavy_imports`)
+    and says its warnings as its own lines (:func:`_warnings_as_lines`)."""
     command = _parser(full=()).parse_known_args(argv)[0].command
     args = _parser(full=[command]).parse_args(argv)
+    if console:
+        _warnings_as_lines(command)
     importing = heavy_imports if console else contextlib.nullcontext
     with importing():  # once the arguments are parsed (the store imports torch)
         from pagedbench.reference import PagedInputError
@@ -173,6 +177,21 @@ def main(argv: list[str] | None = None, *, console: bool = False) -> int:
               f"{int(ExitCode.HARNESS_FAULT)}): {type(exc).__name__}: {exc}", file=sys.stderr)
         traceback.print_exc()
         return int(ExitCode.HARNESS_FAULT)
+
+
+def _warnings_as_lines(command: str) -> None:
+    """Show each warning of this process as ``pagedbench COMMAND: warning: TEXT`` on
+    stderr, each text once (a torn line that two readers of one file skip is one warning),
+    without Python's category and source line."""
+    shown: set[str] = set()
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        text = str(message)
+        if text not in shown:
+            shown.add(text)
+            print(f"pagedbench {command}: warning: {text}", file=sys.stderr)
+
+    warnings.showwarning = show
 
 
 def console_main() -> NoReturn:
