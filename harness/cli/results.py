@@ -112,6 +112,10 @@ def print_gate(console: Console, result: gate.GateReport, written: bool) -> None
         if len(shown) > MAX_GATE_ROWS:
             console.print(f"... and {len(shown) - MAX_GATE_ROWS} more" + (
                 " in the gate report" if written else " (--output FILE writes them all)"))
+        if any(p.probe_applied for p in shown[:MAX_GATE_ROWS]):
+            console.print(Text("change: the judged ratio, of samples each divided by the "
+                               "drift probe timed after it; the ms columns are raw medians",
+                               style="dim"))
     console.print(rich_escape(result.summary()), soft_wrap=True)
 
 
