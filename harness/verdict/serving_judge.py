@@ -304,10 +304,10 @@ def save_failure(path: Path, judge: LoopJudge) -> Path:
 
 
 def describe_failure(verdict: StepVerdict, judge: LoopJudge) -> str:
-    """What broke: the step, the event (trace line) and where in the batch."""
+    """What broke: the tick, the event (trace line) and where in the batch."""
     event = judge.events[verdict.event]
     where = verdict.where()
-    return (f"step {verdict.index} ({verdict.status}), event {verdict.event + 1} "
+    return (f"tick {verdict.index} ({verdict.status}), event {verdict.event + 1} "
             f"{json.dumps(event.model_dump())}{': ' + where if where else ''}: {verdict.reason}")
 
 
