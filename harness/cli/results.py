@@ -103,7 +103,8 @@ def print_gate(console: Console, result: gate.GateReport, written: bool) -> None
     if shown:
         rows = [(f"[{_colour(p.outcome)}]{p.outcome}[/]", rich_escape(p.key.impl),
                  rich_escape(p.key.case_id), _ms(p.baseline_ms), _ms(p.current_ms),
-                 f"{p.ratio - 1:+.1%}" if math.isfinite(p.ratio) else "")
+                 f"{p.ratio - 1:+.1%}{'*' * p.probe_applied}" if math.isfinite(p.ratio)
+                 else "")
                 for p in shown[:MAX_GATE_ROWS]]
         console.print(fitted_table(
             f"Points that moved or were too noisy ({len(shown)})",
@@ -113,8 +114,8 @@ def print_gate(console: Console, result: gate.GateReport, written: bool) -> None
             console.print(f"... and {len(shown) - MAX_GATE_ROWS} more" + (
                 " in the gate report" if written else " (--output FILE writes them all)"))
         if any(p.probe_applied for p in shown[:MAX_GATE_ROWS]):
-            console.print(Text("change: the judged ratio, of samples each divided by the "
-                               "drift probe timed after it; the ms columns are raw medians",
+            console.print(Text("*: the change judged, of samples each divided by the drift "
+                               "probe timed after it; the ms columns are raw medians",
                                style="dim"))
     console.print(rich_escape(result.summary()), soft_wrap=True)
 

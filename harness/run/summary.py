@@ -119,7 +119,8 @@ def fitted_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str
     is drawn after each row index in ``sections``."""
     natural = [max(Text.from_markup(str(cell)).cell_len for cell in (header, *column))
                for header, *column in zip(headers, *rows)] if rows else [len(h) for h in headers]
-    spare = width - 2 * (len(headers) - 1) - sum(
+    # Two columns between cells, and the box's two edges (blank, but drawn).
+    spare = width - 2 * (len(headers) - 1) - 2 - sum(
         n for i, n in enumerate(natural) if i not in shrink)
     wanted = sum(natural[i] for i in shrink)
     caps = {i: natural[i] if wanted <= spare else max(8, natural[i] * spare // wanted)

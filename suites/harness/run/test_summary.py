@@ -67,6 +67,19 @@ def test_the_default_jobs_summary_fits_and_names_each_cases_fastest(default_job,
     assert torch_gather.split() == ["torch-gather", "36", "-", "4"]  # 36 pass, fastest on 4
 
 
+@pytest.mark.parametrize("width", [40, 60, 100])
+def test_a_fitted_table_cuts_only_the_columns_it_may_shrink(width) -> None:
+    rows = [("x" * 40, "y" * 40, "+205.2%*")]
+    out = io.StringIO()
+    Console(file=out, width=width, force_terminal=False).print(
+        summary.fitted_table("", ("name", "case", "change"), rows, width, shrink=(0, 1)))
+    lines = out.getvalue().splitlines()
+    assert max(map(len, lines)) <= width
+    (row,) = [line for line in lines if "x" in line]
+    assert row.split()[-1] == "+205.2%*", lines
+    assert ("x" * 40 in row) is (width == 100), lines
+
+
 def test_each_failure_has_its_replay_command_whole(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv(REPLAY_DIR_VARIABLE, str(tmp_path / "replay"))
     command = "pagedbench replay build/replay/" + "x" * 90 + ".json --impl bad"
