@@ -83,17 +83,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cases = cases[:args.points]
     impls = _bench_impls(args)
     console = terminal(soft_wrap=True)
-    if not cases:  # a dry run too: it answers what the run would
-        left_out = sweep.left_out()
-        given = [f"--grid {sweep.grid}", *(f"--workload '{p}'" for p in sweep.workload_patterns),
-                 *([f"{len(left_out)} left out, the first {left_out[0]}"] if left_out else [])]
-        raise PagedValueError("bench options", "no point", "options that keep at least one "
-                              "point", f"the options leave no point to time ({'; '.join(given)})")
     if args.dry_run:
         for case in cases:
             print(case.case_id)
         for note in sweep.left_out():
             print(f"left out: {note}")
+    if not cases:  # a dry run too (after its list): it answers what the run would
+        left_out = sweep.left_out()
+        given = [f"--grid {sweep.grid}", *(f"--preset {p}" for p in sweep.presets),
+                 *(f"--workload '{p}'" for p in sweep.workload_patterns),
+                 *([f"{len(left_out)} left out, the first {left_out[0]}"] if left_out else [])]
+        raise PagedValueError("bench options", "no point", "options that keep at least one "
+                              "point", f"the options leave no point to time ({'; '.join(given)})")
+    if args.dry_run:
         console.print(f"{len(cases)} points x {len(impls)} implementations "
                       f"({', '.join(impls)})")
         return 0

@@ -89,24 +89,29 @@ def test_bench_refuses_a_giant_batch_with_exit_2(argv, option, capsys) -> None:
 
 
 @pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
-@pytest.mark.parametrize("argv, named", [
-    (["--grid", "none"], "(--grid none)"),
+@pytest.mark.parametrize("argv, named, listed", [
+    (["--grid", "none"], "(--grid none)", 0),
     # the CPU sweep's three block sizes and the contiguous point, each above max_flops
     (["--mode", "decode", "--batch-size", "4", "--context", "1000000", "--grid", "axes",
       "--workload", "decode-gqa4*"],
-     "--workload 'decode-gqa4*'; 4 left out, the first decode-gqa4-4q1s1000000-"),
-], ids=["no-grid-no-preset", "all-above-max-flops"])
-def test_bench_with_no_point_exits_2_dry_run_or_not(argv, named, dry_run, capsys,
+     "--workload 'decode-gqa4*'; 4 left out, the first decode-gqa4-4q1s1000000-", 4),
+    (["--preset", "llama3.1-70b-tp8", "--workload", "zzz*"],
+     "(--grid none; --preset llama3.1-70b-tp8; --workload 'zzz*')", 0),
+], ids=["no-grid-no-preset", "all-above-max-flops", "no-workload-matches"])
+def test_bench_with_no_point_exits_2_dry_run_or_not(argv, named, listed, dry_run, capsys,
                                                     tmp_path) -> None:
     """A selection that keeps no point is refused before anything runs; a dry run
-    answers as the run would."""
+    answers as the run would, after listing what was left out and why."""
     from pagedbench.harness.cli import main
 
     code = main(["bench", *argv, *(["--dry-run"] if dry_run else []), "--results-dir",
                  str(tmp_path / "results")])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert "the options leave no point to time" in err and named in err, err
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert "the options leave no point to time" in captured.err and named in captured.err, \
+        captured.err
+    left = [line for line in captured.out.splitlines() if line.startswith("left out: ")]
+    assert len(left) == (listed if dry_run else 0), captured.out
 
 
 @pytest.mark.parametrize("workload", [
