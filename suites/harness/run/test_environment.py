@@ -25,8 +25,8 @@ TORCH_OBJECTS_AT_LEAST = 10_000
 
 @pytest.fixture
 def collector():
-    """The collector on or off as before the test (what the test froze stays frozen: a
-    few objects never freed)."""
+    """The collector on or off as before the test (what the session held when the test
+    froze stays frozen, never freed)."""
     enabled = gc.isenabled()
     yield
     (gc.enable if enabled else gc.disable)()
