@@ -181,18 +181,12 @@ def main(argv: list[str] | None = None, *, console: bool = False) -> int:
 
 def _warnings_as_lines(command: str) -> None:
     """Show each warning of this process as ``pagedbench COMMAND: warning: TEXT`` on
-    stderr, each text once (a torn line that two readers of one file skip is one warning),
-    without Python's category and source line; like Python's own, dropped when stderr is
-    closed or cannot be written."""
-    shown: set[str] = set()
-
+    stderr, without Python's category and source line; like Python's own, dropped when
+    stderr is closed or cannot be written."""
     def show(message, category, filename, lineno, file=None, line=None) -> None:
-        text, stream = str(message), sys.stderr
-        if stream is None or text in shown:
-            return
-        shown.add(text)
-        with contextlib.suppress(OSError):
-            stream.write(f"pagedbench {command}: warning: {text}\n")
+        if sys.stderr is not None:
+            with contextlib.suppress(OSError):
+                sys.stderr.write(f"pagedbench {command}: warning: {message}\n")
 
     warnings.showwarning = show
 

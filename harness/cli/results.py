@@ -23,7 +23,7 @@ from pagedbench.harness.gate import baselines, compare as gate
 from pagedbench.harness.measure.speed import Outcome, Thresholds
 from pagedbench.harness.results import plots, report, shard, site
 from pagedbench.harness.results.record import ResultRecord, json_schema
-from pagedbench.harness.results.store import read_lines, write_output
+from pagedbench.harness.results.store import results_of, write_output
 from pagedbench.harness.run.summary import fitted_table, print_summary, terminal
 from pagedbench.harness.verdict.status import ExitCode
 
@@ -59,8 +59,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         writable_folder(args.output, "--output")
     elif args.output:
         writable_file(args.output, "--output")
-    shard.check_merge(args.paths)
-    lines = list(read_lines(args.paths))
+    lines = shard.merged_lines(args.paths)
     args.baseline = _baseline(args.baseline, lines)
     if args.format == "site":
         for path in site.build(lines, args.output, args.baseline):
@@ -140,11 +139,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
         raise PagedValueError("--baseline", str(args.baseline), "an existing file or folder",
                               f"--baseline {args.baseline}: no such file or folder (create "
                               "the golden with --update-baseline)")
-    shard.check_merge([args.current])
-    current = baselines.read_results([args.current])
+    current = results_of(shard.merged_lines([args.current]))
     sources = baselines.baseline_paths(args.baseline, {r.env.device for r in current})
-    shard.check_merge(sources)
-    result = gate.compare(baselines.read_results(sources), current, thresholds,
+    result = gate.compare(results_of(shard.merged_lines(sources)), current, thresholds,
                           allow_unjudged=args.allow_unjudged)
     if args.output:
         writable_file(args.output, "--output")

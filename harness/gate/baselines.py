@@ -1,9 +1,10 @@
 """The gate's golden files: ``results/baselines/<device>/baseline.jsonl``, one folder per
 device (:func:`device_folder`), found for the devices of the current results
-(:func:`baseline_paths`), read (:func:`read_results`) and rewritten from current results
+(:func:`baseline_paths`; read with the current ones,
+:func:`~pagedbench.harness.results.shard.merged_lines`) and rewritten from current results
 (:func:`write_baseline`, ``pagedbench gate --update-baseline``). Finding them imports
-nothing heavy (``pagedbench gate --help`` shows :data:`BASELINES_DIR`); reading and
-writing import the results' records when called."""
+nothing heavy (``pagedbench gate --help`` shows :data:`BASELINES_DIR`); writing imports
+the results' records when called."""
 
 from __future__ import annotations
 
@@ -57,15 +58,6 @@ def baseline_paths(path: Path, devices: Iterable[str]) -> list[Path]:
             if (path / name).is_dir()]
 
 
-def read_results(paths: Iterable[Path]) -> list[ResultRecord]:
-    """The result lines of ``paths`` (files or folders of ``.jsonl``), validated
-    (:func:`~pagedbench.harness.results.store.read_lines`; raises
-    :class:`~pagedbench.harness.results.store.ResultsFileError`)."""
-    from pagedbench.harness.results.store import read_lines, results_of
-
-    return results_of(read_lines(paths))
-
-
 def write_baseline(records: Iterable[ResultRecord], path: Path) -> list[Path]:
     """Write ``records`` (one per point, the last of each) as the new golden: to ``path``
     when it is a ``.jsonl`` file, to ``path/baseline.jsonl`` when it is a folder of them,
@@ -97,5 +89,5 @@ def write_baseline(records: Iterable[ResultRecord], path: Path) -> list[Path]:
     return list(groups)
 
 
-__all__ = ["BASELINES_DIR", "BASELINE_FILE", "baseline_paths", "device_folder", "read_results",
+__all__ = ["BASELINES_DIR", "BASELINE_FILE", "baseline_paths", "device_folder",
            "write_baseline"]

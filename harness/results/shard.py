@@ -18,10 +18,11 @@ auto`` from the CI's own variables) and merging the shards back (``pagedbench re
 - Each shard's run records the whole plan and a :class:`~.record.Shard`: K, N, the plan's
   SHA-256 (:func:`plan_sha256`), its number of pairs and how they were balanced; it runs
   only its pairs.
-- :func:`check_merge`: sharded runs read together must be of one plan, one N and one
-  balance, every shard present on every device that ran one, and no pair measured twice on
-  one device; else :class:`ShardMergeError` (exit 2) naming the files. Runs without
-  ``--shard`` are not checked.
+- :func:`merged_lines`: the lines of results files read together, once, after checking
+  that their sharded runs are of one plan, one N and one balance, every shard present on
+  every device that ran one, and no pair measured twice on one device; else
+  :class:`ShardMergeError` (exit 2) naming the files. Runs without ``--shard`` are not
+  checked.
 """
 
 from __future__ import annotations
@@ -194,11 +195,12 @@ class _Run:
     devices: set[str]
 
 
-def check_merge(paths: Iterable[Path]) -> None:
-    """Check that the sharded runs among ``paths`` (results files or folders of them)
-    merge into their plan: one plan hash and one N among them, on each device (the name
-    in the results' environment) that ran a shard every shard 1..N (a shard without pairs
-    counts everywhere), and no (implementation, case) measured by two runs on one device.
+def merged_lines(paths: Iterable[Path]) -> list[ResultRecord | RunRecord]:
+    """Every line of ``paths`` (results files or folders of them), read once
+    (:func:`~.store.numbered_lines`), once the sharded runs among them are checked to merge
+    into their plan: one plan hash and one N among them, on each device (the name in the
+    results' environment) that ran a shard every shard 1..N (a shard without pairs counts
+    everywhere), and no (implementation, case) measured by two runs on one device.
 
     Raises
     ------
@@ -207,11 +209,18 @@ def check_merge(paths: Iterable[Path]) -> None:
         missing (and the files of those present), or the two files of a pair measured
         twice.
     ResultsFileError
-        From reading a file (:func:`~.store.numbered_lines`).
+        From reading a file.
     """
+    numbered = list(numbered_lines(paths))
+    _check_merge(numbered)
+    return [line for _, _, line in numbered]
+
+
+def _check_merge(numbered: list[tuple[Path, int, ResultRecord | RunRecord]]) -> None:
+    """:func:`merged_lines`' check, on the lines read with their file and line number."""
     runs: dict[str, _Run] = {}
     results: list[tuple[Path, int, ResultRecord]] = []
-    for file, number, line in numbered_lines(paths):
+    for file, number, line in numbered:
         if isinstance(line, RunRecord) and line.event == "started" and line.shard is not None:
             runs[line.run_id] = _Run(file, number, line.shard, set())
         elif isinstance(line, ResultRecord):
@@ -265,6 +274,6 @@ def check_merge(paths: Iterable[Path]) -> None:
                 f"{have})")
 
 
-__all__ = ["PAIR_COST_BYTES", "ShardMergeError", "assign", "balance_of", "check_merge",
-           "measured_seconds", "pair_cost", "pair_costs", "pairs_of", "plan_sha256",
+__all__ = ["PAIR_COST_BYTES", "ShardMergeError", "assign", "balance_of", "measured_seconds",
+           "merged_lines", "pair_cost", "pair_costs", "pairs_of", "plan_sha256",
            "recorded_pairs", "shard_record"]

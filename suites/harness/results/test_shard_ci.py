@@ -141,7 +141,7 @@ def test_shards_balanced_differently_do_not_merge(tmp_path, capsys) -> None:
             shard=record.model_copy(update={"balance": balance})))
         files.append(path)
     with pytest.raises(shard.ShardMergeError, match="give every shard the same --balance-from"):
-        shard.check_merge(files)
+        shard.merged_lines(files)
 
 
 def test_a_resume_must_balance_as_its_shard_did(tmp_path) -> None:
