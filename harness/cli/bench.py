@@ -83,13 +83,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cases = cases[:args.points]
     impls = _bench_impls(args)
     console = terminal(soft_wrap=True)
+    left_out = sweep.left_out()
     if args.dry_run:
         for case in cases:
             print(case.case_id)
-        for note in sweep.left_out():
+        for note in left_out:
             print(f"left out: {note}")
     if not cases:  # a dry run too (after its list): it answers what the run would
-        left_out = sweep.left_out()
         given = [f"--grid {sweep.grid}", *(f"--preset {p}" for p in sweep.presets),
                  *(f"--workload '{p}'" for p in sweep.workload_patterns),
                  *([f"{len(left_out)} left out, the first {left_out[0]}"] if left_out else [])]
@@ -100,7 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                       f"({', '.join(impls)})")
         return 0
     existing_file(args.peaks, "--peaks")  # read by the run (a dry run plans without it)
-    left_out, kept = sweep.left_out(), []
+    kept = []
     for case in cases:  # a point whose truth fits neither the host budget nor the device
         try:
             check_fits(case, device)

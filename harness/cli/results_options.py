@@ -41,12 +41,8 @@ def add_schema_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_gate_parser(sub: argparse._SubParsersAction) -> None:
     """``pagedbench gate`` and its options."""
-    _gate_arguments(sub.add_parser(
-        "gate", epilog=exit_codes_help(GATE_EXIT_MEANING),
-        formatter_class=argparse.RawDescriptionHelpFormatter))
-
-
-def _gate_arguments(gate_p: argparse.ArgumentParser) -> None:
+    gate_p = sub.add_parser("gate", epilog=exit_codes_help(GATE_EXIT_MEANING),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = Thresholds()
     gate_p.add_argument("--baseline", type=Path, required=True, metavar="FILE_OR_DIR",
                         help="the golden: a .jsonl file, a folder of them, or a folder of "

@@ -325,11 +325,10 @@ def measured_peaks(records: list[ResultRecord]) -> DevicePeaks | None:
     return next((r.peaks for r in reversed(records) if r.peaks is not None), None)
 
 
-def _environment_note(env_records: list[ResultRecord]) -> str:
+def _environment_note(env_records: list[ResultRecord], seen: DevicePeaks | None) -> str:
     first = env_records[0]
     runs = sorted({r.run_id for r in env_records})
     text = _conditions(first).removesuffix(f"run {first.run_id}.") + f"runs {', '.join(runs)}."
-    seen = measured_peaks(env_records)
     if seen is not None:
         text += (f" Measured peaks: {seen.copy_gbps:.3g} GB/s copy, {seen.bf16_tflops:.3g} "
                  "TFLOP/s bf16 matmul.")
@@ -357,7 +356,7 @@ def sections(lines: list[ResultRecord | RunRecord], baseline: str = DEFAULT_BASE
         seen = measured_peaks(env_records)
         out.append({"title": f"{device_name} ({versions})",
                     "copy_gbps": None if seen is None else seen.copy_gbps,
-                    "conditions": _environment_note(env_records),
+                    "conditions": _environment_note(env_records, seen),
                     "tables": tables, "reasons": reasons(mine), "bench": benv,
                     "scores": scores})
     return out

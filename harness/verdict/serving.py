@@ -178,7 +178,6 @@ def read_trace(path: Path) -> tuple[LoopSpec, list[BaseModel]]:
     return spec, events
 
 
-
 # The implementation's side -----------------------------------------------------------------
 def new_pool(spec: LoopSpec, adapter: Adapter, device: str) -> torch.Tensor:
     """The loop's pool ``[pool_blocks, 2, block_size, num_kv_heads, cache_head_dim]`` on
