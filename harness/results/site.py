@@ -37,7 +37,7 @@ from pagedbench.harness.results import plots, report
 from pagedbench.harness.results.derived import RANKED_METHODS
 from pagedbench.harness.results.record import (VERSION_FIELDS, ResultRecord, RunRecord,
                                                environment_key, result_key)
-from pagedbench.harness.results.site_assets import CSS, JS
+from pagedbench.harness.results.site_assets import CSS, JS, one_line
 from pagedbench.harness.results.store import results_of, run_states, write_output
 from pagedbench.harness.verdict.status import Status
 
@@ -308,10 +308,10 @@ def _page(title: str, subtitle: str, body: str, home: str | None) -> str:
     nav = f"<a href='{home}'>&larr; all devices</a>" if home else ""
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'>"
-            f"<title>{escape(title)}</title><style>{CSS}</style></head><body>"
+            f"<title>{escape(title)}</title><style>{one_line(CSS)}</style></head><body>"
             f"<header class='top'>{nav}<h1>{escape(title)}</h1><span class='sub'>"
             f"{escape(subtitle)}</span></header><main>{body}</main>"
-            f"<script>{JS}</script></body></html>\n")
+            f"<script>{one_line(JS)}</script></body></html>\n")
 
 
 def _unfinished(lines: list) -> str:

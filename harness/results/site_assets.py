@@ -6,6 +6,11 @@ column (numbers by value, a cell's ``data-sort`` first; empty cells last; a seco
 reverses); the filter box keeps the rows holding every word typed; the checkbox shows the
 ``unsupported`` and ``unavailable`` cells and the columns and rows made only of them; a
 link to a case's replay commands opens the section that holds them.
+
+A page carries each on one line (:func:`one_line`), as it carries the rest of its markup.
+That is safe for the stylesheet, where a line break is a space, and for the script because
+each of its lines ends a statement or opens or closes a block: no ``//`` comment, no
+statement left to automatic semicolon insertion.
 """
 
 CSS = """
@@ -141,3 +146,9 @@ JS = """
   openTarget();
 })();
 """
+
+
+def one_line(asset: str) -> str:
+    """``asset`` (:data:`CSS` or :data:`JS`) with each line stripped and the non-blank
+    ones joined by one space."""
+    return " ".join(line.strip() for line in asset.splitlines() if line.strip())

@@ -23,6 +23,7 @@ from pagedbench.harness.cases.workloads import BENCH_SUITE, CONTIGUOUS_TAG, grid
 from pagedbench.harness.cli import main
 from pagedbench.harness.results.plots import colour_of
 from pagedbench.harness.results.site import shade
+from pagedbench.harness.results.site_assets import CSS, JS, one_line
 from pagedbench.harness.results.store import ResultsFile
 
 from ..conftest import result
@@ -65,6 +66,21 @@ def built(tmp_path_factory):
     assert main(["report", str(store.path), "--format", "html", "--baseline", "base",
                  "--output", str(page), "--plots-dir", str(folder / "plots")]) == 0
     return folder / "site", page, folder / "plots"
+
+
+def test_a_page_carries_the_script_and_stylesheet_on_one_line_each(built) -> None:
+    site, page, _ = built
+    # Joining is safe only while every line of the script ends a statement or opens or
+    # closes a block, and no line comment would swallow what follows it.
+    lines = [line.strip() for line in JS.splitlines() if line.strip()]
+    assert all(line.endswith((";", "{", "}")) for line in lines), [
+        line for line in lines if not line.endswith((";", "{", "}"))]
+    assert not any(re.search(r"(^|[^:\\])//", line) for line in lines)
+    assert one_line("  a {\n\n    b;\n  }\n") == "a { b; }"
+    for text in (page.read_text(), (site / "index.html").read_text()):
+        assert f"<style>{one_line(CSS)}</style>" in text
+        assert f"<script>{one_line(JS)}</script>" in text
+        assert text.count("\n") == 1  # the whole page is one line
 
 
 def test_the_site_and_the_page_are_self_contained_with_every_plot(built) -> None:
