@@ -28,12 +28,12 @@ from pagedbench.harness.run.environment import heavy_imports
 from pagedbench.harness.run.protocol import Channel
 from pagedbench.harness.verdict import conformance, judging, serving
 from pagedbench.harness.verdict.messages import (Data, Entered, Fatal, Go, Loaded, LoopTick,
-                                                 Output, Ready, TimeIt, Waiting,
-                                                 validation_problem)
+                                                 Output, Ready, TimeIt, Timed, Waiting,
+                                                 Watched, validation_problem)
 from pagedbench.harness.verdict.status import Status
 
 #: The reply each message waits for.
-_REPLIES = {Ready: Go, Output: TimeIt}
+_REPLIES = {Ready: Go, Output: TimeIt, Timed: Watched}
 
 
 def _listing(name: str, target: str, adapter: Adapter, device: str) -> ListingRow:

@@ -14,7 +14,8 @@ truth before the implementation draws its inputs (so nothing the adapter does re
 it), compares the output (``tolerance.py``), plans the timed calls' new inputs and which
 calls it judges, and judges their outputs, the wall time the timing took, and whether the
 implementation's process kept computing after its last call returned
-(:data:`~.judging.IDLE_WINDOW_S`).
+(:data:`~.judging.IDLE_WINDOW_S`); only then does it answer the timing
+(:class:`~.messages.Watched`), so the worker's next case cannot run inside that window.
 
 :func:`check` drives both in this process (the pytest suites); the runner drives the same
 two sides across a pipe (``harness/run/jobs.py`` in the worker, ``harness/run/runner.py``
@@ -93,8 +94,9 @@ def implementation_side(adapter: Adapter, case: PagedCase, device: str, *,
                         timer: Timer | None = None) -> Side:
     """The implementation's side of a check (see the module docstring): yields each
     message and receives the judge's reply to :class:`~.messages.Ready` (a
-    :class:`~.messages.Go`) and to :class:`~.messages.Output` (a
-    :class:`~.messages.TimeIt`); ``None`` after the others. ``on_device``: the inputs
+    :class:`~.messages.Go`), to :class:`~.messages.Output` (a
+    :class:`~.messages.TimeIt`) and to :class:`~.messages.Timed` (a
+    :class:`~.messages.Watched`); ``None`` after the others. ``on_device``: the inputs
     drawn on ``device`` (a device truth). Never raises for what the adapter does."""
     yield Entered(step="why_unsupported")
     try:

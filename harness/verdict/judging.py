@@ -28,8 +28,8 @@ from pagedbench.reference import PagedCase, materialize
 
 from pagedbench.harness.verdict import tolerance
 from pagedbench.harness.verdict.messages import (Concluded, Go, Message, Output, Ready, TimeIt,
-                                                 Timed, decode, lse_shape, output_shape,
-                                                 split_payload)
+                                                 Timed, Watched, decode, lse_shape,
+                                                 output_shape, split_payload)
 from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.verdict.truth import (TimedCall, compute_device_truth, compute_truth,
                                               judging_state)
@@ -203,7 +203,7 @@ class CaseJudge:
             Concluded: self._concluded, Ready: self._on_ready, Output: self._on_output,
             Timed: self._on_timed}
 
-    def handle(self, message: Message) -> Go | TimeIt | None:
+    def handle(self, message: Message) -> Go | TimeIt | Watched | None:
         """The reply to ``message`` (None when it needs none).
 
         Raises
@@ -315,9 +315,13 @@ class CaseJudge:
         kv = kv_calls(self.rng, self.samples) if self._ready.kv_cache_in_place else []
         return TimeIt(time=True, seed=self.rng.randrange(2**31), judged=JUDGED, kv_calls=kv)
 
-    def _on_timed(self, message: Timed) -> None:
+    def _on_timed(self, message: Timed) -> Watched:
         if self._passed is None:
             raise Refused("a timing before a pass")
+        self._judge_timing(message)
+        return Watched()
+
+    def _judge_timing(self, message: Timed) -> None:
         envelope_s = time.monotonic() - self._timing_began
         cpu_s, gone = _cpu_used(self._timing_cpu_began, self.cpu_seconds())
         busy_s = self._busy_after()
@@ -336,7 +340,8 @@ class CaseJudge:
 
     def _busy_after(self) -> float:
         """CPU seconds the implementation's process uses in :data:`IDLE_WINDOW_S` after its
-        timing ended (it is waiting for the reply, so any is a thread still working)."""
+        timing ended (it is waiting for the reply, :class:`Watched`, so any is a thread still
+        working)."""
         before = self.cpu_seconds()
         time.sleep(IDLE_WINDOW_S)
         return _cpu_used(before, self.cpu_seconds())[0]

@@ -252,6 +252,14 @@ class TimeIt(BaseModel):
     kv_calls: list[Annotated[int, Field(ge=0, lt=2**32)]] = Field(default_factory=list)
 
 
+class Watched(BaseModel):
+    """The judge's answer to :class:`Timed`, sent once it has watched the implementation's
+    process for the idle window after the timing and judged it: only then may the worker
+    go on to its next item, whose work would otherwise count as the timing's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class LoopTick(BaseModel):
     """The judge's answer to :class:`Waiting`: the block ``copies`` to make first
     (``[kind, src, dst]``, ``kind`` one of ``copy-on-write``, ``swap-out``, ``swap-in``;
@@ -453,6 +461,6 @@ def validation_problem(exc: ValidationError) -> str:
 __all__ = ["HARNESS", "HARNESS_STEPS", "IMPL", "JOB_STEPS", "MAX_DEPTH", "MAX_DETAILS_BYTES",
            "MAX_DIMS", "TYPE_NAME_CHARS", "Applied", "Concluded", "Data", "Descriptor", "Done",
            "Entered", "Fatal", "Go", "Loaded", "LoopTick", "Message", "Output", "Party", "Ready",
-           "StepDone", "TimeIt", "Timed", "Waiting", "as_json", "decode", "encode", "lse_shape",
+           "StepDone", "TimeIt", "Timed", "Waiting", "Watched", "as_json", "decode", "encode", "lse_shape",
            "output_shape", "parse_message", "party_of", "split_payload", "to_json_data",
            "validation_problem"]

@@ -1,7 +1,8 @@
 """The timing cheats of ``suites/faults/timing.py`` as ``pagedbench run`` meets them: each
 ends as a ``fail`` of step ``timing`` (a judged call's output, or the idle check after
 the timing), with no time, never ranked; the catalogue's correct kernel beside them in the
-same run passes with its time. A cheat that new inputs before every timed call defeat
+same run passes with its time, as does a correct one whose declarations take a while (the
+work of its next case is not the timing's). A cheat that new inputs before every timed call defeat
 (``defeated.py``) does the work of every timed call."""
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ TARGETS = {
     "fault-work-in-prepare": "pagedbench.suites.faults.timing:WorkInPrepare",
     "fault-deferred-to-thread": "pagedbench.suites.faults.timing:DeferredToThread",
     "fault-lazy-output": "pagedbench.suites.faults.timing:LazyOutput",
+    "slow-declarations": "pagedbench.suites.harness.plugins.misbehaving:SlowDeclarations",
 }
+#: Correct implementations of :data:`TARGETS`: each passes with its time.
+CORRECT = ("catalogue-control", "slow-declarations")
 #: Two small decode cases, partly filled last blocks.
 CASES = [PagedCase(kv_lens=(19, 40), num_q_heads=4, num_kv_heads=2, head_dim=64,
                    block_size=16, dtype="float16", name=n) for n in ("t1", "t2")]
@@ -36,7 +40,7 @@ def test_timing_cheats_fail_step_timing_and_are_never_ranked(tmp_path) -> None:
     for record in records:
         by_impl.setdefault(record.impl, []).append(record)
     assert set(by_impl) == set(TARGETS) and all(len(v) == len(CASES) for v in by_impl.values())
-    for record in by_impl.pop("catalogue-control"):
+    for record in (r for impl in CORRECT for r in by_impl.pop(impl)):
         assert record.status is Status.PASS and record.time_ms is not None, record.reason
         assert ranked(record)
     for impl, mine in by_impl.items():

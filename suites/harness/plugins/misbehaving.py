@@ -95,6 +95,22 @@ class SlowCorrect(TorchGather):
         return super().run(prepared)
 
 
+class SlowDeclarations(TorchGather):
+    """Correct; ``why_unsupported`` computes for :data:`BUSY_S` seconds of CPU, as a
+    declaration that inspects the case at length might. Once that work, done for the next
+    case while the judge watched the process after the previous case's timing, failed
+    that timing."""
+
+    name = "slow-declarations"
+    BUSY_S = 0.3
+
+    def why_unsupported(self, case, device: str) -> list[str]:
+        start = time.process_time()
+        while time.process_time() - start < self.BUSY_S:
+            pass
+        return super().why_unsupported(case, device)
+
+
 class ReportsEnvironment(TorchGather):
     """Correct; describe() records the names of its process's environment variables."""
 
