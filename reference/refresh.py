@@ -6,9 +6,15 @@ first), new Q into the tensor :func:`~.inputs.materialize` made: its ``total_q *
 num_q_heads`` query vectors picked from a pool drawn once from ``seed``, vector ``j`` the
 pool's ``(a * j + b) mod R`` (``R`` a power of two, :func:`pool_size`; ``a`` odd and drawn
 per call from :func:`call_seed` of ``seed`` and ``k``, ``b`` a drawn start plus ``k``), so
-the vectors of one call are distinct, no two calls of a timing get the same Q, and the
-write is a gather on the inputs' device from host integers: no host synchronization,
-cheaper than any call. Before the calls ``kv_calls`` it also writes new K and V into
+the vectors of one call are distinct and no two calls of a timing get the same Q; then
+its channels permuted (channel ``c`` takes ``(u * c + s) mod m``, ``u`` a unit mod ``m``
+and ``s`` drawn per call; channel 0 kept where it holds the logit offset, ``m`` the
+others) and their signs flipped by one of :data:`SIGN_PATTERNS` patterns drawn per call.
+Q's channels are independent and symmetric, so the distribution stays the case's, while a
+vector comes back bit for bit about once in ``R * m * phi(m) * SIGN_PATTERNS`` picks: a
+memo keyed by one query vector (its output row, or its logits) never pays. The write is a
+gather on the inputs' device from host integers: no host synchronization, cheaper than any
+call. Before the calls ``kv_calls`` it also writes new K and V into
 every live slot (:func:`refresh_kv`). Block tables, lengths, slot mapping, poison and
 stale tails stay as they are. The judge rebuilds the inputs of any one call from freshly
 materialized ones (:meth:`TimedInputs.rebuild`); an implementation that computed its
@@ -30,6 +36,9 @@ from .writes import draw_kv, outlier_gain, write_slots
 #: Fewest query vectors in a timing's pool: a Q of one vector gets a new one on each of
 #: this many calls.
 MIN_POOL = 2**12
+#: Sign patterns a timing draws once; each call flips the signs of its Q's channels by
+#: one of them.
+SIGN_PATTERNS = 2**12
 
 
 def call_seed(seed: int, call: int) -> int:
@@ -124,6 +133,15 @@ class TimedInputs:
         self.pool = pool.clamp(-limit, limit).to(case.torch_dtype).to(device)  # [R, d]
         self.start = int(torch.randint(pool_size(case), (), generator=generator))
         self.vector = torch.arange(case.total_q * case.num_q_heads, device=device)  # [n]
+        # The channels a call permutes and flips: all, or all but the logit offset's 0.
+        self.first = 1 if case.logit_offset else 0
+        moved = case.head_dim - self.first
+        self.units = [a for a in range(1, max(moved, 2)) if math.gcd(a, moved) == 1]
+        self.channel = torch.arange(moved, device=device)  # [m]
+        self.kept = torch.zeros(self.first, dtype=torch.long, device=device)
+        signs = torch.randint(2, (SIGN_PATTERNS, case.head_dim), generator=generator) * 2 - 1
+        signs[:, : self.first] = 1
+        self.signs = signs.to(case.torch_dtype).to(device)  # [SIGN_PATTERNS, d], +-1
 
     def write(self, inputs: PagedInputs, call: int) -> None:
         """Write the new inputs of ``call`` into ``inputs`` after those of the call before
@@ -142,11 +160,15 @@ class TimedInputs:
 
     def _write_q(self, inputs: PagedInputs, call: int) -> None:
         q = inputs.q  # [total_q, num_q_heads, head_dim], any strides
-        size = self.pool.shape[0]
-        scale = 2 * int(torch.randint(size // 2, (), generator=torch.Generator().manual_seed(
-            call_seed(self.seed, call)))) + 1
+        size, moved = self.pool.shape[0], self.channel.numel()
+        generator = torch.Generator().manual_seed(call_seed(self.seed, call))
+        scale = 2 * int(torch.randint(size // 2, (), generator=generator)) + 1
+        unit = self.units[int(torch.randint(len(self.units), (), generator=generator))]
+        shift = int(torch.randint(max(moved, 1), (), generator=generator))
+        sign = int(torch.randint(SIGN_PATTERNS, (), generator=generator))
         picks = (self.vector * scale + (self.start + call)) % size  # [n], distinct
-        q.copy_(self.pool[picks].view(q.shape))
+        channels = torch.cat((self.kept, (self.channel * unit + shift) % moved + self.first))
+        q.copy_((self.pool[picks[:, None], channels] * self.signs[sign]).view(q.shape))
 
 
-__all__ = ["MIN_POOL", "TimedInputs", "call_seed", "pool_size", "refresh_kv"]
+__all__ = ["MIN_POOL", "SIGN_PATTERNS", "TimedInputs", "call_seed", "pool_size", "refresh_kv"]

@@ -118,6 +118,31 @@ def test_no_two_calls_of_a_timing_get_the_same_query(case) -> None:
     assert len(seen) == 1000
 
 
+#: Decode with one KV head and eight query heads: every query vector attends the same
+#: keys, so a memo needs only the vector.
+MQA_DECODE = PagedCase(kv_lens=(40,), num_q_heads=8, num_kv_heads=1, head_dim=128,
+                       block_size=16, dtype="bfloat16", name="mqa-decode")
+
+
+@pytest.mark.parametrize("case", [MQA_DECODE, ONE_VECTOR], ids=lambda c: c.name)
+def test_a_memo_keyed_by_one_query_vector_never_hits(case) -> None:
+    """4000 calls of the MQA decode write 32000 query vectors picked from a pool of 4096:
+    without each call's permutation and signs of the channels, 27904 of them came back bit
+    for bit, so a memo of each vector's output row (one sequence and KV head here) did an
+    eighth of the work. Also at head_dim 16, the fewest channels to permute."""
+    inputs = materialize(case)
+    fresh = TimedInputs(case, 11, [0])
+    seen, hits, picks = set(), 0, 0
+    for call in range(4000):
+        fresh.write(inputs, call)
+        for row in inputs.q.float().reshape(-1, case.head_dim).numpy():
+            key = row.tobytes()
+            hits += key in seen
+            picks += 1
+            seen.add(key)
+    assert hits == 0, f"{hits} of {picks} query vectors came back"
+
+
 class LseOnFirstCallOnly(PagedKernel):
     """Its output on every call, its LSE on the first only (a kernel whose LSE costs
     extra work, skipped where no one reads it)."""
