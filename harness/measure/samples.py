@@ -4,8 +4,8 @@ statistics, whatever timed them (:mod:`.timing` chooses and runs the timers)."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
+from time import perf_counter  # bound before any implementation loads (docs/trust.md)
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,9 +151,9 @@ class Timing:
 
 def time_once(fn: Callable[[], object], method: str = "interpreted") -> Timing:
     """One wall-clock call (``time.perf_counter``), for an interpreter."""
-    start = time.perf_counter()
+    start = perf_counter()
     fn()
-    return Timing(((time.perf_counter() - start) * 1e3,), method)
+    return Timing(((perf_counter() - start) * 1e3,), method)
 
 
 __all__ = ["METHODS", "NOISE_THRESHOLD", "Timing", "time_once"]

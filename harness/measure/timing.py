@@ -37,9 +37,9 @@ import contextlib
 import itertools
 import math
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter  # bound before any implementation loads (docs/trust.md)
 
 import torch
 
@@ -57,6 +57,12 @@ ROTATE_PAST_L2 = 5
 #: Most input copies a graph rotates (smaller points rotate less than ROTATE_PAST_L2 L2s:
 #: on a 60 MB L2, points under 2.4 MB; the record says how many copies).
 MAX_COPIES = 128
+
+
+#: The probe's attention, bound when pagedbench loads, before any implementation does: one
+#: that replaces ``torch.nn.functional.scaled_dot_product_attention`` (to slow the probe
+#: as much as itself, so that the gate sees no change) does not reach it.
+_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
 class DriftProbe:
@@ -90,9 +96,8 @@ class DriftProbe:
         return bool(self._sequences)
 
     def __call__(self) -> None:
-        sdpa = torch.nn.functional.scaled_dot_product_attention
         for q, k, v in self._sequences:
-            sdpa(q, k, v, enable_gqa=True)
+            _SDPA(q, k, v, enable_gqa=True)
 
 
 #: A drift probe block lasts about this share of the block of calls it follows (at
@@ -193,9 +198,9 @@ def time_cpu(
         """Seconds of one call, between its ``before`` and ``after``."""
         k = next(made)
         before(k)
-        start = time.perf_counter()
+        start = perf_counter()
         out = fn()
-        took = time.perf_counter() - start
+        took = perf_counter() - start
         if after is not None:
             after(k, out)
         return took
@@ -205,9 +210,9 @@ def time_cpu(
         if before is None:
             per_call_s = timer.timeit(calls).mean
             return per_call_s, per_call_s * calls
-        start = time.perf_counter()
+        start = perf_counter()
         timed_s = sum(one_call() for _ in range(calls))
-        return timed_s / calls, time.perf_counter() - start
+        return timed_s / calls, perf_counter() - start
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -217,9 +222,9 @@ def time_cpu(
         if before is None:
             one_s = time_once(fn, "perf_counter").median_ms / 1e3
         else:
-            start = time.perf_counter()
+            start = perf_counter()
             one_call()
-            one_s = time.perf_counter() - start
+            one_s = perf_counter() - start
         if probe is not None:
             probe()
             probe_one_s = time_once(probe, "perf_counter").median_ms / 1e3
@@ -256,10 +261,10 @@ def time_cpu(
 
 def _probe_block(probe: Callable[[], object], calls: int) -> float:
     """Milliseconds per call of ``calls`` probe calls (with the caller's torch threads)."""
-    start = time.perf_counter()
+    start = perf_counter()
     for _ in range(calls):
         probe()
-    return (time.perf_counter() - start) * 1e3 / calls
+    return (perf_counter() - start) * 1e3 / calls
 
 
 @dataclass(frozen=True)

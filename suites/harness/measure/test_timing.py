@@ -93,6 +93,29 @@ def test_the_drift_probe_is_dense_attention_of_the_cases_shapes() -> None:
     assert not DriftProbe(empty).enabled
 
 
+def test_an_implementation_that_replaces_the_clock_or_the_probes_attention_reaches_neither(
+        monkeypatch) -> None:
+    """A plug-in that replaced ``time.perf_counter`` by a clock at half speed timed 2.03x
+    faster than its honest copy, and one that wrapped torch's SDPA to slow the drift probe
+    as much as itself hid a 40% slowdown from the gate: both functions are bound when
+    pagedbench loads, before any implementation."""
+    import time
+
+    real = time.perf_counter
+    monkeypatch.setattr(time, "perf_counter", lambda: real() * 0.5)
+    timing = time_cpu(lambda: time.sleep(0.01), threads=1, warmup=1, min_samples=3,
+                      min_run_time_s=0.03, max_run_time_s=1.0,
+                      before=lambda k: None, after=lambda k, out: None)
+    assert timing.median_ms >= 10.0, timing.samples_ms  # 5 ms on the replaced clock
+    wrapped = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: (wrapped.append(1), sdpa(*a, **k))[1])
+    DriftProbe(PagedCase(kv_lens=(9,), num_q_heads=2, num_kv_heads=1, head_dim=8,
+                         block_size=4, dtype="float32"))()
+    assert wrapped == []
+
+
 def test_time_cpu_stops_at_its_limit() -> None:
     import time
 
