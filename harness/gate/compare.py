@@ -52,7 +52,7 @@ import pandas as pd
 
 from pagedbench.harness.measure.speed import (Outcome, Speed, Thresholds, compare_samples, decide,
                                               holm, median_ratio)
-from pagedbench.harness.results.record import ResultRecord
+from pagedbench.harness.results.record import ResultRecord, latest
 from pagedbench.harness.results.report import escape, escape_frame
 from pagedbench.harness.verdict.status import ExitCode, Status
 
@@ -79,13 +79,9 @@ def point_key(record: ResultRecord) -> PointKey:
 def points(records: Iterable[ResultRecord]) -> dict[PointKey, ResultRecord]:
     """Results by point (as :func:`~pagedbench.harness.results.store.results_of` reads them:
     an impossible time is a ``fail`` of the physical floor); of several results of one
-    point the last one wins (re-runs appended to a file, or folders read in run-id order)."""
-    out: dict[PointKey, ResultRecord] = {}
-    for record in records:
-        key = point_key(record)
-        out.pop(key, None)
-        out[key] = record
-    return out
+    point the one measured last wins (:func:`~pagedbench.harness.results.record.latest`),
+    whatever order the files are read in."""
+    return latest(records, point_key)
 
 
 def _samples(record: ResultRecord) -> list[float]:

@@ -1,7 +1,7 @@
 """Figures derived from a benchmark sweep's results: paging overhead, speedup, scores.
 
-:func:`bench_frame` has one row per bench result (``suite == "bench"``; the last record of
-each :func:`~.record.result_key` wins), in the environment it was measured in (device
+:func:`bench_frame` has one row per bench result (``suite == "bench"``; of each
+:func:`~.record.result_key` the one measured last, :func:`~.record.latest`), in the environment it was measured in (device
 name and library versions, :func:`~.record.environment_key`), with these derived columns:
 
 - ``paging_overhead``: ``median / median_contiguous - 1`` against the same
@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from pagedbench.harness.cases.workloads import BENCH_SUITE, DEFAULT_BASELINE
-from pagedbench.harness.results.record import ResultRecord, environment_key, result_key
+from pagedbench.harness.results.record import ResultRecord, environment_key, latest
 from pagedbench.harness.verdict.status import Status
 
 #: Thresholds of the fast_p table (speedup over the baseline).
@@ -72,8 +72,8 @@ def bench_frame(records: Iterable[ResultRecord], baseline: str = DEFAULT_BASELIN
     """One row per bench result, with :data:`COLUMNS` plus ``paging_overhead``,
     ``overhead_low``, ``overhead_high``, ``overhead_vs`` and ``speedup`` (see the module
     docstring); empty (with those columns) when no record is a bench result."""
-    latest = {result_key(r): r for r in records if r.suite == BENCH_SUITE}
-    df = pd.DataFrame([_row(r) for r in latest.values()], columns=COLUMNS)
+    bench = latest(r for r in records if r.suite == BENCH_SUITE)
+    df = pd.DataFrame([_row(r) for r in bench.values()], columns=COLUMNS)
     group = ["device_name", "versions", "workload", "dtype"]
     contiguous = df[df["contiguous"] & df["timed"]].sort_values("block_size").drop_duplicates(
         [*group, "impl"])

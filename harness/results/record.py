@@ -23,12 +23,13 @@ import dataclasses
 import json
 import math
 import typing
+from collections.abc import Callable, Hashable, Iterable
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Optional, Union
 
 import numpy as np
 from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, JsonValue,
-                      PrivateAttr, TypeAdapter, ValidationError, ValidationInfo,
+                      PrivateAttr, TypeAdapter, ValidationInfo,
                       create_model, field_validator, model_validator)
 
 from pagedbench.reference import PagedCase, PagedInputError, PagedTypeError, PagedValueError
@@ -410,6 +411,20 @@ def result_key(record: ResultRecord) -> tuple[str, str, str, str]:
     return record.impl, record.env.device, versions_key(record), record.case_id
 
 
+def latest(records: Iterable[ResultRecord],
+           key: Callable[[ResultRecord], Hashable] = result_key) -> dict[Hashable, ResultRecord]:
+    """The results of ``records`` by ``key`` (:func:`result_key` unless given), each key's
+    the one measured last (its ``timestamp``; of two as late, the one read last), so that
+    the order files are named in never decides which of two runs of a point is shown or
+    gated; keys in the order they first appear."""
+    out: dict[Hashable, ResultRecord] = {}
+    for record in records:
+        found = key(record)
+        if found not in out or record.timestamp >= out[found].timestamp:
+            out[found] = record
+    return out
+
+
 def now() -> datetime:
     """The timestamp records carry: now, UTC, to the millisecond (``--balance-from``)."""
     moment = datetime.now(timezone.utc)
@@ -440,6 +455,7 @@ __all__ = [
     "comparison_figures",
     "environment_key",
     "json_schema",
+    "latest",
     "now",
     "result_key",
     "timing_environment",

@@ -29,7 +29,7 @@ import pandas as pd
 from pagedbench.harness.cases.workloads import DEFAULT_BASELINE
 from pagedbench.harness.results.derived import bench_frame, fast_p, group_scores
 from pagedbench.harness.results.record import (DevicePeaks, ResultRecord, RunRecord,
-                                               environment_key, result_key)
+                                               environment_key, latest)
 from pagedbench.harness.results.store import results_of, run_states
 from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from pagedbench.harness.verdict.status import Status
@@ -84,12 +84,12 @@ COLUMNS = ["case_id", *CASE_COLUMNS, "impl", "device", "device_name", "versions"
 
 
 def frame(records: Iterable[ResultRecord]) -> pd.DataFrame:
-    """One row per result with the columns reports need. The last record of each
-    :func:`~.record.result_key` (implementation, device name, versions, case) wins, so
-    re-runs appended to a file replace earlier lines and results of two devices (by name:
-    two CPU models, an H100 and an H200) or two library versions never replace each other.
+    """One row per result with the columns reports need. Of the records of one
+    :func:`~.record.result_key` (implementation, device name, versions, case) the one
+    measured last wins (:func:`~.record.latest`), so re-runs replace earlier results, and
+    results of two devices (by name: two CPU models, an H100 and an H200) or two library
+    versions never replace each other.
     Records read through :func:`~.store.results_of` come as the physical floor judges them."""
-    latest = {result_key(r): r for r in records}
     rows = [
         {
             "case_id": r.case_id,
@@ -113,7 +113,7 @@ def frame(records: Iterable[ResultRecord]) -> pd.DataFrame:
             "bandwidth_gbps": r.bandwidth_gbps,
             "cell": cell_text(r),
         }
-        for r in latest.values()
+        for r in latest(records).values()
     ]
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -217,7 +217,8 @@ def unfinished(lines: list[ResultRecord | RunRecord]) -> list[str]:
             planned = f" of {state.planned}" if state.planned is not None else ""
             notes.append(f"Unfinished run {state.run_id}: {state.results}{planned} results, "
                          f"no end recorded (interrupted or still running); finish it with "
-                         f"`pagedbench run --resume {state.run_id}`.")
+                         f"`pagedbench run --resume {state.run_id} --results-dir DIR`, DIR "
+                         "the folder of its file.")
     return notes
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ from pathlib import Path
 
 from pagedbench.reference import PagedCase, PagedValueError
 
-from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord, Shard
+from pagedbench.harness.results.record import Plan, ResultRecord, RunRecord, Shard, result_key
 from pagedbench.harness.results.shard_spec import ShardSpec
 from pagedbench.harness.results.store import numbered_lines
 from pagedbench.harness.measure.roofline import bytes_moved
@@ -213,7 +214,26 @@ def merged_lines(paths: Iterable[Path]) -> list[ResultRecord | RunRecord]:
     """
     numbered = list(numbered_lines(paths))
     _check_merge(numbered)
-    return [line for _, _, line in numbered]
+    lines = [line for _, _, line in numbered]
+    _warn_remeasured(lines)
+    return lines
+
+
+def _warn_remeasured(lines: list[ResultRecord | RunRecord]) -> None:
+    """One warning when some points (:func:`~.record.result_key`) have results of more than
+    one run among ``lines``: readers show each point's result measured last
+    (:func:`~.record.latest`), the others unseen."""
+    runs: dict[tuple[str, str, str, str], set[str]] = defaultdict(set)
+    for line in lines:
+        if isinstance(line, ResultRecord):
+            runs[result_key(line)].add(line.run_id)
+    twice = [ids for ids in runs.values() if len(ids) > 1]
+    if twice:
+        names = sorted(set().union(*twice))
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        warnings.warn(f"{len(twice)} point(s) measured by more than one run ({shown}): each "
+                      "shows the result measured last; name one run's file to read only its "
+                      "results", stacklevel=2)
 
 
 def _check_merge(numbered: list[tuple[Path, int, ResultRecord | RunRecord]]) -> None:

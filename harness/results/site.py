@@ -36,7 +36,7 @@ from pagedbench.harness.cases.workloads import DEFAULT_BASELINE
 from pagedbench.harness.results import plots, report
 from pagedbench.harness.results.derived import RANKED_METHODS
 from pagedbench.harness.results.record import (VERSION_FIELDS, ResultRecord, RunRecord,
-                                               environment_key, result_key)
+                                               environment_key, latest)
 from pagedbench.harness.results.site_assets import CSS, JS, one_line
 from pagedbench.harness.results.store import results_of, run_states, write_output
 from pagedbench.harness.verdict.status import Status
@@ -96,10 +96,9 @@ def case_file(record: ResultRecord) -> str:
 
 def environments(lines: list[ResultRecord | RunRecord]) -> list[dict]:
     """Per environment, in order of appearance: ``device``, ``versions``, ``records``
-    (the last of each result key) and ``section`` (:func:`~.report.sections`' entry)."""
-    latest = list({result_key(r): r for r in results_of(lines)}.values())
+    (the one measured last of each result key: :func:`~.record.latest`) and ``section`` (:func:`~.report.sections`' entry)."""
     grouped: dict[tuple[str, str], list[ResultRecord]] = {}
-    for record in latest:
+    for record in latest(results_of(lines)).values():
         grouped.setdefault(environment_key(record), []).append(record)
     return [{"device": device, "versions": versions, "records": records}
             for (device, versions), records in grouped.items()]

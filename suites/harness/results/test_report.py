@@ -95,3 +95,43 @@ def test_the_markdown_and_the_site_show_the_same_measured_peaks() -> None:
         report.markdown(lines)
     conditions = site.conditions(lines, lines)
     assert "34.3 GB/s (measured)" in conditions and "38.7" not in conditions
+
+
+def test_of_two_runs_of_a_point_the_one_measured_last_is_shown_in_any_order(tmp_path) -> None:
+    """Two runs of one point in two files: the report shows the one measured last, whichever
+    file is named first (the one named last won before), and says once that the point was
+    measured twice; the gate's points take the same one."""
+    import warnings
+    from datetime import datetime, timezone
+
+    from pagedbench.harness.cli import main
+    from pagedbench.harness.gate.compare import point_key, points
+    from pagedbench.harness.results.store import ResultsFile
+
+    early = result("k", "c1", "pass", 2.0, run_id="r-early",
+                   timestamp=datetime(2026, 1, 1, tzinfo=timezone.utc))
+    late = result("k", "c1", "pass", 1.0, run_id="r-late",
+                  timestamp=datetime(2026, 1, 2, tzinfo=timezone.utc))
+    other = result("k", "c2", "pass", 3.0, run_id="r-early",
+                   timestamp=datetime(2026, 1, 1, tzinfo=timezone.utc))
+    files = {}
+    for name, records in (("late", [late]), ("early", [early, other])):
+        files[name] = ResultsFile(tmp_path / f"{name}.jsonl")
+        for record in records:
+            files[name].append(record)
+    for order in (("late", "early"), ("early", "late")):
+        out = tmp_path / f"{order[0]}.csv"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert main(["report", *(str(files[n].path) for n in order), "--format", "csv",
+                         "--output", str(out)]) == 0
+        rows = [line.split(",") for line in out.read_text().splitlines()]
+        median = rows[0].index("time_ms_median")
+        assert sorted((r[rows[0].index("case_id")][:2], float(r[median])) for r in rows[1:]) \
+            == [("c1", 1.0), ("c2", 3.0)], order
+        said = [str(w.message) for w in caught]
+        assert [m for m in said if "more than one run" in m] == [
+            "1 point(s) measured by more than one run (r-early, r-late): each shows the "
+            "result measured last; name one run's file to read only its results"], said
+        assert points([files[n].lines()[0] for n in order] + [other])[
+            point_key(late)] == late
