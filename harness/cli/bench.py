@@ -19,8 +19,8 @@ from pagedbench.harness.cases.batch_trace import trace_workloads
 from pagedbench.harness.cases.workloads import BENCH_SUITE
 from pagedbench.harness.cli.options import (checked_device, existing_file, select_impls,
                                             writable_file, writable_folder)
-from pagedbench.harness.cli.run import (device_peaks, interrupted, results_of_run, shard_of,
-                                        warn_oversubscribed)
+from pagedbench.harness.cli.run import (check_balance_from, device_peaks, interrupted,
+                                        results_of_run, shard_of, warn_oversubscribed)
 from pagedbench.harness.results import report
 from pagedbench.harness.results.derived import trace_times
 from pagedbench.harness.results.junit import write_junit_xml
@@ -84,6 +84,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     impls = _bench_impls(args)
     console = terminal(soft_wrap=True)
     left_out = sweep.left_out()
+    check_balance_from(args)  # the run's refusals of its input files, a dry run's too
+    existing_file(args.peaks, "--peaks")
     if args.dry_run:
         for case in cases:
             print(case.case_id)
@@ -99,7 +101,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"{len(cases)} points x {len(impls)} implementations "
                       f"({', '.join(impls)})")
         return 0
-    existing_file(args.peaks, "--peaks")  # read by the run (a dry run plans without it)
     kept = []
     for case in cases:  # a point whose truth fits neither the host budget nor the device
         try:

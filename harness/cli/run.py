@@ -165,6 +165,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _finish(records, lines, results, console, config.device, run_id)
 
 
+def check_balance_from(args: argparse.Namespace) -> None:
+    """Refuse ``--balance-from`` without ``--shard`` (but for ``run --resume``, which
+    rebalances as the run was) or naming no file or folder, before anything is planned:
+    a dry run refuses what its run would.
+
+    Raises
+    ------
+    PagedValueError
+        Naming ``--balance-from``.
+    """
+    if args.balance_from is None:
+        return
+    if args.shard is None and not getattr(args, "resume", None):
+        raise PagedValueError("--balance-from", str(args.balance_from), "with --shard",
+                              "--balance-from balances the parts of --shard: give both")
+    if not args.balance_from.exists():
+        raise PagedValueError("--balance-from", str(args.balance_from),
+                              "an existing file or folder",
+                              f"--balance-from {args.balance_from}: no such file or folder")
+
+
 def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id: str,
              console: Console) -> tuple[Shard | None, set[tuple[str, str]] | None]:
     """``--shard``'s record and pairs of ``plan``, balanced by ``--balance-from``'s
@@ -178,9 +199,7 @@ def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id:
     """
     seconds = None
     if args.balance_from is not None:
-        if args.shard is None and not getattr(args, "resume", None):
-            raise PagedValueError("--balance-from", str(args.balance_from), "with --shard",
-                                  "--balance-from balances the parts of --shard: give both")
+        check_balance_from(args)
         seconds = shard.measured_seconds([args.balance_from])
     if getattr(args, "resume", None):  # run --resume (bench has none)
         return None, shard.recorded_pairs(plan, results.lines(), run_id, seconds)

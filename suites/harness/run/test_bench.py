@@ -114,6 +114,26 @@ def test_bench_with_no_point_exits_2_dry_run_or_not(argv, named, listed, dry_run
     assert len(left) == (listed if dry_run else 0), captured.out
 
 
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+@pytest.mark.parametrize("argv, said", [
+    (["--balance-from", "absent.jsonl", "--shard", "1/2"],
+     "--balance-from absent.jsonl: no such file or folder"),
+    (["--balance-from", "absent.jsonl"], "--balance-from balances the parts of --shard"),
+    (["--peaks", "absent.json"], "--peaks absent.json: no such file"),
+], ids=["balance-from-absent", "balance-from-without-shard", "peaks-absent"])
+def test_an_input_file_the_run_refuses_a_dry_run_refuses(argv, said, dry_run, capsys,
+                                                         tmp_path, monkeypatch) -> None:
+    """A dry run refused nothing of --balance-from or --peaks, exit 0 where its run
+    exits 2."""
+    from pagedbench.harness.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["bench", "--quick", *argv, *(["--dry-run"] if dry_run else []),
+                 "--results-dir", str(tmp_path / "results")])
+    err = capsys.readouterr().err
+    assert code == 2 and said in err, err
+
+
 @pytest.mark.parametrize("workload", [
     grid_workload("mixed", "gqa4", 5, 300),
     preset_workload("llama3.1-70b-tp8", 6, 200),
