@@ -17,6 +17,7 @@ from pagedbench.reference import PagedInputError, PagedValueError, check_fits
 
 from pagedbench.harness.cases.batch_trace import trace_workloads
 from pagedbench.harness.cases.workloads import BENCH_SUITE
+from pagedbench.harness.cli.bench_options import AXES
 from pagedbench.harness.cli.options import (checked_device, existing_file, select_impls,
                                             writable_file, writable_folder)
 from pagedbench.harness.cli.run import (check_balance_from, device_peaks, interrupted,
@@ -39,8 +40,7 @@ def bench_sweep(args: argparse.Namespace) -> bench.Sweep:
     replace the grid (raises ``PagedValueError`` naming the option of a bad value)."""
     sweep = bench.default_sweep(args.device, args.quick)
     changes: dict[str, Any] = {}
-    for dest in ("modes", "layouts", "batch_sizes", "contexts", "block_sizes", "dtypes",
-                 "batch_specs", "presets", "workload_patterns"):
+    for dest in AXES.values():
         if getattr(args, dest):
             changes[dest] = tuple(dict.fromkeys(getattr(args, dest)))
     grid_given = any(getattr(args, d) for d in ("modes", "batch_sizes", "contexts"))
@@ -56,7 +56,13 @@ def bench_sweep(args: argparse.Namespace) -> bench.Sweep:
     if args.no_contiguous or (args.trace and not (grid_given or args.batch_specs
                                                   or args.presets)):
         changes["contiguous"] = False
-    return sweep.with_(**changes)
+    try:
+        return sweep.with_(**changes)
+    except PagedValueError as exc:
+        option = next((flag for flag, dest in AXES.items() if dest == exc.parameter), None)
+        if option is None:
+            raise
+        raise PagedValueError(option, exc.value, exc.allowed, f"{option}: {exc}") from None
 
 
 def _bench_impls(args: argparse.Namespace) -> dict[str, str]:

@@ -35,11 +35,18 @@ def _batch_spec(text: str) -> str:
     return text
 
 
+#: The sweep's repeatable options and the :class:`~pagedbench.harness.run.bench.Sweep`
+#: field each sets.
+AXES = {"--mode": "modes", "--layout": "layouts", "--batch-size": "batch_sizes",
+        "--context": "contexts", "--block-size": "block_sizes", "--dtype": "dtypes",
+        "--batch-spec": "batch_specs", "--preset": "presets", "--workload": "workload_patterns"}
+
+
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
     cpu, gpu = bench.CPU_SWEEP, bench.GPU_SWEEP
 
-    def axis(flag: str, dest: str, help: str, **kw: Any) -> None:
-        p.add_argument(flag, dest=dest, action="append", default=[], help=help, **kw)
+    def axis(flag: str, help: str, **kw: Any) -> None:
+        p.add_argument(flag, dest=AXES[flag], action="append", default=[], help=help, **kw)
 
     def show(values: tuple) -> str:
         return " ".join(map(str, values))
@@ -54,19 +61,19 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="a seconds-long sweep (2 workloads, 2 block sizes, float32) with short "
                         "timings, for smoke tests; the axis options still apply")
-    axis("--mode", "modes", f"grid mode (repeatable; default CPU: {show(cpu.modes)})",
+    axis("--mode", f"grid mode (repeatable; default CPU: {show(cpu.modes)})",
          choices=list(MODES))
-    axis("--layout", "layouts", "GQA layout or preset heads (repeatable; default CPU: "
+    axis("--layout", "GQA layout or preset heads (repeatable; default CPU: "
          f"{show(cpu.layouts)})", choices=[*LAYOUT_RATIOS, *MODEL_PRESETS], metavar="LAYOUT")
-    axis("--batch-size", "batch_sizes", f"sequences per batch (repeatable; default CPU: "
+    axis("--batch-size", f"sequences per batch (repeatable; default CPU: "
          f"{show(cpu.batch_sizes)}, GPU: {show(gpu.batch_sizes)})", type=positive_int)
-    axis("--context", "contexts", f"KV tokens per sequence (repeatable; default CPU: "
+    axis("--context", f"KV tokens per sequence (repeatable; default CPU: "
          f"{show(cpu.contexts)}, GPU: {show(gpu.contexts)})", type=positive_int)
-    axis("--block-size", "block_sizes", f"block size (repeatable; default CPU: "
+    axis("--block-size", f"block size (repeatable; default CPU: "
          f"{show(cpu.block_sizes)}, GPU: {show(gpu.block_sizes)})", type=positive_int)
-    axis("--dtype", "dtypes", f"dtype (repeatable; default CPU: {show(cpu.dtypes)}, GPU: "
+    axis("--dtype", f"dtype (repeatable; default CPU: {show(cpu.dtypes)}, GPU: "
          f"{show(gpu.dtypes)})", choices=list(DTYPES))
-    axis("--batch-spec", "batch_specs", "a vLLM batch-spec workload such as 8q1s1k, "
+    axis("--batch-spec", "a vLLM batch-spec workload such as 8q1s1k, "
          "2q2k_32q1s1k or the production mix q257_7q1s1057_3q4s2051_2q129s4093, with every "
          "--layout (repeatable); alone (no --mode, --batch-size or --context) it replaces "
          "the grid", type=_batch_spec, metavar="SPEC")
@@ -76,17 +83,17 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
                         "docs/benchmarks.md), each step a workload, with the heads of the "
                         "first --layout where a line gives none; prints each step's time and "
                         "their total; alone it replaces the grid and its contiguous points")
-    axis("--preset", "presets", "a ragged decode batch with a model preset's heads "
+    axis("--preset", "a ragged decode batch with a model preset's heads "
          "(repeatable); alone it replaces the grid", choices=list(MODEL_PRESETS),
          metavar="NAME")
-    axis("--workload", "workload_patterns", "keep workloads whose name matches this shell "
+    axis("--workload", "keep workloads whose name matches this shell "
          "pattern, e.g. 'decode-*' or '*-mqa-*' (repeatable)", metavar="PATTERN")
     p.add_argument("--grid", choices=list(bench.GRIDS), default=None,
                    help="full: every combination of the grid axes; axes: one axis at a time "
                         "around the first values (CPU default); none: no grid workloads")
     p.add_argument("--no-contiguous", action="store_true",
                    help="skip each workload's contiguous point (no paging overhead then)")
-    p.add_argument("--host-truth-bytes", type=int_in(0, 2**62), default=None,
+    p.add_argument("--host-truth-bytes", type=int_in(0), default=None,
                    metavar="BYTES",
                    help="largest truth (inputs plus one sequence's float64 work) computed on "
                         "the host; larger points get their truth on the device (default: "

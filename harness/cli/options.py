@@ -48,22 +48,28 @@ def positive_seconds(text: str) -> float:
     return value
 
 
-def int_in(low: int, high: int):
-    """An argparse type: an integer in ``[low, high]``."""
+#: The upper bound of an integer option that has none of its own (a count, a size).
+UNBOUNDED = 2**62
+
+
+def int_in(low: int, high: int = UNBOUNDED):
+    """An argparse type: an integer in ``[low, high]`` (its message names ``high`` only
+    where it is a bound of its own, not :data:`UNBOUNDED`)."""
+    allowed = f">= {low}" + (f" and <= {high}" if high < UNBOUNDED else "")
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"must be an integer >= {low}, got {text!r}") from None
+                f"must be an integer {allowed}, got {text!r}") from None
         if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {low} and <= {high}, "
-                                             f"got {value}")
+            raise argparse.ArgumentTypeError(f"must be an integer {allowed}, got {value}")
         return value
     return parse
 
 
-positive_int = int_in(1, 2**62)
+positive_int = int_in(1)
 
 
 def run_id_arg(text: str) -> str:
@@ -144,8 +150,8 @@ def shard_spec(text: str) -> ShardSpec:
     from this process's environment)."""
     try:
         return resolve_shard(text)
-    except PagedValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except PagedValueError as exc:  # argparse names the option before the message
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--shard ")) from None
 
 
 def writable_folder(path: Path, option: str) -> None:

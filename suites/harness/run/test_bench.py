@@ -74,7 +74,8 @@ def test_the_largest_batches_inside_the_bounds_are_accepted() -> None:
 @pytest.mark.parametrize("argv, option", [
     (["--batch-spec", "999999999999q1s1k"], "argument --batch-spec: batch_spec"),
     (["--batch-spec", "30000000q1s1k"], "argument --batch-spec: batch_spec"),
-    (["--batch-size", "30000000"], "batch_sizes must be ints <= 16384"),
+    (["--batch-size", "30000000"], "error: --batch-size: batch_sizes must be ints <= 16384"),
+    (["--context", "2000000"], "error: --context: contexts must be ints <= 1048576"),
 ])
 def test_bench_refuses_a_giant_batch_with_exit_2(argv, option, capsys) -> None:
     from pagedbench.harness.cli import main
