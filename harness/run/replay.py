@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedbench.adapters import Adapter
-from pagedbench.reference import PagedCase, PagedValueError
+from pagedbench.reference import PagedCase, PagedInputError, PagedValueError
 
 from pagedbench.harness.verdict import conformance
 from pagedbench.harness.verdict.judging import Verdict
@@ -119,7 +119,7 @@ def load(path: Path) -> Replayable:
     PagedValueError
         Naming ``CASE`` when the file is missing, is not JSON, or holds no case.
     PagedTypeError, PagedValueError
-        From :meth:`PagedCase.from_dict`, naming the field that is wrong.
+        From :meth:`PagedCase.from_dict`, naming the file and the field that is wrong.
     """
     allowed = "a JSON file holding a PagedCase, a result line or a regression case"
     try:
@@ -127,17 +127,24 @@ def load(path: Path) -> Replayable:
     except OSError as exc:
         raise PagedValueError("CASE", str(path), allowed,
                               f"CASE {path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
+        several = exc.msg == "Extra data"  # a second value after the first: a results file
+        raise PagedValueError("CASE", str(path), allowed, (
+            f"CASE {path} holds more than one JSON value (line {exc.lineno} starts another): "
+            "a results file? put the one result line to replay in a file of its own"
+            if several else f"CASE {path} is not JSON ({exc})")) from None
+    except ValueError as exc:  # not UTF-8
         raise PagedValueError("CASE", str(path), allowed,
                               f"CASE {path} is not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise PagedValueError("CASE", str(path), allowed,
                               f"CASE {path} holds a {type(data).__name__}, not an object")
-    if "case" in data:
-        impl = data.get("impl")
-        return Replayable(PagedCase.from_dict(data["case"]),
-                          impl if isinstance(impl, str) else None)
-    return Replayable(PagedCase.from_dict(data))
+    impl = data.get("impl") if "case" in data else None
+    try:
+        case = PagedCase.from_dict(data["case"] if "case" in data else data)
+    except PagedInputError as exc:
+        raise type(exc)(exc.parameter, exc.value, exc.allowed, f"CASE {path}: {exc}") from None
+    return Replayable(case, impl if isinstance(impl, str) else None)
 
 
 def save_regression(case: PagedCase, impl: str, found_by: str, reason: str, folder: Path,

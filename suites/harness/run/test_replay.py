@@ -58,6 +58,15 @@ def test_load_reads_a_case_a_result_line_and_refuses_the_rest(tmp_path):
     for name in ("list.json", "text.json", "absent.json"):
         with pytest.raises(PagedValueError, match="CASE"):
             replay.load(tmp_path / name)
+    # A results file of two lines, and a case of a bad value: said as such, with the file.
+    (tmp_path / "two.jsonl").write_text(line.read_text() + "\n" + line.read_text() + "\n")
+    with pytest.raises(PagedValueError, match=r"two\.jsonl holds more than one JSON value "
+                                              r"\(line 2 starts another\): a results file\?"):
+        replay.load(tmp_path / "two.jsonl")
+    (tmp_path / "bad.json").write_text(json.dumps({**CASE.to_dict(), "block_size": 0}))
+    with pytest.raises(PagedValueError, match=r"^CASE \S+bad\.json: block_size must be") as bad:
+        replay.load(tmp_path / "bad.json")
+    assert bad.value.parameter == "block_size"
 
 
 def test_replay_reproduces_a_failure_from_its_result_line(tmp_path):
