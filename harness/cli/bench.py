@@ -90,8 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     impls = _bench_impls(args)
     console = terminal(soft_wrap=True)
     left_out = sweep.left_out()
-    check_balance_from(args)  # the run's refusals of its input files, a dry run's too
-    existing_file(args.peaks, "--peaks")
+    check_balance_from(args)  # a dry run refuses it too
     if args.dry_run:
         for case in cases:
             print(case.case_id)
@@ -107,6 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         console.print(f"{len(cases)} points x {len(impls)} implementations "
                       f"({', '.join(impls)})")
         return 0
+    existing_file(args.peaks, "--peaks")  # read by the run (a dry run plans without it)
     kept = []
     for case in cases:  # a point whose truth fits neither the host budget nor the device
         try:

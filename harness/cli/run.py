@@ -167,23 +167,18 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def check_balance_from(args: argparse.Namespace) -> None:
     """Refuse ``--balance-from`` without ``--shard`` (but for ``run --resume``, which
-    rebalances as the run was) or naming no file or folder, before anything is planned:
-    a dry run refuses what its run would.
+    rebalances as the run was), before anything is planned: a dry run refuses it too (it
+    reads no input file, which may be written later: the GPU lane's ``--peaks``).
 
     Raises
     ------
     PagedValueError
         Naming ``--balance-from``.
     """
-    if args.balance_from is None:
-        return
-    if args.shard is None and not getattr(args, "resume", None):
+    if args.balance_from is not None and args.shard is None and not getattr(
+            args, "resume", None):
         raise PagedValueError("--balance-from", str(args.balance_from), "with --shard",
                               "--balance-from balances the parts of --shard: give both")
-    if not args.balance_from.exists():
-        raise PagedValueError("--balance-from", str(args.balance_from),
-                              "an existing file or folder",
-                              f"--balance-from {args.balance_from}: no such file or folder")
 
 
 def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id: str,
@@ -200,6 +195,10 @@ def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id:
     seconds = None
     if args.balance_from is not None:
         check_balance_from(args)
+        if not args.balance_from.exists():
+            raise PagedValueError("--balance-from", str(args.balance_from),
+                                  "an existing file or folder",
+                                  f"--balance-from {args.balance_from}: no such file or folder")
         seconds = shard.measured_seconds([args.balance_from])
     if getattr(args, "resume", None):  # run --resume (bench has none)
         return None, shard.recorded_pairs(plan, results.lines(), run_id, seconds)
