@@ -53,8 +53,8 @@ UNBOUNDED = 2**62
 
 
 def int_in(low: int, high: int = UNBOUNDED):
-    """An argparse type: an integer in ``[low, high]`` (its message names ``high`` only
-    where it is a bound of its own, not :data:`UNBOUNDED`)."""
+    """An argparse type: an integer in ``[low, high]`` (the message of one too small names
+    ``high`` only where it is a bound of its own, not :data:`UNBOUNDED`)."""
     allowed = f">= {low}" + (f" and <= {high}" if high < UNBOUNDED else "")
 
     def parse(text: str) -> int:
@@ -63,8 +63,12 @@ def int_in(low: int, high: int = UNBOUNDED):
         except ValueError:
             raise argparse.ArgumentTypeError(
                 f"must be an integer {allowed}, got {text!r}") from None
-        if not low <= value <= high:
+        if value < low:
             raise argparse.ArgumentTypeError(f"must be an integer {allowed}, got {value}")
+        if value > high:
+            bound = high if high < UNBOUNDED else "2**62"
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low} and <= {bound}, "
+                                             f"got {value}")
         return value
     return parse
 

@@ -25,6 +25,8 @@ ONE_PRESET = ["--preset", "llama3.1-70b-tp8", "--block-size", "16", "--no-timing
     (["run", "--harness-timeout", "-1"], "finite number of seconds > 0"),
     (["run", "--case-timeout", "0"], "finite number of seconds > 0"),
     (["run", "--block-size", "0"], "argument --block-size: must be an integer >= 1, got 0\n"),
+    (["run", "--block-size", str(2**64)],
+     f"argument --block-size: must be an integer >= 1 and <= 2**62, got {2**64}\n"),
     (["bench", "--shard", "3/2"], "argument --shard: must be K/N with 1 <= K <= N, got '3/2'"),
     (["run", "--threads", "100000"], "<= 1024"),
     (["run", "--preset", "gpt-5"], "invalid choice"),
