@@ -61,8 +61,8 @@ def baseline_paths(path: Path, devices: Iterable[str]) -> list[Path]:
 def write_baseline(records: Iterable[ResultRecord], path: Path) -> list[Path]:
     """Write ``records`` (one per point, the one measured last of each) as the new golden:
     to ``path`` when it is a ``.jsonl`` file, to ``path/baseline.jsonl`` when it is a
-    folder of them, else to ``path/<device>/baseline.jsonl`` per device. Each file is replaced atomically
-    (written beside it, then renamed). Returns the files written.
+    folder of them, else to ``path/<device>/baseline.jsonl`` per device. Each file is
+    replaced atomically (written beside it, then renamed). Returns the files written.
 
     Raises
     ------

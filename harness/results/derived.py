@@ -1,8 +1,9 @@
 """Figures derived from a benchmark sweep's results: paging overhead, speedup, scores.
 
 :func:`bench_frame` has one row per bench result (``suite == "bench"``; of each
-:func:`~.record.result_key` the one measured last, :func:`~.record.latest`), in the environment it was measured in (device
-name and library versions, :func:`~.record.environment_key`), with these derived columns:
+:func:`~.record.result_key` the one measured last, :func:`~.record.latest`), in the
+environment it was measured in (device name and library versions,
+:func:`~.record.environment_key`), with these derived columns:
 
 - ``paging_overhead``: ``median / median_contiguous - 1`` against the same
   implementation's run of the same workload and dtype at the smallest block size holding

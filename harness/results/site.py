@@ -41,6 +41,8 @@ from pagedbench.harness.results.site_assets import CSS, JS, one_line
 from pagedbench.harness.results.store import results_of, run_states, write_output
 from pagedbench.harness.verdict.status import Status
 
+#: The stylesheet and script as every page carries them.
+_STYLE, _SCRIPT = one_line(CSS), one_line(JS)
 #: Speed ratio to the row's fastest at which a pass's shade is palest.
 PALEST_RATIO = 10.0
 _DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
@@ -96,7 +98,8 @@ def case_file(record: ResultRecord) -> str:
 
 def environments(lines: list[ResultRecord | RunRecord]) -> list[dict]:
     """Per environment, in order of appearance: ``device``, ``versions``, ``records``
-    (the one measured last of each result key: :func:`~.record.latest`) and ``section`` (:func:`~.report.sections`' entry)."""
+    (the one measured last of each result key: :func:`~.record.latest`) and ``section``
+    (:func:`~.report.sections`' entry)."""
     grouped: dict[tuple[str, str], list[ResultRecord]] = {}
     for record in latest(results_of(lines)).values():
         grouped.setdefault(environment_key(record), []).append(record)
@@ -307,10 +310,10 @@ def _page(title: str, subtitle: str, body: str, home: str | None) -> str:
     nav = f"<a href='{home}'>&larr; all devices</a>" if home else ""
     return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
             f"<meta name='viewport' content='width=device-width,initial-scale=1'>"
-            f"<title>{escape(title)}</title><style>{one_line(CSS)}</style></head><body>"
+            f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body>"
             f"<header class='top'>{nav}<h1>{escape(title)}</h1><span class='sub'>"
             f"{escape(subtitle)}</span></header><main>{body}</main>"
-            f"<script>{one_line(JS)}</script></body></html>\n")
+            f"<script>{_SCRIPT}</script></body></html>\n")
 
 
 def _unfinished(lines: list) -> str:

@@ -461,6 +461,6 @@ def validation_problem(exc: ValidationError) -> str:
 __all__ = ["HARNESS", "HARNESS_STEPS", "IMPL", "JOB_STEPS", "MAX_DEPTH", "MAX_DETAILS_BYTES",
            "MAX_DIMS", "TYPE_NAME_CHARS", "Applied", "Concluded", "Data", "Descriptor", "Done",
            "Entered", "Fatal", "Go", "Loaded", "LoopTick", "Message", "Output", "Party", "Ready",
-           "StepDone", "TimeIt", "Timed", "Waiting", "Watched", "as_json", "decode", "encode", "lse_shape",
-           "output_shape", "parse_message", "party_of", "split_payload", "to_json_data",
-           "validation_problem"]
+           "StepDone", "TimeIt", "Timed", "Waiting", "Watched", "as_json", "decode", "encode",
+           "lse_shape", "output_shape", "parse_message", "party_of", "split_payload",
+           "to_json_data", "validation_problem"]
