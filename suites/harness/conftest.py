@@ -18,6 +18,9 @@ from . import installed
 
 PLUGINS = "pagedbench.suites.harness.plugins"
 BROKEN = "pagedbench.suites.conformance.broken_adapters"
+#: Fewer objects than importing torch alone makes: a process that froze what it imported
+#: (``heavy_imports``) has at least this many frozen; one that froze none, 0.
+TORCH_OBJECTS_AT_LEAST = 10_000
 #: Test-only plug-ins by entry-point name.
 FAULTS = {
     "exits-at-import": f"{PLUGINS}.exits_at_import:Anything",

@@ -7,8 +7,7 @@ import gc
 
 import torch  # noqa: F401  (alive once this module is collected)
 
-#: Fewer objects than importing torch alone makes.
-TORCH_OBJECTS_AT_LEAST = 10_000
+from ..conftest import TORCH_OBJECTS_AT_LEAST
 
 
 def test_this_session_collected_frozen_and_collects_while_it_tests() -> None:

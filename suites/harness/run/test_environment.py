@@ -17,10 +17,7 @@ from pagedbench.harness.run.runner import RunConfig, run_target
 from pagedbench.harness.verdict.status import Status
 from pagedbench.reference import PagedCase
 
-from ..conftest import FAULTS
-
-#: Fewer objects than importing torch alone makes; a process that froze none reports 0.
-TORCH_OBJECTS_AT_LEAST = 10_000
+from ..conftest import FAULTS, TORCH_OBJECTS_AT_LEAST
 
 
 @pytest.fixture
