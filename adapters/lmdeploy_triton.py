@@ -166,7 +166,8 @@ class LmdeployDecode(_LmdeployTritonAdapter):
         Raises
         ------
         ValueError
-            If the case is not a decode case (some ``q_lens`` > 1).
+            If some ``q_lens`` > 1: ``flash_attn_with_kvcache`` with ``max_seqlen_q=1`` takes one query token per sequence
+            (:meth:`decode_case`).
         """
         case = self.decode_case(inputs)
         kernels = self.kernels()

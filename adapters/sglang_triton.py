@@ -239,7 +239,8 @@ class SglangDecode(_SglangTritonAdapter):
         Raises
         ------
         ValueError
-            If the case is not a decode case (some ``q_lens`` > 1).
+            If some ``q_lens`` > 1: ``decode_attention_fwd`` takes one query token per sequence
+            (:meth:`decode_case`).
         """
         case = self.decode_case(inputs)
         kernels = self.kernels()

@@ -39,7 +39,7 @@ import torch
 from .case import PagedCase
 from .dense import (_checked, attention_weights, dequantize, gather_kv, masked_logits,
                     visible_keys)
-from .errors import PagedValueError
+from .errors import PagedTypeError, PagedValueError
 from .inputs import PagedInputs
 
 #: Orders of the float32 sum over the head_dim channels of a logit: ``sequential`` (one
@@ -325,11 +325,19 @@ def logit_rounding(inputs: PagedInputs, truth: torch.Tensor) -> torch.Tensor:
     Raises
     ------
     PagedTypeError, PagedValueError
-        If ``inputs`` is not a consistent :class:`PagedInputs`.
+        If ``inputs`` is not a consistent :class:`PagedInputs`, or ``truth`` is not a
+        float64 tensor of its output's shape.
     """
     inputs = _checked(inputs)
     case = inputs.case
     f64 = torch.float64
+    shape = (case.total_q, case.num_q_heads, case.v_head_dim)
+    if not isinstance(truth, torch.Tensor):
+        raise PagedTypeError("truth", truth, f"a float64 tensor of shape {list(shape)}")
+    if truth.dtype != f64 or tuple(truth.shape) != shape:
+        raise PagedValueError("truth", f"{truth.dtype} {list(truth.shape)}",
+                              f"a float64 tensor of shape {list(shape)} (total_q, "
+                              "num_q_heads, v_head_dim)")
     cu = inputs.cu_seqlens_q.tolist()
     variance = torch.zeros(case.total_q, case.num_q_heads, case.v_head_dim, dtype=f64,
                            device=truth.device)

@@ -244,7 +244,10 @@ def _comparison_fields() -> dict[str, Any]:
     :data:`Figure`), so the record follows the tolerance policy's figures."""
     hints = typing.get_type_hints(tolerance.Comparison)
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(tolerance.Comparison):
+    # the figures over all rows first, then the binding element's (its allowance, its
+    # error over it, where it is)
+    binding = ("allowed_abs_err", "err_over_allowance", "worst_index")
+    for f in sorted(dataclasses.fields(tolerance.Comparison), key=lambda f: f.name in binding):
         if f.name in _NOT_FIGURES:
             continue
         if f.name in _ResultFields.model_fields:

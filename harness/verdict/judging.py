@@ -90,7 +90,7 @@ class Verdict:
         The step a non-pass outcome arose in.
     comparison : tolerance.Comparison or None
         The output's figures, once compared.
-    lse : tolerance.LseComparison or None
+    lse : tolerance.Checked or None
         The log-sum-exp's, for an implementation that returns it.
     tail_poison, logits_precision : str or None
         What the implementation declared (``"nan"``/``"stale"``, ``"float32"``/``"case"``).
@@ -110,7 +110,7 @@ class Verdict:
     reason: str = ""
     step: str | None = None
     comparison: tolerance.Comparison | None = None
-    lse: tolerance.LseComparison | None = None
+    lse: tolerance.Checked | None = None
     tail_poison: str | None = None
     logits_precision: str | None = None
     truth_site: str | None = None
@@ -269,10 +269,10 @@ class CaseJudge:
             raise Refused(str(exc)) from exc
 
     def _compare(self, out: object, lse: object | None, expected: tolerance.Expected,
-                 ) -> tuple[tolerance.Comparison, tolerance.LseComparison | None]:
+                 ) -> tuple[tolerance.Comparison, tolerance.Checked | None]:
         case, ready = self.case, self._ready
 
-        def both() -> tuple[tolerance.Comparison, tolerance.LseComparison | None]:
+        def both() -> tuple[tolerance.Comparison, tolerance.Checked | None]:
             bounds = cu_seqlens_q(case)
             found = tolerance.compare(out, expected, case.dtype, bounds)
             return found, (None if lse is None else tolerance.compare_lse(

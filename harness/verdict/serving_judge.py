@@ -55,7 +55,7 @@ class StepVerdict:
     seqs : tuple
         The batch's sequences, row order.
     comparison : tolerance.Comparison or None
-    lse : tolerance.LseComparison or None
+    lse : tolerance.Checked or None
     """
 
     index: int
@@ -64,7 +64,7 @@ class StepVerdict:
     reason: str = ""
     seqs: tuple[Hashable, ...] = ()
     comparison: tolerance.Comparison | None = None
-    lse: tolerance.LseComparison | None = None
+    lse: tolerance.Checked | None = None
 
     def where(self) -> str:
         """Which loop sequence the worst element of a failed comparison belongs to (the
@@ -237,7 +237,7 @@ class LoopJudge:
         found = [decode(d, c, shape, dtype)
                  for d, c, (shape, dtype) in zip(message.outputs, chunks, shapes)]
 
-        def judged() -> tuple[tolerance.Comparison, tolerance.LseComparison | None]:
+        def judged() -> tuple[tolerance.Comparison, tolerance.Checked | None]:
             key = (self.spec.model_dump_json(), batch.q_seed, batch.q_lens, batch.kv_lens,
                    tuple(tuple(model.requests[seq].keys[:n])
                          for seq, n in zip(batch.seqs, batch.kv_lens)),

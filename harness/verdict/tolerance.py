@@ -124,46 +124,63 @@ def ulp(magnitude: torch.Tensor, dtype: str) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Comparison:
-    """The outcome of comparing one output with the truth.
+class Checked:
+    """What comparing one returned tensor with its truth found: the figures every
+    comparison has.
 
     Attributes
     ----------
     passed : bool
     reason : str
         Empty when passed; otherwise what failed, with the figures.
-    max_abs_err, max_rel_err : float
-        Against the float64 truth over all rows; ``nan`` when the output is not finite or
-        misshaped. Relative error is ``|out - truth| / (|truth| + 1e-6)``.
-    max_err_ulps, mean_err_ulps : float
-        The largest error, and the mean signed error toward larger magnitude, in ulps of
-        the case dtype at ``max(|truth|, rms of the sequence)``.
-    naive_abs_err : float
-        The binding sequence's yardstick (its naive error), ``nan`` if not finite.
-    err_ratio_vs_naive : float
-        The largest per-sequence ``max|out - truth| / yardstick`` (``inf`` when a
-        yardstick is 0 and the error is not).
+    max_abs_err : float
+        The largest ``|returned - truth|`` that is judged; ``nan`` when the tensor is not
+        finite there or misshaped.
     allowed_abs_err : float
-        The allowance of the binding element (the one closest to, or furthest past, its
-        allowance).
+        The allowance of the binding element: the one closest to, or furthest past, its
+        allowance.
     err_over_allowance : float
-        ``|out - truth| / allowance`` of the binding element: <= 1 passes.
-    worst_index : tuple[int, int, int, int] or None
-        The binding element as ``(sequence, query row in the sequence, head, channel)``;
-        for a non-finite output, the first non-finite element.
+        The binding element's error over its allowance: <= 1 passes.
+    worst_index : tuple[int, ...] or None
+        The binding element, from ``(sequence, query row in the sequence, head)`` on; for a
+        non-finite tensor, the first non-finite element.
     """
 
     passed: bool
     reason: str
     max_abs_err: float
+    allowed_abs_err: float
+    err_over_allowance: float
+    worst_index: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class Comparison(Checked):
+    """One output against the float64 truth over all its rows: :class:`Checked`, with
+    ``worst_index`` as ``(sequence, query row, head, channel)``, and
+
+    - ``max_rel_err``: ``|out - truth| / (|truth| + 1e-6)`` at its largest;
+    - ``max_err_ulps``, ``mean_err_ulps``: the largest error, and the mean signed error
+      toward larger magnitude, in ulps of the case dtype at ``max(|truth|, rms of the
+      sequence)``;
+    - ``naive_abs_err``: the binding sequence's yardstick (its naive error), ``nan`` if
+      not finite;
+    - ``err_ratio_vs_naive``: the largest per-sequence ``max|out - truth| / yardstick``
+      (``inf`` when a yardstick is 0 and the error is not).
+
+    Each is a float, ``nan`` when the output is not finite or misshaped.
+    """
+
     max_rel_err: float
     max_err_ulps: float
     mean_err_ulps: float
     naive_abs_err: float
     err_ratio_vs_naive: float
-    allowed_abs_err: float
-    err_over_allowance: float
-    worst_index: tuple[int, ...] | None
+
+
+def _sequence_of(row: int, bounds: list[int]) -> int:
+    """The sequence whose rows ``bounds[s]:bounds[s + 1]`` (``cu_seqlens_q``) hold ``row``."""
+    return max(s for s in range(len(bounds) - 1) if bounds[s] <= row < bounds[s + 1])
 
 
 def compare(
@@ -188,7 +205,9 @@ def compare(
     nan = float("nan")
 
     def fail(reason: str, index: tuple[int, ...] | None = None) -> Comparison:
-        return Comparison(False, reason, nan, nan, nan, nan, nan, nan, nan, nan, index)
+        return Comparison(False, reason, nan, nan, nan, index, max_rel_err=nan,
+                          max_err_ulps=nan, mean_err_ulps=nan, naive_abs_err=nan,
+                          err_ratio_vs_naive=nan)
 
     if not isinstance(out, torch.Tensor):
         return fail(f"output is a {type(out).__name__}, not a tensor")
@@ -197,13 +216,14 @@ def compare(
     if str(out.dtype).removeprefix("torch.") != dtype:
         return fail(f"output dtype {out.dtype} != case dtype {dtype}")
     if truth.numel() == 0:  # no query rows at all: nothing to get wrong
-        return Comparison(True, "", 0.0, 0.0, 0.0, 0.0, nan, 0.0, nan, 0.0, None)
+        return Comparison(True, "", 0.0, nan, 0.0, None, max_rel_err=0.0, max_err_ulps=0.0,
+                          mean_err_ulps=0.0, naive_abs_err=nan, err_ratio_vs_naive=0.0)
     bounds = [0, truth.shape[0]] if cu_seqlens_q is None else [int(b) for b in cu_seqlens_q]
     out64 = out.detach().double().cpu()
     finite = torch.isfinite(out64)
     if not bool(finite.all()):
         row, head, channel = (int(i) for i in (~finite).nonzero()[0])
-        seq = max(s for s in range(len(bounds) - 1) if bounds[s] <= row)
+        seq = _sequence_of(row, bounds)
         index = (seq, row - bounds[seq], head, channel)
         count = int((~finite).sum())
         return fail(f"{count} non-finite output elements (first at sequence {index[0]}, "
@@ -233,7 +253,7 @@ def compare(
     flat = int(over.argmax())
     row, rest = divmod(flat, over.shape[1] * over.shape[2])
     head, channel = divmod(rest, over.shape[2])
-    seq = max(s for s in range(len(bounds) - 1) if bounds[s] <= row < bounds[s + 1])
+    seq = _sequence_of(row, bounds)
     index = (seq, row - bounds[seq], head, channel)
     yard = yards[seq]
     err, allowance, ratio = (float(x.flatten()[flat]) for x in (diff.abs(), allowed, over))
@@ -275,39 +295,15 @@ LSE_ROUNDING_FACTOR = 4.0
 _LOGITS_ROUNDOFF = {"float32": UNIT_ROUNDOFF_FP32, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
-@dataclass(frozen=True)
-class LseComparison:
-    """The log-sum-exp an implementation returned, against the truth.
-
-    Attributes
-    ----------
-    passed : bool
-    reason : str
-        Empty when passed; what failed, with the figures.
-    max_abs_err : float
-        Largest ``|lse - truth|`` over the rows that see a key (``nan`` if misshaped or
-        not finite there).
-    err_over_allowance : float
-        That row's error over its allowance (<= 1 passes).
-    worst_index : tuple[int, int, int] or None
-        ``(sequence, query row in the sequence, head)`` of the binding row.
-    """
-
-    passed: bool
-    reason: str
-    max_abs_err: float
-    err_over_allowance: float
-    worst_index: tuple[int, ...] | None
-
-
 def compare_lse(lse: object, expected: Expected, dtype: str, logits_precision: str,
-                cu_seqlens_q: torch.Tensor) -> LseComparison:
+                cu_seqlens_q: torch.Tensor) -> Checked:
     """Judge a returned log-sum-exp (``Tensor[total_q, num_q_heads]``, float32, natural
     log) against ``expected.lse``: every row that sees a key within ``LSE_ULP_FLOOR``
     float32 ulps of the truth's magnitude (at least 1) plus ``LSE_ROUNDING_FACTOR`` times
     the logits' rounding (``u * expected.lse_scale``, ``u`` of float32, or of the case dtype for
     ``logits_precision="case"``). Rows that see no key are not judged (libraries return
-    ``-inf``, ``+inf`` or 0 there).
+    ``-inf``, ``+inf`` or 0 there). The :class:`Checked`'s ``worst_index`` is
+    ``(sequence, query row, head)``, ``None`` when it passed.
 
     Raises
     ------
@@ -320,24 +316,24 @@ def compare_lse(lse: object, expected: Expected, dtype: str, logits_precision: s
     truth = expected.lse
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(truth.shape):
         shape = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
-        return LseComparison(False, f"log-sum-exp is {shape}, not a tensor of shape "
-                             f"{tuple(truth.shape)}", nan, nan, None)
+        return Checked(False, f"log-sum-exp is {shape}, not a tensor of shape "
+                             f"{tuple(truth.shape)}", nan, nan, nan, None)
     seen = torch.isfinite(truth)
     found = lse.detach().double().cpu()
     bad = seen & ~torch.isfinite(found)
     bounds = [int(b) for b in cu_seqlens_q]
 
     def where(row: int, head: int) -> tuple[int, int, int]:
-        seq = max(s for s in range(len(bounds) - 1) if bounds[s] <= row < bounds[s + 1])
+        seq = _sequence_of(row, bounds)
         return (seq, row - bounds[seq], head)
 
     if bool(bad.any()):
         row, head = (int(i) for i in bad.nonzero()[0])
-        return LseComparison(False, f"{int(bad.sum())} non-finite log-sum-exp values where "
+        return Checked(False, f"{int(bad.sum())} non-finite log-sum-exp values where "
                              f"the row sees a key (first at sequence, row, head "
-                             f"{where(row, head)})", nan, nan, where(row, head))
+                             f"{where(row, head)})", nan, nan, nan, where(row, head))
     if not bool(seen.any()):
-        return LseComparison(True, "", 0.0, 0.0, None)
+        return Checked(True, "", 0.0, 0.0, 0.0, None)
     roundoff = _LOGITS_ROUNDOFF[dtype if logits_precision == "case" else "float32"]
     allowed = (LSE_ULP_FLOOR * ulp(truth.abs().clamp(min=1.0), "float32")
                + LSE_ROUNDING_FACTOR * roundoff * expected.lse_scale)
@@ -351,8 +347,8 @@ def compare_lse(lse: object, expected: Expected, dtype: str, logits_precision: s
         f"log-sum-exp at sequence, row, head {where(row, head)}: {float(found[row, head]):.9g} "
         f"against {float(truth[row, head]):.9g}, error {err:.3g} over its allowance "
         f"{float(allowed[row, head]):.3g} ({ratio:.3g}x)")
-    return LseComparison(passed, reason, float(error.max()), ratio,
-                         where(row, head) if not passed else None)
+    return Checked(passed, reason, float(error.max()), float(allowed[row, head]), ratio,
+                   where(row, head) if not passed else None)
 
 
 def assert_close_report(out: object, expected: Expected, dtype: str, label: str,

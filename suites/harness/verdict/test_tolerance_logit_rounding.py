@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pagedbench.harness.verdict.tolerance import Expected, compare
-from pagedbench.reference import PagedCase, gather_kv, logit_rounding, materialize, \
-    reference_attention
+from pagedbench.reference import PagedCase, PagedInputError, gather_kv, logit_rounding, \
+    materialize, reference_attention
 from pagedbench.reference.dense import visible_keys
 from pagedbench.reference.yardstick import UNIT_ROUNDOFF_FP32, ordered_sum
 
@@ -82,6 +82,18 @@ def test_logit_rounding_is_its_formula(case: PagedCase) -> None:
     assert float(got.max()) > 0
     # v_j - o cancels where o is near v_j: o's last float64 bit, not the formula, there
     torch.testing.assert_close(got, _by_hand(inputs), rtol=1e-7, atol=1e-7 * float(got.max()))
+
+
+def test_logit_rounding_refuses_a_truth_not_of_its_output() -> None:
+    """A truth of another shape or dtype is refused naming ``truth``, never broadcast into
+    a term of the wrong rows."""
+    inputs = materialize(PagedCase(kv_lens=(5, 9), num_q_heads=4, num_kv_heads=2,
+                                   head_dim=64, block_size=4, dtype="float32"))
+    truth = reference_attention(inputs)  # [2, 4, 64], float64
+    for wrong in (truth[:1], truth.float(), truth[:, :, :1], truth.tolist()):
+        with pytest.raises(PagedInputError, match=r"^truth must be a float64 tensor of "
+                                                  r"shape \[2, 4, 64\]"):
+            logit_rounding(inputs, wrong)
 
 
 def test_logit_rounding_vanishes_where_one_key_is_seen() -> None:
