@@ -24,10 +24,10 @@ from pagedbench.adapters import entries
 from pagedbench.reference import PagedValueError
 
 from pagedbench.harness.results import report
+from pagedbench.harness.results.report import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from pagedbench.harness.results.record import ListingRow
 from pagedbench.harness.run import runner
 from pagedbench.harness.run.summary import fitted_table, terminal
-from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 
 
 def cmd_list(args: argparse.Namespace) -> int:

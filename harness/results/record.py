@@ -13,7 +13,7 @@ tuples, paths, enums and dtypes become JSON values; anything else is refused wit
 :class:`~pagedbench.reference.PagedTypeError` naming where it was found, so that a bad
 value costs that implementation one ``error``, never the run. Non-finite figures are
 ``null``. The figures of a comparison are every field of
-:class:`~pagedbench.harness.verdict.tolerance.Comparison` but ``passed`` and ``reason`` (which
+:class:`~pagedbench.harness.verdict.comparison.Comparison` but ``passed`` and ``reason`` (which
 become ``status`` and ``reason``), so the record follows the tolerance policy's fields.
 """
 
@@ -34,9 +34,9 @@ from pydantic import (AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from pagedbench.reference import PagedCase, PagedInputError, PagedTypeError, PagedValueError
 
-from pagedbench.harness.measure.timing import METHODS
+from pagedbench.harness.measure.samples import METHODS
 from pagedbench.harness.verdict.messages import MAX_DETAILS_BYTES, to_json_data
-from pagedbench.harness.verdict import tolerance
+from pagedbench.harness.verdict.comparison import Comparison
 from pagedbench.harness.verdict.status import Status
 
 SCHEMA_VERSION = 8
@@ -240,14 +240,14 @@ _NOT_FIGURES = {"passed", "reason"}
 
 
 def _comparison_fields() -> dict[str, Any]:
-    """One optional record field per field of ``tolerance.Comparison`` (floats as
+    """One optional record field per field of ``Comparison`` (floats as
     :data:`Figure`), so the record follows the tolerance policy's figures."""
-    hints = typing.get_type_hints(tolerance.Comparison)
+    hints = typing.get_type_hints(Comparison)
     out: dict[str, Any] = {}
     # the figures over all rows first, then the binding element's (its allowance, its
     # error over it, where it is)
     binding = ("allowed_abs_err", "err_over_allowance", "worst_index")
-    for f in sorted(dataclasses.fields(tolerance.Comparison), key=lambda f: f.name in binding):
+    for f in sorted(dataclasses.fields(Comparison), key=lambda f: f.name in binding):
         if f.name in _NOT_FIGURES:
             continue
         if f.name in _ResultFields.model_fields:
@@ -267,7 +267,7 @@ COMPARISON_FIELDS = tuple(name for name in ResultRecord.model_fields
                           if name not in _ResultFields.model_fields)
 
 
-def comparison_figures(comparison: tolerance.Comparison | None) -> dict[str, Any]:
+def comparison_figures(comparison: Comparison | None) -> dict[str, Any]:
     """The record fields of ``comparison`` (all ``None`` when there is none)."""
     if comparison is None:
         return dict.fromkeys(COMPARISON_FIELDS)

@@ -31,11 +31,15 @@ from pagedbench.harness.results.derived import bench_frame, fast_p, group_scores
 from pagedbench.harness.results.record import (DevicePeaks, ResultRecord, RunRecord,
                                                environment_key, latest)
 from pagedbench.harness.results.store import results_of, run_states
-from pagedbench.harness.verdict.conformance import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.verdict.fp8_interpreter import FP8_POISON_MARK, poison_reads_finite
 
 STATUS_ORDER = [str(s) for s in Status]
+#: Marks a pass judged with stale (finite) tails instead of NaN (docs/implementations.md).
+STALE_TAIL_MARK = "†"
+#: Marks a pass judged against the yardstick with logits in the case dtype, which the
+#: implementation declares (``Capabilities.logits_precision = "case"``; docs/tolerance.md).
+CASE_LOGITS_MARK = "‡"
 
 
 def escape(text: Any) -> str:

@@ -35,10 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import BaseModel, ValidationError
 
-from pagedbench.adapters.cuda_probe import installed_distribution
 from pagedbench.reference import PagedValueError
 
 from pagedbench.harness.results import floor
@@ -164,6 +162,10 @@ def environment(device: str) -> dict[str, Any]:
     ``dirty`` (from :data:`GIT_SHA_ENV` and :data:`GIT_DIRTY_ENV` when set, else from git),
     ``host`` (:class:`~pagedbench.harness.results.record.Environment`).
     """
+    import torch  # here, not at the top: reading and listing results needs no torch
+
+    from pagedbench.adapters.cuda_probe import installed_distribution  # imports torch
+
     where = torch.device(device)
     env: dict[str, Any] = {"device_type": where.type, "cc": None, "driver": None}
     if where.type == "cuda" and torch.cuda.is_available():

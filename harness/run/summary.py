@@ -34,7 +34,6 @@ from rich.text import Text
 
 from pagedbench.harness.results.derived import RANKED_METHODS
 from pagedbench.harness.results.record import ResultRecord
-from pagedbench.harness.run import replay
 from pagedbench.harness.verdict.status import Status
 
 #: Columns of a summary printed where there is no terminal and no ``$COLUMNS``.
@@ -96,6 +95,8 @@ def replay_command(record: ResultRecord, write_case: bool = True) -> str | None:
         return found.group(1)
     if not write_case:
         return None
+    from pagedbench.harness.run import replay  # imports torch: not for a report of passes
+
     return replay.command(replay.write_case(record.paged_case()), record.impl)
 
 

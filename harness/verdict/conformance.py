@@ -45,11 +45,6 @@ from pagedbench.harness.verdict.messages import (Concluded, Entered, Message, Ou
 from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.verdict.truth import compute_device_truth, compute_truth
 
-#: Marks a pass judged with stale (finite) tails instead of NaN (docs/implementations.md).
-STALE_TAIL_MARK = "†"
-#: Marks a pass judged against the yardstick with logits in the case dtype, which the
-#: implementation declares (``Capabilities.logits_precision = "case"``; docs/tolerance.md).
-CASE_LOGITS_MARK = "‡"
 class Timer(Protocol):
     """Times ``call()`` (one complete call, returning its output); calls ``before(k)``
     untimed before its call ``k`` (0 the first, warm-up included) and ``after(k, out)``
@@ -371,7 +366,7 @@ def assert_conforms(adapter: Adapter, case: PagedCase, device: str, *,
     return verdict
 
 
-__all__ = ["CASE_LOGITS_MARK", "STALE_TAIL_MARK", "Nonconforming", "Timer", "assert_conforms",
+__all__ = ["Nonconforming", "Timer", "assert_conforms",
            "check",
            "implementation_side", "inputs_for", "nan_tail_output_finite", "synchronize",
            "tail_poison", "timed"]

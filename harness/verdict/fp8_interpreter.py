@@ -28,7 +28,6 @@ import sys
 from pathlib import Path
 
 from pagedbench.reference import PagedCase
-from pagedbench.reference.inputs import poison_value
 
 #: Marks a pass of an interpreted kernel on an fp8 case whose NaN or Inf poison the
 #: interpreter's fp8 decode reads as a finite number (module docstring).
@@ -45,6 +44,8 @@ def poison_reads_finite(case: PagedCase, interpreted: bool | None) -> bool:
     Triton's interpreter."""
     if not interpreted or case.kv_cache_dtype == "auto":
         return False
+    from pagedbench.reference.inputs import poison_value  # torch: a report needs it only here
+
     return not math.isfinite(poison_value(case.poison, case.kv_torch_dtype))
 
 

@@ -27,6 +27,7 @@ import torch
 from pagedbench.reference import PagedCase, materialize
 
 from pagedbench.harness.verdict import tolerance
+from pagedbench.harness.verdict.comparison import Checked, Comparison
 from pagedbench.harness.verdict.messages import (Concluded, Go, Message, Output, Ready, TimeIt,
                                                  Timed, Watched, decode, lse_shape,
                                                  output_shape, split_payload)
@@ -88,9 +89,9 @@ class Verdict:
         Why, for anything but ``pass``.
     step : str or None
         The step a non-pass outcome arose in.
-    comparison : tolerance.Comparison or None
+    comparison : Comparison or None
         The output's figures, once compared.
-    lse : tolerance.Checked or None
+    lse : Checked or None
         The log-sum-exp's, for an implementation that returns it.
     tail_poison, logits_precision : str or None
         What the implementation declared (``"nan"``/``"stale"``, ``"float32"``/``"case"``).
@@ -109,8 +110,8 @@ class Verdict:
     status: Status
     reason: str = ""
     step: str | None = None
-    comparison: tolerance.Comparison | None = None
-    lse: tolerance.Checked | None = None
+    comparison: Comparison | None = None
+    lse: Checked | None = None
     tail_poison: str | None = None
     logits_precision: str | None = None
     truth_site: str | None = None
@@ -269,10 +270,10 @@ class CaseJudge:
             raise Refused(str(exc)) from exc
 
     def _compare(self, out: object, lse: object | None, expected: tolerance.Expected,
-                 ) -> tuple[tolerance.Comparison, tolerance.Checked | None]:
+                 ) -> tuple[Comparison, Checked | None]:
         case, ready = self.case, self._ready
 
-        def both() -> tuple[tolerance.Comparison, tolerance.Checked | None]:
+        def both() -> tuple[Comparison, Checked | None]:
             bounds = cu_seqlens_q(case)
             found = tolerance.compare(out, expected, case.dtype, bounds)
             return found, (None if lse is None else tolerance.compare_lse(

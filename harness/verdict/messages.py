@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import sys
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union
 
@@ -320,8 +321,8 @@ def to_json_data(value: object, where: str, depth: int = 0) -> JsonValue:
         For nesting deeper than :data:`MAX_DEPTH`.
     """
     import numpy as np
-    import torch
 
+    torch = sys.modules.get("torch")  # no torch object exists before torch is imported
     if depth > MAX_DEPTH:
         raise PagedValueError(where, type(value).__name__, f"nested at most {MAX_DEPTH} deep")
     if value is None or isinstance(value, (bool, str)):
@@ -330,11 +331,13 @@ def to_json_data(value: object, where: str, depth: int = 0) -> JsonValue:
         return int(value)
     if isinstance(value, float):
         return float(value) if math.isfinite(value) else None
-    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+    if isinstance(value, np.generic) or (
+            torch is not None and isinstance(value, torch.Tensor) and value.dim() == 0):
         return to_json_data(value.item(), where, depth + 1)
     if isinstance(value, enum.Enum):
         return to_json_data(value.value, where, depth + 1)
-    if isinstance(value, (PurePath, torch.dtype, torch.device)):
+    if isinstance(value, PurePath) or (
+            torch is not None and isinstance(value, (torch.dtype, torch.device))):
         return str(value)
     if isinstance(value, dict):
         bad = [k for k in value if not isinstance(k, str)]

@@ -23,6 +23,7 @@ from pagedbench.reference import OutOfBlocksError, PagedInputError
 from pagedbench.reference.serving import Tick, physical_copy
 
 from pagedbench.harness.verdict import tolerance
+from pagedbench.harness.verdict.comparison import Checked, Comparison
 from pagedbench.harness.verdict.judging import cu_seqlens_q, judged_here
 from pagedbench.harness.verdict.messages import (Applied, Concluded, Entered, LoopTick,
                                                  StepDone, Waiting, decode, lse_shape,
@@ -54,8 +55,8 @@ class StepVerdict:
     reason : str
     seqs : tuple
         The batch's sequences, row order.
-    comparison : tolerance.Comparison or None
-    lse : tolerance.Checked or None
+    comparison : Comparison or None
+    lse : Checked or None
     """
 
     index: int
@@ -63,8 +64,8 @@ class StepVerdict:
     status: Status
     reason: str = ""
     seqs: tuple[Hashable, ...] = ()
-    comparison: tolerance.Comparison | None = None
-    lse: tolerance.Checked | None = None
+    comparison: Comparison | None = None
+    lse: Checked | None = None
 
     def where(self) -> str:
         """Which loop sequence the worst element of a failed comparison belongs to (the
@@ -237,7 +238,7 @@ class LoopJudge:
         found = [decode(d, c, shape, dtype)
                  for d, c, (shape, dtype) in zip(message.outputs, chunks, shapes)]
 
-        def judged() -> tuple[tolerance.Comparison, tolerance.Checked | None]:
+        def judged() -> tuple[Comparison, Checked | None]:
             key = (self.spec.model_dump_json(), batch.q_seed, batch.q_lens, batch.kv_lens,
                    tuple(tuple(model.requests[seq].keys[:n])
                          for seq, n in zip(batch.seqs, batch.kv_lens)),

@@ -18,6 +18,8 @@ from pagedbench.harness import cli
 HEAVY = ("torch", "numpy", "pandas", "pydantic", "triton", "pagedbench.reference")
 #: What a command's parser must not import: only its body needs them.
 BODY_ONLY = ("torch", "pandas", "triton", "matplotlib")
+#: A stored run's results, as a user's report reads them.
+LEADERBOARD = Path(__file__).resolve().parents[3] / "results" / "leaderboard-cpu"
 
 
 def _imported(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
@@ -61,12 +63,19 @@ def test_a_usage_error_imports_no_torch(argv) -> None:
     assert _body_only(modules) == []
 
 
-def test_a_command_imports_what_it_needs() -> None:
-    """The counter-check: ``schema`` runs, and what its module needs was imported (the
-    modules ``importlib.import_module`` loads itself are not in ``-X importtime``'s log)."""
-    proc, modules = _imported("schema")
+@pytest.mark.parametrize("argv", [
+    ["schema"],
+    ["report", str(LEADERBOARD), "--format", "csv", "--output", "{tmp}/board.csv"],
+], ids=lambda argv: argv[0])
+def test_a_command_that_reads_results_imports_what_it_needs_and_no_torch(argv,
+                                                                          tmp_path) -> None:
+    """``schema`` and a ``report`` of the committed CPU leaderboard run without torch; the
+    counter-check: what their modules need was imported (the modules
+    ``importlib.import_module`` loads itself are not in ``-X importtime``'s log)."""
+    proc, modules = _imported(*(a.format(tmp=tmp_path) for a in argv))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert {"pydantic", "torch", "pagedbench.harness.results.store"} <= modules
+    assert {"pydantic", "pandas", "pagedbench.harness.results.store"} <= modules
+    assert "torch" not in modules
 
 
 def test_the_help_lists_every_command_and_each_command_answers_help(capsys) -> None:
