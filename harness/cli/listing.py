@@ -26,7 +26,7 @@ from pagedbench.reference import PagedValueError
 from pagedbench.harness.results import report
 from pagedbench.harness.results.report import CASE_LOGITS_MARK, STALE_TAIL_MARK
 from pagedbench.harness.results.record import ListingRow
-from pagedbench.harness.run import runner
+from pagedbench.harness.run import list_job
 from pagedbench.harness.run.summary import fitted_table, terminal
 
 
@@ -42,7 +42,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         found = [e for e in found if e.name in args.names]
     # Any device, even one this machine lacks: what each implementation declares for it
     # is worth seeing, and its availability there says why it cannot run here.
-    rows = runner.list_adapters(found, args.device, args.cache_dir, args.timeout)
+    rows = list_job.list_adapters(found, args.device, args.cache_dir, args.timeout)
     if args.json:
         print(json.dumps([row.model_dump(mode="json") for row in rows], indent=2))
     elif args.wide:

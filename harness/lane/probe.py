@@ -128,7 +128,7 @@ def write_listing(device: str, impls: tuple[str, ...], path: Path) -> int:
     """
     from pagedbench.adapters import entries
 
-    from pagedbench.harness.run.runner import list_adapters
+    from pagedbench.harness.run.list_job import list_adapters
 
     found = entries()
     unknown = sorted(set(impls) - {e.name for e in found})

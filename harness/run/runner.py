@@ -43,7 +43,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pagedbench.adapters import Entry
 from pagedbench.reference import PagedCase, PagedValueError
 
 from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Environment,
@@ -52,7 +51,7 @@ from pagedbench.harness.results.record import (SCHEMA_VERSION, DevicePeaks, Envi
 from pagedbench.harness.results.store import ResultsFile, environment, results_of
 from pagedbench.harness.results.outcome import result_record
 from pagedbench.harness.run import replay
-from pagedbench.harness.run.config import LIST_TIMEOUT_S, RunConfig
+from pagedbench.harness.run.config import RunConfig
 from pagedbench.harness.run.environment import worker_environment
 from pagedbench.harness.run.processes import tree_cpu_seconds
 from pagedbench.harness.run.protocol import Answer, Fault, Supervisor
@@ -459,41 +458,5 @@ def _spread(units: list[tuple[PlannedImpl, list[PagedCase]]], slots: list[Device
     spread(parts, slots, work)
 
 
-def list_adapters(found: list[Entry], device: str, cache_dir: Path,
-                  timeout_s: float = LIST_TIMEOUT_S) -> list[ListingRow]:
-    """What each implementation says about itself on ``device`` (``pagedbench list``),
-    asked in a worker: a plug-in that crashes or hangs at import gets a ``crash`` or
-    ``timeout`` row and the others are still listed."""
-    env = worker_environment(device, cache_dir)
-    job = {"kind": "list", "device": device, "entries": [(e.name, e.target) for e in found]}
-    rows: list[ListingRow] = []
-
-    def on_message(message: Message) -> Answer:
-        entry = found[len(rows)]
-        try:
-            if not isinstance(message, Data):
-                raise judging.Refused(f"a {message.kind!r} message in a list job")
-            rows.append(ListingRow.model_validate(message.data))
-        except (ValidationError, judging.Refused) as exc:
-            rows.append(ListingRow.error(entry.name, entry.target, "error",
-                                         f"the worker sent an invalid listing ({exc})"))
-        return Answer(item_done=True)
-
-    while len(rows) < len(found):
-        supervisor = Supervisor(job | {"start": len(rows)}, env, {IMPL: timeout_s},
-                                JOB_STEPS["list"])
-        fault = supervisor.run(on_message)
-        if fault is None:
-            break
-        index = len(rows) if fault.item is None else fault.item
-        if index < len(found):
-            entry = found[index]
-            what = fault.detail if fault.kind == "timeout" else f"worker {fault.detail}"
-            status = {"timeout": "timeout", "crash": "crash"}.get(fault.kind, "error")
-            rows.append(ListingRow.error(entry.name, entry.target, status,
-                                         f"{fault.step}: {what}"))
-    return rows
-
-
-__all__ = ["Interrupted", "RunConfig", "device_peaks", "judges_running",
-           "list_adapters", "make_plan", "missing", "run", "run_target"]
+__all__ = ["Interrupted", "RunConfig", "device_peaks", "judges_running", "make_plan", "missing",
+           "run", "run_target"]

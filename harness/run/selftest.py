@@ -45,7 +45,7 @@ from pagedbench.reference import PagedCase, PagedValueError
 
 from pagedbench.harness.results.record import Environment, ResultRecord
 from pagedbench.harness.results.store import environment
-from pagedbench.harness.run import replay, runner
+from pagedbench.harness.run import list_job, replay, runner
 from pagedbench.harness.run.config import CHECKOUT, DEFAULT_CATALOGUE
 
 CONFORMANCE_SUITE = CHECKOUT / "suites" / "conformance"
@@ -257,7 +257,7 @@ def run(site: Path, output_dir: Path, cache_dir: Path, profile: str = "ci",
     env = dict(os.environ)
     env[replay.REPLAY_DIR_VARIABLE] = str((output_dir / "replay").resolve())
     env[FAULT_LOG] = str(log.resolve())
-    listing = {row.name: row for row in runner.list_adapters(found, "cpu", cache_dir)}
+    listing = {row.name: row for row in list_job.list_adapters(found, "cpu", cache_dir)}
     targets = {e.name: e.target for e in found}
     names = sorted(targets, key=lambda n: (n != CONTROL, n))
     tests = _suite(_pytest_command(names, profile, junit, first_catch, search_seconds),

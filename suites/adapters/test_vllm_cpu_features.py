@@ -27,7 +27,7 @@ from hypothesis import assume, example, given, note
 from pagedbench.adapters import entries
 from pagedbench.adapters.vllm_cpu import library_for_cpu, loaded_library
 from pagedbench.harness.cli.listing import capability_matrix
-from pagedbench.harness.run import runner
+from pagedbench.harness.run import list_job
 from pagedbench.reference import PagedCase, materialize
 from pagedbench.suites.adapters.vllm_cpu_cases import (
     ADAPTER,
@@ -148,7 +148,7 @@ def test_list_names_the_build_and_the_paths_this_host_cannot_take(tmp_path) -> N
     """``pagedbench list`` shows the library build, the ISA paths and the ones this host
     lacks, asked in a worker as the command does."""
     entry = next(e for e in entries() if e.name == ADAPTER.name)
-    [row] = runner.list_adapters([entry], "cpu", tmp_path)
+    [row] = list_job.list_adapters([entry], "cpu", tmp_path)
     line = next(line for line in capability_matrix([row]).splitlines()
                 if line.startswith(f"| {ADAPTER.name} "))
     details = ADAPTER.available("cpu").details

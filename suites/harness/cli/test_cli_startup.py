@@ -66,10 +66,12 @@ def test_a_usage_error_imports_no_torch(argv) -> None:
 @pytest.mark.parametrize("argv", [
     ["schema"],
     ["report", str(LEADERBOARD), "--format", "csv", "--output", "{tmp}/board.csv"],
+    ["list", "torch-gather"],
 ], ids=lambda argv: argv[0])
-def test_a_command_that_reads_results_imports_what_it_needs_and_no_torch(argv,
-                                                                          tmp_path) -> None:
-    """``schema`` and a ``report`` of the committed CPU leaderboard run without torch; the
+def test_a_command_that_only_reads_imports_what_it_needs_and_no_torch(argv,
+                                                                       tmp_path) -> None:
+    """``schema``, a ``report`` of the committed CPU leaderboard and ``list`` (whose worker
+    imports the implementations) run without torch in the command's process; the
     counter-check: what their modules need was imported (the modules
     ``importlib.import_module`` loads itself are not in ``-X importtime``'s log)."""
     proc, modules = _imported(*(a.format(tmp=tmp_path) for a in argv))

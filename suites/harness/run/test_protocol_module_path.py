@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedbench.adapters import entries
-from pagedbench.harness.run import runner
+from pagedbench.harness.run import list_job
 
 PLANTED = """\
 from pathlib import Path
@@ -25,6 +25,6 @@ def test_a_module_in_the_current_folder_never_runs_in_a_worker(tmp_path, monkeyp
     (cwd / f"{module}.py").write_text(PLANTED)
     monkeypatch.chdir(cwd)
     found = [e for e in entries() if e.name == "torch-gather"]
-    (row,) = runner.list_adapters(found, "cpu", tmp_path / "cache", timeout_s=60)
+    (row,) = list_job.list_adapters(found, "cpu", tmp_path / "cache", timeout_s=60)
     assert not (cwd / "planted-module-ran").exists()
     assert (row.name, row.status) == ("torch-gather", "available"), row.reason
