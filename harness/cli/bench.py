@@ -97,7 +97,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for note in left_out:
             print(f"left out: {note}")
     if not cases:  # a dry run too (after its list): it answers what the run would
-        given = [f"--grid {sweep.grid}", *(f"--preset {p}" for p in sweep.presets),
+        # what the user typed as the option, what the sweep took by default without dashes
+        presets = ([f"--preset {p}" for p in sweep.presets] if args.presets else
+                   [f"presets {', '.join(sweep.presets)}"] if sweep.presets else [])
+        given = [f"--grid {sweep.grid}" if args.grid else f"grid {sweep.grid}", *presets,
                  *(f"--workload '{p}'" for p in sweep.workload_patterns),
                  *([f"{len(left_out)} left out, the first {left_out[0]}"] if left_out else [])]
         raise PagedValueError("bench options", "no point", "options that keep at least one "

@@ -97,8 +97,11 @@ def test_bench_refuses_a_giant_batch_with_exit_2(argv, option, capsys) -> None:
       "--workload", "decode-gqa4*"],
      "--workload 'decode-gqa4*'; 4 left out, the first decode-gqa4-4q1s1000000-", 4),
     (["--preset", "llama3.1-70b-tp8", "--workload", "zzz*"],
-     "(--grid none; --preset llama3.1-70b-tp8; --workload 'zzz*')", 0),
-], ids=["no-grid-no-preset", "all-above-max-flops", "no-workload-matches"])
+     "(grid none; --preset llama3.1-70b-tp8; --workload 'zzz*')", 0),
+    # what the user did not type is named without dashes: the sweep's defaults
+    (["--workload", "zzz*"], "(grid axes; presets llama3.1-70b-tp8; --workload 'zzz*')", 0),
+], ids=["no-grid-no-preset", "all-above-max-flops", "no-workload-matches",
+        "defaults-named-as-such"])
 def test_bench_with_no_point_exits_2_dry_run_or_not(argv, named, listed, dry_run, capsys,
                                                     tmp_path) -> None:
     """A selection that keeps no point is refused before anything runs; a dry run
