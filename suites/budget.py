@@ -21,7 +21,8 @@ make every refill short; and a run slower than the one before it, the other work
 ``pytest -n 2`` taking the core, overruns by a part of a part), with a seed of its own
 under a derandomized profile (so no run repeats another's examples), until the time, the
 most examples of :data:`EXAMPLES` or the space of cases runs out. Every implementation gets at least the fewest examples of
-:data:`EXAMPLES`. Examples differ in cost (a batch of hundreds of sequences beside ones of
+:data:`EXAMPLES` (in proportion, where ``--pagedbench-search-seconds`` gives fewer seconds
+than the profile's). Examples differ in cost (a batch of hundreds of sequences beside ones of
 a few), so a run sized by a cheaper run before it could overrun: once the seconds are
 spent (and the fewest examples checked), the run ends before its next example is
 checked, and the search within one example of its seconds. A fast plug-in the table has never seen gets hundreds of examples in
@@ -43,7 +44,8 @@ from hypothesis.errors import StopTest, UnsatisfiedAssumption
 
 #: Seconds of search per implementation, per profile with a time budget.
 SECONDS = {"ci": 30.0, "nightly": 600.0}
-#: Fewest and most examples per implementation, per profile.
+#: Fewest and most examples per implementation, per profile (the fewest for its
+#: :data:`SECONDS`, in proportion for fewer).
 EXAMPLES = {"ci": (8, 500), "nightly": (100, 20_000)}
 #: Seconds per example guessed for an implementation the table does not list: about what
 #: an interpreted kernel costs, so the first run of an unmeasured plug-in is the floor.
@@ -218,11 +220,16 @@ def timed_search(impl: str, seconds_override: float | None = None,
                  table: Mapping[str, float] | None = None) -> TimedSearch:
     """The :class:`TimedSearch` of ``impl`` in the profile in force: its seconds
     (:func:`search_seconds`), the table's guess for it (``table``, default the measured
-    one) and the profile's bounds."""
+    one) and the profile's bounds, the fewest in proportion to the seconds where the
+    override gives fewer than the profile's (``make test``'s 5 of ``ci``'s 30: 2 of 8, so
+    that an interpreted kernel at 2 s an example does not take three times its seconds)."""
     seconds = search_seconds(seconds_override)
     guess = (seconds_per_example() if table is None else table).get(impl, UNMEASURED_SECONDS)
-    bounds = EXAMPLES.get(profile(), (1, max(1, settings().max_examples)))
-    return TimedSearch(seconds=seconds, guess_s=guess, bounds=bounds)
+    low, high = EXAMPLES.get(profile(), (1, max(1, settings().max_examples)))
+    own = SECONDS.get(profile())
+    if seconds is not None and own is not None and seconds < own:
+        low = max(1, math.ceil(low * seconds / own))
+    return TimedSearch(seconds=seconds, guess_s=guess, bounds=(low, high))
 
 
 __all__ = ["EXAMPLES", "FIRST_MAX_FACTOR", "FIRST_SHARE", "MAX_RUNS", "REFILL_SHARE", "SECONDS",

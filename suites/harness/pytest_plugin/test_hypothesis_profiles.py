@@ -195,6 +195,16 @@ def test_a_profile_without_seconds_gets_one_run_of_its_own_max_examples(monkeypa
     assert budget.timed_search("fast", table={"fast": 0.1}).first_count() == 200
 
 
+def test_fewer_seconds_than_the_profiles_get_proportionally_fewer_fewest_examples(monkeypatch):
+    """``ci``'s floor of 8 examples is for its 30 s: 5 s (``make test``) get 2, more than
+    30 s keep 8; the most stays the profile's."""
+    monkeypatch.setattr(budget, "profile", lambda: "ci")
+    low, high = budget.EXAMPLES["ci"]
+    assert budget.SECONDS["ci"] == 30.0 and low == 8
+    for seconds, fewest in ((5.0, 2), (8.0, 3), (0.1, 1), (30.0, 8), (None, 8), (600.0, 8)):
+        assert budget.timed_search("x", seconds).bounds == (fewest, high), seconds
+
+
 def test_every_implementation_is_in_the_table():
     """The table of seconds per example names every registered implementation, measured
     or unavailable where it was measured, so none falls back to the unmeasured floor
