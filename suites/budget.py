@@ -225,15 +225,24 @@ def timed_search(impl: str, seconds_override: float | None = None,
     that an interpreted kernel at 2 s an example does not take three times its seconds)."""
     seconds = search_seconds(seconds_override)
     guess = (seconds_per_example() if table is None else table).get(impl, UNMEASURED_SECONDS)
-    low, high = EXAMPLES.get(profile(), (1, max(1, settings().max_examples)))
-    own = SECONDS.get(profile())
+    high = EXAMPLES.get(profile(), (1, max(1, settings().max_examples)))[1]
+    return TimedSearch(seconds=seconds, guess_s=guess,
+                       bounds=(fewest_examples(profile(), seconds), high))
+
+
+def fewest_examples(name: str, seconds: float | None) -> int:
+    """The fewest examples of a search of ``seconds`` in profile ``name``: the profile's
+    (:data:`EXAMPLES`, 1 for a profile it does not name), in proportion where ``seconds``
+    are fewer than the profile's (:data:`SECONDS`), at least 1."""
+    low = EXAMPLES.get(name, (1, 0))[0]
+    own = SECONDS.get(name)
     if seconds is not None and own is not None and seconds < own:
-        low = max(1, math.ceil(low * seconds / own))
-    return TimedSearch(seconds=seconds, guess_s=guess, bounds=(low, high))
+        return max(1, math.ceil(low * seconds / own))
+    return low
 
 
 __all__ = ["EXAMPLES", "FIRST_MAX_FACTOR", "FIRST_SHARE", "MAX_RUNS", "REFILL_SHARE", "SECONDS",
            "SecondsSpent",
            "TABLE", "UNMEASURED_SECONDS",
-           "TimedSearch", "by_profile", "profile", "search_seconds", "seconds_per_example",
-           "timed_search"]
+           "TimedSearch", "by_profile", "fewest_examples", "profile", "search_seconds",
+           "seconds_per_example", "timed_search"]

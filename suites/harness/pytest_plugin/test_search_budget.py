@@ -47,7 +47,7 @@ def _searches(tmp_path: Path) -> tuple[dict[str, dict[str, float]], str]:
 
 def test_a_fast_plugin_fills_the_seconds_and_a_slow_one_stays_within_them(tmp_path):
     found, out = _searches(tmp_path)
-    low, high = budget.EXAMPLES["ci"]
+    low, high = budget.fewest_examples("ci", SECONDS), budget.EXAMPLES["ci"][1]
     fast, slow = found[FAST], found[SLOW]
     # The fast one: more examples in 8 s than the table's guess gave it in 30.
     assert fast["examples"] > GUESSED_CI_EXAMPLES, found
