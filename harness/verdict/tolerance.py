@@ -280,7 +280,7 @@ def compare_lse(lse: object, expected: Expected, dtype: str, logits_precision: s
                              f"the row sees a key (first at sequence, row, head "
                              f"{where(row, head)})", nan, nan, nan, where(row, head))
     if not bool(seen.any()):
-        return Checked(True, "", 0.0, 0.0, 0.0, None)
+        return Checked(True, "", 0.0, nan, 0.0, None)  # no row binds
     roundoff = _LOGITS_ROUNDOFF[dtype if logits_precision == "case" else "float32"]
     allowed = (LSE_ULP_FLOOR * ulp(truth.abs().clamp(min=1.0), "float32")
                + LSE_ROUNDING_FACTOR * roundoff * expected.lse_scale)
