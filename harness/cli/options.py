@@ -180,18 +180,21 @@ def writable_folder(path: Path, option: str) -> None:
                               f"({exc.strerror or exc})") from None
 
 
-def existing_file(path: Path | None, option: str) -> None:
-    """Check that ``path`` (an input file; None: not given) exists, before the command
-    starts (the command line itself parses without looking at the disk).
+def existing_file(path: Path | None, option: str, folder_too: bool = False,
+                  hint: str = "") -> None:
+    """Check that ``path`` (an input file, or with ``folder_too`` a file or a folder of
+    them; None: not given) exists, before the command starts (the command line itself
+    parses without looking at the disk); ``hint`` ends the message.
 
     Raises
     ------
     PagedValueError
         Naming ``option`` and ``path``.
     """
-    if path is not None and not path.is_file():
-        raise PagedValueError(option, str(path), "an existing file",
-                              f"{option} {path}: no such file")
+    what = "file or folder" if folder_too else "file"
+    if path is not None and not (path.exists() if folder_too else path.is_file()):
+        raise PagedValueError(option, str(path), f"an existing {what}",
+                              f"{option} {path}: no such {what}{hint}")
 
 
 def writable_file(path: Path, option: str) -> None:

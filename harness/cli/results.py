@@ -18,7 +18,7 @@ from rich.text import Text
 from pagedbench.reference import PagedValueError
 
 from pagedbench.harness.cases.workloads import DEFAULT_BASELINE
-from pagedbench.harness.cli.options import writable_file, writable_folder
+from pagedbench.harness.cli.options import existing_file, writable_file, writable_folder
 from pagedbench.harness.gate import baselines, compare as gate
 from pagedbench.harness.measure.speed import Outcome, Thresholds
 from pagedbench.harness.results import plots, report, shard, site
@@ -132,13 +132,10 @@ def _colour(outcome: Outcome) -> str:
 def cmd_gate(args: argparse.Namespace) -> int:
     thresholds = Thresholds(alpha=args.alpha, min_effect=args.min_effect,
                             min_samples=args.min_samples, probe=not args.raw)
-    if not args.current.exists():
-        raise PagedValueError("--current", str(args.current), "an existing file or folder",
-                              f"--current {args.current}: no such file or folder")
-    if not args.baseline.exists() and not args.update_baseline:
-        raise PagedValueError("--baseline", str(args.baseline), "an existing file or folder",
-                              f"--baseline {args.baseline}: no such file or folder (create "
-                              "the golden with --update-baseline)")
+    existing_file(args.current, "--current", folder_too=True)
+    if not args.update_baseline:
+        existing_file(args.baseline, "--baseline", folder_too=True,
+                      hint=" (create the golden with --update-baseline)")
     current = results_of(shard.merged_lines([args.current]))
     sources = baselines.baseline_paths(args.baseline, {r.env.device for r in current})
     result = gate.compare(results_of(shard.merged_lines(sources)), current, thresholds,

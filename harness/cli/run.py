@@ -195,10 +195,7 @@ def shard_of(args: argparse.Namespace, plan: Plan, results: ResultsFile, run_id:
     seconds = None
     if args.balance_from is not None:
         check_balance_from(args)
-        if not args.balance_from.exists():
-            raise PagedValueError("--balance-from", str(args.balance_from),
-                                  "an existing file or folder",
-                                  f"--balance-from {args.balance_from}: no such file or folder")
+        existing_file(args.balance_from, "--balance-from", folder_too=True)
         seconds = shard.measured_seconds([args.balance_from])
     if getattr(args, "resume", None):  # run --resume (bench has none)
         return None, shard.recorded_pairs(plan, results.lines(), run_id, seconds)

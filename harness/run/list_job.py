@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from pagedbench.adapters import Entry
 
 from pagedbench.harness.results.record import ListingRow
@@ -28,17 +26,14 @@ def list_adapters(found: list[Entry], device: str, cache_dir: Path,
     rows: list[ListingRow] = []
 
     def on_message(message: Message) -> Answer:
-        entry = found[len(rows)]
-        problem = (f"a {message.kind!r} message in a list job" if not isinstance(message, Data)
-                   else None)
-        if problem is None:
-            try:
-                rows.append(ListingRow.model_validate(message.data))
-            except ValidationError as exc:
-                problem = str(exc)
-        if problem is not None:
+        try:
+            if not isinstance(message, Data):
+                raise ValueError(f"a {message.kind!r} message in a list job")
+            rows.append(ListingRow.model_validate(message.data))
+        except ValueError as exc:  # pydantic's ValidationError is one
+            entry = found[len(rows)]
             rows.append(ListingRow.error(entry.name, entry.target, "error",
-                                         f"the worker sent an invalid listing ({problem})"))
+                                         f"the worker sent an invalid listing ({exc})"))
         return Answer(item_done=True)
 
     while len(rows) < len(found):

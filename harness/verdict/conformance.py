@@ -45,6 +45,7 @@ from pagedbench.harness.verdict.messages import (Concluded, Entered, Message, Ou
 from pagedbench.harness.verdict.status import Status
 from pagedbench.harness.verdict.truth import compute_device_truth, compute_truth
 
+
 class Timer(Protocol):
     """Times ``call()`` (one complete call, returning its output); calls ``before(k)``
     untimed before its call ``k`` (0 the first, warm-up included) and ``after(k, out)``

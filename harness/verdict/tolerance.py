@@ -264,7 +264,7 @@ def compare_lse(lse: object, expected: Expected, dtype: str, logits_precision: s
     if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != tuple(truth.shape):
         shape = tuple(lse.shape) if isinstance(lse, torch.Tensor) else type(lse).__name__
         return Checked(False, f"log-sum-exp is {shape}, not a tensor of shape "
-                             f"{tuple(truth.shape)}", nan, nan, nan, None)
+                       f"{tuple(truth.shape)}", nan, nan, nan, None)
     seen = torch.isfinite(truth)
     found = lse.detach().double().cpu()
     bad = seen & ~torch.isfinite(found)
@@ -277,8 +277,8 @@ def compare_lse(lse: object, expected: Expected, dtype: str, logits_precision: s
     if bool(bad.any()):
         row, head = (int(i) for i in bad.nonzero()[0])
         return Checked(False, f"{int(bad.sum())} non-finite log-sum-exp values where "
-                             f"the row sees a key (first at sequence, row, head "
-                             f"{where(row, head)})", nan, nan, nan, where(row, head))
+                       f"the row sees a key (first at sequence, row, head "
+                       f"{where(row, head)})", nan, nan, nan, where(row, head))
     if not bool(seen.any()):
         return Checked(True, "", 0.0, nan, 0.0, None)  # no row binds
     roundoff = _LOGITS_ROUNDOFF[dtype if logits_precision == "case" else "float32"]
